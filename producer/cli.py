@@ -1,0 +1,215 @@
+"""`cchatq`: submit batches, inspect sessions, run workers and the demo. Parses and delegates."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+import fixtures
+from producer.client import Client, Submission
+from producer.fleet import Fleet, worker_command
+from producer.report import Progress, summary
+from producer.specfile import SpecFileError, load_spec_file
+from schemas.bodies import dump_text
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+DEMO_FILE = Path(fixtures.__file__).parent / "demo" / "sessions.jsonl"
+
+
+def _redis_url() -> str:
+    return os.environ.get("REDIS_URL", DEFAULT_REDIS_URL)
+
+
+def result_line(record: dict[str, Any]) -> dict[str, Any]:
+    body = record.get("body") or {}
+    return {
+        "id": record["id"],
+        "status": record["status"],
+        "response": body,
+        "transcript": record.get("transcript", []),
+        "metrics": record.get("metrics", {}),
+        "error": body.get("error"),
+    }
+
+
+def run_batch(
+    client: Client, specs: list[dict[str, Any]], out: Path, timeout_s: float | None, stream: TextIO = sys.stderr
+) -> list[dict[str, Any]]:
+    """Submit, show progress, write one JSON line per session (input order), print the summary."""
+    started = time.monotonic()
+    sub: Submission = client.submit(specs)
+    reused = len(sub.order) - len(sub.new)
+    stream.write(f"batch {sub.batch}: {len(sub.new)} sessions enqueued" + (f", {reused} already submitted" if reused else "") + "\n")
+    progress = Progress(len(sub.order), stream)
+    records: dict[str, dict[str, Any]] = {}
+    for sk, record in client.wait(sub, timeout_s=timeout_s):
+        records[sk] = record
+        progress.update(record)
+    progress.draw(final=True)
+    ordered = [records[sk] for sk in sub.order]
+    with out.open("w") as fh:
+        for record in ordered:
+            fh.write(dump_text(result_line(record)) + "\n")
+    stream.write(f"results: {out}\n{summary(ordered, time.monotonic() - started)}\n")
+    return ordered
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    try:
+        loaded = load_spec_file(args.file)
+    except SpecFileError as exc:
+        print(f"rejected, nothing enqueued:\n{exc}", file=sys.stderr)
+        return 2
+    client = Client(_redis_url())
+    try:
+        if args.no_wait:
+            sub = client.submit([s.spec for s in loaded])
+            print(f"batch {sub.batch}: {len(sub.new)} sessions enqueued")
+            return 0
+        run_batch(client, [s.spec for s in loaded], Path(args.out), args.timeout_s)
+    except TimeoutError as exc:
+        print(f"timed out: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    client = Client(_redis_url())
+    if args.id is None:
+        queues = {q: client.redis.llen(q) for q in ("llm", "tools", "control", "programs")}
+        dead = client.redis.xlen("cq:deadletter") if client.redis.exists("cq:deadletter") else 0
+        print(json.dumps({"queued_tasks": queues, "dead_letters": dead}, indent=2))
+        return 0
+    status = client.status(args.id)
+    if status is None:
+        print(f"unknown session id: {args.id}", file=sys.stderr)
+        return 1
+    print(json.dumps(status, indent=2, sort_keys=True))
+    return 0
+
+
+def cmd_result(args: argparse.Namespace) -> int:
+    client = Client(_redis_url())
+    record = client.record(args.id)
+    if record is None:
+        known = client.status(args.id) is not None
+        print(f"{'not finished yet' if known else 'unknown session id'}: {args.id}", file=sys.stderr)
+        return 1
+    print(dump_text(result_line(record) if args.full else record["body"]))
+    return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    if not Client(_redis_url()).cancel(args.id):
+        print(f"unknown session id: {args.id}", file=sys.stderr)
+        return 1
+    print(f"cancel requested: {args.id}")
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    cmd = worker_command(args.queues, args.pool, args.concurrency, args.name)
+    os.execv(cmd[0], cmd)
+
+
+def cmd_flower(args: argparse.Namespace) -> int:
+    cmd = [sys.executable, "-m", "celery", "-A", "worker.tasks", "flower", f"--port={args.port}", f"--address={args.address}"]
+    os.execv(cmd[0], cmd)
+
+
+def cmd_replay_server(args: argparse.Namespace) -> int:
+    cmd = [sys.executable, "-m", "fixtures.replay", "--host", args.host, "--port", str(args.port),
+           "--latency-ms", str(args.latency_ms)]  # fmt: skip
+    os.execv(cmd[0], cmd)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from fixtures.demo_batch import check
+
+    loaded = load_spec_file(DEMO_FILE)
+    run = uuid.uuid4().hex[:8]  # fresh ids, so a shared Redis never answers from an earlier run
+    specs = [{**s.spec, "id": f"{run}:{s.spec['id']}"} for s in loaded]
+    with Fleet() as fleet:
+        redis_url = fleet.ensure_redis(os.environ.get("REDIS_URL"))
+        replay_url = fleet.start_replay()
+        fleet.start_workers()
+        print(f"redis {redis_url}  replay {replay_url}  workers llm/tools/control  logs {fleet.workdir}", file=sys.stderr)
+        client = Client(redis_url)
+        try:
+            records = run_batch(client, specs, Path(args.out), args.timeout_s)
+        finally:
+            client.close()
+    problems = [(r["id"], p) for r in records for p in check({**r, "id": r["id"].split(":", 1)[1]})]
+    for spec_id, problem in problems[:20]:
+        print(f"  MISMATCH {spec_id}: {problem}", file=sys.stderr)
+    print(f"checked {len(records)} sessions against their expected outcomes: "
+          + ("all match" if not problems else f"{len(problems)} mismatches"), file=sys.stderr)  # fmt: skip
+    return 1 if problems else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cchatq", description="Batch LLM chat sessions with WASM tools.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("submit", help="validate a JSONL/JSON spec file, enqueue it, wait, write results")
+    p.add_argument("file")
+    p.add_argument("--out", default="results.jsonl")
+    p.add_argument("--timeout-s", type=float, default=None)
+    p.add_argument("--no-wait", action="store_true")
+    p.set_defaults(fn=cmd_submit)
+
+    p = sub.add_parser("status", help="a session's state, or queue lengths without an id")
+    p.add_argument("id", nargs="?")
+    p.set_defaults(fn=cmd_status)
+
+    p = sub.add_parser("result", help="print a finished session's response body")
+    p.add_argument("id")
+    p.add_argument("--full", action="store_true", help="the whole record: transcript and metrics too")
+    p.set_defaults(fn=cmd_result)
+
+    p = sub.add_parser("cancel", help="cancel a session at its next step boundary")
+    p.add_argument("id")
+    p.set_defaults(fn=cmd_cancel)
+
+    p = sub.add_parser("worker", help="run a Celery worker for one queue with its default pool")
+    p.add_argument("--queues", required=True, help="llm | tools | control | programs")
+    p.add_argument("--pool")
+    p.add_argument("--concurrency", type=int)
+    p.add_argument("--name")
+    p.set_defaults(fn=cmd_worker)
+
+    p = sub.add_parser("flower", help="run Flower on this fleet")
+    p.add_argument("--port", type=int, default=5555)
+    p.add_argument("--address", default="127.0.0.1")
+    p.set_defaults(fn=cmd_flower)
+
+    p = sub.add_parser("replay-server", help="run the replay LLM server")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8011)
+    p.add_argument("--latency-ms", type=int, default=0)
+    p.set_defaults(fn=cmd_replay_server)
+
+    p = sub.add_parser("demo", help="run the demo batch on a local fleet it starts and stops")
+    p.add_argument("--out", default="demo-results.jsonl")
+    p.add_argument("--timeout-s", type=float, default=300)
+    p.set_defaults(fn=cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.fn(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

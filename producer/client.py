@@ -1,0 +1,202 @@
+"""Submitting sessions and waiting for their response fds. Talks to Redis and sends tasks by
+name; never imports the worker. Key layout: `schemas/keys.py`."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis
+from celery import Celery
+
+from schemas import keys, task_names
+from schemas.bodies import dump_body
+
+CHUNK_SIZE = 256  # sessions admitted by one start task
+PIPELINE_SIZE = 1000  # sessions per Redis round trip at submit
+DEFAULT_TTL_S = 86_400
+
+
+@dataclass
+class Submission:
+    batch: str
+    order: list[str]  # session keys in input order
+    ids: dict[str, str]  # sk -> spec id
+    new: set[str] = field(default_factory=set)  # enqueued by this submission
+    done: set[str] = field(default_factory=set)  # already finished before it (resubmitted ids)
+
+
+class Client:
+    def __init__(self, redis_url: str, ttl_s: int = DEFAULT_TTL_S) -> None:
+        self.redis = redis.Redis.from_url(redis_url)
+        self.ttl_s = ttl_s
+        self.celery = Celery("cchatq-producer", broker=redis_url)
+        self.celery.conf.update(
+            task_serializer="json", accept_content=["json"], task_ignore_result=True
+        )
+
+    def close(self) -> None:
+        self.redis.close()
+
+    # submit --------------------------------------------------------------------------------
+
+    def upload_modules(self, specs: Sequence[dict[str, Any]]) -> dict[str, str]:
+        """Each referenced module once, content-addressed: path -> sha256."""
+        paths = sorted({t["module"] for s in specs for t in s.get("tools", [])})
+        shas: dict[str, str] = {}
+        pipe = self.redis.pipeline(transaction=False)
+        for path in paths:
+            data = Path(path).read_bytes()
+            sha = shas[path] = hashlib.sha256(data).hexdigest()
+            pipe.set(keys.module(sha), data, nx=True, ex=self.ttl_s)
+            pipe.expire(keys.module(sha), self.ttl_s)  # a resubmission keeps it alive
+        pipe.execute()
+        return shas
+
+    def submit(self, specs: Sequence[dict[str, Any]], batch: str | None = None) -> Submission:
+        """Enqueue validated canonical specs. Idempotent by spec id: an id already submitted is
+        not run again; this batch waits for (or reads) its stored result instead."""
+        shas = self.upload_modules(specs)
+        sub = Submission(batch=batch or uuid.uuid4().hex[:12], order=[], ids={})
+        now_ms = int(time.time() * 1000)
+        for start in range(0, len(specs), PIPELINE_SIZE):
+            part = specs[start : start + PIPELINE_SIZE]
+            pipe = self.redis.pipeline(transaction=False)
+            for spec in part:
+                sk = keys.session_key(spec["id"])
+                sub.order.append(sk)
+                sub.ids[sk] = spec["id"]
+                pipe.set(keys.spec(sk), dump_body(_stored_spec(spec, shas)), nx=True, ex=self.ttl_s)
+                pipe.sadd(keys.watchers(sk), sub.batch)
+                pipe.expire(keys.watchers(sk), self.ttl_s)
+            claimed = pipe.execute()[0::3]
+            pipe = self.redis.pipeline(transaction=False)
+            for spec, won in zip(part, claimed, strict=True):
+                sk = keys.session_key(spec["id"])
+                if won:
+                    sub.new.add(sk)
+                    meta = {
+                        "id": spec["id"],
+                        "batch": sub.batch,
+                        "submitted_ms": now_ms,
+                        "state": "queued",
+                    }
+                    pipe.hset(keys.meta(sk), mapping=meta)
+                    pipe.expire(keys.meta(sk), self.ttl_s)
+                else:
+                    pipe.exists(keys.response(sk))
+            results = iter(pipe.execute())
+            for spec, won in zip(part, claimed, strict=True):
+                sk = keys.session_key(spec["id"])
+                if won:
+                    next(results), next(results)
+                elif next(results):
+                    sub.done.add(sk)
+        self._admit(sub)
+        return sub
+
+    def _admit(self, sub: Submission) -> None:
+        fresh = [sk for sk in sub.order if sk in sub.new]
+        chunks = [fresh[i : i + CHUNK_SIZE] for i in range(0, len(fresh), CHUNK_SIZE)]
+        pipe = self.redis.pipeline(transaction=False)
+        for n, members in enumerate(chunks):
+            pipe.rpush(keys.chunk(sub.batch, n), *members)
+            pipe.expire(keys.chunk(sub.batch, n), self.ttl_s)
+        pipe.execute()
+        for n in range(len(chunks)):
+            self.celery.send_task(
+                task_names.START,
+                args=[sub.batch, n],
+                task_id=keys.start_step(sub.batch, n),
+                queue=task_names.ROUTES[task_names.START],
+            )
+
+    # wait ----------------------------------------------------------------------------------
+
+    def wait(
+        self, sub: Submission, timeout_s: float | None = None, poll_s: float = 0.5
+    ) -> Iterator[tuple[str, dict[str, Any]]]:
+        """Yield (session key, record) as sessions finish, by blocking reads of the batch's
+        done list. Raises TimeoutError naming how many are still running."""
+        pending = set(sub.order)
+        ready = list(sub.done)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        done_key = keys.done_list(sub.batch)
+        while pending:
+            if not ready:
+                item = self.redis.blpop([done_key], timeout=poll_s)
+                if item is not None:
+                    ready.append(item[1].decode())
+                    more = self.redis.lpop(done_key, 1000) or []
+                    ready.extend(m.decode() for m in more)
+            fresh = [sk for sk in dict.fromkeys(ready) if sk in pending]
+            ready = []
+            if fresh:
+                for sk, record in zip(fresh, self.records(fresh), strict=True):
+                    if record is not None:
+                        pending.discard(sk)
+                        yield sk, record
+            if deadline is not None and time.monotonic() > deadline and pending:
+                raise TimeoutError(f"{len(pending)} of {len(sub.order)} sessions still running")
+
+    def records(self, sks: Sequence[str]) -> list[dict[str, Any] | None]:
+        raw = self.redis.mget([keys.record(sk) for sk in sks])
+        return [None if r is None else json.loads(r) for r in raw]
+
+    # one session ---------------------------------------------------------------------------
+
+    def status(self, spec_id: str) -> dict[str, Any] | None:
+        sk = keys.session_key(spec_id)
+        meta = {k.decode(): v.decode() for k, v in self.redis.hgetall(keys.meta(sk)).items()}
+        if not meta:
+            return None
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.exists(keys.response(sk))
+        pipe.exists(keys.cancel(sk))
+        finished, cancelled = pipe.execute()
+        meta["finished"] = bool(finished)
+        meta["cancel_requested"] = bool(cancelled)
+        return meta
+
+    def response(self, spec_id: str) -> bytes | None:
+        value = self.redis.get(keys.response(keys.session_key(spec_id)))
+        return None if value is None else bytes(value)
+
+    def record(self, spec_id: str) -> dict[str, Any] | None:
+        return self.records([keys.session_key(spec_id)])[0]
+
+    def cancel(self, spec_id: str) -> bool:
+        """Ask a session to stop; every step checks at its boundary. False if unknown."""
+        sk = keys.session_key(spec_id)
+        if not self.redis.exists(keys.spec(sk)):
+            return False
+        self.redis.set(keys.cancel(sk), "1", ex=self.ttl_s)
+        self.celery.send_task(
+            task_names.FINISH,
+            args=[sk],
+            task_id=keys.finish_step(sk),
+            queue=task_names.ROUTES[task_names.FINISH],
+        )
+        return True
+
+
+def _stored_spec(spec: dict[str, Any], shas: dict[str, str]) -> dict[str, Any]:
+    """The spec as workers see it: tool modules named by content hash, not by local path."""
+    stored = dict(spec)
+    tools = []
+    for tool in spec.get("tools", []):
+        entry = {k: v for k, v in tool.items() if k != "module"}
+        entry["module_sha256"] = shas[tool["module"]]
+        entry["module_name"] = Path(tool["module"]).name
+        tools.append(entry)
+    stored["tools"] = tools
+    return stored
+
+
+ProgressFn = Callable[[int, int, int], None]

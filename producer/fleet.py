@@ -1,0 +1,195 @@
+"""A local fleet on one machine: a Redis, the replay LLM server and Celery workers, started as
+subprocesses and stopped by pid. Used by `cchatq demo`, the tests and the benchmarks.
+
+Workers are started as `python -m celery -A worker.tasks worker ...` processes, so the producer
+never imports the worker.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import redis
+
+# queue -> (pool, concurrency): I/O-bound model calls on threads, CPU-bound WASM on one process
+# per core, bookkeeping on a few threads (architecture.md section 2).
+WORKER_PROFILES: dict[str, tuple[str, int]] = {
+    "llm": ("threads", 32),
+    "tools": ("prefork", os.cpu_count() or 2),
+    "control": ("threads", 8),
+    "programs": ("threads", 16),
+}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def redis_answers(url: str) -> bool:
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=0.5)
+        return bool(client.ping())
+    except redis.RedisError:
+        return False
+
+
+def worker_command(queue: str, pool: str | None = None, concurrency: int | None = None, name: str | None = None) -> list[str]:
+    default_pool, default_concurrency = WORKER_PROFILES.get(queue.split(",")[0], ("threads", 8))
+    return [
+        sys.executable, "-m", "celery", "-A", "worker.tasks", "worker",
+        "-Q", queue,
+        "-P", pool or default_pool,
+        "-c", str(concurrency or default_concurrency),
+        "-n", f"{name or queue.replace(',', '-')}@%h",
+        "--without-gossip", "--without-mingle", "-E",
+        "--loglevel", os.environ.get("CCHATQ_LOG_LEVEL", "WARNING"),
+    ]  # fmt: skip
+
+
+@dataclass
+class Fleet:
+    """Processes started by this fleet, stopped (by pid) on exit."""
+
+    redis_url: str = ""
+    replay_url: str = ""
+    env: dict[str, str] = field(default_factory=dict)
+    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="cchatq-fleet-")))
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    workers: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def __enter__(self) -> Fleet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # redis ---------------------------------------------------------------------------------
+
+    def ensure_redis(self, url: str | None = None) -> str:
+        """Use `url` (or REDIS_URL) when it answers; else start a private redis-server."""
+        candidate = url or os.environ.get("REDIS_URL")
+        if candidate and redis_answers(candidate):
+            self.redis_url = candidate
+            return candidate
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("no Redis answers and redis-server is not installed (apt-get install redis-server)")
+        port = free_port()
+        proc = self._spawn(
+            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(self.workdir)],
+            "redis",
+        )  # fmt: skip
+        self.redis_url = f"redis://127.0.0.1:{port}/0"
+        deadline = time.monotonic() + 10
+        while not redis_answers(self.redis_url):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server did not start (see {self.workdir / 'redis.log'})")
+            time.sleep(0.05)
+        return self.redis_url
+
+    # replay server -------------------------------------------------------------------------
+
+    def start_replay(self, latency_ms: int = 0) -> str:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fixtures.replay", "--port", "0", "--latency-ms", str(latency_ms)],
+            stdout=subprocess.PIPE,
+            stderr=open(self.workdir / "replay.log", "ab"),  # noqa: SIM115 - lives as long as the process
+        )
+        self.procs.append(proc)
+        assert proc.stdout is not None
+        line = _readline(proc.stdout, timeout_s=15).decode().strip()
+        if not line.startswith("READY "):
+            raise RuntimeError(f"replay server did not start: {line!r} (see {self.workdir / 'replay.log'})")
+        self.replay_url = line.split(" ", 1)[1]
+        return self.replay_url
+
+    # workers -------------------------------------------------------------------------------
+
+    def worker_env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            {
+                "REDIS_URL": self.redis_url,
+                "CCHATQ_REPLAY_URL": self.replay_url,
+                "CCHATQ_MODULE_CACHE_DIR": str(self.workdir / "modules"),
+            }
+        )
+        env.update(self.env)
+        env.update(extra or {})
+        return env
+
+    def start_worker(
+        self, queue: str, pool: str | None = None, concurrency: int | None = None, extra_env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
+        name = f"{queue.replace(',', '-')}-{len(self.workers)}"
+        proc = self._spawn(worker_command(queue, pool, concurrency, name), name, env=self.worker_env(extra_env))
+        self.workers[name] = proc
+        return proc
+
+    def start_workers(self, extra_env: dict[str, str] | None = None) -> None:
+        for queue in ("llm", "tools", "control"):
+            self.start_worker(queue, extra_env=extra_env)
+
+    def kill(self, proc: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:
+        """Signal a process and all its children (a prefork worker's pool processes too)."""
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=30)
+
+    # lifecycle -----------------------------------------------------------------------------
+
+    def _spawn(self, cmd: list[str], name: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        log = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115 - lives as long as the process
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def stop(self) -> None:
+        """Stop every process this fleet started: SIGTERM, then SIGKILL after a grace period."""
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                _signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for proc in reversed(self.procs):
+            try:
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                _signal_group(proc, signal.SIGKILL)
+                proc.wait(timeout=10)
+        self.procs.clear()
+        self.workers.clear()
+
+
+def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)  # started in its own session: the group is the process and its children
+    except (ProcessLookupError, PermissionError):
+        try:
+            proc.send_signal(sig)
+        except ProcessLookupError:
+            pass
+
+
+def _readline(stream: IO[bytes], timeout_s: float) -> bytes:
+    import selectors
+
+    sel = selectors.DefaultSelector()
+    sel.register(stream, selectors.EVENT_READ)
+    if not sel.select(timeout=timeout_s):
+        return b""
+    return stream.readline()

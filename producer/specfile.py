@@ -1,0 +1,264 @@
+"""Load and validate a whole spec file before anything is enqueued.
+
+Every problem in the file is collected and reported at once (path:line: field: message),
+so a producer fixes a batch in one pass instead of one error per submit.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from marshmallow import ValidationError
+
+from schemas.spec import SessionSpecSchema
+
+WASM_MAGIC = b"\0asm"
+MAX_LISTED_ISSUES = 20
+JSON_WHITESPACE = " \t\n\r"
+
+
+@dataclass(frozen=True)
+class SpecIssue:
+    path: str
+    line: int  # 1-based physical line; 0 for problems with the file as a whole
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        if self.field:
+            return f"{self.path}:{self.line}: {self.field}: {self.message}"
+        return f"{self.path}:{self.line}: {self.message}"
+
+
+class SpecFileError(Exception):
+    def __init__(self, issues: Sequence[SpecIssue]) -> None:
+        self.issues: list[SpecIssue] = list(issues)
+        lines = [str(issue) for issue in self.issues[:MAX_LISTED_ISSUES]]
+        hidden = len(self.issues) - MAX_LISTED_ISSUES
+        if hidden > 0:
+            lines.append(f"... and {hidden} more")
+        super().__init__("\n".join(lines))
+
+
+@dataclass(frozen=True)
+class LoadedSpec:
+    line: int
+    spec: dict[str, Any]
+
+
+def load_spec_file(path: str | Path) -> list[LoadedSpec]:
+    """Parse, validate and canonicalise every spec in ``path``; raise SpecFileError if any
+    problem exists (nothing is returned partially)."""
+    shown = str(path)
+    file_path = Path(path)
+    try:
+        # utf-8-sig: tolerate a BOM written by some editors.
+        text = file_path.read_text(encoding="utf-8-sig")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecFileError([SpecIssue(shown, 0, "", f"cannot read: {exc}")]) from None
+
+    issues: list[SpecIssue] = []
+    if file_path.suffix.lower() == ".json":
+        entries = _parse_json(text, shown, issues)
+    else:
+        entries = _parse_jsonl(text, shown, issues)
+
+    base_dir = file_path.resolve().parent
+    modules = _ModuleChecker(base_dir)
+    schema = SessionSpecSchema()
+    seen_ids: dict[str, int] = {}
+    loaded: list[LoadedSpec] = []
+    for line, obj in entries:
+        if not isinstance(obj, dict):
+            message = f"expected a JSON object, got {_json_type(obj)}"
+            issues.append(SpecIssue(shown, line, "", message))
+            continue
+        # Duplicate ids and module files are checked on the raw object, so they are
+        # reported even when the schema rejects something else in the same spec.
+        spec_id = obj.get("id")
+        if isinstance(spec_id, str):
+            if spec_id in seen_ids:
+                message = f"duplicate of line {seen_ids[spec_id]}"
+                issues.append(SpecIssue(shown, line, "id", message))
+            else:
+                seen_ids[spec_id] = line
+        module_paths: dict[int, str] = {}
+        raw_tools = obj.get("tools")
+        for index, tool in enumerate(raw_tools if isinstance(raw_tools, list) else []):
+            module = tool.get("module") if isinstance(tool, dict) else None
+            if isinstance(module, str) and module:
+                resolved, problem = modules.check(module)
+                if problem:
+                    issues.append(SpecIssue(shown, line, f"tools.{index}.module", problem))
+                module_paths[index] = resolved
+        try:
+            spec: dict[str, Any] = schema.load(obj)
+        except ValidationError as exc:
+            issues.extend(
+                SpecIssue(shown, line, field, message)
+                for field, message in flatten_errors(exc.messages)
+            )
+            continue
+        for index, tool in enumerate(spec["tools"]):
+            tool["module"] = module_paths[index]
+        loaded.append(LoadedSpec(line, spec))
+
+    if not entries and not issues:
+        issues.append(SpecIssue(shown, 0, "", "no specs in file"))
+    if issues:
+        raise SpecFileError(issues)
+    return loaded
+
+
+def flatten_errors(messages: Any, prefix: str = "") -> list[tuple[str, str]]:
+    """marshmallow's nested error dict -> [(dotted field path, message)].
+
+    ``_schema`` keys (errors about an object as a whole) add nothing to the path.
+    """
+    if isinstance(messages, Mapping):
+        out: list[tuple[str, str]] = []
+        for key, value in messages.items():
+            path = _join(prefix, key)
+            out.extend(flatten_errors(value, path))
+        return out
+    if isinstance(messages, list | tuple):
+        if all(isinstance(m, str) for m in messages):
+            return [(prefix, m) for m in messages]
+        return [pair for m in messages for pair in flatten_errors(m, prefix)]
+    return [(prefix, str(messages))]
+
+
+def _join(prefix: str, key: Any) -> str:
+    if key == "_schema":
+        return prefix
+    return f"{prefix}.{key}" if prefix else str(key)
+
+
+class _ModuleChecker:
+    """Resolves tool module paths and checks the WASM magic, once per distinct file."""
+
+    def __init__(self, base_dir: Path) -> None:
+        self.base_dir = base_dir
+        self.cache: dict[Path, str | None] = {}
+
+    def check(self, module: str) -> tuple[str, str | None]:
+        """Return (absolute path, problem or None)."""
+        candidate = Path(module).expanduser()
+        resolved = (candidate if candidate.is_absolute() else self.base_dir / candidate).resolve()
+        if resolved not in self.cache:
+            self.cache[resolved] = self._problem(resolved)
+        return str(resolved), self.cache[resolved]
+
+    @staticmethod
+    def _problem(path: Path) -> str | None:
+        if not path.exists():
+            return f"no such file: {path}"
+        if not path.is_file():
+            return f"not a regular file: {path}"
+        try:
+            with path.open("rb") as handle:
+                magic = handle.read(len(WASM_MAGIC))
+        except OSError as exc:
+            return f"cannot read: {exc.strerror or exc}"
+        return None if magic == WASM_MAGIC else "not a WebAssembly module"
+
+
+def _reject_constant(name: str) -> Any:
+    # NaN/Infinity are Python extensions, not JSON; upstream APIs would reject them later.
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _parse_jsonl(text: str, shown: str, issues: list[SpecIssue]) -> list[tuple[int, Any]]:
+    entries: list[tuple[int, Any]] = []
+    # split("\n"), not splitlines(): the latter also breaks on U+2028 etc., which may sit
+    # raw inside JSON strings, and would shift the physical line numbers.
+    for number, raw in enumerate(text.split("\n"), start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        try:
+            # The raw line, not the stripped one, so columns are physical columns.
+            entries.append((number, json.loads(raw, parse_constant=_reject_constant)))
+        except json.JSONDecodeError as exc:
+            message = f"invalid JSON: {exc.msg} (column {exc.colno})"
+            issues.append(SpecIssue(shown, number, "", message))
+        except ValueError as exc:
+            issues.append(SpecIssue(shown, number, "", f"invalid JSON: {exc}"))
+    return entries
+
+
+def _parse_json(text: str, shown: str, issues: list[SpecIssue]) -> list[tuple[int, Any]]:
+    """One object, or a list of objects each reported at the line where it starts.
+
+    The top-level list is walked by hand, decoding each item with raw_decode, because
+    json.loads keeps no positions.
+    """
+    decoder = json.JSONDecoder(parse_constant=_reject_constant)
+
+    def line_of(pos: int) -> int:
+        return text.count("\n", 0, pos) + 1
+
+    def skip(pos: int) -> int:
+        while pos < len(text) and text[pos] in JSON_WHITESPACE:
+            pos += 1
+        return pos
+
+    def fail(pos: int, message: str) -> list[tuple[int, Any]]:
+        issues.append(SpecIssue(shown, line_of(pos), "", f"invalid JSON: {message}"))
+        return []
+
+    pos = skip(0)
+    if pos == len(text):
+        return []
+    entries: list[tuple[int, Any]] = []
+    try:
+        if text[pos] != "[":
+            obj, pos = decoder.raw_decode(text, pos)
+            entries.append((line_of(skip(0)), obj))
+        else:
+            pos = skip(pos + 1)
+            if text.startswith("]", pos):
+                pos += 1
+            else:
+                while True:
+                    start = pos
+                    obj, pos = decoder.raw_decode(text, start)
+                    entries.append((line_of(start), obj))
+                    pos = skip(pos)
+                    if text.startswith(",", pos):
+                        pos = skip(pos + 1)
+                    elif text.startswith("]", pos):
+                        pos += 1
+                        break
+                    else:
+                        return fail(pos, f"expected ',' or ']' (column {_column(text, pos)})")
+    except json.JSONDecodeError as exc:
+        return fail(exc.pos, f"{exc.msg} (column {exc.colno})")
+    except ValueError as exc:
+        return fail(pos, str(exc))
+    pos = skip(pos)
+    if pos != len(text):
+        return fail(pos, f"extra data after the top-level value (column {_column(text, pos)})")
+    return entries
+
+
+def _column(text: str, pos: int) -> int:
+    return pos - (text.rfind("\n", 0, pos) + 1) + 1
+
+
+def _json_type(obj: Any) -> str:
+    names: Iterable[tuple[type, str]] = (
+        (bool, "boolean"),
+        (int, "number"),
+        (float, "number"),
+        (str, "string"),
+        (list, "array"),
+    )
+    for kind, name in names:
+        if isinstance(obj, kind):
+            return name
+    return "null" if obj is None else type(obj).__name__

@@ -1,0 +1,30 @@
+"""Response, error and metrics bodies: compact JSON with sorted keys (guest-abi.md section 5)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+def dump_body(obj: Any) -> bytes:
+    """Compact, sorted, UTF-8: guests search these bytes with strstr."""
+    return json.dumps(obj, separators=(",", ":"), sort_keys=True, ensure_ascii=False).encode()
+
+
+def dump_text(obj: Any) -> str:
+    return dump_body(obj).decode()
+
+
+def error_obj(code: str | None, message: str) -> dict[str, Any]:
+    err: dict[str, Any] = {"message": message}
+    if code is not None:
+        err["code"] = code
+    return {"error": err}
+
+
+def error_body(code: str | None, message: str) -> bytes:
+    return dump_body(error_obj(code, message))
+
+
+def is_error_body(obj: Any) -> bool:
+    return isinstance(obj, dict) and isinstance(obj.get("error"), dict)

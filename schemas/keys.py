@@ -1,0 +1,115 @@
+"""Redis key layout shared by producer and worker. Every key gets a TTL when written.
+
+A session is addressed by `sk`, a short key derived from its spec id (ids may hold `/` and `:`,
+which would make task ids and Flower URLs awkward). Round r, tool call i:
+
+    cq:spec:{sk}            canonical spec JSON; SET NX at submit = the idempotency claim
+    cq:meta:{sk}            hash: id, batch, submitted_ms, state, round, backend
+    cq:out:{sk}:{r}:m       the model reply of round r (or its error), first writer wins
+    cq:out:{sk}:{r}:t{i}    tool outcome {"content","ok"} of call i of round r, first writer wins
+    cq:fanin:{sk}:{r}       set of finished call indexes of round r (fan-in counter)
+    cq:lease:{step}         held while a step runs (PX = the step's longest run)
+    cq:pub:{step}           the step published its continuation (set after publishing)
+    cq:tries:{step}         deliveries of a step (poison-step detection)
+    cq:fail:{sk}            error body of a step that failed for good (dead-lettered)
+    cq:cancel:{sk}          cancellation requested
+    cq:resp:{sk}            the response fd: final body bytes, written once
+    cq:record:{sk}          result record: status, body, transcript, metrics
+    cq:watch:{sk}           batches waiting for this session
+    cq:done:{batch}         list of finished sks, pushed by finish (producers BLPOP it)
+    cq:chunk:{batch}:{n}    sks admitted by one start task
+    cq:module:{sha256}      WASM module bytes, content-addressed
+    cq:deadletter           stream of poison steps
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+PREFIX = "cq"
+DEADLETTER = f"{PREFIX}:deadletter"
+
+
+def session_key(spec_id: str) -> str:
+    return hashlib.sha256(spec_id.encode()).hexdigest()[:24]
+
+
+def spec(sk: str) -> str:
+    return f"{PREFIX}:spec:{sk}"
+
+
+def meta(sk: str) -> str:
+    return f"{PREFIX}:meta:{sk}"
+
+
+def model_out(sk: str, round_no: int) -> str:
+    return f"{PREFIX}:out:{sk}:{round_no}:m"
+
+
+def tool_out(sk: str, round_no: int, index: int) -> str:
+    return f"{PREFIX}:out:{sk}:{round_no}:t{index}"
+
+
+def fanin(sk: str, round_no: int) -> str:
+    return f"{PREFIX}:fanin:{sk}:{round_no}"
+
+
+def lease(step: str) -> str:
+    return f"{PREFIX}:lease:{step}"
+
+
+def published(step: str) -> str:
+    return f"{PREFIX}:pub:{step}"
+
+
+def tries(step: str) -> str:
+    return f"{PREFIX}:tries:{step}"
+
+
+def failure(sk: str) -> str:
+    return f"{PREFIX}:fail:{sk}"
+
+
+def cancel(sk: str) -> str:
+    return f"{PREFIX}:cancel:{sk}"
+
+
+def response(sk: str) -> str:
+    return f"{PREFIX}:resp:{sk}"
+
+
+def record(sk: str) -> str:
+    return f"{PREFIX}:record:{sk}"
+
+
+def watchers(sk: str) -> str:
+    return f"{PREFIX}:watch:{sk}"
+
+
+def done_list(batch: str) -> str:
+    return f"{PREFIX}:done:{batch}"
+
+
+def chunk(batch: str, chunk_no: int) -> str:
+    return f"{PREFIX}:chunk:{batch}:{chunk_no}"
+
+
+def module(sha256: str) -> str:
+    return f"{PREFIX}:module:{sha256}"
+
+
+# Step ids name one unit of at-least-once work; task ids are derived from them.
+def round_step(sk: str, round_no: int) -> str:
+    return f"{sk}.r{round_no}"
+
+
+def tool_step(sk: str, round_no: int, index: int) -> str:
+    return f"{sk}.r{round_no}.t{index}"
+
+
+def finish_step(sk: str) -> str:
+    return f"{sk}.fin"
+
+
+def start_step(batch: str, chunk_no: int) -> str:
+    return f"{batch}.c{chunk_no}"

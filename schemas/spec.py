@@ -1,0 +1,270 @@
+"""Session spec schemas (architecture.md section 1).
+
+``SessionSpecSchema().load(obj)`` validates one producer-submitted spec and returns the
+canonical plain dict the worker consumes: flags and limits filled with defaults, tools in
+the wrapped ``{"module", "export", "table_index", "function"}`` form.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jsonschema
+from marshmallow import (
+    Schema,
+    ValidationError,
+    fields,
+    post_load,
+    pre_load,
+    validate,
+    validates,
+    validates_schema,
+)
+
+from schemas.limits import LIMIT_ALIASES, LIMIT_BOUNDS, Limits
+
+ROLES = ("system", "user", "assistant", "tool")
+# Patterns end in \Z, not $: marshmallow's Regexp uses re.match, and "$" accepts a
+# trailing newline ("abc\n" would pass).
+ID_PATTERN = r"[A-Za-z0-9._:/@+-]+\Z"
+FUNCTION_NAME_PATTERN = r"[A-Za-z0-9_-]{1,64}\Z"
+# The worker owns these upstream request fields; letting params override them would
+# bypass validation (model, messages, tools) or break response assembly (stream).
+RESERVED_PARAMS = ("model", "messages", "tools", "stream")
+LEGACY_FUNCTION_KEYS = ("name", "description", "parameters")
+MAX_SCHEMA_ERROR_CHARS = 200
+
+
+def default_parameters() -> dict[str, Any]:
+    return {"type": "object", "properties": {}}
+
+
+Content = str | list[dict[str, Any]] | None
+
+
+class StrictBool(fields.Field[bool]):
+    """Only JSON true/false: marshmallow's Boolean also takes 1, "yes", "on", ..."""
+
+    default_error_messages = {"invalid": "Not a valid boolean."}
+
+    def _deserialize(
+        self, value: Any, attr: str | None, data: Mapping[str, Any] | None, **kwargs: Any
+    ) -> bool:
+        if value is True or value is False:
+            return value
+        raise self.make_error("invalid")
+
+
+class ContentField(fields.Field[Content]):
+    """A string, null, or a list of content parts (objects with a string ``type``)."""
+
+    default_error_messages = {
+        "invalid": "Must be a string, null or a list of content parts.",
+        "invalid_part": "Content part {index} must be an object with a string 'type'.",
+    }
+
+    def _deserialize(
+        self, value: Any, attr: str | None, data: Mapping[str, Any] | None, **kwargs: Any
+    ) -> Content:
+        if isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise self.make_error("invalid")
+        for index, part in enumerate(value):
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                raise self.make_error("invalid_part", index=index)
+        return value
+
+
+def _strict_int(**kwargs: Any) -> fields.Integer:
+    # strict: 3.7 and "3" are errors rather than silently becoming 3.
+    return fields.Integer(strict=True, **kwargs)
+
+
+class ToolCallFunctionSchema(Schema):
+    name = fields.String(required=True, validate=validate.Length(min=1))
+    arguments = fields.String(required=True)
+
+
+class ToolCallSchema(Schema):
+    id = fields.String(required=True, validate=validate.Length(min=1))
+    type = fields.String(load_default="function", validate=validate.OneOf(["function"]))
+    function = fields.Nested(ToolCallFunctionSchema, required=True)
+
+
+class MessageSchema(Schema):
+    role = fields.String(required=True, validate=validate.OneOf(ROLES))
+    content = ContentField(allow_none=True)
+    name = fields.String()
+    tool_calls = fields.List(fields.Nested(ToolCallSchema))
+    tool_call_id = fields.String(validate=validate.Length(min=1))
+
+    @validates_schema
+    def _check_role_fields(self, data: dict[str, Any], **kwargs: Any) -> None:
+        role = data["role"]
+        errors: dict[str, list[str]] = {}
+        if role == "tool" and "tool_call_id" not in data:
+            errors["tool_call_id"] = ["Required when role is 'tool'."]
+        if role != "tool" and "tool_call_id" in data:
+            errors["tool_call_id"] = ["Only allowed when role is 'tool'."]
+        if role != "assistant" and "tool_calls" in data:
+            errors["tool_calls"] = ["Only allowed when role is 'assistant'."]
+        if role in ("user", "system") and data.get("content") is None:
+            errors["content"] = [f"Required (non-null) when role is '{role}'."]
+        if errors:
+            raise ValidationError(errors)
+
+
+class FunctionSchema(Schema):
+    name = fields.String(
+        required=True,
+        validate=validate.Regexp(
+            FUNCTION_NAME_PATTERN, error="Must be 1-64 characters of A-Z a-z 0-9 _ -."
+        ),
+    )
+    description = fields.String()
+    parameters = fields.Dict(keys=fields.String(), load_default=default_parameters)
+
+    @validates("parameters")
+    def _check_parameters(self, value: dict[str, Any], **kwargs: Any) -> None:
+        try:
+            jsonschema.Draft202012Validator.check_schema(value)
+        except jsonschema.SchemaError as exc:
+            message = f"Not a valid JSON Schema at {exc.json_path}: {exc.message}"
+            if len(message) > MAX_SCHEMA_ERROR_CHARS:
+                message = message[: MAX_SCHEMA_ERROR_CHARS - 3] + "..."
+            raise ValidationError(message) from None
+
+
+class ToolSpecSchema(Schema):
+    module = fields.String(required=True, validate=validate.Length(min=1))
+    export = fields.String(load_default=None, allow_none=True, validate=validate.Length(min=1))
+    table_index = _strict_int(load_default=None, allow_none=True, validate=validate.Range(min=0))
+    type = fields.String(validate=validate.OneOf(["function"]))
+    function = fields.Nested(FunctionSchema, required=True)
+
+    @pre_load
+    def _wrap_legacy(self, data: Any, **kwargs: Any) -> Any:
+        """Legacy flat form: name/description/parameters beside module -> ``function``."""
+        if not isinstance(data, dict) or "function" in data:
+            return data
+        if not any(key in data for key in LEGACY_FUNCTION_KEYS):
+            return data
+        wrapped = {k: v for k, v in data.items() if k not in LEGACY_FUNCTION_KEYS}
+        wrapped["function"] = {k: data[k] for k in LEGACY_FUNCTION_KEYS if k in data}
+        return wrapped
+
+    @validates_schema
+    def _check_target(self, data: dict[str, Any], **kwargs: Any) -> None:
+        has_export = data.get("export") is not None
+        has_index = data.get("table_index") is not None
+        if has_export and has_index:
+            raise ValidationError("Give export or table_index, not both.", "table_index")
+        if not has_export and not has_index:
+            raise ValidationError("One of export or table_index is required.", "export")
+
+    @post_load
+    def _canonical(self, data: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+        # "type" is dropped: it can only be "function".
+        return {
+            "module": data["module"],
+            "export": data["export"],
+            "table_index": data["table_index"],
+            "function": data["function"],
+        }
+
+
+class ToolListField(fields.List[dict[str, Any]]):
+    """List of tools whose function names are unique.
+
+    The check sits here, after every tool loaded: marshmallow hands field and schema
+    validators the partial data of a failed list, whose indexes need not line up.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(fields.Nested(ToolSpecSchema), **kwargs)
+
+    def _deserialize(
+        self, value: Any, attr: str | None, data: Mapping[str, Any] | None, **kwargs: Any
+    ) -> list[dict[str, Any] | None]:
+        tools = super()._deserialize(value, attr, data, **kwargs)
+        first_index: dict[str, int] = {}
+        errors: dict[int, Any] = {}
+        for index, tool in enumerate(tools):
+            name = tool["function"]["name"] if tool else None
+            if name in first_index:
+                message = f"Duplicate of tools.{first_index[name]}.function.name."
+                errors[index] = {"function": {"name": [message]}}
+            elif name is not None:
+                first_index[name] = index
+        if errors:
+            raise ValidationError(errors)
+        return tools
+
+
+class FlagsSchema(Schema):
+    auto_tool_call = StrictBool(load_default=True)
+    metrics = StrictBool(load_default=True)
+    strict_unknown_tool = StrictBool(load_default=False)
+
+
+def _limit_field(name: str) -> fields.Integer:
+    cap = LIMIT_BOUNDS[LIMIT_ALIASES.get(name, name)][1]
+    return _strict_int(
+        validate=validate.Range(min=1, max=cap, error=f"Must be between 1 and {cap}.")
+    )
+
+
+class LimitsSchema(Schema):
+    # Declared one by one so mypy sees a real class; tests/test_spec_schema.py checks the
+    # field set equals LIMIT_BOUNDS plus LIMIT_ALIASES.
+    max_iterations = _limit_field("max_iterations")
+    max_total_tool_calls = _limit_field("max_total_tool_calls")
+    max_tool_output_bytes = _limit_field("max_tool_output_bytes")
+    tool_timeout_ms = _limit_field("tool_timeout_ms")
+    tool_memory_bytes = _limit_field("tool_memory_bytes")
+    max_tool_calls = _limit_field("max_tool_calls")
+
+    @validates_schema
+    def _check_aliases(self, data: dict[str, Any], **kwargs: Any) -> None:
+        # Both spellings at once would leave the winner up to dict order.
+        for alias, name in LIMIT_ALIASES.items():
+            if alias in data and name in data:
+                raise ValidationError(f"Alias of {name}; give only one of them.", alias)
+
+
+class SessionSpecSchema(Schema):
+    id = fields.String(
+        required=True,
+        validate=[
+            validate.Length(min=1, max=200),
+            validate.Regexp(ID_PATTERN, error="Must match [A-Za-z0-9._:/@+-]+."),
+        ],
+    )
+    provider = fields.String(load_default=None, allow_none=True, validate=validate.Length(min=1))
+    model = fields.String(required=True, validate=validate.Length(min=1))
+    messages = fields.List(
+        fields.Nested(MessageSchema), required=True, validate=validate.Length(min=1)
+    )
+    tools = ToolListField(load_default=list)
+    params = fields.Dict(keys=fields.String(), load_default=dict)
+    flags = fields.Nested(FlagsSchema)
+    limits = fields.Nested(LimitsSchema)
+    metadata = fields.Dict(keys=fields.String(), load_default=dict)
+
+    @validates("params")
+    def _check_params(self, value: dict[str, Any], **kwargs: Any) -> None:
+        reserved = {
+            key: [f"Reserved: '{key}' is set by the spec/worker, not params."]
+            for key in RESERVED_PARAMS
+            if key in value
+        }
+        if reserved:
+            raise ValidationError(reserved)
+
+    @post_load
+    def _canonical(self, data: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+        data["flags"] = {**FlagsSchema().load({}), **data.get("flags", {})}
+        data["limits"] = Limits.resolve(data.get("limits")).as_dict()
+        return data

@@ -1,0 +1,328 @@
+"""OpenAI chat-completions codec: request bodies out, canonical `chat.completion` dicts in.
+
+Pure: no I/O. The canonical shape is what the guest ABI returns, so every other provider codec
+translates to it. Case numbers (B1.n, B10.n) refer to docs/provider-conformance.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from worker.errors import ProviderProtocolError, ToolArgumentsError
+
+log = logging.getLogger(__name__)
+
+# Fields the codec owns; a spec's params may not override them.
+_RESERVED_PARAMS = frozenset({"model", "messages", "tools", "stream", "stream_options"})
+# Strict servers reject these with 400 when no tools are sent.
+_TOOL_ONLY_PARAMS = frozenset({"tool_choice", "parallel_tool_calls"})
+_TOP_LEVEL_KEPT = ("id", "object", "created", "model", "system_fingerprint")
+_REASONING_FIELDS = ("reasoning_content", "reasoning")  # B1.17: DeepSeek/old vLLM, new vLLM
+_USAGE_INTS = ("prompt_tokens", "completion_tokens", "total_tokens")
+_JSON_TYPE_NAMES = {str: "string", int: "number", float: "number", bool: "boolean", list: "array"}
+NO_OUTPUT = "(no output)"
+
+
+def _compact(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Requests
+
+
+def build_request(
+    model: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]],
+    params: Mapping[str, Any],
+) -> dict[str, Any]:
+    """The JSON body of a non-streaming chat-completions call."""
+    body: dict[str, Any] = {"model": model, "messages": [_wire_message(m) for m in messages]}
+    if tools:
+        body["tools"] = [dict(t) for t in tools]
+    for key, value in params.items():
+        if key in _RESERVED_PARAMS or (not tools and key in _TOOL_ONLY_PARAMS):
+            continue
+        body[key] = value
+    body["stream"] = False
+    return body
+
+
+def _wire_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(message)
+    calls = out.get("tool_calls")
+    if out.get("role") == "assistant" and isinstance(calls, list):
+        # B1.3: strict OpenAI servers accept only string arguments on replay.
+        out["tool_calls"] = [_wire_call(c) for c in calls]
+    return out
+
+
+def _wire_call(call: Any) -> Any:
+    if not isinstance(call, Mapping) or not isinstance(call.get("function"), Mapping):
+        return call
+    fn = dict(call["function"])
+    args = fn.get("arguments")
+    if args is None or args == "":
+        fn["arguments"] = "{}"
+    elif not isinstance(args, str):
+        fn["arguments"] = _compact(args)
+    return {**call, "type": call.get("type") or "function", "function": fn}
+
+
+# ---------------------------------------------------------------------------------------------
+# Responses
+
+
+def normalize_completion(raw: Any) -> dict[str, Any]:
+    """Validate a provider reply and return the canonical single-choice `chat.completion`."""
+    if not isinstance(raw, dict):
+        raise ProviderProtocolError("completion is not a JSON object")
+    choices = raw.get("choices")
+    if not isinstance(choices, list) or not choices:
+        if "error" in raw:
+            raise ProviderProtocolError("provider returned an error object instead of a completion")
+        raise ProviderProtocolError("completion has no choices")
+    choice = choices[0]
+    message = choice.get("message") if isinstance(choice, dict) else None
+    if not isinstance(message, dict):
+        raise ProviderProtocolError("completion choice has no message")
+
+    out: dict[str, Any] = {k: raw[k] for k in _TOP_LEVEL_KEPT if k in raw}
+    out.setdefault("object", "chat.completion")
+    completion_id = str(raw.get("id") or "")
+    norm_message = _normalize_message(message, completion_id)
+    out["choices"] = [{
+        "index": 0,
+        "message": norm_message,
+        "finish_reason": _finish_reason(choice.get("finish_reason"), "tool_calls" in norm_message),
+    }]
+    out["usage"] = normalize_usage(raw.get("usage"))
+    return out
+
+
+def _normalize_message(message: Mapping[str, Any], completion_id: str) -> dict[str, Any]:
+    role = message.get("role")
+    if role not in (None, "", "assistant"):
+        raise ProviderProtocolError(f"completion message has role {str(role)[:20]!r}")
+    out: dict[str, Any] = {"role": "assistant", "content": _content(message.get("content"))}
+    raw_calls = message.get("tool_calls")
+    if raw_calls is not None and not isinstance(raw_calls, list):
+        raise ProviderProtocolError("tool_calls is not a list")
+    if not raw_calls and isinstance(message.get("function_call"), dict):
+        raw_calls = [message["function_call"]]  # B1.14: legacy single call, id synthesised below
+        legacy = True
+    else:
+        legacy = False
+    calls = [_normalize_call(c, i, completion_id, legacy) for i, c in enumerate(raw_calls or [])]
+    if calls:
+        out["tool_calls"] = _dedupe_ids(calls)
+    for name in _REASONING_FIELDS:
+        if message.get(name) is not None:
+            out[name] = message[name]
+    if isinstance(message.get("refusal"), str) and message["refusal"]:
+        out["refusal"] = message["refusal"]
+    return out
+
+
+def _content(content: Any) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        # Some servers send content parts even without streaming; keep the text ones.
+        return "".join(
+            p["text"] for p in content
+            if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+        )
+    raise ProviderProtocolError(f"message content has unsupported type {type(content).__name__}")
+
+
+def _normalize_call(raw: Any, index: int, completion_id: str, legacy: bool) -> dict[str, Any]:
+    if not isinstance(raw, dict):
+        raise ProviderProtocolError(f"tool call {index} is not an object")
+    fn = raw if legacy else raw.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise ProviderProtocolError(f"tool call {index} has no function name")
+    args = fn.get("arguments")
+    if args is None or (isinstance(args, str) and not args.strip()):
+        arguments = "{}"  # B1.1
+    elif isinstance(args, str):
+        arguments = args  # B1.2: the raw text is kept, so a replay is byte-faithful
+    else:
+        arguments = _compact(args)  # B1.3
+    call_id = None if legacy else raw.get("id")
+    if not isinstance(call_id, str) or not call_id:
+        call_id = _synthetic_id(completion_id, index, fn["name"], arguments)  # B1.6
+    call_type = None if legacy else raw.get("type")
+    return {
+        "id": call_id,
+        "type": call_type if isinstance(call_type, str) and call_type else "function",  # B1.9
+        "function": {"name": fn["name"], "arguments": arguments},
+    }
+
+
+def _synthetic_id(completion_id: str, index: int, name: str, arguments: str) -> str:
+    # Deterministic, so a redelivered step that normalises the same reply gets the same id.
+    seed = "\x00".join((completion_id, str(index), name, arguments))
+    return "call_" + hashlib.sha256(seed.encode()).hexdigest()[:24]
+
+
+def _dedupe_ids(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """B1.7: later duplicates become `<id>_2`, `<id>_3`..., never clashing with another id."""
+    originals = {c["id"] for c in calls}
+    used: set[str] = set()
+    for call in calls:
+        base = call["id"]
+        if base in used:
+            n = 2
+            while f"{base}_{n}" in used or f"{base}_{n}" in originals:
+                n += 1
+            call["id"] = f"{base}_{n}"
+        used.add(call["id"])
+    return calls
+
+
+def _finish_reason(raw: Any, has_calls: bool) -> str:
+    reason = raw if isinstance(raw, str) and raw else "stop"
+    if has_calls:
+        return reason if reason == "length" else "tool_calls"  # B1.11, B1.14
+    if reason in ("tool_calls", "function_call"):
+        return "stop"  # B1.12
+    return reason
+
+
+def normalize_usage(raw: Any) -> dict[str, Any]:
+    """B10.79: the three token counts as ints; `*_details` kept exactly as received."""
+    usage = raw if isinstance(raw, dict) else {}
+    out: dict[str, Any] = {k: _as_int(usage.get(k)) for k in _USAGE_INTS}
+    if usage.get("total_tokens") is None:
+        out["total_tokens"] = out["prompt_tokens"] + out["completion_tokens"]
+    for key, value in usage.items():
+        if key.endswith("_details"):
+            out[key] = value
+    return out
+
+
+def _as_int(value: Any) -> int:
+    if isinstance(value, bool):
+        return 0
+    if isinstance(value, int | float):
+        return max(int(value), 0)
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value)
+    return 0
+
+
+def tool_calls_of(completion: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The normalised calls of a canonical completion; [] for none (or for an error body)."""
+    choices = completion.get("choices") or [{}]
+    calls: list[dict[str, Any]] = (choices[0].get("message") or {}).get("tool_calls") or []
+    return list(calls)
+
+
+def is_empty_reply(completion: Mapping[str, Any]) -> bool:
+    """No calls and no text (whitespace only counts as none); a refusal is an answer."""
+    message = completion["choices"][0]["message"]
+    if message.get("tool_calls") or message.get("refusal"):
+        return False
+    content = message.get("content")
+    return content is None or not content.strip()
+
+
+def is_truncated(completion: Mapping[str, Any]) -> bool:
+    """B1.13: calls cut by `length` must not run (decode_arguments would 'repair' them)."""
+    return bool(completion["choices"][0].get("finish_reason") == "length")
+
+
+# ---------------------------------------------------------------------------------------------
+# Tool arguments and results
+
+
+def decode_arguments(raw: str) -> dict[str, Any]:
+    """Arguments text -> object, per B1.1-5. Raises ToolArgumentsError with a model-readable fix."""
+    if not raw.strip():
+        return {}  # B1.1
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        value = _repair(raw, exc)
+    if isinstance(value, str):
+        try:
+            inner = json.loads(value)
+        except json.JSONDecodeError:
+            inner = None
+        if isinstance(inner, dict):
+            log.warning("double-encoded tool arguments (%d chars) decoded", len(raw))  # B1.4
+            return inner
+    if value is None:
+        return {}  # B1.5: `null` is read as "no arguments"
+    if not isinstance(value, dict):
+        kind = _JSON_TYPE_NAMES.get(type(value), type(value).__name__)
+        raise ToolArgumentsError(f"tool arguments must be a JSON object, got {kind}")
+    return value
+
+
+def _repair(raw: str, error: json.JSONDecodeError) -> Any:
+    """One cheap repair (B1.2): drop code fences, then close what a truncation left open."""
+    text = raw.strip()
+    if text.startswith("```"):
+        text = text[3:]
+        first_nl = text.find("\n")
+        # An info string such as ```json sits on the fence line.
+        if first_nl >= 0 and text[:first_nl].strip().isalnum():
+            text = text[first_nl + 1:]
+        text = text.removesuffix("```").strip()
+    closed = _close_truncated(text)
+    for candidate in (text, closed):
+        if candidate is None:
+            continue
+        try:
+            return json.loads(candidate)
+        except json.JSONDecodeError:
+            pass
+    raise ToolArgumentsError(f"invalid JSON arguments: {error}, resend valid JSON")
+
+
+def _close_truncated(text: str) -> str | None:
+    """Close open strings and brackets, or None when the text is malformed rather than cut."""
+    stack: list[str] = []
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            stack.append("}" if ch == "{" else "]")
+        elif ch in "}]" and (not stack or stack.pop() != ch):
+            return None  # a mismatched closer is not a truncation
+    if not stack and not in_string:
+        return None
+    if in_string:
+        text = (text[:-1] if escaped else text) + '"'
+    text = text.rstrip()
+    if text.endswith(","):
+        text = text[:-1]
+    return text + "".join(reversed(stack))
+
+
+def tool_message_content(output: Any) -> str:
+    """B1.16: tool results as non-empty text (some servers reject empty content)."""
+    if output is None or output == "":
+        return NO_OUTPUT
+    if isinstance(output, str):
+        return output
+    if isinstance(output, bytes | bytearray):
+        return bytes(output).decode("utf-8", errors="replace") or NO_OUTPUT
+    try:
+        # ensure_ascii=False: \uXXXX escapes cost the model several tokens per character.
+        return json.dumps(output, separators=(",", ":"), ensure_ascii=False)
+    except (TypeError, ValueError):
+        return str(output) or NO_OUTPUT

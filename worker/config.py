@@ -1,0 +1,101 @@
+"""Worker settings: the only module that reads the environment.
+
+Environment variables:
+    REDIS_URL                 broker and state store (default redis://127.0.0.1:6379/0)
+    CCHATQ_CONFIG             path of a JSON file {"backends": {NAME: {...}}, "default_backend": NAME}
+    CCHATQ_BACKENDS           the same JSON inline (wins over the file)
+    CCHATQ_REPLAY_URL         base URL of the built-in `replay` backend (default http://127.0.0.1:8011/v1)
+    CCHATQ_VISIBILITY_TIMEOUT_S   Redis transport visibility timeout (default 300)
+    CCHATQ_RESULT_TTL_S       TTL of every session key (default 86400)
+    CCHATQ_MODULE_CACHE_DIR   serialized compiled modules (default ~/.cache/cchatq/modules)
+    CCHATQ_MAX_STEP_ATTEMPTS  deliveries of one step before it is dead-lettered (default 5)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+DEFAULT_REPLAY_URL = "http://127.0.0.1:8011/v1"
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    """One named LLM endpoint. The API key is read from `api_key_env` at call time, never stored."""
+
+    name: str
+    protocol: str = "openai"
+    base_url: str = DEFAULT_REPLAY_URL
+    api_key_env: str | None = None
+    default_model: str | None = None
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 60.0
+    total_timeout_s: float = 120.0
+    max_attempts: int = 4
+    backoff_base_s: float = 0.5
+    backoff_max_s: float = 8.0
+    max_retry_after_s: float = 60.0
+
+    @classmethod
+    def from_mapping(cls, name: str, raw: Mapping[str, Any]) -> BackendConfig:
+        known = {f.name for f in fields(cls)} - {"name"}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"backend {name!r}: unknown keys {unknown}")
+        return cls(name=name, **dict(raw))
+
+    def api_key(self, environ: Mapping[str, str] | None = None) -> str | None:
+        if not self.api_key_env:
+            return None
+        return (environ if environ is not None else os.environ).get(self.api_key_env)
+
+
+@dataclass(frozen=True)
+class Settings:
+    redis_url: str = DEFAULT_REDIS_URL
+    backends: dict[str, BackendConfig] = field(default_factory=dict)
+    default_backend: str = "replay"
+    visibility_timeout_s: int = 300
+    result_ttl_s: int = 86_400
+    module_cache_dir: Path = Path.home() / ".cache" / "cchatq" / "modules"
+    max_step_attempts: int = 5
+
+    def backend(self, name: str | None) -> BackendConfig:
+        key = name or self.default_backend
+        try:
+            return self.backends[key]
+        except KeyError:
+            raise KeyError(f"unknown backend {key!r}; configured: {sorted(self.backends)}") from None
+
+
+def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
+    env = os.environ if environ is None else environ
+    replay = BackendConfig(name="replay", base_url=env.get("CCHATQ_REPLAY_URL", DEFAULT_REPLAY_URL))
+    backends: dict[str, BackendConfig] = {"replay": replay}
+    default_backend = "replay"
+    raw: dict[str, Any] = {}
+    if env.get("CCHATQ_CONFIG"):
+        raw = json.loads(Path(env["CCHATQ_CONFIG"]).read_text())
+    if env.get("CCHATQ_BACKENDS"):
+        raw = json.loads(env["CCHATQ_BACKENDS"])
+    for name, spec in (raw.get("backends") or {}).items():
+        backends[name] = BackendConfig.from_mapping(name, spec)
+    default_backend = raw.get("default_backend", default_backend)
+    # `openai` is what specs usually name; without a configuration it means the replay server.
+    backends.setdefault("openai", BackendConfig(name="openai", base_url=replay.base_url))
+    return Settings(
+        redis_url=env.get("REDIS_URL", DEFAULT_REDIS_URL),
+        backends=backends,
+        default_backend=default_backend,
+        visibility_timeout_s=int(env.get("CCHATQ_VISIBILITY_TIMEOUT_S", "300")),
+        result_ttl_s=int(env.get("CCHATQ_RESULT_TTL_S", "86400")),
+        module_cache_dir=Path(
+            env.get("CCHATQ_MODULE_CACHE_DIR", str(Path.home() / ".cache" / "cchatq" / "modules"))
+        ),
+        max_step_attempts=int(env.get("CCHATQ_MAX_STEP_ATTEMPTS", "5")),
+    )

@@ -1,0 +1,222 @@
+"""Session state in Redis: the worker's only redis importer. Key layout: `schemas/keys.py`.
+
+Every write carries a TTL. Outputs are first-writer-wins (SET NX, then read back the winner),
+so a step that runs twice never forks a transcript. Redis errors become StoreError here.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from collections.abc import Callable, Iterable
+from typing import Any, ParamSpec, TypeVar
+
+import redis
+
+from schemas import keys
+from schemas.bodies import dump_body
+from worker.engine import Round, Session, ToolOutcome
+from worker.errors import StoreError
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+def _translated(fn: Callable[P, T]) -> Callable[P, T]:
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            return fn(*args, **kwargs)
+        except redis.RedisError as exc:
+            raise StoreError(f"redis: {type(exc).__name__}: {exc}") from exc
+
+    return wrapper
+
+
+def _loads(raw: bytes | None) -> Any:
+    return None if raw is None else json.loads(raw)
+
+
+class RedisStore:
+    def __init__(self, client: redis.Redis, ttl_s: int) -> None:
+        self.client = client
+        self.ttl_s = ttl_s
+
+    @classmethod
+    def from_url(cls, url: str, ttl_s: int) -> RedisStore:
+        return cls(redis.Redis.from_url(url, health_check_interval=30), ttl_s)
+
+    # reading a session ---------------------------------------------------------------------
+
+    @_translated
+    def load_spec(self, sk: str) -> dict[str, Any]:
+        spec = _loads(self.client.get(keys.spec(sk)))
+        if spec is None:
+            raise StoreError(f"session {sk}: spec not found (expired or never submitted)")
+        return dict(spec)
+
+    @_translated
+    def load_session(self, sk: str, backend: str, upto_round: int | None = None) -> Session:
+        """The spec and every stored round (up to `upto_round` inclusive), in two round trips."""
+        spec = self.load_spec(sk)
+        limits_cap = int(spec.get("limits", {}).get("max_iterations", 8))
+        last = limits_cap - 1 if upto_round is None else upto_round
+        replies = self.client.mget([keys.model_out(sk, r) for r in range(last + 1)])
+        stored: list[dict[str, Any]] = []
+        for raw in replies:
+            if raw is None:
+                break
+            stored.append(json.loads(raw))
+        rounds = self._with_outcomes(sk, stored)
+        return Session(spec=spec, backend=backend, rounds=tuple(rounds))
+
+    def _with_outcomes(self, sk: str, replies: list[dict[str, Any]]) -> list[Round]:
+        wanted: list[tuple[int, int]] = []
+        for r, reply in enumerate(replies):
+            calls = ((reply.get("choices") or [{}])[0].get("message") or {}).get("tool_calls") or []
+            wanted.extend((r, i) for i in range(len(calls)))
+        raw = self.client.mget([keys.tool_out(sk, r, i) for r, i in wanted]) if wanted else []
+        outcomes: list[dict[int, ToolOutcome]] = [{} for _ in replies]
+        for (r, i), value in zip(wanted, raw, strict=True):
+            if value is not None:
+                outcomes[r][i] = ToolOutcome.from_json(json.loads(value))
+        return [Round(reply=reply, outcomes=outcomes[r]) for r, reply in enumerate(replies)]
+
+    @_translated
+    def model_reply(self, sk: str, round_no: int) -> dict[str, Any] | None:
+        value = _loads(self.client.get(keys.model_out(sk, round_no)))
+        return None if value is None else dict(value)
+
+    @_translated
+    def tool_outcome(self, sk: str, round_no: int, index: int) -> ToolOutcome | None:
+        value = _loads(self.client.get(keys.tool_out(sk, round_no, index)))
+        return None if value is None else ToolOutcome.from_json(value)
+
+    # writing outputs (first writer wins) ---------------------------------------------------
+
+    @_translated
+    def store_model_reply(self, sk: str, round_no: int, reply: dict[str, Any]) -> dict[str, Any]:
+        key = keys.model_out(sk, round_no)
+        pipe = self.client.pipeline(transaction=True)
+        pipe.set(key, dump_body(reply), nx=True, ex=self.ttl_s)
+        pipe.get(key)
+        _, winner = pipe.execute()
+        return dict(json.loads(winner))
+
+    @_translated
+    def store_tool_outcomes(self, sk: str, round_no: int, outcomes: dict[int, ToolOutcome]) -> int:
+        """Store outcomes and add their indexes to the round's fan-in set, atomically.
+        Returns how many calls of the round are finished."""
+        fanin = keys.fanin(sk, round_no)
+        pipe = self.client.pipeline(transaction=True)
+        for index, outcome in outcomes.items():
+            pipe.set(keys.tool_out(sk, round_no, index), dump_body(outcome.to_json()), nx=True, ex=self.ttl_s)
+            pipe.sadd(fanin, index)
+        pipe.expire(fanin, self.ttl_s)
+        pipe.scard(fanin)
+        return int(pipe.execute()[-1])
+
+    # step guards ---------------------------------------------------------------------------
+
+    @_translated
+    def begin_step(
+        self, step: str, lease_ms: int, meta: dict[str, str | int] | None = None, sk: str = ""
+    ) -> tuple[bool, bool, int]:
+        """(already published, lease taken, delivery count) for one delivery of a step, in one
+        round trip that also records the session's state for `cchatq status`."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.exists(keys.published(step))
+        pipe.set(keys.lease(step), "1", nx=True, px=lease_ms)
+        pipe.incr(keys.tries(step))
+        pipe.expire(keys.tries(step), self.ttl_s)
+        if meta and sk:
+            pipe.hset(keys.meta(sk), mapping=dict(meta))
+        published, leased, tries = pipe.execute()[:3]
+        if published and leased:
+            self.client.delete(keys.lease(step))
+        return bool(published), bool(leased), int(tries)
+
+    @_translated
+    def lease_left_ms(self, step: str) -> int:
+        return max(int(self.client.pttl(keys.lease(step))), 0)
+
+    @_translated
+    def end_step(self, step: str) -> None:
+        """Mark the continuation published (after publishing it) and drop the lease."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.set(keys.published(step), "1", ex=self.ttl_s)
+        pipe.delete(keys.lease(step))
+        pipe.execute()
+
+    @_translated
+    def release_lease(self, step: str) -> None:
+        self.client.delete(keys.lease(step))
+
+    # cancellation and failure --------------------------------------------------------------
+
+    @_translated
+    def is_cancelled(self, sk: str) -> bool:
+        return bool(self.client.exists(keys.cancel(sk)))
+
+    @_translated
+    def failure(self, sk: str) -> dict[str, Any] | None:
+        value = _loads(self.client.get(keys.failure(sk)))
+        return None if value is None else dict(value)
+
+    @_translated
+    def dead_letter(self, step: str, sk: str, body: dict[str, Any], reason: str) -> None:
+        pipe = self.client.pipeline(transaction=True)
+        pipe.set(keys.failure(sk), dump_body(body), nx=True, ex=self.ttl_s)
+        pipe.xadd(keys.DEADLETTER, {"step": step, "reason": reason[:500]}, maxlen=100_000)
+        pipe.execute()
+
+    # meta ----------------------------------------------------------------------------------
+
+    @_translated
+    def set_meta(self, sk: str, **fields: str | int) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hset(keys.meta(sk), mapping=dict(fields))
+        pipe.expire(keys.meta(sk), self.ttl_s)
+        pipe.execute()
+
+    @_translated
+    def meta(self, sk: str) -> dict[str, str]:
+        raw = self.client.hgetall(keys.meta(sk))
+        return {k.decode(): v.decode() for k, v in raw.items()}
+
+    # results -------------------------------------------------------------------------------
+
+    @_translated
+    def has_result(self, sk: str) -> bool:
+        return bool(self.client.exists(keys.response(sk)))
+
+    @_translated
+    def write_result(self, sk: str, body: bytes, record: dict[str, Any]) -> bool:
+        """Write the response fd once, then tell every waiting batch. True if this call wrote it."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.set(keys.response(sk), body, nx=True, ex=self.ttl_s)
+        pipe.set(keys.record(sk), dump_body(record), nx=True, ex=self.ttl_s)
+        pipe.hset(keys.meta(sk), mapping={"state": "done", "finished_ms": int(time.time() * 1000)})
+        pipe.smembers(keys.watchers(sk))
+        wrote, _, _, batches = pipe.execute()
+        self.notify(sk, (b.decode() for b in batches))
+        return bool(wrote)
+
+    def notify(self, sk: str, batches: Iterable[str]) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        for batch in batches:
+            pipe.rpush(keys.done_list(batch), sk)
+            pipe.expire(keys.done_list(batch), self.ttl_s)
+        pipe.execute()
+
+    @_translated
+    def chunk_members(self, batch: str, chunk_no: int) -> list[str]:
+        return [m.decode() for m in self.client.lrange(keys.chunk(batch, chunk_no), 0, -1)]
+
+    @_translated
+    def module_bytes(self, sha256: str) -> bytes:
+        data = self.client.get(keys.module(sha256))
+        if data is None:
+            raise StoreError(f"module {sha256[:12]} not in Redis (expired or never uploaded)")
+        return bytes(data)

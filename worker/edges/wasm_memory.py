@@ -1,0 +1,60 @@
+"""Byte layout of a tool call's scratch buffers in guest memory (pure arithmetic, no wasmtime).
+
+With no tool arena (guest-abi.md "Tool ABI", beyond SPEAR) the host appends fresh pages to
+the instance's memory and lays out, from the first new byte:
+
+    args_ptr  args bytes + NUL            (8-aligned: it is a page boundary)
+    out_ptr   output buffer of `cap` bytes (8-aligned)
+    len_ptr   u32 LE length cell           (8-aligned)
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+WASM_PAGE_BYTES = 65_536
+_U32 = struct.Struct("<I")
+
+
+def align8(n: int) -> int:
+    return (n + 7) & ~7
+
+
+@dataclass(frozen=True)
+class ScratchLayout:
+    args_ptr: int
+    out_ptr: int
+    len_ptr: int
+    grow_pages: int  # pages to append so that every buffer fits
+
+    @property
+    def end(self) -> int:
+        return self.len_ptr + 4
+
+
+def plan_scratch(
+    base: int, args_len: int, cap: int, page_bytes: int = WASM_PAGE_BYTES
+) -> ScratchLayout:
+    """Lay out the buffers from `base`, the current end of memory (a page boundary)."""
+    if base % page_bytes or args_len < 0 or cap < 0:
+        raise ValueError(f"bad scratch request: base={base} args_len={args_len} cap={cap}")
+    args_ptr = base
+    out_ptr = args_ptr + align8(args_len + 1)  # +1: the NUL after the args
+    len_ptr = out_ptr + align8(cap)
+    needed = len_ptr + 4 - base
+    return ScratchLayout(args_ptr, out_ptr, len_ptr, -(-needed // page_bytes))
+
+
+def as_i32(value: int) -> int:
+    """An address or length as the signed i32 a wasm32 function takes (>= 2 GiB wraps)."""
+    value &= 0xFFFF_FFFF
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+def pack_u32(value: int) -> bytes:
+    return _U32.pack(value)
+
+
+def unpack_u32(raw: bytes | bytearray) -> int:
+    return int(_U32.unpack(bytes(raw))[0])

@@ -1,0 +1,346 @@
+"""Runs one tool call in a fresh wasmtime instance (guest-abi.md, "Tool ABI").
+
+The only module in the project that imports wasmtime; wasmtime exceptions are translated
+here, once, into worker.errors: tool misbehaviour (trap, timeout, rc < 0, bad output,
+memory limit) -> ToolExecError; a module that cannot load or link -> GuestError.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import logging
+import math
+import os
+import re
+import tempfile
+import threading
+import time
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from wasmtime import (
+    Config,
+    Engine,
+    ExitTrap,
+    Func,
+    InstancePre,
+    Linker,
+    Memory,
+    Module,
+    Store,
+    Table,
+    Trap,
+    TrapCode,
+    ValType,
+    WasiConfig,
+    WasmtimeError,
+)
+
+from worker.edges.wasm_memory import ScratchLayout, as_i32, pack_u32, plan_scratch, unpack_u32
+from worker.errors import CchatqError, GuestError, ToolExecError
+
+log = logging.getLogger(__name__)
+
+WASMTIME_VERSION = importlib.metadata.version("wasmtime")
+ENOSPC = -28
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+_TABLE_NAMES = ("__indirect_function_table", "table")
+_REASON_MAX_CHARS = 200
+
+
+@dataclass(frozen=True)
+class ToolInvocation:
+    module_sha256: str  # hex sha256 of the module bytes
+    export: str | None  # call by export name ...
+    table_index: int | None  # ... or by index into the exported function table
+    arguments: bytes  # UTF-8 JSON text from the model
+    timeout_ms: int = 10_000
+    memory_bytes: int = 256 << 20
+    max_output_bytes: int = 65_536
+
+
+@dataclass
+class _EngineState:
+    """One engine per process: wasmtime state does not survive a fork (Celery prefork)."""
+
+    pid: int
+    engine: Engine
+    linker: Linker
+    stop: threading.Event
+    ticker: threading.Thread
+    prepared: dict[str, InstancePre] = field(default_factory=dict)  # sha -> linked module
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    rc: int
+    cell: int  # the u32 at len_ptr after the call
+    output: bytes  # read only when rc >= 0
+
+
+def _tick(engine: Engine, stop: threading.Event, tick_s: float) -> None:
+    while not stop.wait(tick_s):
+        engine.increment_epoch()
+
+
+def _short_reason(message: str) -> str:
+    """The cause line of a wasmtime message ("wasm trap: ..."), not its backtrace header."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    if "Caused by:" in lines and lines.index("Caused by:") + 1 < len(lines):
+        reason = lines[lines.index("Caused by:") + 1]
+    else:
+        reason = lines[0] if lines else "unknown error"
+    return re.sub(r"^\d+: ", "", reason)[:_REASON_MAX_CHARS]  # drop the "0: " of a cause chain
+
+
+def _is_memory_limit(err: WasmtimeError) -> bool:
+    return "exceeds memory limits" in str(err)
+
+
+def _signature(ty: Any) -> str:
+    params = ", ".join(str(p) for p in ty.params)
+    results = ", ".join(str(r) for r in ty.results)
+    return f"({params}) -> ({results})"
+
+
+class WasmToolRuntime:
+    def __init__(
+        self,
+        cache_dir: Path,
+        load_module_bytes: Callable[[str], bytes],
+        initial_output_bytes: int = 4096,
+        epoch_tick_ms: int = 10,
+    ) -> None:
+        if epoch_tick_ms <= 0 or initial_output_bytes < 0:
+            raise ValueError("epoch_tick_ms must be > 0 and initial_output_bytes >= 0")
+        self._cache_dir = Path(cache_dir)
+        self._load_module_bytes = load_module_bytes
+        self._initial_output_bytes = initial_output_bytes
+        self._epoch_tick_ms = epoch_tick_ms
+        self._lock = threading.Lock()
+        self._state: _EngineState | None = None
+
+    # -- public -------------------------------------------------------------------------------
+
+    def call_tool(self, inv: ToolInvocation) -> str:
+        """Run the tool once (twice after -ENOSPC) and return its output text."""
+        deadline = time.monotonic() + inv.timeout_ms / 1000
+        state = self._engine_state()
+        pre = self._prepared(state, inv.module_sha256)
+        cap = max(0, min(self._initial_output_bytes, inv.max_output_bytes))
+        outcome = self._attempt(state, pre, inv, cap, self._ticks(inv.timeout_ms))
+        if outcome.rc == ENOSPC:
+            need = outcome.cell
+            if need > inv.max_output_bytes:
+                raise ToolExecError(
+                    f"tool output of {need} bytes exceeds max_tool_output_bytes "
+                    f"{inv.max_output_bytes}"
+                )
+            # The retry gets what is left of the same budget, not a fresh timeout.
+            left_ms = max(0.0, (deadline - time.monotonic()) * 1000)
+            outcome = self._attempt(state, pre, inv, need, self._ticks(left_ms))
+        if outcome.rc < 0:
+            raise ToolExecError(f"tool rc: {outcome.rc}")
+        try:
+            return outcome.output.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ToolExecError("tool output is not valid UTF-8") from None
+
+    def close(self) -> None:
+        """Stop the epoch ticker. A later call_tool starts a new engine."""
+        with self._lock:
+            state, self._state = self._state, None
+        if state is not None and state.pid == os.getpid():
+            state.stop.set()
+            state.ticker.join(timeout=1.0)
+
+    # -- engine and modules -------------------------------------------------------------------
+
+    def _engine_state(self) -> _EngineState:
+        pid = os.getpid()
+        with self._lock:
+            if self._state is None or self._state.pid != pid:
+                # After a fork the parent's ticker thread does not exist here: start over.
+                self._state = self._new_engine(pid)
+            return self._state
+
+    def _new_engine(self, pid: int) -> _EngineState:
+        config = Config()
+        config.epoch_interruption = True
+        engine = Engine(config)
+        linker = Linker(engine)
+        linker.define_wasi()  # store-independent, so one linker serves every call
+        stop = threading.Event()
+        ticker = threading.Thread(
+            target=_tick,
+            args=(engine, stop, self._epoch_tick_ms / 1000),
+            name="wasm-epoch-ticker",
+            daemon=True,
+        )
+        ticker.start()
+        weakref.finalize(self, stop.set)  # a runtime dropped without close() stops its ticker
+        return _EngineState(pid, engine, linker, stop, ticker)
+
+    def _ticks(self, budget_ms: float) -> int:
+        # +1: the first tick may land at any point within the current period.
+        return math.ceil(budget_ms / self._epoch_tick_ms) + 1
+
+    def _prepared(self, state: _EngineState, sha: str) -> InstancePre:
+        pre = state.prepared.get(sha)
+        if pre is None:
+            module = self._module(state.engine, sha)
+            try:
+                pre = state.linker.instantiate_pre(module)
+            except WasmtimeError as err:
+                reason = _short_reason(str(err))
+                raise GuestError(f"module {sha} cannot be linked: {reason}") from None
+            state.prepared[sha] = pre
+        return pre
+
+    def _module(self, engine: Engine, sha: str) -> Module:
+        if not _SHA256_HEX.fullmatch(sha):  # it becomes a file name: no path tricks
+            raise GuestError(f"invalid module sha256 {sha!r}")
+        path = self._cache_dir / f"{sha}-wasmtime-{WASMTIME_VERSION}.cwasm"
+        if path.is_file():
+            try:
+                return Module.deserialize_file(engine, str(path))
+            except WasmtimeError as err:
+                log.warning("dropping unreadable cache %s: %s", path, _short_reason(str(err)))
+                path.unlink(missing_ok=True)
+        wasm = self._load_module_bytes(sha)
+        if hashlib.sha256(wasm).hexdigest() != sha:
+            raise GuestError(f"module bytes do not match sha256 {sha}")
+        if not wasm.startswith(b"\0asm"):  # wasmtime-py would parse any other bytes as WAT text
+            raise GuestError(f"module {sha} is not a WebAssembly binary")
+        try:
+            module = Module(engine, wasm)
+        except WasmtimeError as err:
+            raise GuestError(f"module {sha} does not compile: {_short_reason(str(err))}") from None
+        self._write_cache(path, module.serialize())
+        return module
+
+    def _write_cache(self, path: Path, blob: bytes | bytearray) -> None:
+        # Temp file + rename: a concurrent reader sees the old file or the whole new one.
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(blob)
+                os.replace(tmp, path)
+            except BaseException:
+                os.unlink(tmp)
+                raise
+        except OSError as err:  # the cache is an optimisation; the call can still run
+            log.warning("cannot write module cache %s: %s", path, err)
+
+    # -- one attempt --------------------------------------------------------------------------
+
+    def _attempt(
+        self, state: _EngineState, pre: InstancePre, inv: ToolInvocation, cap: int, ticks: int
+    ) -> _Outcome:
+        store = Store(state.engine)
+        store.set_limits(memory_size=max(0, inv.memory_bytes))  # negative would mean no limit
+        store.set_wasi(WasiConfig())  # nothing granted: no dirs, env, args or stdio
+        store.set_epoch_deadline(ticks)
+        try:
+            instance = pre.instantiate(store)
+        except (Trap, WasmtimeError) as err:
+            raise self._translate(err, inv, instantiating=True) from None
+        try:
+            exports = instance.exports(store)
+            init = exports.get("_initialize")
+            if isinstance(init, Func):  # WASI reactor; `_start` is never called
+                init(store)
+            func = self._resolve(store, exports, inv)
+            memory = exports.get("memory")
+            if not isinstance(memory, Memory):
+                raise ToolExecError("module exports no linear memory named `memory`")
+            layout = self._grow_scratch(store, memory, len(inv.arguments), cap)
+            memory.write(store, inv.arguments + b"\0", layout.args_ptr)
+            memory.write(store, pack_u32(cap), layout.len_ptr)
+            rc = int(
+                func(
+                    store,
+                    as_i32(layout.args_ptr),
+                    as_i32(len(inv.arguments)),
+                    as_i32(layout.out_ptr),
+                    as_i32(layout.len_ptr),
+                )
+            )
+            cell = unpack_u32(memory.read(store, layout.len_ptr, layout.end))
+            if rc < 0:
+                return _Outcome(rc, cell, b"")
+            if cell > cap:
+                raise ToolExecError("tool wrote a length beyond its buffer")
+            output = bytes(memory.read(store, layout.out_ptr, layout.out_ptr + cell))
+            return _Outcome(rc, cell, output)
+        except (Trap, WasmtimeError) as err:
+            raise self._translate(err, inv, instantiating=False) from None
+
+    def _resolve(self, store: Store, exports: Mapping[str, Any], inv: ToolInvocation) -> Func:
+        if inv.export is not None:
+            what = f"export {inv.export!r}"
+            func = exports.get(inv.export)
+            if func is None:
+                raise ToolExecError(f"module has no {what}")
+        elif inv.table_index is not None:
+            index = inv.table_index
+            what = f"table index {index}"
+            table = self._function_table(exports)
+            if table is None:
+                raise ToolExecError("module exports no function table")
+            size = int(table.size(store))
+            if not 0 <= index < size:
+                raise ToolExecError(f"{what} is out of bounds (table size {size})")
+            func = table.get(store, index)  # a null slot comes back as a Val or None
+        else:
+            raise ToolExecError("tool names neither an export nor a table index")
+        if not isinstance(func, Func):
+            raise ToolExecError(f"{what} is not a function (null slot or not a func)")
+        ty = func.type(store)
+        i32 = ValType.i32()
+        if list(ty.params) != [i32] * 4 or list(ty.results) != [i32]:
+            raise ToolExecError(
+                f"{what} has type {_signature(ty)}, a tool must be (i32, i32, i32, i32) -> (i32)"
+            )
+        return func
+
+    @staticmethod
+    def _function_table(exports: Mapping[str, Any]) -> Table | None:
+        for name in _TABLE_NAMES:
+            if isinstance(exports.get(name), Table):
+                return exports[name]  # type: ignore[no-any-return]
+        return next((e for e in exports.values() if isinstance(e, Table)), None)
+
+    @staticmethod
+    def _grow_scratch(store: Store, memory: Memory, args_len: int, cap: int) -> ScratchLayout:
+        page = int(memory.page_size(store))
+        layout = plan_scratch(int(memory.data_len(store)), args_len, cap, page)
+        try:
+            memory.grow(store, layout.grow_pages)
+        except WasmtimeError:  # refused by Store.set_limits or the module's declared maximum
+            raise ToolExecError("tool memory limit reached") from None
+        return layout
+
+    @staticmethod
+    def _translate(
+        err: Trap | WasmtimeError, inv: ToolInvocation, *, instantiating: bool
+    ) -> CchatqError:
+        if isinstance(err, Trap):
+            if err.trap_code == TrapCode.INTERRUPT:
+                return ToolExecError(f"tool timed out after {inv.timeout_ms} ms")
+            return ToolExecError(f"tool trapped: {_short_reason(str(err))}")
+        if isinstance(err, ExitTrap):
+            return ToolExecError(f"tool called proc_exit({err.code})")
+        if _is_memory_limit(err):  # e.g. a module whose initial memory exceeds memory_bytes
+            return ToolExecError("tool memory limit reached")
+        if instantiating:
+            return GuestError(f"module {inv.module_sha256}: {_short_reason(str(err))}")
+        # A host-function error while the tool runs (e.g. a WASI call with invalid arguments)
+        # aborts the call like a trap, and the tool is at fault.
+        return ToolExecError(f"tool trapped: {_short_reason(str(err))}")

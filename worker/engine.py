@@ -1,0 +1,297 @@
+"""The pure session engine: the auto tool-call loop of guest-abi.md section 4.
+
+No Celery, Redis, HTTP or wasmtime here. Given what a session has stored so far (its spec
+and, per round, the model reply and the tool outcomes), `plan` says what happens next:
+call the model, run these tools, or finish with this body. Tasks only carry that out.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import jsonschema
+
+from schemas.bodies import dump_text, error_obj, is_error_body
+from schemas.limits import Limits
+from worker.codecs.openai_chat import decode_arguments, tool_calls_of, tool_message_content
+from worker.errors import ToolArgumentsError
+
+
+@dataclass(frozen=True)
+class ToolOutcome:
+    """What one tool call produced: the tool message content, and whether it succeeded."""
+
+    content: str
+    ok: bool
+
+    @classmethod
+    def error(cls, code: str, message: str) -> ToolOutcome:
+        return cls(content=dump_text(error_obj(code, message)), ok=False)
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> ToolOutcome:
+        return cls(content=str(raw["content"]), ok=bool(raw["ok"]))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"content": self.content, "ok": self.ok}
+
+
+@dataclass(frozen=True)
+class Round:
+    """One model call: its reply (a canonical chat.completion, or an error body) and the
+    outcomes stored so far for its tool calls, by call index."""
+
+    reply: dict[str, Any]
+    outcomes: dict[int, ToolOutcome] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Session:
+    spec: dict[str, Any]
+    backend: str
+    rounds: tuple[Round, ...] = ()
+
+    @property
+    def limits(self) -> Limits:
+        return Limits.resolve(self.spec.get("limits"))
+
+    @property
+    def flags(self) -> dict[str, bool]:
+        return dict(self.spec.get("flags") or {})
+
+    def tools_by_name(self) -> dict[str, dict[str, Any]]:
+        return {t["function"]["name"]: t for t in self.spec.get("tools", [])}
+
+
+# What happens next -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CallModel:
+    round_no: int
+    model: str
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]]
+    params: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ToolRun:
+    """A call to execute on a tools worker."""
+
+    index: int
+    call_id: str
+    name: str
+    tool: dict[str, Any]
+    arguments: str
+
+
+@dataclass(frozen=True)
+class RunTools:
+    round_no: int
+    call_count: int
+    runs: tuple[ToolRun, ...]
+    # Calls answered without running anything (unknown tool, invalid arguments), by index.
+    presets: dict[int, ToolOutcome]
+
+
+@dataclass(frozen=True)
+class Finish:
+    body: dict[str, Any]
+
+    @property
+    def ok(self) -> bool:
+        return not is_error_body(self.body)
+
+
+Step = CallModel | RunTools | Finish
+
+
+def plan(session: Session) -> Step:
+    """Decide the next step from the stored state alone (so a redelivered step decides alike)."""
+    if not session.rounds:
+        return _call_model(session, 0)
+    round_no = len(session.rounds) - 1
+    last = session.rounds[-1]
+    if is_error_body(last.reply):
+        return Finish(last.reply)
+    calls = tool_calls_of(last.reply)
+    if not calls or not session.flags.get("auto_tool_call", True):
+        return Finish(success_body(session, last.reply))
+    limit = _limit_hit(session, len(calls))
+    if limit:
+        return Finish(error_obj("tool_call_limit", f"exceeded {limit}"))
+    presets = _presets(session, last.reply, calls)
+    if session.flags.get("strict_unknown_tool"):
+        unknown = [c for c in calls if c["function"]["name"] not in session.tools_by_name()]
+        if unknown:
+            return Finish(error_obj("unknown_tool", f"unknown tool: {unknown[0]['function']['name']}"))
+    if all(i in last.outcomes for i in range(len(calls))):
+        return _call_model(session, round_no + 1)
+    pending = [i for i in range(len(calls)) if i not in last.outcomes and i not in presets]
+    tools = session.tools_by_name()
+    runs = tuple(
+        ToolRun(
+            index=i,
+            call_id=calls[i]["id"],
+            name=calls[i]["function"]["name"],
+            tool=tools[calls[i]["function"]["name"]],
+            arguments=calls[i]["function"]["arguments"],
+        )
+        for i in pending
+    )
+    unstored = {i: o for i, o in presets.items() if i not in last.outcomes}
+    return RunTools(round_no=round_no, call_count=len(calls), runs=runs, presets=unstored)
+
+
+def _call_model(session: Session, round_no: int) -> CallModel:
+    return CallModel(
+        round_no=round_no,
+        model=session.spec["model"],
+        messages=transcript(session),
+        tools=[{"type": "function", "function": t["function"]} for t in session.spec.get("tools", [])],
+        params=dict(session.spec.get("params") or {}),
+    )
+
+
+def _limit_hit(session: Session, call_count: int) -> str | None:
+    limits = session.limits
+    if len(session.rounds) >= limits.max_iterations:
+        return "max_iterations"
+    used = sum(len(tool_calls_of(r.reply)) for r in session.rounds[:-1] if not is_error_body(r.reply))
+    if used + call_count > limits.max_total_tool_calls:
+        return "max_total_tool_calls"
+    return None
+
+
+def _presets(
+    session: Session, reply: dict[str, Any], calls: list[dict[str, Any]]
+) -> dict[int, ToolOutcome]:
+    tools = session.tools_by_name()
+    truncated = _finish_reason(reply) == "length"
+    presets: dict[int, ToolOutcome] = {}
+    for i, call in enumerate(calls):
+        name = call["function"]["name"]
+        if name not in tools:
+            presets[i] = ToolOutcome.error("unknown_tool", f"unknown tool: {name}")
+        elif truncated:
+            # conformance B1 #13: never execute a call cut off by the token limit
+            presets[i] = ToolOutcome.error(
+                "invalid_arguments", "arguments truncated (finish_reason length), not executed"
+            )
+        else:
+            problem = argument_problem(call["function"]["arguments"], tools[name]["function"])
+            if problem:
+                presets[i] = ToolOutcome.error("invalid_arguments", problem)
+    return presets
+
+
+def argument_problem(arguments: str, function: dict[str, Any]) -> str | None:
+    """Why these arguments cannot be passed to the tool, or None when they can."""
+    try:
+        decoded = decode_arguments(arguments)
+    except ToolArgumentsError as exc:
+        return exc.message
+    schema = function.get("parameters") or {"type": "object"}
+    error = jsonschema.exceptions.best_match(_validator(json.dumps(schema, sort_keys=True)).iter_errors(decoded))
+    if error is None:
+        return None
+    where = "/".join(str(p) for p in error.absolute_path) or "arguments"
+    return f"{where}: {error.message}"[:500]
+
+
+@functools.lru_cache(maxsize=512)
+def _validator(schema_json: str) -> jsonschema.protocols.Validator:
+    schema = json.loads(schema_json)
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    return cls(schema)  # type: ignore[no-any-return]
+
+
+def _finish_reason(reply: dict[str, Any]) -> str | None:
+    choices = reply.get("choices") or [{}]
+    reason = choices[0].get("finish_reason")
+    return reason if isinstance(reason, str) else None
+
+
+# Transcript, bodies, metrics ---------------------------------------------------------------
+
+
+def assistant_message(reply: dict[str, Any]) -> dict[str, Any]:
+    message = dict((reply.get("choices") or [{}])[0].get("message") or {})
+    out: dict[str, Any] = {"role": "assistant", "content": message.get("content")}
+    if message.get("tool_calls"):
+        out["tool_calls"] = message["tool_calls"]
+    return out
+
+
+def transcript(session: Session, missing: ToolOutcome | None = None) -> list[dict[str, Any]]:
+    """Spec messages, then per round the assistant message and one tool message per call, in
+    call order. A call with no stored outcome gets `missing` (or the plan's verdict), so the
+    transcript never holds a tool call without its answer."""
+    messages: list[dict[str, Any]] = [dict(m) for m in session.spec["messages"]]
+    auto = session.flags.get("auto_tool_call", True)
+    for round_no, rnd in enumerate(session.rounds):
+        if is_error_body(rnd.reply):
+            break
+        messages.append(assistant_message(rnd.reply))
+        calls = tool_calls_of(rnd.reply)
+        if not calls or not auto:
+            continue
+        fill = _fill_for_round(session, round_no, calls, missing)
+        for i, call in enumerate(calls):
+            outcome = rnd.outcomes.get(i) or fill.get(i)
+            if outcome is None:
+                continue
+            messages.append(
+                {"role": "tool", "tool_call_id": call["id"], "content": tool_message_content(outcome.content)}
+            )
+    return messages
+
+
+def _fill_for_round(
+    session: Session, round_no: int, calls: list[dict[str, Any]], missing: ToolOutcome | None
+) -> dict[int, ToolOutcome]:
+    if round_no != len(session.rounds) - 1:
+        return {}
+    upto = Session(spec=session.spec, backend=session.backend, rounds=session.rounds[: round_no + 1])
+    limit = _limit_hit(upto, len(calls))
+    if limit:
+        return {i: ToolOutcome.error("tool_call_limit", f"skipped: exceeded {limit}") for i in range(len(calls))}
+    fill = _presets(upto, session.rounds[round_no].reply, calls)
+    if missing is not None:
+        for i in range(len(calls)):
+            fill.setdefault(i, missing)
+    return fill
+
+
+def success_body(session: Session, reply: dict[str, Any]) -> dict[str, Any]:
+    body = dict(reply)
+    body["_spear"] = {"backend": session.backend, "model": reply.get("model") or session.spec["model"]}
+    return body
+
+
+def metrics(session: Session, latency_ms: int) -> dict[str, Any]:
+    usage: dict[str, int] = {}
+    tool_calls = tool_failures = output_bytes = 0
+    for rnd in session.rounds:
+        for key, value in (rnd.reply.get("usage") or {}).items():
+            if isinstance(value, int) and not isinstance(value, bool):
+                usage[key] = usage.get(key, 0) + value
+        for outcome in rnd.outcomes.values():
+            tool_calls += 1
+            tool_failures += 0 if outcome.ok else 1
+            output_bytes += len(outcome.content.encode())
+    return {
+        "iterations": sum(1 for r in session.rounds if not is_error_body(r.reply)),
+        "latency_ms": latency_ms,
+        "tool_calls": tool_calls,
+        "tool_failures": tool_failures,
+        "tool_output_bytes": output_bytes,
+        "usage": usage,
+    }
+
+
+CANCELLED = ToolOutcome.error("cancelled", "session cancelled before this call ran")

@@ -1,0 +1,238 @@
+"""The steps of a session: start, round, tool, finish. Each runs at least once, so each is
+idempotent: a step id, a lease while it runs, first-writer-wins outputs, and a `published`
+marker set after its continuation is sent. A redelivered step that finds its work done
+re-publishes its continuation; duplicates of a step are absorbed by these guards.
+
+Celery is not imported here: tasks call these methods and turn `RetryLater` into a retry.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+from schemas import keys
+from schemas.bodies import dump_body, error_obj, is_error_body
+from worker.codecs.openai_chat import build_request, tool_calls_of
+from worker.config import BackendConfig, Settings
+from worker.edges.dispatch import Dispatcher
+from worker.edges.store import RedisStore
+from worker.edges.wasm_runtime import ToolInvocation, WasmToolRuntime
+from worker.engine import (
+    CANCELLED,
+    CallModel,
+    Finish,
+    Round,
+    RunTools,
+    Session,
+    ToolOutcome,
+    metrics,
+    plan,
+    transcript,
+)
+from worker.errors import GuestError, ProviderError, StoreError, ToolError
+
+log = logging.getLogger(__name__)
+
+START_LEASE_MS = 60_000
+FINISH_LEASE_MS = 30_000
+
+
+class RetryLater(Exception):
+    def __init__(self, countdown_s: float, reason: str) -> None:
+        super().__init__(reason)
+        self.countdown_s = countdown_s
+
+
+class CompletionProvider(Protocol):
+    def complete(self, request: dict[str, Any]) -> Any: ...
+
+
+@dataclass
+class StepRunner:
+    store: RedisStore
+    dispatch: Dispatcher
+    provider_for: Callable[[BackendConfig], CompletionProvider]
+    runtime: Callable[[], WasmToolRuntime]
+    settings: Settings
+
+    # guards --------------------------------------------------------------------------------
+
+    def _guarded(self, step: str, sk: str, lease_ms: int, body: Callable[[], None], **meta: str | int) -> None:
+        published, leased, tries = self.store.begin_step(step, lease_ms, dict(meta), sk)
+        if published:
+            return
+        if not leased:
+            raise RetryLater(self.store.lease_left_ms(step) / 1000 + 0.05, f"step {step} is leased")
+        if tries > self.settings.max_step_attempts:
+            self.poison(step, sk, f"delivered {tries} times")
+            return
+        try:
+            body()
+        except Exception as exc:
+            self._release_quietly(step)
+            if tries >= self.settings.max_step_attempts:
+                self.poison(step, sk, f"{type(exc).__name__}: {exc}")
+                return
+            log.warning("step %s failed (try %d): %s", step, tries, type(exc).__name__)
+            raise RetryLater(min(0.2 * 2**tries, 10.0), f"{type(exc).__name__}: {exc}") from exc
+        self.store.end_step(step)
+
+    def _release_quietly(self, step: str) -> None:
+        try:
+            self.store.release_lease(step)
+        except StoreError:
+            pass
+
+    def poison(self, step: str, sk: str, reason: str) -> None:
+        """A step that keeps failing ends its session: dead-letter it and finish with an error."""
+        body = error_obj("step_failed", f"step {step} failed for good: {reason}"[:500])
+        self.store.dead_letter(step, sk, body, reason)
+        self.dispatch.finish(sk)
+        self.store.end_step(step)
+
+    def _cancelled(self, sk: str) -> bool:
+        if self.store.is_cancelled(sk):
+            self.dispatch.finish(sk)
+            return True
+        return False
+
+    def _default_backend(self) -> str:
+        return self.settings.default_backend
+
+    # start ---------------------------------------------------------------------------------
+
+    def start(self, batch: str, chunk_no: int) -> None:
+        def body() -> None:
+            for sk in self.store.chunk_members(batch, chunk_no):
+                self.dispatch.round(sk, 0)
+
+        self._guarded(keys.start_step(batch, chunk_no), batch, START_LEASE_MS, body)
+
+    # round ---------------------------------------------------------------------------------
+
+    def round(self, sk: str, round_no: int) -> None:
+        if self._cancelled(sk):
+            return
+        session = self.store.load_session(sk, self._default_backend(), upto_round=round_no)
+        backend = self._backend(session)
+        lease_ms = int((backend.total_timeout_s if backend else 60) * 1000) + 10_000
+
+        def body() -> None:
+            nonlocal session
+            if len(session.rounds) <= round_no:
+                step = plan(session)
+                if not isinstance(step, CallModel) or step.round_no != round_no:
+                    return  # a stale duplicate: the session is past this round
+                reply = self._call_model(session, backend, step)
+                winner = self.store.store_model_reply(sk, round_no, reply)
+                session = replace(session, rounds=(*session.rounds, Round(reply=winner)))
+            self._continue(sk, session)
+
+        self._guarded(keys.round_step(sk, round_no), sk, lease_ms, body, state=f"round {round_no}")
+
+    def _backend(self, session: Session) -> BackendConfig | None:
+        try:
+            return self.settings.backend(session.spec.get("provider"))
+        except KeyError:
+            return None
+
+    def _call_model(self, session: Session, backend: BackendConfig | None, step: CallModel) -> dict[str, Any]:
+        if backend is None:
+            name = session.spec.get("provider")
+            return error_obj("provider_error", f"unknown backend {name!r}; configured: {sorted(self.settings.backends)}")
+        request = build_request(step.model, step.messages, step.tools, step.params)
+        try:
+            return dict(self.provider_for(backend).complete(request).completion)
+        except ProviderError as exc:
+            return error_obj(exc.code, exc.message)
+
+    def _continue(self, sk: str, session: Session) -> None:
+        """Publish what follows a stored model reply."""
+        step = plan(session)
+        if isinstance(step, Finish):
+            self.dispatch.finish(sk)
+        elif isinstance(step, CallModel):
+            self.dispatch.round(sk, step.round_no)
+        elif isinstance(step, RunTools):
+            done = self.store.store_tool_outcomes(sk, step.round_no, step.presets) if step.presets else 0
+            for run in step.runs:
+                self.dispatch.tool(sk, step.round_no, run.index)
+            if not step.runs and done >= step.call_count:
+                self.dispatch.round(sk, step.round_no + 1)
+
+    # tool ----------------------------------------------------------------------------------
+
+    def tool(self, sk: str, round_no: int, index: int) -> None:
+        if self._cancelled(sk):
+            return
+        spec = self.store.load_spec(sk)
+        limits = Session(spec=spec, backend="").limits
+
+        def body() -> None:
+            reply = self.store.model_reply(sk, round_no)
+            if reply is None or is_error_body(reply):
+                raise StoreError(f"round {round_no} reply missing for tool step")
+            calls = tool_calls_of(reply)
+            outcome = self.store.tool_outcome(sk, round_no, index)
+            if outcome is None:
+                outcome = self._execute(spec, calls[index], limits.as_dict())
+            done = self.store.store_tool_outcomes(sk, round_no, {index: outcome})
+            if done >= len(calls):
+                self.dispatch.round(sk, round_no + 1)
+
+        lease_ms = 2 * limits.tool_timeout_ms + 5_000  # an ENOSPC retry may run the tool twice
+        self._guarded(keys.tool_step(sk, round_no, index), sk, lease_ms, body)
+
+    def _execute(self, spec: dict[str, Any], call: dict[str, Any], limits: dict[str, int]) -> ToolOutcome:
+        name = call["function"]["name"]
+        tool = next(t for t in spec["tools"] if t["function"]["name"] == name)
+        invocation = ToolInvocation(
+            module_sha256=tool["module_sha256"],
+            export=tool.get("export"),
+            table_index=tool.get("table_index"),
+            arguments=call["function"]["arguments"].encode(),
+            timeout_ms=limits["tool_timeout_ms"],
+            memory_bytes=limits["tool_memory_bytes"],
+            max_output_bytes=limits["max_tool_output_bytes"],
+        )
+        try:
+            return ToolOutcome(content=self.runtime().call_tool(invocation), ok=True)
+        except ToolError as exc:
+            return ToolOutcome.error(exc.code, exc.message)
+        except GuestError as exc:
+            return ToolOutcome.error("tool_exec_failed", exc.message)
+
+    # finish --------------------------------------------------------------------------------
+
+    def finish(self, sk: str) -> None:
+        def body() -> None:
+            session = self.store.load_session(sk, self._default_backend())
+            failure = self.store.failure(sk)
+            missing: ToolOutcome | None = None
+            if failure is not None:
+                result, missing = failure, ToolOutcome.error("step_failed", "session failed before this call ran")
+            elif self.store.is_cancelled(sk):
+                result, missing = error_obj("cancelled", "session cancelled"), CANCELLED
+            else:
+                step = plan(session)
+                if isinstance(step, Finish):
+                    result = step.body
+                else:
+                    result, missing = error_obj("internal_error", "finish before the session ended"), CANCELLED
+            meta = self.store.meta(sk)
+            latency_ms = int(time.time() * 1000) - int(meta.get("submitted_ms", "0") or 0)
+            want_metrics = session.flags.get("metrics", True)
+            record = {
+                "id": session.spec["id"],
+                "status": "error" if is_error_body(result) else "ok",
+                "body": result,
+                "transcript": transcript(session, missing),
+                "metrics": metrics(session, latency_ms) if want_metrics else {},
+            }
+            self.store.write_result(sk, dump_body(result), record)
+
+        self._guarded(keys.finish_step(sk), sk, FINISH_LEASE_MS, body)

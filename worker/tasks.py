@@ -1,0 +1,46 @@
+"""The Celery app and its tasks: a thin shell over StepRunner. `celery -A worker.tasks ...`.
+
+Arguments are ids only (session key, round, call index), so Flower and the logs never see a
+prompt, a tool argument or a key. Tasks return nothing; results live in Redis response fds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import Celery, Task
+
+from schemas import task_names
+from worker.config import load_settings
+from worker.steps import RetryLater, StepRunner
+from worker.wiring import celery_config, runner
+
+app = Celery("cchatq")
+app.conf.update(celery_config(load_settings()))
+
+
+def _run(task: Task, call: Any) -> None:
+    try:
+        call(runner(app))
+    except RetryLater as exc:
+        raise task.retry(countdown=exc.countdown_s, max_retries=None) from None
+
+
+@app.task(name=task_names.START, bind=True)
+def start(self: Task, batch: str, chunk_no: int) -> None:
+    _run(self, lambda r: StepRunner.start(r, batch, chunk_no))
+
+
+@app.task(name=task_names.ROUND, bind=True)
+def round_(self: Task, sk: str, round_no: int) -> None:
+    _run(self, lambda r: StepRunner.round(r, sk, round_no))
+
+
+@app.task(name=task_names.TOOL, bind=True)
+def tool(self: Task, sk: str, round_no: int, index: int) -> None:
+    _run(self, lambda r: StepRunner.tool(r, sk, round_no, index))
+
+
+@app.task(name=task_names.FINISH, bind=True)
+def finish(self: Task, sk: str) -> None:
+    _run(self, lambda r: StepRunner.finish(r, sk))

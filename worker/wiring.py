@@ -1,0 +1,88 @@
+"""Builds the edges from settings, once per process (Celery prefork forks after import, so
+connections, HTTP sessions and the wasmtime engine are created lazily in the child)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+from celery import Celery
+
+from worker.config import BackendConfig, Settings, load_settings
+from worker.edges.dispatch import Dispatcher
+from worker.edges.provider_http import OpenAIChatProvider
+from worker.edges.store import RedisStore
+from worker.edges.wasm_runtime import WasmToolRuntime
+from worker.steps import StepRunner
+
+
+class Wiring:
+    def __init__(self, app: Celery, settings: Settings) -> None:
+        self.settings = settings
+        self.store = RedisStore.from_url(settings.redis_url, settings.result_ttl_s)
+        self._providers: dict[str, OpenAIChatProvider] = {}
+        self._runtime: WasmToolRuntime | None = None
+        self._lock = threading.Lock()
+        self.runner = StepRunner(
+            store=self.store,
+            dispatch=Dispatcher(app),
+            provider_for=self.provider_for,
+            runtime=self.runtime,
+            settings=settings,
+        )
+
+    def provider_for(self, backend: BackendConfig) -> Any:
+        with self._lock:
+            provider = self._providers.get(backend.name)
+            if provider is None:
+                if backend.protocol != "openai":
+                    raise KeyError(f"backend {backend.name!r}: protocol {backend.protocol!r} not supported")
+                provider = self._providers[backend.name] = OpenAIChatProvider(backend)
+            return provider
+
+    def runtime(self) -> WasmToolRuntime:
+        with self._lock:
+            if self._runtime is None:
+                self._runtime = WasmToolRuntime(
+                    cache_dir=self.settings.module_cache_dir, load_module_bytes=self.store.module_bytes
+                )
+            return self._runtime
+
+
+_wiring: tuple[int, Wiring] | None = None
+_wiring_lock = threading.Lock()
+
+
+def runner(app: Celery) -> StepRunner:
+    """The process's StepRunner, rebuilt after a fork."""
+    global _wiring
+    with _wiring_lock:
+        if _wiring is None or _wiring[0] != os.getpid():
+            _wiring = (os.getpid(), Wiring(app, load_settings()))
+        return _wiring[1].runner
+
+
+def celery_config(settings: Settings) -> dict[str, Any]:
+    """Reliability settings of architecture.md section 3."""
+    from schemas.task_names import ROUTES
+
+    return {
+        "broker_url": settings.redis_url,
+        "broker_connection_retry_on_startup": True,
+        "broker_transport_options": {"visibility_timeout": settings.visibility_timeout_s},
+        "task_serializer": "json",
+        "accept_content": ["json"],
+        "result_serializer": "json",
+        "task_ignore_result": True,
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "worker_prefetch_multiplier": 1,
+        "task_routes": {name: {"queue": queue} for name, queue in ROUTES.items()},
+        "task_default_queue": "control",
+        # the backstop only: deadlines inside WASM are epoch interruptions
+        "task_time_limit": max(settings.visibility_timeout_s - 10, 60),
+        "worker_send_task_events": True,
+        "task_send_sent_event": True,
+        "worker_hijack_root_logger": False,
+    }
