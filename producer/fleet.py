@@ -77,9 +77,10 @@ class Fleet:
 
     # redis ---------------------------------------------------------------------------------
 
-    def ensure_redis(self, url: str | None = None) -> str:
-        """Use `url` (or REDIS_URL) when it answers; else start a private redis-server."""
-        candidate = url or os.environ.get("REDIS_URL")
+    def ensure_redis(self, url: str | None = None, private: bool = False) -> str:
+        """Use `url` (or REDIS_URL) when it answers; else (or when `private`) start a
+        redis-server of our own on a free port."""
+        candidate = None if private else (url or os.environ.get("REDIS_URL"))
         if candidate and redis_answers(candidate):
             self.redis_url = candidate
             return candidate

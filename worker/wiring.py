@@ -70,7 +70,13 @@ def celery_config(settings: Settings) -> dict[str, Any]:
     return {
         "broker_url": settings.redis_url,
         "broker_connection_retry_on_startup": True,
-        "broker_transport_options": {"visibility_timeout": settings.visibility_timeout_s},
+        "broker_transport_options": {
+            "visibility_timeout": settings.visibility_timeout_s,
+            # kombu sweeps for abandoned messages every interval x throttle seconds (100 s by
+            # default); sweep on every tick, a few times per visibility timeout.
+            "unacked_restore_interval": max(1, min(10, settings.visibility_timeout_s // 5)),
+            "unacked_restore_throttle": 1,
+        },
         "task_serializer": "json",
         "accept_content": ["json"],
         "result_serializer": "json",

@@ -1,0 +1,66 @@
+"""Shared test infrastructure: a private Redis, the replay server and real Celery workers,
+all subprocesses started here and stopped by pid. Nothing depends on leftover state: the
+Redis is our own, on a free port, and every test uses fresh session ids."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import requests
+
+from producer.client import Client
+from producer.fleet import Fleet
+
+ROOT = Path(__file__).resolve().parent.parent
+GUESTS = ROOT / "fixtures" / "guests"
+
+
+@dataclass
+class Running:
+    fleet: Fleet
+    redis_url: str
+    client: Client
+
+    def replay_stats(self) -> dict[str, int]:
+        return dict(requests.get(self.fleet.replay_url.removesuffix("/v1") + "/stats", timeout=5).json())
+
+
+@pytest.fixture(scope="session")
+def base_fleet() -> Iterator[Fleet]:
+    """One private Redis and one replay server for the whole run."""
+    fleet = Fleet()
+    try:
+        fleet.ensure_redis(private=True)
+        fleet.start_replay()
+        yield fleet
+    finally:
+        fleet.stop()
+
+
+def _workers(base: Fleet, db: int, extra_env: dict[str, str] | None = None) -> Iterator[Running]:
+    url = base.redis_url.rsplit("/", 1)[0] + f"/{db}"
+    fleet = Fleet(redis_url=url, replay_url=base.replay_url, workdir=base.workdir / f"db{db}")
+    fleet.workdir.mkdir(exist_ok=True)
+    client = Client(url)
+    client.redis.flushdb()
+    try:
+        fleet.start_workers(extra_env=extra_env)
+        yield Running(fleet=fleet, redis_url=url, client=client)
+    finally:
+        fleet.stop()
+        client.close()
+
+
+@pytest.fixture(scope="module")
+def running(base_fleet: Fleet) -> Iterator[Running]:
+    """Workers for llm, tools and control on Redis database 0."""
+    yield from _workers(base_fleet, db=0)
+
+
+@pytest.fixture()
+def fresh_id() -> str:
+    return uuid.uuid4().hex[:10]

@@ -1,0 +1,181 @@
+"""The batch pipeline end to end: real Redis, real Celery worker subprocesses, the replay
+server over HTTP and real wasmtime. Outcomes are asserted exactly."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fixtures.demo_batch import CITIES, WEATHER, check, demo_specs, weather_json
+from producer.client import Client
+from producer.specfile import load_spec_file
+from schemas import keys
+from tests.conftest import GUESTS, Running
+
+pytestmark = pytest.mark.fleet
+
+
+def submit_specs(client: Client, specs: list[dict[str, Any]], tmp_path: Path, name: str = "s.jsonl") -> Any:
+    """Through the real spec-file path: JSONL on disk, validated, modules uploaded."""
+    path = tmp_path / name
+    for spec in specs:
+        for tool in spec.get("tools", []):
+            tool["module"] = str(GUESTS / Path(tool["module"]).name)
+    path.write_text("".join(json.dumps(s) + "\n" for s in specs))
+    return client.submit([s.spec for s in load_spec_file(path)])
+
+
+def run_specs(client: Client, specs: list[dict[str, Any]], tmp_path: Path, timeout_s: float = 120) -> dict[str, dict[str, Any]]:
+    sub = submit_specs(client, specs, tmp_path)
+    return {record["id"]: record for _, record in client.wait(sub, timeout_s=timeout_s)}
+
+
+def assert_tool_messages_paired(record: dict[str, Any]) -> None:
+    """Each assistant tool call is answered exactly once, right after it, in call order."""
+    transcript = record["transcript"]
+    for n, message in enumerate(transcript):
+        calls = message.get("tool_calls") or []
+        if message["role"] != "assistant" or not calls:
+            continue
+        answers = transcript[n + 1 : n + 1 + len(calls)]
+        assert [a["role"] for a in answers] == ["tool"] * len(calls), record["id"]
+        assert [a["tool_call_id"] for a in answers] == [c["id"] for c in calls], record["id"]
+    ids = [m["tool_call_id"] for m in transcript if m["role"] == "tool"]
+    assert len(ids) == len(set(ids)), f"{record['id']}: a tool message appears twice"
+
+
+def test_demo_batch_every_scenario_exact(running: Running, tmp_path: Path, fresh_id: str) -> None:
+    specs = [{**spec, "id": f"{fresh_id}/{spec['id']}"} for spec, _ in demo_specs(104)]
+    records = run_specs(running.client, specs, tmp_path)
+    assert len(records) == 104
+    problems = {sid: check({**r, "id": sid.split("/", 1)[1]}) for sid, r in records.items()}
+    assert {sid: p for sid, p in problems.items() if p} == {}
+    for record in records.values():
+        assert_tool_messages_paired(record)
+
+
+def test_parallel_round_tool_messages_in_call_order(running: Running, tmp_path: Path, fresh_id: str) -> None:
+    cities = CITIES[:5]
+    spec = {
+        "id": f"{fresh_id}/par",
+        "model": "replay/parallel",
+        "messages": [{"role": "user", "content": f"Weather in {', '.join(cities)}?"}],
+        "tools": [dict(WEATHER)],
+    }
+    record = run_specs(running.client, [spec], tmp_path)[spec["id"]]
+    assert record["status"] == "ok"
+    tool_messages = [m for m in record["transcript"] if m["role"] == "tool"]
+    assert [m["content"] for m in tool_messages] == [weather_json(c) for c in cities]
+    assert [m["tool_call_id"] for m in tool_messages] == [f"call_0_{i}" for i in range(5)]
+    assert record["body"]["choices"][0]["message"]["content"] == " | ".join(weather_json(c) for c in cities)
+    assert record["metrics"]["tool_calls"] == 5 and record["metrics"]["iterations"] == 2
+
+
+def test_resubmitted_id_does_not_run_twice(running: Running, tmp_path: Path, fresh_id: str) -> None:
+    spec = {
+        "id": f"{fresh_id}/once",
+        "model": "replay/weather",
+        "messages": [{"role": "user", "content": "Weather in Oslo?"}],
+        "tools": [dict(WEATHER)],
+    }
+    first = run_specs(running.client, [dict(spec)], tmp_path)[spec["id"]]
+    requests_before = running.replay_stats()["requests"]
+    sub = submit_specs(running.client, [dict(spec)], tmp_path, name="again.jsonl")
+    assert sub.new == set() and sub.done == {keys.session_key(spec["id"])}
+    again = dict(running.client.wait(sub, timeout_s=10))
+    assert list(again.values()) == [first]
+    time.sleep(0.5)
+    assert running.replay_stats()["requests"] == requests_before
+
+
+def test_tool_that_never_returns_is_stopped_and_session_finishes(running: Running, tmp_path: Path, fresh_id: str) -> None:
+    spec = {
+        "id": f"{fresh_id}/spin",
+        "model": "replay/call",
+        "messages": [{"role": "user", "content": "[[call:spin {}]]"}],
+        "tools": [{"module": "spin.wasm", "export": "spin", "name": "spin", "parameters": {"type": "object"}}],
+        "limits": {"tool_timeout_ms": 250},
+    }
+    started = time.monotonic()
+    record = run_specs(running.client, [spec], tmp_path, timeout_s=30)[spec["id"]]
+    assert time.monotonic() - started < 30
+    said = '{"error":{"code":"tool_exec_failed","message":"tool timed out after 250 ms"}}'
+    assert record["body"]["choices"][0]["message"]["content"] == f"Tool said: {said}"
+
+
+def test_rate_limited_with_retry_after_completes(running: Running, tmp_path: Path, fresh_id: str) -> None:
+    faults_before = running.replay_stats()["faults"]
+    spec = {
+        "id": f"{fresh_id}/429",
+        "model": "replay/rate_limited",
+        "messages": [{"role": "user", "content": f"Hello {fresh_id} [[retry_after:1]]"}],
+    }
+    started = time.monotonic()
+    record = run_specs(running.client, [spec], tmp_path, timeout_s=30)[spec["id"]]
+    assert record["status"] == "ok"
+    assert record["body"]["choices"][0]["message"]["content"] == f"Echo: Hello {fresh_id}"
+    assert running.replay_stats()["faults"] == faults_before + 1
+    assert time.monotonic() - started >= 1.0  # Retry-After was honoured
+
+
+def test_cancelled_session_ends_with_cancelled_body(running: Running, tmp_path: Path, fresh_id: str) -> None:
+    spec = {
+        "id": f"{fresh_id}/cancel",
+        "model": "replay/slow",
+        "messages": [{"role": "user", "content": "take your time [[latency_ms:4000]]"}],
+    }
+    sub = submit_specs(running.client, [spec], tmp_path)
+    time.sleep(0.5)
+    assert running.client.cancel(spec["id"])
+    started = time.monotonic()
+    record = dict(running.client.wait(sub, timeout_s=20))[keys.session_key(spec["id"])]
+    assert time.monotonic() - started < 3.5  # did not wait for the slow model call
+    assert record["status"] == "error"
+    assert record["body"] == {"error": {"code": "cancelled", "message": "session cancelled"}}
+    assert running.client.response(spec["id"]) == b'{"error":{"code":"cancelled","message":"session cancelled"}}'
+
+
+def test_malformed_spec_line_rejected_and_nothing_enqueued(running: Running, tmp_path: Path, fresh_id: str) -> None:
+    good = {"id": f"{fresh_id}/good", "model": "replay/plain", "messages": [{"role": "user", "content": "hi"}]}
+    bad = {"id": f"{fresh_id}/bad", "model": "replay/plain", "messages": [{"role": "robot", "content": "hi"}]}
+    path = tmp_path / "mixed.jsonl"
+    path.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n{not json\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "producer.cli", "submit", str(path), "--out", str(tmp_path / "r.jsonl")],
+        env={"REDIS_URL": running.redis_url, "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert f"{path}:2: messages.0.role:" in proc.stderr
+    assert f"{path}:3: invalid JSON" in proc.stderr
+    assert not running.client.redis.exists(keys.spec(keys.session_key(good["id"])))
+    assert not (tmp_path / "r.jsonl").exists()
+
+
+def test_task_arguments_carry_ids_only(running: Running, tmp_path: Path, fresh_id: str) -> None:
+    """No prompt or tool argument travels in a task message (what Flower would show)."""
+    secret = f"secret-{fresh_id}"
+    spec = {
+        "id": f"{fresh_id}/quiet",
+        "model": "replay/weather",
+        "messages": [{"role": "user", "content": f"Weather in {secret}?"}],
+        "tools": [dict(WEATHER)],
+    }
+    sub = submit_specs(running.client, [spec], tmp_path)
+    seen: list[bytes] = []
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not running.client.redis.exists(keys.response(sub.order[0])):
+        for queue in ("llm", "tools", "control"):
+            seen.extend(running.client.redis.lrange(queue, 0, -1))
+        seen.extend(running.client.redis.hvals("unacked"))
+    dict(running.client.wait(sub, timeout_s=20))
+    assert seen, "no task message was observed"
+    assert not any(secret.encode() in raw for raw in seen)

@@ -1,0 +1,77 @@
+"""At-least-once delivery: a tools worker SIGKILLed mid-batch loses no session, and no tool
+message is duplicated. Runs on its own Redis database with a short visibility timeout, so
+the killed worker's unacknowledged tasks come back within the test."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fixtures.demo_batch import CITIES, WEATHER, weather_json
+from producer.fleet import Fleet
+from tests.conftest import Running, _workers
+from tests.test_pipeline import assert_tool_messages_paired, submit_specs
+
+pytestmark = pytest.mark.fleet
+
+VISIBILITY_TIMEOUT_S = 6
+
+
+@pytest.fixture()
+def crashable(base_fleet: Fleet) -> Iterator[Running]:
+    yield from _workers(base_fleet, db=3, extra_env={"CCHATQ_VISIBILITY_TIMEOUT_S": str(VISIBILITY_TIMEOUT_S)})
+
+
+def test_tools_worker_sigkilled_mid_batch_loses_nothing(crashable: Running, tmp_path: Path, fresh_id: str) -> None:
+    spin = {"module": "spin.wasm", "export": "spin", "name": "spin", "parameters": {"type": "object"}}
+    specs = []
+    for n in range(30):
+        cities = [CITIES[(n + j) % len(CITIES)] for j in range(3)]
+        specs.append({
+            "id": f"{fresh_id}/par/{n}",
+            "model": "replay/parallel",
+            "messages": [{"role": "user", "content": f"Weather in {', '.join(cities)}?"}],
+            "tools": [dict(WEATHER)],
+        })  # fmt: skip
+    for n in range(10):
+        # slow tool calls keep the tools worker busy, so the kill lands mid-execution
+        specs.append({
+            "id": f"{fresh_id}/spin/{n}",
+            "model": "replay/call",
+            "messages": [{"role": "user", "content": "[[call:spin {}]]"}],
+            "tools": [dict(spin)],
+            "limits": {"tool_timeout_ms": 400},
+        })  # fmt: skip
+    sub = submit_specs(crashable.client, specs, tmp_path)
+    tools_worker = next(p for name, p in crashable.fleet.workers.items() if name.startswith("tools"))
+
+    records = {}
+    waiter = crashable.client.wait(sub, timeout_s=90)
+    for _, record in waiter:
+        records[record["id"]] = record
+        if len(records) == 3:
+            break
+    busy = crashable.client.redis.hlen("unacked")
+    crashable.fleet.kill(tools_worker)  # SIGKILL to the worker and its pool processes
+    time.sleep(0.5)
+    crashable.fleet.start_worker("tools")
+    for _, record in waiter:
+        records[record["id"]] = record
+
+    assert busy > 0, "the kill did not land mid-batch"
+    assert len(records) == len(specs)
+    for n in range(30):
+        record = records[f"{fresh_id}/par/{n}"]
+        cities = [CITIES[(n + j) % len(CITIES)] for j in range(3)]
+        assert record["status"] == "ok"
+        assert record["body"]["choices"][0]["message"]["content"] == " | ".join(weather_json(c) for c in cities)
+        assert record["metrics"]["tool_calls"] == 3
+    for n in range(10):
+        record = records[f"{fresh_id}/spin/{n}"]
+        assert record["status"] == "ok"
+        assert "tool timed out after 400 ms" in record["body"]["choices"][0]["message"]["content"]
+    for record in records.values():
+        assert_tool_messages_paired(record)
