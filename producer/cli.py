@@ -40,13 +40,21 @@ def result_line(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_batch(
-    client: Client, specs: list[dict[str, Any]], out: Path, timeout_s: float | None, stream: TextIO = sys.stderr
+    client: Client,
+    specs: list[dict[str, Any]],
+    out: Path,
+    timeout_s: float | None,
+    stream: TextIO = sys.stderr,
 ) -> list[dict[str, Any]]:
     """Submit, show progress, write one JSON line per session (input order), print the summary."""
     started = time.monotonic()
     sub: Submission = client.submit(specs)
     reused = len(sub.order) - len(sub.new)
-    stream.write(f"batch {sub.batch}: {len(sub.new)} sessions enqueued" + (f", {reused} already submitted" if reused else "") + "\n")
+    stream.write(
+        f"batch {sub.batch}: {len(sub.new)} sessions enqueued"
+        + (f", {reused} already submitted" if reused else "")
+        + "\n"
+    )
     progress = Progress(len(sub.order), stream)
     records: dict[str, dict[str, Any]] = {}
     for sk, record in client.wait(sub, timeout_s=timeout_s):
@@ -102,7 +110,9 @@ def cmd_result(args: argparse.Namespace) -> int:
     record = client.record(args.id)
     if record is None:
         known = client.status(args.id) is not None
-        print(f"{'not finished yet' if known else 'unknown session id'}: {args.id}", file=sys.stderr)
+        print(
+            f"{'not finished yet' if known else 'unknown session id'}: {args.id}", file=sys.stderr
+        )
         return 1
     print(dump_text(result_line(record) if args.full else record["body"]))
     return 0
@@ -122,7 +132,16 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_flower(args: argparse.Namespace) -> int:
-    cmd = [sys.executable, "-m", "celery", "-A", "worker.tasks", "flower", f"--port={args.port}", f"--address={args.address}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        "worker.tasks",
+        "flower",
+        f"--port={args.port}",
+        f"--address={args.address}",
+    ]
     os.execv(cmd[0], cmd)
 
 
@@ -142,7 +161,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
         redis_url = fleet.ensure_redis(os.environ.get("REDIS_URL"))
         replay_url = fleet.start_replay()
         fleet.start_workers()
-        print(f"redis {redis_url}  replay {replay_url}  workers llm/tools/control  logs {fleet.workdir}", file=sys.stderr)
+        print(
+            f"redis {redis_url}  replay {replay_url}  workers llm/tools/control  "
+            f"logs {fleet.workdir}",
+            file=sys.stderr,
+        )
         client = Client(redis_url)
         try:
             records = run_batch(client, specs, Path(args.out), args.timeout_s)
@@ -151,16 +174,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
     problems = [(r["id"], p) for r in records for p in check({**r, "id": r["id"].split(":", 1)[1]})]
     for spec_id, problem in problems[:20]:
         print(f"  MISMATCH {spec_id}: {problem}", file=sys.stderr)
-    print(f"checked {len(records)} sessions against their expected outcomes: "
-          + ("all match" if not problems else f"{len(problems)} mismatches"), file=sys.stderr)  # fmt: skip
+    verdict = "all match" if not problems else f"{len(problems)} mismatches"
+    print(f"checked {len(records)} sessions against expected outcomes: {verdict}", file=sys.stderr)
     return 1 if problems else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cchatq", description="Batch LLM chat sessions with WASM tools.")
+    parser = argparse.ArgumentParser(
+        prog="cchatq", description="Batch LLM chat sessions with WASM tools."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("submit", help="validate a JSONL/JSON spec file, enqueue it, wait, write results")
+    p = sub.add_parser(
+        "submit", help="validate a JSONL/JSON spec file, enqueue it, wait, write results"
+    )
     p.add_argument("file")
     p.add_argument("--out", default="results.jsonl")
     p.add_argument("--timeout-s", type=float, default=None)
@@ -173,7 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("result", help="print a finished session's response body")
     p.add_argument("id")
-    p.add_argument("--full", action="store_true", help="the whole record: transcript and metrics too")
+    p.add_argument(
+        "--full", action="store_true", help="the whole record: transcript and metrics too"
+    )
     p.set_defaults(fn=cmd_result)
 
     p = sub.add_parser("cancel", help="cancel a session at its next step boundary")
@@ -212,4 +241,3 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-

@@ -34,7 +34,8 @@ class Submission:
 
 class Client:
     def __init__(self, redis_url: str, ttl_s: int = DEFAULT_TTL_S) -> None:
-        self.redis = redis.Redis.from_url(redis_url)
+        # Any: redis-py annotates replies as bytes | str; this client never decodes (bytes).
+        self.redis: Any = redis.Redis.from_url(redis_url)
         self.ttl_s = ttl_s
         self.celery = Celery("cchatq-producer", broker=redis_url)
         self.celery.conf.update(

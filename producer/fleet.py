@@ -7,6 +7,7 @@ never imports the worker.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -45,7 +46,9 @@ def redis_answers(url: str) -> bool:
         return False
 
 
-def worker_command(queue: str, pool: str | None = None, concurrency: int | None = None, name: str | None = None) -> list[str]:
+def worker_command(
+    queue: str, pool: str | None = None, concurrency: int | None = None, name: str | None = None
+) -> list[str]:
     default_pool, default_concurrency = WORKER_PROFILES.get(queue.split(",")[0], ("threads", 8))
     return [
         sys.executable, "-m", "celery", "-A", "worker.tasks", "worker",
@@ -86,9 +89,11 @@ class Fleet:
             return candidate
         binary = shutil.which("redis-server")
         if binary is None:
-            raise RuntimeError("no Redis answers and redis-server is not installed (apt-get install redis-server)")
+            raise RuntimeError(
+                "no Redis answers and redis-server is not installed (apt-get install redis-server)"
+            )
         port = free_port()
-        proc = self._spawn(
+        proc = self.spawn(
             [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--dir", str(self.workdir)],
             "redis",
@@ -105,7 +110,15 @@ class Fleet:
 
     def start_replay(self, latency_ms: int = 0) -> str:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "fixtures.replay", "--port", "0", "--latency-ms", str(latency_ms)],
+            [
+                sys.executable,
+                "-m",
+                "fixtures.replay",
+                "--port",
+                "0",
+                "--latency-ms",
+                str(latency_ms),
+            ],
             stdout=subprocess.PIPE,
             stderr=open(self.workdir / "replay.log", "ab"),  # noqa: SIM115 - lives as long as the process
         )
@@ -113,7 +126,9 @@ class Fleet:
         assert proc.stdout is not None
         line = _readline(proc.stdout, timeout_s=15).decode().strip()
         if not line.startswith("READY "):
-            raise RuntimeError(f"replay server did not start: {line!r} (see {self.workdir / 'replay.log'})")
+            raise RuntimeError(
+                f"replay server did not start: {line!r} (see {self.workdir / 'replay.log'})"
+            )
         self.replay_url = line.split(" ", 1)[1]
         return self.replay_url
 
@@ -133,10 +148,16 @@ class Fleet:
         return env
 
     def start_worker(
-        self, queue: str, pool: str | None = None, concurrency: int | None = None, extra_env: dict[str, str] | None = None
+        self,
+        queue: str,
+        pool: str | None = None,
+        concurrency: int | None = None,
+        extra_env: dict[str, str] | None = None,
     ) -> subprocess.Popen[bytes]:
         name = f"{queue.replace(',', '-')}-{len(self.workers)}"
-        proc = self._spawn(worker_command(queue, pool, concurrency, name), name, env=self.worker_env(extra_env))
+        proc = self.spawn(
+            worker_command(queue, pool, concurrency, name), name, env=self.worker_env(extra_env)
+        )
         self.workers[name] = proc
         return proc
 
@@ -146,17 +167,19 @@ class Fleet:
 
     def kill(self, proc: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:
         """Signal a process and all its children (a prefork worker's pool processes too)."""
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            pass
         proc.wait(timeout=30)
 
     # lifecycle -----------------------------------------------------------------------------
 
-    def _spawn(self, cmd: list[str], name: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    def spawn(
+        self, cmd: list[str], name: str, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
         log = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115 - lives as long as the process
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
         self.procs.append(proc)
         return proc
 
@@ -178,12 +201,12 @@ class Fleet:
 
 def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
     try:
-        os.killpg(proc.pid, sig)  # started in its own session: the group is the process and its children
+        os.killpg(
+            proc.pid, sig
+        )  # started in its own session: the group is the process and its children
     except (ProcessLookupError, PermissionError):
-        try:
+        with contextlib.suppress(ProcessLookupError):
             proc.send_signal(sig)
-        except ProcessLookupError:
-            pass
 
 
 def _readline(stream: IO[bytes], timeout_s: float) -> bytes:

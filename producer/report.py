@@ -58,7 +58,9 @@ def percentile(values: Sequence[int], q: float) -> int:
 
 def summary(records: Sequence[dict[str, Any]], wall_s: float) -> str:
     errors = Counter(
-        ((r.get("body") or {}).get("error") or {}).get("code", "?") for r in records if r.get("status") != "ok"
+        ((r.get("body") or {}).get("error") or {}).get("code", "?")
+        for r in records
+        if r.get("status") != "ok"
     )
     metrics = [r.get("metrics") or {} for r in records]
     latencies = [int(m.get("latency_ms", 0)) for m in metrics]
@@ -72,7 +74,7 @@ def summary(records: Sequence[dict[str, Any]], wall_s: float) -> str:
         ("rounds", str(sum(int(m.get("iterations", 0)) for m in metrics))),
         ("tool calls", str(sum(int(m.get("tool_calls", 0)) for m in metrics))),
         ("tool failures", str(sum(int(m.get("tool_failures", 0)) for m in metrics))),
-        ("latency p50 / p95", f"{percentile(latencies, 0.5)} ms / {percentile(latencies, 0.95)} ms"),
+        ("latency p50 / p95", f"{percentile(latencies, 0.5)} / {percentile(latencies, 0.95)} ms"),
         ("tokens (prompt/completion/total)",
          f"{usage['prompt_tokens']} / {usage['completion_tokens']} / {usage['total_tokens']}"),
         ("wall time", f"{wall_s:.2f} s ({len(records) / max(wall_s, 1e-9):.1f} sessions/s)"),

@@ -26,7 +26,9 @@ class Running:
     client: Client
 
     def replay_stats(self) -> dict[str, int]:
-        return dict(requests.get(self.fleet.replay_url.removesuffix("/v1") + "/stats", timeout=5).json())
+        return dict(
+            requests.get(self.fleet.replay_url.removesuffix("/v1") + "/stats", timeout=5).json()
+        )
 
 
 @pytest.fixture(scope="session")

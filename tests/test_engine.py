@@ -604,12 +604,6 @@ def test_invalid_arguments_are_preset_and_valid_siblings_still_run(
         pytest.param('"{\\"city\\":\\"Paris\\"}"', id="double-encoded"),
     ],
 )
-@pytest.mark.xfail(
-    strict=True,
-    reason="argument_problem validates the repaired/decoded arguments (B1.2, B1.4) but ToolRun "
-    "(and steps._execute) hand the tool the raw, unrepaired text, so a call judged valid "
-    "runs with arguments that are not a JSON object",
-)
 def test_a_run_call_gets_the_arguments_that_were_validated(arguments: str) -> None:
     reply = completion(call("call_a", "get_weather", arguments))
     step = plan(session(make_spec(), Round(reply=reply)))
@@ -960,11 +954,6 @@ def test_finished_transcript_answers_every_call(s: Session) -> None:
     assert unanswered_calls(transcript(s)) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="strict_unknown_tool Finish: transcript(session) (missing=None, as steps.finish calls "
-    "it) answers only the unknown call; known sibling calls are left without a tool message",
-)
 def test_strict_unknown_tool_finish_transcript_answers_known_siblings() -> None:
     reply = completion(
         call("call_x", "nope", "{}"), call("call_a", "get_weather", '{"city":"Paris"}')

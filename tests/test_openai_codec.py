@@ -30,7 +30,10 @@ def reply(
     message: dict[str, Any], finish_reason: str | None = "stop", **top: Any
 ) -> dict[str, Any]:
     body: dict[str, Any] = {
-        "id": "chatcmpl-1", "object": "chat.completion", "created": 1700000000, "model": "m",
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "created": 1700000000,
+        "model": "m",
         "choices": [{"index": 0, "message": message, "finish_reason": finish_reason}],
     }
     body.update(top)
@@ -38,8 +41,12 @@ def reply(
 
 
 def call(name: str = "f", arguments: Any = "{}", **extra: Any) -> Any:
-    return {"id": "call_a", "type": "function", "function": {"name": name, "arguments": arguments},
-            **extra}
+    return {
+        "id": "call_a",
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+        **extra,
+    }
 
 
 def calls_reply(*calls: Any, finish_reason: str = "tool_calls") -> dict[str, Any]:
@@ -133,7 +140,11 @@ def test_b1_06_missing_or_empty_id() -> None:
 def test_b1_07_duplicate_ids_renamed() -> None:
     raw = calls_reply(call(id="call_0"), call(id="call_0"), call(id="call_0"), call(id="x"))
     assert [c["id"] for c in tool_calls_of(normalize_completion(raw))] == [
-        "call_0", "call_0_2", "call_0_3", "x"]
+        "call_0",
+        "call_0_2",
+        "call_0_3",
+        "x",
+    ]
 
 
 def test_b1_07_renamed_id_never_clashes() -> None:
@@ -144,8 +155,11 @@ def test_b1_07_renamed_id_never_clashes() -> None:
 
 def test_b1_09_missing_type_defaults_to_function() -> None:
     raw = calls_reply({"id": "c1", "function": {"name": "f", "arguments": "{}"}})
-    assert only_call(raw) == {"id": "c1", "type": "function",
-                              "function": {"name": "f", "arguments": "{}"}}
+    assert only_call(raw) == {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "f", "arguments": "{}"},
+    }
 
 
 def test_b1_10_text_and_tool_calls_together() -> None:
@@ -171,8 +185,9 @@ def test_b1_12_tool_calls_finish_without_calls() -> None:
 
 
 def test_b1_13_length_mid_tool_call_is_kept_as_length() -> None:
-    completion = normalize_completion(calls_reply(call(arguments='{"path":"/tmp/a'),
-                                                  finish_reason="length"))
+    completion = normalize_completion(
+        calls_reply(call(arguments='{"path":"/tmp/a'), finish_reason="length")
+    )
     assert completion["choices"][0]["finish_reason"] == "length"
     assert is_truncated(completion)
     assert tool_calls_of(completion)[0]["function"]["arguments"] == '{"path":"/tmp/a'
@@ -180,8 +195,14 @@ def test_b1_13_length_mid_tool_call_is_kept_as_length() -> None:
 
 
 def test_b1_14_legacy_function_call() -> None:
-    raw = reply({"role": "assistant", "content": None,
-                 "function_call": {"name": "f", "arguments": '{"x":1}'}}, "function_call")
+    raw = reply(
+        {
+            "role": "assistant",
+            "content": None,
+            "function_call": {"name": "f", "arguments": '{"x":1}'},
+        },
+        "function_call",
+    )
     completion = normalize_completion(raw)
     message = completion["choices"][0]["message"]
     assert "function_call" not in message
@@ -220,15 +241,23 @@ def test_b1_17_reasoning_fields_kept_under_their_names() -> None:
 
 
 def test_canonical_shape_single_choice() -> None:
-    raw = reply({"role": "assistant", "content": "Hi", "annotations": []}, logprobs=None,
-                system_fingerprint="fp_1", service_tier="default")
+    raw = reply(
+        {"role": "assistant", "content": "Hi", "annotations": []},
+        logprobs=None,
+        system_fingerprint="fp_1",
+        service_tier="default",
+    )
     raw["choices"].append({"index": 1, "message": {"role": "assistant", "content": "other"}})
     raw["choices"][0]["logprobs"] = None
     assert normalize_completion(raw) == {
-        "id": "chatcmpl-1", "object": "chat.completion", "created": 1700000000, "model": "m",
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "created": 1700000000,
+        "model": "m",
         "system_fingerprint": "fp_1",
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hi"},
-                     "finish_reason": "stop"}],
+        "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "Hi"}, "finish_reason": "stop"}
+        ],
         "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
     }
 
@@ -240,18 +269,27 @@ def test_content_parts_joined() -> None:
 
 
 def test_b10_79_usage_normalised() -> None:
-    usage = {"prompt_tokens": 10, "completion_tokens": 5.0,
-             "prompt_tokens_details": {"cached_tokens": 4},
-             "completion_tokens_details": {"reasoning_tokens": 2}, "cost": 0.1}
+    usage = {
+        "prompt_tokens": 10,
+        "completion_tokens": 5.0,
+        "prompt_tokens_details": {"cached_tokens": 4},
+        "completion_tokens_details": {"reasoning_tokens": 2},
+        "cost": 0.1,
+    }
     assert normalize_completion(reply({"content": "x"}, usage=usage))["usage"] == {
-        "prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15,
+        "prompt_tokens": 10,
+        "completion_tokens": 5,
+        "total_tokens": 15,
         "prompt_tokens_details": {"cached_tokens": 4},
         "completion_tokens_details": {"reasoning_tokens": 2},
     }
     given_total = {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 9}
     assert normalize_completion(reply({"content": "x"}, usage=given_total))["usage"] == given_total
     assert normalize_completion(reply({"content": "x"}, usage=None))["usage"] == {
-        "prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+        "prompt_tokens": 0,
+        "completion_tokens": 0,
+        "total_tokens": 0,
+    }
 
 
 @pytest.mark.parametrize(
@@ -291,34 +329,57 @@ def test_tool_calls_of_without_calls() -> None:
 
 # build_request -------------------------------------------------------------------------------
 
-TOOL = {"type": "function",
-        "function": {"name": "f", "description": "d", "parameters": {"type": "object"}}}
+TOOL = {
+    "type": "function",
+    "function": {"name": "f", "description": "d", "parameters": {"type": "object"}},
+}
 
 
 def test_build_request_basic() -> None:
     messages = [{"role": "user", "content": "hi"}]
     body = build_request("m", messages, [TOOL], {"temperature": 0.2, "tool_choice": "auto"})
-    assert body == {"model": "m", "messages": messages, "tools": [TOOL], "temperature": 0.2,
-                    "tool_choice": "auto", "stream": False}
+    assert body == {
+        "model": "m",
+        "messages": messages,
+        "tools": [TOOL],
+        "temperature": 0.2,
+        "tool_choice": "auto",
+        "stream": False,
+    }
     assert body["messages"][0] is not messages[0]  # the caller's transcript is not aliased
 
 
 def test_build_request_reserved_params_ignored_and_no_tools_key() -> None:
-    params = {"model": "evil", "messages": [], "tools": [TOOL], "stream": True,
-              "stream_options": {"include_usage": True}, "tool_choice": "auto",
-              "parallel_tool_calls": False, "max_tokens": 5}
+    params = {
+        "model": "evil",
+        "messages": [],
+        "tools": [TOOL],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "tool_choice": "auto",
+        "parallel_tool_calls": False,
+        "max_tokens": 5,
+    }
     body = build_request("m", [], [], params)
     assert body == {"model": "m", "messages": [], "max_tokens": 5, "stream": False}
 
 
 def test_build_request_arguments_sent_as_strings() -> None:
-    assistant: dict[str, Any] = {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "a", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}},
-        {"id": "b", "function": {"name": "f", "arguments": ""}},
-        {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"y": 2}'}},
-    ], "reasoning_content": "r"}
-    messages: list[dict[str, Any]] = [{"role": "user", "content": "q"}, assistant,
-                {"role": "tool", "tool_call_id": "a", "content": "ok"}]
+    assistant: dict[str, Any] = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "a", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}},
+            {"id": "b", "function": {"name": "f", "arguments": ""}},
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"y": 2}'}},
+        ],
+        "reasoning_content": "r",
+    }
+    messages: list[dict[str, Any]] = [
+        {"role": "user", "content": "q"},
+        assistant,
+        {"role": "tool", "tool_call_id": "a", "content": "ok"},
+    ]
     body = build_request("m", messages, [], {})
     sent = body["messages"][1]
     assert [c["function"]["arguments"] for c in sent["tool_calls"]] == ['{"x":1}', "{}", '{"y": 2}']

@@ -21,7 +21,9 @@ from tests.conftest import GUESTS, Running
 pytestmark = pytest.mark.fleet
 
 
-def submit_specs(client: Client, specs: list[dict[str, Any]], tmp_path: Path, name: str = "s.jsonl") -> Any:
+def submit_specs(
+    client: Client, specs: list[dict[str, Any]], tmp_path: Path, name: str = "s.jsonl"
+) -> Any:
     """Through the real spec-file path: JSONL on disk, validated, modules uploaded."""
     path = tmp_path / name
     for spec in specs:
@@ -31,7 +33,9 @@ def submit_specs(client: Client, specs: list[dict[str, Any]], tmp_path: Path, na
     return client.submit([s.spec for s in load_spec_file(path)])
 
 
-def run_specs(client: Client, specs: list[dict[str, Any]], tmp_path: Path, timeout_s: float = 120) -> dict[str, dict[str, Any]]:
+def run_specs(
+    client: Client, specs: list[dict[str, Any]], tmp_path: Path, timeout_s: float = 120
+) -> dict[str, dict[str, Any]]:
     sub = submit_specs(client, specs, tmp_path)
     return {record["id"]: record for _, record in client.wait(sub, timeout_s=timeout_s)}
 
@@ -60,7 +64,9 @@ def test_demo_batch_every_scenario_exact(running: Running, tmp_path: Path, fresh
         assert_tool_messages_paired(record)
 
 
-def test_parallel_round_tool_messages_in_call_order(running: Running, tmp_path: Path, fresh_id: str) -> None:
+def test_parallel_round_tool_messages_in_call_order(
+    running: Running, tmp_path: Path, fresh_id: str
+) -> None:
     cities = CITIES[:5]
     spec = {
         "id": f"{fresh_id}/par",
@@ -73,7 +79,9 @@ def test_parallel_round_tool_messages_in_call_order(running: Running, tmp_path: 
     tool_messages = [m for m in record["transcript"] if m["role"] == "tool"]
     assert [m["content"] for m in tool_messages] == [weather_json(c) for c in cities]
     assert [m["tool_call_id"] for m in tool_messages] == [f"call_0_{i}" for i in range(5)]
-    assert record["body"]["choices"][0]["message"]["content"] == " | ".join(weather_json(c) for c in cities)
+    assert record["body"]["choices"][0]["message"]["content"] == " | ".join(
+        weather_json(c) for c in cities
+    )
     assert record["metrics"]["tool_calls"] == 5 and record["metrics"]["iterations"] == 2
 
 
@@ -94,12 +102,21 @@ def test_resubmitted_id_does_not_run_twice(running: Running, tmp_path: Path, fre
     assert running.replay_stats()["requests"] == requests_before
 
 
-def test_tool_that_never_returns_is_stopped_and_session_finishes(running: Running, tmp_path: Path, fresh_id: str) -> None:
+def test_tool_that_never_returns_is_stopped_and_session_finishes(
+    running: Running, tmp_path: Path, fresh_id: str
+) -> None:
     spec = {
         "id": f"{fresh_id}/spin",
         "model": "replay/call",
         "messages": [{"role": "user", "content": "[[call:spin {}]]"}],
-        "tools": [{"module": "spin.wasm", "export": "spin", "name": "spin", "parameters": {"type": "object"}}],
+        "tools": [
+            {
+                "module": "spin.wasm",
+                "export": "spin",
+                "name": "spin",
+                "parameters": {"type": "object"},
+            }
+        ],
         "limits": {"tool_timeout_ms": 250},
     }
     started = time.monotonic()
@@ -109,7 +126,9 @@ def test_tool_that_never_returns_is_stopped_and_session_finishes(running: Runnin
     assert record["body"]["choices"][0]["message"]["content"] == f"Tool said: {said}"
 
 
-def test_rate_limited_with_retry_after_completes(running: Running, tmp_path: Path, fresh_id: str) -> None:
+def test_rate_limited_with_retry_after_completes(
+    running: Running, tmp_path: Path, fresh_id: str
+) -> None:
     faults_before = running.replay_stats()["faults"]
     spec = {
         "id": f"{fresh_id}/429",
@@ -124,7 +143,9 @@ def test_rate_limited_with_retry_after_completes(running: Running, tmp_path: Pat
     assert time.monotonic() - started >= 1.0  # Retry-After was honoured
 
 
-def test_cancelled_session_ends_with_cancelled_body(running: Running, tmp_path: Path, fresh_id: str) -> None:
+def test_cancelled_session_ends_with_cancelled_body(
+    running: Running, tmp_path: Path, fresh_id: str
+) -> None:
     spec = {
         "id": f"{fresh_id}/cancel",
         "model": "replay/slow",
@@ -138,16 +159,37 @@ def test_cancelled_session_ends_with_cancelled_body(running: Running, tmp_path: 
     assert time.monotonic() - started < 3.5  # did not wait for the slow model call
     assert record["status"] == "error"
     assert record["body"] == {"error": {"code": "cancelled", "message": "session cancelled"}}
-    assert running.client.response(spec["id"]) == b'{"error":{"code":"cancelled","message":"session cancelled"}}'
+    assert (
+        running.client.response(spec["id"])
+        == b'{"error":{"code":"cancelled","message":"session cancelled"}}'
+    )
 
 
-def test_malformed_spec_line_rejected_and_nothing_enqueued(running: Running, tmp_path: Path, fresh_id: str) -> None:
-    good = {"id": f"{fresh_id}/good", "model": "replay/plain", "messages": [{"role": "user", "content": "hi"}]}
-    bad = {"id": f"{fresh_id}/bad", "model": "replay/plain", "messages": [{"role": "robot", "content": "hi"}]}
+def test_malformed_spec_line_rejected_and_nothing_enqueued(
+    running: Running, tmp_path: Path, fresh_id: str
+) -> None:
+    good = {
+        "id": f"{fresh_id}/good",
+        "model": "replay/plain",
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    bad = {
+        "id": f"{fresh_id}/bad",
+        "model": "replay/plain",
+        "messages": [{"role": "robot", "content": "hi"}],
+    }
     path = tmp_path / "mixed.jsonl"
     path.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n{not json\n")
     proc = subprocess.run(
-        [sys.executable, "-m", "producer.cli", "submit", str(path), "--out", str(tmp_path / "r.jsonl")],
+        [
+            sys.executable,
+            "-m",
+            "producer.cli",
+            "submit",
+            str(path),
+            "--out",
+            str(tmp_path / "r.jsonl"),
+        ],
         env={"REDIS_URL": running.redis_url, "PATH": "/usr/bin:/bin"},
         capture_output=True,
         text=True,
@@ -172,7 +214,9 @@ def test_task_arguments_carry_ids_only(running: Running, tmp_path: Path, fresh_i
     sub = submit_specs(running.client, [spec], tmp_path)
     seen: list[bytes] = []
     deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and not running.client.redis.exists(keys.response(sub.order[0])):
+    while time.monotonic() < deadline and not running.client.redis.exists(
+        keys.response(sub.order[0])
+    ):
         for queue in ("llm", "tools", "control"):
             seen.extend(running.client.redis.lrange(queue, 0, -1))
         seen.extend(running.client.redis.hvals("unacked"))

@@ -19,15 +19,25 @@ from worker.edges.provider_http import CompletionResult, OpenAIChatProvider
 from worker.errors import ProviderProtocolError, ProviderRequestError, ProviderRetryableError
 
 REQUEST: dict[str, Any] = {
-    "model": "m", "messages": [{"role": "user", "content": "TOPSECRETPROMPT"}], "stream": False,
+    "model": "m",
+    "messages": [{"role": "user", "content": "TOPSECRETPROMPT"}],
+    "stream": False,
 }
 
 
 def completion(content: str | None = "hello") -> dict[str, Any]:
     return {
-        "id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "m",
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
-                     "finish_reason": "stop"}],
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "created": 1,
+        "model": "m",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": content},
+                "finish_reason": "stop",
+            }
+        ],
         "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
     }
 
@@ -107,8 +117,9 @@ class Harness:
     def __init__(self, base_url: str, environ: dict[str, str] | None = None, **cfg: Any) -> None:
         self.sleeps: list[float] = []
         self.backend = BackendConfig(name="test", base_url=base_url, **cfg)
-        self.provider = OpenAIChatProvider(self.backend, sleep=self.sleeps.append,
-                                           environ=environ or {})
+        self.provider = OpenAIChatProvider(
+            self.backend, sleep=self.sleeps.append, environ=environ or {}
+        )
 
     def complete(self, request: dict[str, Any] = REQUEST) -> CompletionResult:
         return self.provider.complete(request)
@@ -266,8 +277,13 @@ def test_total_timeout_stops_before_a_long_sleep(make: Any, server: ScriptedServ
 
 def test_no_secrets_in_logs_or_errors(make: Any, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG)
-    h = make(Reply(500, {}), Reply(), Reply(400, {"error": {"message": "nope"}}),
-             environ={"K": "sk-live-SECRET"}, api_key_env="K")
+    h = make(
+        Reply(500, {}),
+        Reply(),
+        Reply(400, {"error": {"message": "nope"}}),
+        environ={"K": "sk-live-SECRET"},
+        api_key_env="K",
+    )
     h.complete()
     with pytest.raises(ProviderRequestError) as info:
         h.complete()
@@ -280,8 +296,9 @@ def test_no_secrets_in_logs_or_errors(make: Any, caplog: pytest.LogCaptureFixtur
 def test_one_session_per_thread(make: Any, server: ScriptedServer) -> None:
     h = make(*[Reply() for _ in range(4)])
     results: list[int] = []
-    threads = [threading.Thread(target=lambda: results.append(h.complete().attempts))
-               for _ in range(4)]
+    threads = [
+        threading.Thread(target=lambda: results.append(h.complete().attempts)) for _ in range(4)
+    ]
     for t in threads:
         t.start()
     for t in threads:

@@ -22,11 +22,20 @@ VISIBILITY_TIMEOUT_S = 6
 
 @pytest.fixture()
 def crashable(base_fleet: Fleet) -> Iterator[Running]:
-    yield from _workers(base_fleet, db=3, extra_env={"CCHATQ_VISIBILITY_TIMEOUT_S": str(VISIBILITY_TIMEOUT_S)})
+    yield from _workers(
+        base_fleet, db=3, extra_env={"CCHATQ_VISIBILITY_TIMEOUT_S": str(VISIBILITY_TIMEOUT_S)}
+    )
 
 
-def test_tools_worker_sigkilled_mid_batch_loses_nothing(crashable: Running, tmp_path: Path, fresh_id: str) -> None:
-    spin = {"module": "spin.wasm", "export": "spin", "name": "spin", "parameters": {"type": "object"}}
+def test_tools_worker_sigkilled_mid_batch_loses_nothing(
+    crashable: Running, tmp_path: Path, fresh_id: str
+) -> None:
+    spin = {
+        "module": "spin.wasm",
+        "export": "spin",
+        "name": "spin",
+        "parameters": {"type": "object"},
+    }
     specs = []
     for n in range(30):
         cities = [CITIES[(n + j) % len(CITIES)] for j in range(3)]
@@ -46,7 +55,9 @@ def test_tools_worker_sigkilled_mid_batch_loses_nothing(crashable: Running, tmp_
             "limits": {"tool_timeout_ms": 400},
         })  # fmt: skip
     sub = submit_specs(crashable.client, specs, tmp_path)
-    tools_worker = next(p for name, p in crashable.fleet.workers.items() if name.startswith("tools"))
+    tools_worker = next(
+        p for name, p in crashable.fleet.workers.items() if name.startswith("tools")
+    )
 
     records = {}
     waiter = crashable.client.wait(sub, timeout_s=90)
@@ -67,7 +78,9 @@ def test_tools_worker_sigkilled_mid_batch_loses_nothing(crashable: Running, tmp_
         record = records[f"{fresh_id}/par/{n}"]
         cities = [CITIES[(n + j) % len(CITIES)] for j in range(3)]
         assert record["status"] == "ok"
-        assert record["body"]["choices"][0]["message"]["content"] == " | ".join(weather_json(c) for c in cities)
+        assert record["body"]["choices"][0]["message"]["content"] == " | ".join(
+            weather_json(c) for c in cities
+        )
         assert record["metrics"]["tool_calls"] == 3
     for n in range(10):
         record = records[f"{fresh_id}/spin/{n}"]

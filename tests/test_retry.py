@@ -88,12 +88,15 @@ def test_backoff_s(attempt: int, retry_after: float | None, rand: float, expecte
 
 
 def test_policy_defaults_and_from_backend() -> None:
-    defaults = RetryPolicy(max_attempts=4, backoff_base_s=0.5, backoff_max_s=8.0,
-                           max_retry_after_s=60.0, jitter_s=0.25)
+    defaults = RetryPolicy(
+        max_attempts=4, backoff_base_s=0.5, backoff_max_s=8.0, max_retry_after_s=60.0, jitter_s=0.25
+    )
     assert defaults == POLICY
-    backend = BackendConfig(name="b", max_attempts=2, backoff_base_s=0.1, backoff_max_s=1.0,
-                            max_retry_after_s=5.0)
+    backend = BackendConfig(
+        name="b", max_attempts=2, backoff_base_s=0.1, backoff_max_s=1.0, max_retry_after_s=5.0
+    )
     assert RetryPolicy.from_backend(backend) == RetryPolicy(
-        max_attempts=2, backoff_base_s=0.1, backoff_max_s=1.0, max_retry_after_s=5.0)
+        max_attempts=2, backoff_base_s=0.1, backoff_max_s=1.0, max_retry_after_s=5.0
+    )
     assert RetryPolicy.from_backend(BackendConfig(name="b", max_attempts=0)).max_attempts == 1
     assert backoff_s(5, RetryPolicy.from_backend(backend), None, 0.0) == 1.0

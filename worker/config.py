@@ -2,7 +2,8 @@
 
 Environment variables:
     REDIS_URL                 broker and state store (default redis://127.0.0.1:6379/0)
-    CCHATQ_CONFIG             path of a JSON file {"backends": {NAME: {...}}, "default_backend": NAME}
+    CCHATQ_CONFIG             path of a JSON file:
+                              {"backends": {NAME: {...}}, "default_backend": NAME}
     CCHATQ_BACKENDS           the same JSON inline (wins over the file)
     CCHATQ_REPLAY_URL         base URL of the built-in `replay` backend (default http://127.0.0.1:8011/v1)
     CCHATQ_VISIBILITY_TIMEOUT_S   Redis transport visibility timeout (default 300)
@@ -70,7 +71,9 @@ class Settings:
         try:
             return self.backends[key]
         except KeyError:
-            raise KeyError(f"unknown backend {key!r}; configured: {sorted(self.backends)}") from None
+            raise KeyError(
+                f"unknown backend {key!r}; configured: {sorted(self.backends)}"
+            ) from None
 
 
 def load_settings(environ: Mapping[str, str] | None = None) -> Settings:

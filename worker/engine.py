@@ -31,6 +31,15 @@ class ToolOutcome:
     def error(cls, code: str, message: str) -> ToolOutcome:
         return cls(content=dump_text(error_obj(code, message)), ok=False)
 
+    @property
+    def code(self) -> str | None:
+        if self.ok:
+            return None
+        try:
+            return str(json.loads(self.content)["error"]["code"])
+        except (ValueError, KeyError, TypeError):
+            return None
+
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> ToolOutcome:
         return cls(content=str(raw["content"]), ok=bool(raw["ok"]))
@@ -128,7 +137,9 @@ def plan(session: Session) -> Step:
     if session.flags.get("strict_unknown_tool"):
         unknown = [c for c in calls if c["function"]["name"] not in session.tools_by_name()]
         if unknown:
-            return Finish(error_obj("unknown_tool", f"unknown tool: {unknown[0]['function']['name']}"))
+            return Finish(
+                error_obj("unknown_tool", f"unknown tool: {unknown[0]['function']['name']}")
+            )
     if all(i in last.outcomes for i in range(len(calls))):
         return _call_model(session, round_no + 1)
     pending = [i for i in range(len(calls)) if i not in last.outcomes and i not in presets]
@@ -139,7 +150,7 @@ def plan(session: Session) -> Step:
             call_id=calls[i]["id"],
             name=calls[i]["function"]["name"],
             tool=tools[calls[i]["function"]["name"]],
-            arguments=calls[i]["function"]["arguments"],
+            arguments=canonical_arguments(calls[i]["function"]["arguments"]),
         )
         for i in pending
     )
@@ -152,7 +163,9 @@ def _call_model(session: Session, round_no: int) -> CallModel:
         round_no=round_no,
         model=session.spec["model"],
         messages=transcript(session),
-        tools=[{"type": "function", "function": t["function"]} for t in session.spec.get("tools", [])],
+        tools=[
+            {"type": "function", "function": t["function"]} for t in session.spec.get("tools", [])
+        ],
         params=dict(session.spec.get("params") or {}),
     )
 
@@ -161,7 +174,9 @@ def _limit_hit(session: Session, call_count: int) -> str | None:
     limits = session.limits
     if len(session.rounds) >= limits.max_iterations:
         return "max_iterations"
-    used = sum(len(tool_calls_of(r.reply)) for r in session.rounds[:-1] if not is_error_body(r.reply))
+    used = sum(
+        len(tool_calls_of(r.reply)) for r in session.rounds[:-1] if not is_error_body(r.reply)
+    )
     if used + call_count > limits.max_total_tool_calls:
         return "max_total_tool_calls"
     return None
@@ -189,6 +204,12 @@ def _presets(
     return presets
 
 
+def canonical_arguments(arguments: str) -> str:
+    """The arguments a tool receives: the decoded object (repaired, unwrapped) as compact JSON,
+    so a tool never sees text other than what was validated."""
+    return json.dumps(decode_arguments(arguments), separators=(",", ":"), ensure_ascii=False)
+
+
 def argument_problem(arguments: str, function: dict[str, Any]) -> str | None:
     """Why these arguments cannot be passed to the tool, or None when they can."""
     try:
@@ -196,7 +217,9 @@ def argument_problem(arguments: str, function: dict[str, Any]) -> str | None:
     except ToolArgumentsError as exc:
         return exc.message
     schema = function.get("parameters") or {"type": "object"}
-    error = jsonschema.exceptions.best_match(_validator(json.dumps(schema, sort_keys=True)).iter_errors(decoded))
+    error = jsonschema.exceptions.best_match(
+        _validator(json.dumps(schema, sort_keys=True)).iter_errors(decoded)
+    )
     if error is None:
         return None
     where = "/".join(str(p) for p in error.absolute_path) or "arguments"
@@ -207,7 +230,7 @@ def argument_problem(arguments: str, function: dict[str, Any]) -> str | None:
 def _validator(schema_json: str) -> jsonschema.protocols.Validator:
     schema = json.loads(schema_json)
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-    return cls(schema)  # type: ignore[no-any-return]
+    return cls(schema)
 
 
 def _finish_reason(reply: dict[str, Any]) -> str | None:
@@ -246,7 +269,11 @@ def transcript(session: Session, missing: ToolOutcome | None = None) -> list[dic
             if outcome is None:
                 continue
             messages.append(
-                {"role": "tool", "tool_call_id": call["id"], "content": tool_message_content(outcome.content)}
+                {
+                    "role": "tool",
+                    "tool_call_id": call["id"],
+                    "content": tool_message_content(outcome.content),
+                }
             )
     return messages
 
@@ -256,11 +283,24 @@ def _fill_for_round(
 ) -> dict[int, ToolOutcome]:
     if round_no != len(session.rounds) - 1:
         return {}
-    upto = Session(spec=session.spec, backend=session.backend, rounds=session.rounds[: round_no + 1])
+    upto = Session(
+        spec=session.spec, backend=session.backend, rounds=session.rounds[: round_no + 1]
+    )
     limit = _limit_hit(upto, len(calls))
     if limit:
-        return {i: ToolOutcome.error("tool_call_limit", f"skipped: exceeded {limit}") for i in range(len(calls))}
+        return {
+            i: ToolOutcome.error("tool_call_limit", f"skipped: exceeded {limit}")
+            for i in range(len(calls))
+        }
     fill = _presets(upto, session.rounds[round_no].reply, calls)
+    if session.flags.get("strict_unknown_tool") and any(
+        o.code == "unknown_tool" for o in fill.values()
+    ):
+        for i in range(len(calls)):
+            fill.setdefault(
+                i,
+                ToolOutcome.error("unknown_tool", "skipped: the session ended on an unknown tool"),
+            )
     if missing is not None:
         for i in range(len(calls)):
             fill.setdefault(i, missing)
@@ -269,7 +309,10 @@ def _fill_for_round(
 
 def success_body(session: Session, reply: dict[str, Any]) -> dict[str, Any]:
     body = dict(reply)
-    body["_spear"] = {"backend": session.backend, "model": reply.get("model") or session.spec["model"]}
+    body["_spear"] = {
+        "backend": session.backend,
+        "model": reply.get("model") or session.spec["model"],
+    }
     return body
 
 

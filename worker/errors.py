@@ -1,20 +1,20 @@
 """One error tree for the worker. Foreign exceptions are translated once, at their edge.
 
-    CchatqError                      root; `code` is the error-body code, `errno` the hostcall errno
-    ├── SessionError                 ends a session with an error body (model, guest or user at fault)
-    │   ├── ToolCallLimitError       code tool_call_limit
-    │   ├── UnknownToolError         code unknown_tool (strict_unknown_tool only)
-    │   ├── CancelledError           code cancelled
-    │   └── StepFailedError          code step_failed (poison step sent to the dead-letter stream)
-    ├── ToolError                    a tool call failed; becomes an error tool message, loop goes on
-    │   ├── ToolExecError            code tool_exec_failed (rc < 0, trap, timeout, bad UTF-8, too big)
-    │   └── ToolArgumentsError       code invalid_arguments (bad JSON or schema violation)
-    ├── ProviderError                the model call failed
-    │   ├── ProviderRetryableError   429 / 5xx / 408 / 409 / timeouts: retried with backoff
-    │   ├── ProviderRequestError     other 4xx: ends the session (code provider_error)
-    │   └── ProviderProtocolError    a reply we cannot read (code provider_protocol_error)
-    ├── StoreError                   Redis failed; the step is retried
-    └── GuestError                   a WASM module could not load or instantiate (code guest_error)
+CchatqError                      root; `code` is the error-body code, `errno` the hostcall errno
+├── SessionError                 ends a session with an error body (model, guest or user at fault)
+│   ├── ToolCallLimitError       code tool_call_limit
+│   ├── UnknownToolError         code unknown_tool (strict_unknown_tool only)
+│   ├── CancelledError           code cancelled
+│   └── StepFailedError          code step_failed (poison step sent to the dead-letter stream)
+├── ToolError                    a tool call failed; becomes an error tool message, loop goes on
+│   ├── ToolExecError            code tool_exec_failed (rc < 0, trap, timeout, bad UTF-8, too big)
+│   └── ToolArgumentsError       code invalid_arguments (bad JSON or schema violation)
+├── ProviderError                the model call failed
+│   ├── ProviderRetryableError   429 / 5xx / 408 / 409 / timeouts: retried with backoff
+│   ├── ProviderRequestError     other 4xx: ends the session (code provider_error)
+│   └── ProviderProtocolError    a reply we cannot read (code provider_protocol_error)
+├── StoreError                   Redis failed; the step is retried
+└── GuestError                   a WASM module could not load or instantiate (code guest_error)
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ Celery is not imported here: tasks call these methods and turn `RetryLater` into
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from worker.engine import (
     RunTools,
     Session,
     ToolOutcome,
+    canonical_arguments,
     metrics,
     plan,
     transcript,
@@ -61,7 +63,9 @@ class StepRunner:
 
     # guards --------------------------------------------------------------------------------
 
-    def _guarded(self, step: str, sk: str, lease_ms: int, body: Callable[[], None], **meta: str | int) -> None:
+    def _guarded(
+        self, step: str, sk: str, lease_ms: int, body: Callable[[], None], **meta: str | int
+    ) -> None:
         published, leased, tries = self.store.begin_step(step, lease_ms, dict(meta), sk)
         if published:
             return
@@ -82,10 +86,8 @@ class StepRunner:
         self.store.end_step(step)
 
     def _release_quietly(self, step: str) -> None:
-        try:
+        with contextlib.suppress(StoreError):
             self.store.release_lease(step)
-        except StoreError:
-            pass
 
     def poison(self, step: str, sk: str, reason: str) -> None:
         """A step that keeps failing ends its session: dead-letter it and finish with an error."""
@@ -140,10 +142,15 @@ class StepRunner:
         except KeyError:
             return None
 
-    def _call_model(self, session: Session, backend: BackendConfig | None, step: CallModel) -> dict[str, Any]:
+    def _call_model(
+        self, session: Session, backend: BackendConfig | None, step: CallModel
+    ) -> dict[str, Any]:
         if backend is None:
             name = session.spec.get("provider")
-            return error_obj("provider_error", f"unknown backend {name!r}; configured: {sorted(self.settings.backends)}")
+            return error_obj(
+                "provider_error",
+                f"unknown backend {name!r}; configured: {sorted(self.settings.backends)}",
+            )
         request = build_request(step.model, step.messages, step.tools, step.params)
         try:
             return dict(self.provider_for(backend).complete(request).completion)
@@ -158,7 +165,11 @@ class StepRunner:
         elif isinstance(step, CallModel):
             self.dispatch.round(sk, step.round_no)
         elif isinstance(step, RunTools):
-            done = self.store.store_tool_outcomes(sk, step.round_no, step.presets) if step.presets else 0
+            done = (
+                self.store.store_tool_outcomes(sk, step.round_no, step.presets)
+                if step.presets
+                else 0
+            )
             for run in step.runs:
                 self.dispatch.tool(sk, step.round_no, run.index)
             if not step.runs and done >= step.call_count:
@@ -187,19 +198,21 @@ class StepRunner:
         lease_ms = 2 * limits.tool_timeout_ms + 5_000  # an ENOSPC retry may run the tool twice
         self._guarded(keys.tool_step(sk, round_no, index), sk, lease_ms, body)
 
-    def _execute(self, spec: dict[str, Any], call: dict[str, Any], limits: dict[str, int]) -> ToolOutcome:
+    def _execute(
+        self, spec: dict[str, Any], call: dict[str, Any], limits: dict[str, int]
+    ) -> ToolOutcome:
         name = call["function"]["name"]
         tool = next(t for t in spec["tools"] if t["function"]["name"] == name)
-        invocation = ToolInvocation(
-            module_sha256=tool["module_sha256"],
-            export=tool.get("export"),
-            table_index=tool.get("table_index"),
-            arguments=call["function"]["arguments"].encode(),
-            timeout_ms=limits["tool_timeout_ms"],
-            memory_bytes=limits["tool_memory_bytes"],
-            max_output_bytes=limits["max_tool_output_bytes"],
-        )
         try:
+            invocation = ToolInvocation(
+                module_sha256=tool["module_sha256"],
+                export=tool.get("export"),
+                table_index=tool.get("table_index"),
+                arguments=canonical_arguments(call["function"]["arguments"]).encode(),
+                timeout_ms=limits["tool_timeout_ms"],
+                memory_bytes=limits["tool_memory_bytes"],
+                max_output_bytes=limits["max_tool_output_bytes"],
+            )
             return ToolOutcome(content=self.runtime().call_tool(invocation), ok=True)
         except ToolError as exc:
             return ToolOutcome.error(exc.code, exc.message)
@@ -214,7 +227,10 @@ class StepRunner:
             failure = self.store.failure(sk)
             missing: ToolOutcome | None = None
             if failure is not None:
-                result, missing = failure, ToolOutcome.error("step_failed", "session failed before this call ran")
+                result, missing = (
+                    failure,
+                    ToolOutcome.error("step_failed", "session failed before this call ran"),
+                )
             elif self.store.is_cancelled(sk):
                 result, missing = error_obj("cancelled", "session cancelled"), CANCELLED
             else:
@@ -222,7 +238,10 @@ class StepRunner:
                 if isinstance(step, Finish):
                     result = step.body
                 else:
-                    result, missing = error_obj("internal_error", "finish before the session ended"), CANCELLED
+                    result, missing = (
+                        error_obj("internal_error", "finish before the session ended"),
+                        CANCELLED,
+                    )
             meta = self.store.meta(sk)
             latency_ms = int(time.time() * 1000) - int(meta.get("submitted_ms", "0") or 0)
             want_metrics = session.flags.get("metrics", True)

@@ -37,7 +37,9 @@ class Wiring:
             provider = self._providers.get(backend.name)
             if provider is None:
                 if backend.protocol != "openai":
-                    raise KeyError(f"backend {backend.name!r}: protocol {backend.protocol!r} not supported")
+                    raise KeyError(
+                        f"backend {backend.name!r}: protocol {backend.protocol!r} not supported"
+                    )
                 provider = self._providers[backend.name] = OpenAIChatProvider(backend)
             return provider
 
@@ -45,7 +47,8 @@ class Wiring:
         with self._lock:
             if self._runtime is None:
                 self._runtime = WasmToolRuntime(
-                    cache_dir=self.settings.module_cache_dir, load_module_bytes=self.store.module_bytes
+                    cache_dir=self.settings.module_cache_dir,
+                    load_module_bytes=self.store.module_bytes,
                 )
             return self._runtime
 

@@ -36,7 +36,9 @@ def _compact(obj: Any) -> str:
 
 
 def build_request(
-    model: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]],
+    model: str,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]],
     params: Mapping[str, Any],
 ) -> dict[str, Any]:
     """The JSON body of a non-streaming chat-completions call."""
@@ -94,11 +96,15 @@ def normalize_completion(raw: Any) -> dict[str, Any]:
     out.setdefault("object", "chat.completion")
     completion_id = str(raw.get("id") or "")
     norm_message = _normalize_message(message, completion_id)
-    out["choices"] = [{
-        "index": 0,
-        "message": norm_message,
-        "finish_reason": _finish_reason(choice.get("finish_reason"), "tool_calls" in norm_message),
-    }]
+    out["choices"] = [
+        {
+            "index": 0,
+            "message": norm_message,
+            "finish_reason": _finish_reason(
+                choice.get("finish_reason"), "tool_calls" in norm_message
+            ),
+        }
+    ]
     out["usage"] = normalize_usage(raw.get("usage"))
     return out
 
@@ -133,7 +139,8 @@ def _content(content: Any) -> str | None:
     if isinstance(content, list):
         # Some servers send content parts even without streaming; keep the text ones.
         return "".join(
-            p["text"] for p in content
+            p["text"]
+            for p in content
             if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
         )
     raise ProviderProtocolError(f"message content has unsupported type {type(content).__name__}")
@@ -272,7 +279,7 @@ def _repair(raw: str, error: json.JSONDecodeError) -> Any:
         first_nl = text.find("\n")
         # An info string such as ```json sits on the fence line.
         if first_nl >= 0 and text[:first_nl].strip().isalnum():
-            text = text[first_nl + 1:]
+            text = text[first_nl + 1 :]
         text = text.removesuffix("```").strip()
     closed = _close_truncated(text)
     for candidate in (text, closed):

@@ -107,12 +107,16 @@ class OpenAIChatProvider:
                     latency_ms = int((time.monotonic() - start) * 1000)
                     return CompletionResult(outcome, attempts, latency_ms)
                 # B1.12: one retry for an empty reply, with no backoff (it is not a load signal).
-                if (empty_retried or attempts >= policy.max_attempts
-                        or self._past_deadline(start, 0.0)):
+                if (
+                    empty_retried
+                    or attempts >= policy.max_attempts
+                    or self._past_deadline(start, 0.0)
+                ):
                     raise ProviderProtocolError("empty response")
                 empty_retried = True
-                log.warning("backend %s: empty reply (attempt %d), retrying",
-                            backend.name, attempts)
+                log.warning(
+                    "backend %s: empty reply (attempt %d), retrying", backend.name, attempts
+                )
                 continue
             if attempts >= policy.max_attempts:
                 raise outcome
@@ -120,8 +124,14 @@ class OpenAIChatProvider:
             if self._past_deadline(start, delay):
                 raise outcome
             # outcome.message holds at most the upstream error text, never our request.
-            log.warning("backend %s: %s (attempt %d/%d), retrying in %.2fs",
-                        backend.name, outcome.message, attempts, policy.max_attempts, delay)
+            log.warning(
+                "backend %s: %s (attempt %d/%d), retrying in %.2fs",
+                backend.name,
+                outcome.message,
+                attempts,
+                policy.max_attempts,
+                delay,
+            )
             self._sleep(delay)
 
     def _past_deadline(self, start: float, delay: float) -> bool:
@@ -137,7 +147,9 @@ class OpenAIChatProvider:
         read_s = max(min(backend.read_timeout_s, remaining), _MIN_READ_TIMEOUT_S)
         try:
             resp = self._session().post(
-                self._url, data=body, headers=self._headers(),
+                self._url,
+                data=body,
+                headers=self._headers(),
                 timeout=(backend.connect_timeout_s, read_s),
             )
         except requests.Timeout as exc:
@@ -159,9 +171,16 @@ class OpenAIChatProvider:
 
         status = resp.status_code
         request_id = resp.headers.get("x-request-id", "-")
-        log.log(logging.DEBUG if 200 <= status < 300 else logging.WARNING,
-                "backend %s: HTTP %d attempt %d request_id %s sent %d bytes got %d bytes",
-                backend.name, status, attempt, request_id, len(body), len(resp.content))
+        log.log(
+            logging.DEBUG if 200 <= status < 300 else logging.WARNING,
+            "backend %s: HTTP %d attempt %d request_id %s sent %d bytes got %d bytes",
+            backend.name,
+            status,
+            attempt,
+            request_id,
+            len(body),
+            len(resp.content),
+        )
         if 200 <= status < 300:
             return self._completion(resp)
         message = f"HTTP {status}: {_upstream_message(resp)}"

@@ -40,7 +40,9 @@ def _loads(raw: bytes | None) -> Any:
 
 class RedisStore:
     def __init__(self, client: redis.Redis, ttl_s: int) -> None:
-        self.client = client
+        # Any: redis-py annotates replies as bytes | str whatever decode_responses says;
+        # this client never decodes, so replies are bytes.
+        self.client: Any = client
         self.ttl_s = ttl_s
 
     @classmethod
@@ -111,7 +113,12 @@ class RedisStore:
         fanin = keys.fanin(sk, round_no)
         pipe = self.client.pipeline(transaction=True)
         for index, outcome in outcomes.items():
-            pipe.set(keys.tool_out(sk, round_no, index), dump_body(outcome.to_json()), nx=True, ex=self.ttl_s)
+            pipe.set(
+                keys.tool_out(sk, round_no, index),
+                dump_body(outcome.to_json()),
+                nx=True,
+                ex=self.ttl_s,
+            )
             pipe.sadd(fanin, index)
         pipe.expire(fanin, self.ttl_s)
         pipe.scard(fanin)
