@@ -9,18 +9,22 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
+import fixtures
 from fixtures.demo_batch import WEATHER
 from producer.client import Client
 from producer.fleet import WORKER_PROFILES, Fleet
 from producer.specfile import LoadedSpec
 from schemas.spec import SessionSpecSchema
-from tests.conftest import GUESTS
+
+GUESTS = Path(fixtures.__file__).parent / "guests"
 
 STEPS_PER_SESSION = 5  # start, round 0, tool, round 1, finish
 
@@ -72,8 +76,6 @@ def main() -> int:
     rows: list[tuple[str, str]] = []
     with Fleet() as fleet:
         redis_url = fleet.ensure_redis(private=True)
-        import os
-
         os.environ["REDIS_URL"] = redis_url
         fleet.start_replay()
         fleet.start_workers()
@@ -91,7 +93,9 @@ def main() -> int:
         rows.append(("  per step", f"{step_ms:.2f} ms/step ({step_ms / hop_ms:.1f}x a bare hop)"))
 
         wall = run(client, [weather_spec(f"tp/{i}") for i in range(1000)])
-        rows.append(("1,000 sessions (2 model calls + 1 tool each)", f"{wall:.2f} s, {1000 / wall:.0f} sessions/s"))
+        rows.append(
+            ("1,000 sessions (2 model calls + 1 tool each)", f"{wall:.2f} s, {1000 / wall:.0f}/s")
+        )
 
         concurrency = WORKER_PROFILES["llm"][1]
         n, latency_ms = 320, 200
