@@ -223,3 +223,71 @@ def test_task_arguments_carry_ids_only(running: Running, tmp_path: Path, fresh_i
     dict(running.client.wait(sub, timeout_s=20))
     assert seen, "no task message was observed"
     assert not any(secret.encode() in raw for raw in seen)
+
+
+def _unique_module(tmp_path: Path, fresh_id: str) -> Path:
+    """weather.wasm plus a custom section: same code, a sha256 no worker has cached."""
+    name = f"nonce-{fresh_id}".encode()
+    payload = bytes([len(name)]) + name
+    path = tmp_path / f"weather-{fresh_id}.wasm"
+    path.write_bytes(
+        (GUESTS / "weather.wasm").read_bytes() + b"\x00" + bytes([len(payload)]) + payload
+    )
+    return path
+
+
+def test_poison_step_is_dead_lettered_and_session_ends(
+    running: Running, tmp_path: Path, fresh_id: str
+) -> None:
+    """A step that fails on every delivery (its module vanished from Redis) ends its session
+    with a step_failed body instead of leaving the producer waiting."""
+    module = _unique_module(tmp_path, fresh_id)
+    spec = {
+        "id": f"{fresh_id}/poison",
+        "model": "replay/weather",
+        "messages": [{"role": "user", "content": "Weather in Lima?"}],
+        "tools": [{**WEATHER, "module": str(module)}],
+    }
+    path = tmp_path / "poison.jsonl"
+    path.write_text(json.dumps(spec) + "\n")
+    sub = running.client.submit([s.spec for s in load_spec_file(path)])
+    running.client.redis.delete(*running.client.redis.keys("cq:module:*"))
+    record = dict(running.client.wait(sub, timeout_s=60))[keys.session_key(spec["id"])]
+    assert record["status"] == "error"
+    assert record["body"]["error"]["code"] == "step_failed"
+    assert ".r0.t0 failed for good" in record["body"]["error"]["message"]
+    tool_messages = [m for m in record["transcript"] if m["role"] == "tool"]
+    assert [json.loads(m["content"])["error"]["code"] for m in tool_messages] == ["step_failed"]
+    entries = running.client.redis.xrange(keys.DEADLETTER)
+    assert any(e[1][b"step"].endswith(b".r0.t0") for e in entries)
+
+
+def test_cli_status_and_result(running: Running, tmp_path: Path, fresh_id: str) -> None:
+    spec = {
+        "id": f"{fresh_id}/cli",
+        "model": "replay/plain",
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    path = tmp_path / "one.jsonl"
+    path.write_text(json.dumps(spec) + "\n")
+    env = {"REDIS_URL": running.redis_url, "PATH": "/usr/bin:/bin"}
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "producer.cli", *args]
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+
+    out = tmp_path / "results.jsonl"
+    submitted = cli("submit", str(path), "--out", str(out), "--timeout-s", "30")
+    assert submitted.returncode == 0, submitted.stderr
+    line = json.loads(out.read_text())
+    assert line["id"] == spec["id"] and line["status"] == "ok" and line["error"] is None
+    assert line["response"]["choices"][0]["message"]["content"] == "Echo: hi"
+    assert [m["role"] for m in line["transcript"]] == ["user", "assistant"]
+    result = cli("result", spec["id"])
+    assert result.returncode == 0
+    assert result.stdout.strip().encode() == running.client.response(spec["id"])
+    assert b", " not in running.client.response(spec["id"])  # compact JSON, sorted keys
+    status = json.loads(cli("status", spec["id"]).stdout)
+    assert status["state"] == "done" and status["finished"] is True
+    unknown = cli("result", f"{fresh_id}/nope")
+    assert unknown.returncode == 1 and "unknown session id" in unknown.stderr

@@ -19,28 +19,34 @@ app = Celery("cchatq")
 app.conf.update(celery_config(load_settings()))
 
 
+# Unbounded here: a step's deliveries are counted in Redis (StepRunner) and a step that keeps
+# failing is dead-lettered there, with its session ended. Celery's own cap (3) would instead
+# drop the task and leave the session waiting forever.
+STEP_OPTIONS = {"bind": True, "max_retries": None}
+
+
 def _run(task: Task, call: Any) -> None:
     try:
         call(runner(app))
     except RetryLater as exc:
-        raise task.retry(countdown=exc.countdown_s, max_retries=None) from None
+        raise task.retry(countdown=exc.countdown_s) from None
 
 
-@app.task(name=task_names.START, bind=True)
+@app.task(name=task_names.START, **STEP_OPTIONS)
 def start(self: Task, batch: str, chunk_no: int) -> None:
     _run(self, lambda r: StepRunner.start(r, batch, chunk_no))
 
 
-@app.task(name=task_names.ROUND, bind=True)
+@app.task(name=task_names.ROUND, **STEP_OPTIONS)
 def round_(self: Task, sk: str, round_no: int) -> None:
     _run(self, lambda r: StepRunner.round(r, sk, round_no))
 
 
-@app.task(name=task_names.TOOL, bind=True)
+@app.task(name=task_names.TOOL, **STEP_OPTIONS)
 def tool(self: Task, sk: str, round_no: int, index: int) -> None:
     _run(self, lambda r: StepRunner.tool(r, sk, round_no, index))
 
 
-@app.task(name=task_names.FINISH, bind=True)
+@app.task(name=task_names.FINISH, **STEP_OPTIONS)
 def finish(self: Task, sk: str) -> None:
     _run(self, lambda r: StepRunner.finish(r, sk))
