@@ -56,7 +56,7 @@ def worker_command(
         "-P", pool or default_pool,
         "-c", str(concurrency or default_concurrency),
         "-n", f"{name or queue.replace(',', '-')}@%h",
-        "--without-gossip", "--without-mingle", "-E",
+        "--without-gossip", "--without-mingle",
         "--loglevel", os.environ.get("CCHATQ_LOG_LEVEL", "WARNING"),
     ]  # fmt: skip
 

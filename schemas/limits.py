@@ -11,7 +11,8 @@ LIMIT_BOUNDS: dict[str, tuple[int, int]] = {
     "max_iterations": (8, 128),
     "max_total_tool_calls": (32, 10_000),
     "max_tool_output_bytes": (65_536, 1 << 20),
-    "tool_timeout_ms": (10_000, 600_000),
+    # capped below the default visibility timeout (300 s), so no tool step outlives it
+    "tool_timeout_ms": (10_000, 120_000),
     "tool_memory_bytes": (256 << 20, 4 << 30),
 }
 LIMIT_ALIASES = {"max_tool_calls": "max_total_tool_calls"}

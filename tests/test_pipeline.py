@@ -291,3 +291,17 @@ def test_cli_status_and_result(running: Running, tmp_path: Path, fresh_id: str) 
     assert status["state"] == "done" and status["finished"] is True
     unknown = cli("result", f"{fresh_id}/nope")
     assert unknown.returncode == 1 and "unknown session id" in unknown.stderr
+
+
+def test_every_key_written_has_a_ttl(running: Running, tmp_path: Path, fresh_id: str) -> None:
+    specs = [
+        {**spec, "id": f"{fresh_id}/ttl/{spec['id']}"}
+        for spec, _ in demo_specs(13)  # one of each kind, the failing ones included
+    ]
+    run_specs(running.client, specs, tmp_path)
+    without_ttl = [
+        k
+        for k in running.client.redis.scan_iter("cq:*", count=1000)
+        if running.client.redis.ttl(k) < 0
+    ]
+    assert without_ttl == []

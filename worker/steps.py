@@ -64,43 +64,51 @@ class StepRunner:
     # guards --------------------------------------------------------------------------------
 
     def _guarded(
-        self, step: str, sk: str, lease_ms: int, body: Callable[[], None], **meta: str | int
+        self,
+        step: str,
+        sk: str,
+        lease_ms: int,
+        body: Callable[[], None],
+        stop_if_cancelled: bool = True,
+        **meta: str | int,
     ) -> None:
-        published, leased, tries = self.store.begin_step(step, lease_ms, dict(meta), sk)
-        if published:
+        start = self.store.begin_step(step, lease_ms, dict(meta), sk)
+        if start.published:
             return
-        if not leased:
+        if not start.leased:
             raise RetryLater(self.store.lease_left_ms(step) / 1000 + 0.05, f"step {step} is leased")
-        if tries > self.settings.max_step_attempts:
-            self.poison(step, sk, f"delivered {tries} times")
+        if start.cancelled and stop_if_cancelled:
+            # cancellation is checked at every step boundary; finish writes the cancelled body
+            self.dispatch.finish(sk)
+            self.store.end_step(step)
+            return
+        if start.tries > self.settings.max_step_attempts:
+            self.poison(step, [sk], f"delivered {start.tries} times")
             return
         try:
             body()
         except Exception as exc:
             self._release_quietly(step)
-            if tries >= self.settings.max_step_attempts:
-                self.poison(step, sk, f"{type(exc).__name__}: {exc}")
+            if start.tries >= self.settings.max_step_attempts:
+                self.poison(step, [sk], f"{type(exc).__name__}: {exc}")
                 return
-            log.warning("step %s failed (try %d): %s", step, tries, type(exc).__name__)
-            raise RetryLater(min(0.2 * 2**tries, 10.0), f"{type(exc).__name__}: {exc}") from exc
+            log.warning("step %s failed (try %d): %s", step, start.tries, type(exc).__name__)
+            raise RetryLater(
+                min(0.2 * 2**start.tries, 10.0), f"{type(exc).__name__}: {exc}"
+            ) from exc
         self.store.end_step(step)
 
     def _release_quietly(self, step: str) -> None:
         with contextlib.suppress(StoreError):
             self.store.release_lease(step)
 
-    def poison(self, step: str, sk: str, reason: str) -> None:
-        """A step that keeps failing ends its session: dead-letter it and finish with an error."""
+    def poison(self, step: str, sks: list[str], reason: str) -> None:
+        """A step that keeps failing ends its sessions: dead-letter it, finish with an error."""
         body = error_obj("step_failed", f"step {step} failed for good: {reason}"[:500])
-        self.store.dead_letter(step, sk, body, reason)
-        self.dispatch.finish(sk)
-        self.store.end_step(step)
-
-    def _cancelled(self, sk: str) -> bool:
-        if self.store.is_cancelled(sk):
+        for sk in sks:
+            self.store.dead_letter(step, sk, body, reason)
             self.dispatch.finish(sk)
-            return True
-        return False
+        self.store.end_step(step)
 
     def _default_backend(self) -> str:
         return self.settings.default_backend
@@ -108,23 +116,28 @@ class StepRunner:
     # start ---------------------------------------------------------------------------------
 
     def start(self, batch: str, chunk_no: int) -> None:
-        def body() -> None:
-            for sk in self.store.chunk_members(batch, chunk_no):
-                self.dispatch.round(sk, 0)
-
-        self._guarded(keys.start_step(batch, chunk_no), batch, START_LEASE_MS, body)
+        step = keys.start_step(batch, chunk_no)
+        start = self.store.begin_step(step, START_LEASE_MS)
+        if start.published:
+            return
+        if not start.leased:
+            raise RetryLater(self.store.lease_left_ms(step) / 1000 + 0.05, f"step {step} is leased")
+        members = self.store.chunk_members(batch, chunk_no)
+        if start.tries > self.settings.max_step_attempts:
+            self.poison(step, members, f"delivered {start.tries} times")
+            return
+        for sk in members:
+            self.dispatch.round(sk, 0)
+        self.store.end_step(step)
 
     # round ---------------------------------------------------------------------------------
 
     def round(self, sk: str, round_no: int) -> None:
-        if self._cancelled(sk):
-            return
-        session = self.store.load_session(sk, self._default_backend(), upto_round=round_no)
-        backend = self._backend(session)
+        backend = self._backend(self.store.load_spec(sk))
         lease_ms = int((backend.total_timeout_s if backend else 60) * 1000) + 10_000
 
         def body() -> None:
-            nonlocal session
+            session = self.store.load_session(sk, self._default_backend(), upto_round=round_no)
             if len(session.rounds) <= round_no:
                 step = plan(session)
                 if not isinstance(step, CallModel) or step.round_no != round_no:
@@ -136,9 +149,9 @@ class StepRunner:
 
         self._guarded(keys.round_step(sk, round_no), sk, lease_ms, body, state=f"round {round_no}")
 
-    def _backend(self, session: Session) -> BackendConfig | None:
+    def _backend(self, spec: dict[str, Any]) -> BackendConfig | None:
         try:
-            return self.settings.backend(session.spec.get("provider"))
+            return self.settings.backend(spec.get("provider"))
         except KeyError:
             return None
 
@@ -178,8 +191,6 @@ class StepRunner:
     # tool ----------------------------------------------------------------------------------
 
     def tool(self, sk: str, round_no: int, index: int) -> None:
-        if self._cancelled(sk):
-            return
         spec = self.store.load_spec(sk)
         limits = Session(spec=spec, backend="").limits
 
@@ -195,7 +206,7 @@ class StepRunner:
             if done >= len(calls):
                 self.dispatch.round(sk, round_no + 1)
 
-        lease_ms = 2 * limits.tool_timeout_ms + 5_000  # an ENOSPC retry may run the tool twice
+        lease_ms = limits.tool_timeout_ms + 5_000  # the deadline covers an ENOSPC retry too
         self._guarded(keys.tool_step(sk, round_no, index), sk, lease_ms, body)
 
     def _execute(
@@ -254,4 +265,4 @@ class StepRunner:
             }
             self.store.write_result(sk, dump_body(result), record)
 
-        self._guarded(keys.finish_step(sk), sk, FINISH_LEASE_MS, body)
+        self._guarded(keys.finish_step(sk), sk, FINISH_LEASE_MS, body, stop_if_cancelled=False)

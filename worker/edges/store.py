@@ -10,6 +10,7 @@ import functools
 import json
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
 import redis
@@ -20,6 +21,7 @@ from worker.engine import Round, Session, ToolOutcome
 from worker.errors import StoreError
 
 P = ParamSpec("P")
+SPEC_CACHE_SIZE = 4096
 T = TypeVar("T")
 
 
@@ -34,6 +36,14 @@ def _translated(fn: Callable[P, T]) -> Callable[P, T]:
     return wrapper
 
 
+@dataclass(frozen=True)
+class StepStart:
+    published: bool  # its continuation was already sent: nothing to do
+    leased: bool  # this delivery holds the lease
+    tries: int  # deliveries so far, this one included
+    cancelled: bool
+
+
 def _loads(raw: bytes | None) -> Any:
     return None if raw is None else json.loads(raw)
 
@@ -44,6 +54,7 @@ class RedisStore:
         # this client never decodes, so replies are bytes.
         self.client: Any = client
         self.ttl_s = ttl_s
+        self._specs: dict[str, dict[str, Any]] = {}
 
     @classmethod
     def from_url(cls, url: str, ttl_s: int) -> RedisStore:
@@ -53,10 +64,18 @@ class RedisStore:
 
     @_translated
     def load_spec(self, sk: str) -> dict[str, Any]:
+        """A session's spec. Specs never change after submit, so each process keeps the
+        recent ones and saves a round trip on every later step."""
+        cached = self._specs.get(sk)
+        if cached is not None:
+            return cached
         spec = _loads(self.client.get(keys.spec(sk)))
         if spec is None:
             raise StoreError(f"session {sk}: spec not found (expired or never submitted)")
-        return dict(spec)
+        if len(self._specs) >= SPEC_CACHE_SIZE:
+            self._specs.pop(next(iter(self._specs)))
+        self._specs[sk] = dict(spec)
+        return self._specs[sk]
 
     @_translated
     def load_session(self, sk: str, backend: str, upto_round: int | None = None) -> Session:
@@ -129,20 +148,24 @@ class RedisStore:
     @_translated
     def begin_step(
         self, step: str, lease_ms: int, meta: dict[str, str | int] | None = None, sk: str = ""
-    ) -> tuple[bool, bool, int]:
-        """(already published, lease taken, delivery count) for one delivery of a step, in one
-        round trip that also records the session's state for `cchatq status`."""
+    ) -> StepStart:
+        """Everything one delivery of a step needs to know before it works, in one round
+        trip that also records the session's state for `cchatq status`."""
         pipe = self.client.pipeline(transaction=True)
         pipe.exists(keys.published(step))
         pipe.set(keys.lease(step), "1", nx=True, px=lease_ms)
         pipe.incr(keys.tries(step))
         pipe.expire(keys.tries(step), self.ttl_s)
-        if meta and sk:
-            pipe.hset(keys.meta(sk), mapping=dict(meta))
-        published, leased, tries = pipe.execute()[:3]
+        if sk:
+            pipe.exists(keys.cancel(sk))
+            if meta:
+                pipe.hset(keys.meta(sk), mapping=dict(meta))
+        replies = pipe.execute()
+        published, leased, tries = replies[:3]
         if published and leased:
             self.client.delete(keys.lease(step))
-        return bool(published), bool(leased), int(tries)
+        cancelled = bool(replies[4]) if sk else False
+        return StepStart(bool(published), bool(leased), int(tries), cancelled)
 
     @_translated
     def lease_left_ms(self, step: str) -> int:
@@ -176,6 +199,7 @@ class RedisStore:
         pipe = self.client.pipeline(transaction=True)
         pipe.set(keys.failure(sk), dump_body(body), nx=True, ex=self.ttl_s)
         pipe.xadd(keys.DEADLETTER, {"step": step, "reason": reason[:500]}, maxlen=100_000)
+        pipe.expire(keys.DEADLETTER, self.ttl_s)
         pipe.execute()
 
     # meta ----------------------------------------------------------------------------------
