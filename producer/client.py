@@ -30,6 +30,7 @@ class Submission:
     ids: dict[str, str]  # sk -> spec id
     new: set[str] = field(default_factory=set)  # enqueued by this submission
     done: set[str] = field(default_factory=set)  # already finished before it (resubmitted ids)
+    programs: set[str] = field(default_factory=set)  # program runs among them
 
 
 class Client:
@@ -49,7 +50,10 @@ class Client:
 
     def upload_modules(self, specs: Sequence[dict[str, Any]]) -> dict[str, str]:
         """Each referenced module once, content-addressed: path -> sha256."""
-        paths = sorted({t["module"] for s in specs for t in s.get("tools", [])})
+        paths = sorted(
+            {t["module"] for s in specs for t in s.get("tools", [])}
+            | {s["program"]["module"] for s in specs if "program" in s}
+        )
         shas: dict[str, str] = {}
         pipe = self.redis.pipeline(transaction=False)
         for path in paths:
@@ -73,6 +77,8 @@ class Client:
                 sk = keys.session_key(spec["id"])
                 sub.order.append(sk)
                 sub.ids[sk] = spec["id"]
+                if "program" in spec:
+                    sub.programs.add(sk)
                 pipe.set(keys.spec(sk), dump_body(_stored_spec(spec, shas)), nx=True, ex=self.ttl_s)
                 pipe.sadd(keys.watchers(sk), sub.batch)
                 pipe.expire(keys.watchers(sk), self.ttl_s)
@@ -103,7 +109,8 @@ class Client:
         return sub
 
     def _admit(self, sub: Submission) -> None:
-        fresh = [sk for sk in sub.order if sk in sub.new]
+        # a program run is admitted as "p:<sk>" (its task runs on the programs queue)
+        fresh = [("p:" if sk in sub.programs else "") + sk for sk in sub.order if sk in sub.new]
         chunks = [fresh[i : i + CHUNK_SIZE] for i in range(0, len(fresh), CHUNK_SIZE)]
         pipe = self.redis.pipeline(transaction=False)
         for n, members in enumerate(chunks):
@@ -178,6 +185,8 @@ class Client:
         if not self.redis.exists(keys.spec(sk)):
             return False
         self.redis.set(keys.cancel(sk), "1", ex=self.ttl_s)
+        if json.loads(self.redis.get(keys.spec(sk)) or b"{}").get("kind") == "program":
+            return True  # a program run checks the flag at its hostcalls and waits
         self.celery.send_task(
             task_names.FINISH,
             args=[sk],
@@ -190,6 +199,11 @@ class Client:
 def _stored_spec(spec: dict[str, Any], shas: dict[str, str]) -> dict[str, Any]:
     """The spec as workers see it: tool modules named by content hash, not by local path."""
     stored = dict(spec)
+    if "program" in spec:
+        program = {k: v for k, v in spec["program"].items() if k != "module"}
+        program["module_sha256"] = shas[spec["program"]["module"]]
+        program["module_name"] = Path(spec["program"]["module"]).name
+        stored["program"] = program
     tools = []
     for tool in spec.get("tools", []):
         entry = {k: v for k, v in tool.items() if k != "module"}

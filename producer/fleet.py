@@ -162,7 +162,7 @@ class Fleet:
         return proc
 
     def start_workers(self, extra_env: dict[str, str] | None = None) -> None:
-        for queue in ("llm", "tools", "control"):
+        for queue in ("llm", "tools", "control", "programs"):
             self.start_worker(queue, extra_env=extra_env)
 
     def kill(self, proc: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:

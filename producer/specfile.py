@@ -14,6 +14,7 @@ from typing import Any
 
 from marshmallow import ValidationError
 
+from schemas.program_spec import ProgramSpecSchema, is_program
 from schemas.spec import SessionSpecSchema
 
 WASM_MAGIC = b"\0asm"
@@ -69,7 +70,7 @@ def load_spec_file(path: str | Path) -> list[LoadedSpec]:
 
     base_dir = file_path.resolve().parent
     modules = _ModuleChecker(base_dir)
-    schema = SessionSpecSchema()
+    session_schema, program_schema = SessionSpecSchema(), ProgramSpecSchema()
     seen_ids: dict[str, int] = {}
     loaded: list[LoadedSpec] = []
     for line, obj in entries:
@@ -95,6 +96,17 @@ def load_spec_file(path: str | Path) -> list[LoadedSpec]:
                 if problem:
                     issues.append(SpecIssue(shown, line, f"tools.{index}.module", problem))
                 module_paths[index] = resolved
+        program = obj.get("program")
+        program_module: str | None = None
+        if (
+            isinstance(program, dict)
+            and isinstance(program.get("module"), str)
+            and program["module"]
+        ):
+            program_module, problem = modules.check(program["module"])
+            if problem:
+                issues.append(SpecIssue(shown, line, "program.module", problem))
+        schema = program_schema if is_program(obj) else session_schema
         try:
             spec: dict[str, Any] = schema.load(obj)
         except ValidationError as exc:
@@ -103,7 +115,9 @@ def load_spec_file(path: str | Path) -> list[LoadedSpec]:
                 for field, message in flatten_errors(exc.messages)
             )
             continue
-        for index, tool in enumerate(spec["tools"]):
+        if program_module is not None:
+            spec["program"]["module"] = program_module
+        for index, tool in enumerate(spec.get("tools", [])):
             tool["module"] = module_paths[index]
         loaded.append(LoadedSpec(line, spec))
 

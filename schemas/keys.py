@@ -19,6 +19,8 @@ which would make task ids and Flower URLs awkward). Round r, tool call i:
     cq:done:{batch}         list of finished sks, pushed by finish (producers BLPOP it)
     cq:chunk:{batch}:{n}    sks admitted by one start task
     cq:module:{sha256}      WASM module bytes, content-addressed
+    cq:fork:{sha256}        a program's memory snapshot at cchat_send (zlib), for its tool forks
+    cq:fds:{sk}             a program run's fd table: hash fd -> entry JSON
     cq:deadletter           stream of poison steps
 """
 
@@ -98,6 +100,19 @@ def module(sha256: str) -> str:
     return f"{PREFIX}:module:{sha256}"
 
 
+def fork(sha256: str) -> str:
+    return f"{PREFIX}:fork:{sha256}"
+
+
+def fds(sk: str) -> str:
+    return f"{PREFIX}:fds:{sk}"
+
+
+def run_batch(sk: str) -> str:
+    """The batch a program run's chats notify when they finish."""
+    return f"run-{sk}"
+
+
 # Step ids name one unit of at-least-once work; task ids are derived from them.
 def round_step(sk: str, round_no: int) -> str:
     return f"{sk}.r{round_no}"
@@ -113,3 +128,7 @@ def finish_step(sk: str) -> str:
 
 def start_step(batch: str, chunk_no: int) -> str:
     return f"{batch}.c{chunk_no}"
+
+
+def program_step(sk: str) -> str:
+    return f"{sk}.prog"

@@ -7,6 +7,7 @@ ROUND = "cchatq.round"
 TOOL = "cchatq.tool"
 FINISH = "cchatq.finish"
 CANCEL = "cchatq.cancel"
+PROGRAM = "cchatq.program"
 
 QUEUE_LLM = "llm"
 QUEUE_TOOLS = "tools"
@@ -20,4 +21,5 @@ ROUTES: dict[str, str] = {
     TOOL: QUEUE_TOOLS,
     FINISH: QUEUE_CONTROL,
     CANCEL: QUEUE_CONTROL,
+    PROGRAM: QUEUE_PROGRAMS,
 }

@@ -21,6 +21,7 @@ from worker.codecs.openai_chat import build_request, tool_calls_of
 from worker.config import BackendConfig, Settings
 from worker.edges.dispatch import Dispatcher
 from worker.edges.store import RedisStore
+from worker.edges.wasm_fork import ProgramFork
 from worker.edges.wasm_runtime import ToolInvocation, WasmToolRuntime
 from worker.engine import (
     CANCELLED,
@@ -60,6 +61,7 @@ class StepRunner:
     provider_for: Callable[[BackendConfig], CompletionProvider]
     runtime: Callable[[], WasmToolRuntime]
     settings: Settings
+    fork_blob: Callable[[str], bytes]  # a program's memory snapshot, for its tools' forks
 
     # guards --------------------------------------------------------------------------------
 
@@ -124,10 +126,15 @@ class StepRunner:
             raise RetryLater(self.store.lease_left_ms(step) / 1000 + 0.05, f"step {step} is leased")
         members = self.store.chunk_members(batch, chunk_no)
         if start.tries > self.settings.max_step_attempts:
-            self.poison(step, members, f"delivered {start.tries} times")
+            self.poison(
+                step, [m.removeprefix("p:") for m in members], f"delivered {start.tries} times"
+            )
             return
-        for sk in members:
-            self.dispatch.round(sk, 0)
+        for member in members:
+            if member.startswith("p:"):
+                self.dispatch.program(member[2:])
+            else:
+                self.dispatch.round(member, 0)
         self.store.end_step(step)
 
     # round ---------------------------------------------------------------------------------
@@ -215,6 +222,8 @@ class StepRunner:
         name = call["function"]["name"]
         tool = next(t for t in spec["tools"] if t["function"]["name"] == name)
         try:
+            fork_sha = tool.get("fork_sha256")
+            fork = ProgramFork.from_blob(self.fork_blob(fork_sha)) if fork_sha else None
             invocation = ToolInvocation(
                 module_sha256=tool["module_sha256"],
                 export=tool.get("export"),
@@ -223,6 +232,7 @@ class StepRunner:
                 timeout_ms=limits["tool_timeout_ms"],
                 memory_bytes=limits["tool_memory_bytes"],
                 max_output_bytes=limits["max_tool_output_bytes"],
+                fork=fork,
             )
             return ToolOutcome(content=self.runtime().call_tool(invocation), ok=True)
         except ToolError as exc:
@@ -234,8 +244,13 @@ class StepRunner:
 
     def finish(self, sk: str) -> None:
         def body() -> None:
-            session = self.store.load_session(sk, self._default_backend())
+            spec = self.store.load_spec(sk)
             failure = self.store.failure(sk)
+            if spec.get("kind") == "program":  # only a failed run is finished here
+                body = failure or error_obj("cancelled", "program run cancelled")
+                self.store.write_result(sk, dump_body(body), failed_program_record(spec, body))
+                return
+            session = self.store.load_session(sk, self._default_backend())
             missing: ToolOutcome | None = None
             if failure is not None:
                 result, missing = (
@@ -266,3 +281,11 @@ class StepRunner:
             self.store.write_result(sk, dump_body(result), record)
 
         self._guarded(keys.finish_step(sk), sk, FINISH_LEASE_MS, body, stop_if_cancelled=False)
+
+
+def failed_program_record(spec: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
+    """A program run that ended without running to its end (dead-lettered or cancelled)."""
+    return {
+        "id": spec["id"], "kind": "program", "status": "error", "body": body, "exit_code": None,
+        "stdout": "", "stderr": "", "logs": [], "responses": [], "metrics": {},
+    }  # fmt: skip

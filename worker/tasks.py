@@ -13,7 +13,7 @@ from celery import Celery, Task
 from schemas import task_names
 from worker.config import load_settings
 from worker.steps import RetryLater, StepRunner
-from worker.wiring import celery_config, runner
+from worker.wiring import celery_config, program_steps, runner
 
 app = Celery("cchatq")
 app.conf.update(celery_config(load_settings()))
@@ -50,3 +50,11 @@ def tool(self: Task, sk: str, round_no: int, index: int) -> None:
 @app.task(name=task_names.FINISH, **STEP_OPTIONS)
 def finish(self: Task, sk: str) -> None:
     _run(self, lambda r: StepRunner.finish(r, sk))
+
+
+@app.task(name=task_names.PROGRAM, **STEP_OPTIONS)
+def program(self: Task, sk: str) -> None:
+    try:
+        program_steps(app).program(sk)
+    except RetryLater as exc:
+        raise self.retry(countdown=exc.countdown_s) from None

@@ -13,7 +13,9 @@ from worker.config import BackendConfig, Settings, load_settings
 from worker.edges.dispatch import Dispatcher
 from worker.edges.provider_http import OpenAIChatProvider
 from worker.edges.store import RedisStore
+from worker.edges.store_programs import ProgramStore
 from worker.edges.wasm_runtime import WasmToolRuntime
+from worker.program_step import ProgramSteps
 from worker.steps import StepRunner
 
 
@@ -24,12 +26,17 @@ class Wiring:
         self._providers: dict[str, OpenAIChatProvider] = {}
         self._runtime: WasmToolRuntime | None = None
         self._lock = threading.Lock()
+        self.programs = ProgramStore(self.store)
         self.runner = StepRunner(
             store=self.store,
             dispatch=Dispatcher(app),
             provider_for=self.provider_for,
             runtime=self.runtime,
             settings=settings,
+            fork_blob=self.programs.fork_blob,
+        )
+        self.program_steps = ProgramSteps(
+            runner=self.runner, programs=self.programs, source=_LazySource(self)
         )
 
     def provider_for(self, backend: BackendConfig) -> Any:
@@ -53,17 +60,38 @@ class Wiring:
             return self._runtime
 
 
+class _LazySource:
+    """The tool runtime as a ModuleSource, built on first use (after a fork)."""
+
+    def __init__(self, wiring: Wiring) -> None:
+        self.wiring = wiring
+
+    def compiled(self, sha256: str) -> tuple[Any, Any]:
+        return self.wiring.runtime().compiled(sha256)
+
+    def deadline_ticks(self, budget_ms: float) -> int:
+        return self.wiring.runtime().deadline_ticks(budget_ms)
+
+
 _wiring: tuple[int, Wiring] | None = None
 _wiring_lock = threading.Lock()
 
 
-def runner(app: Celery) -> StepRunner:
-    """The process's StepRunner, rebuilt after a fork."""
+def _current(app: Celery) -> Wiring:
+    """The process's wiring, rebuilt after a fork."""
     global _wiring
     with _wiring_lock:
         if _wiring is None or _wiring[0] != os.getpid():
             _wiring = (os.getpid(), Wiring(app, load_settings()))
-        return _wiring[1].runner
+        return _wiring[1]
+
+
+def runner(app: Celery) -> StepRunner:
+    return _current(app).runner
+
+
+def program_steps(app: Celery) -> ProgramSteps:
+    return _current(app).program_steps
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:

@@ -28,3 +28,6 @@ class Dispatcher:
 
     def finish(self, sk: str) -> None:
         self._send(task_names.FINISH, [sk], keys.finish_step(sk))
+
+    def program(self, sk: str) -> None:
+        self._send(task_names.PROGRAM, [sk], keys.program_step(sk))

@@ -1,4 +1,4 @@
-"""Byte layout of a tool call's scratch buffers in guest memory (pure arithmetic, no wasmtime).
+"""Byte layout of a tool call's buffers in guest memory (pure arithmetic, no wasmtime).
 
 With no tool arena (guest-abi.md "Tool ABI", beyond SPEAR) the host appends fresh pages to
 the instance's memory and lays out, from the first new byte:
@@ -6,12 +6,18 @@ the instance's memory and lays out, from the first new byte:
     args_ptr  args bytes + NUL            (8-aligned: it is a page boundary)
     out_ptr   output buffer of `cap` bytes (8-aligned)
     len_ptr   u32 LE length cell           (8-aligned)
+
+With a tool arena (a program fork whose guest set tool_arena_ptr/len) the buffers follow
+SPEAR's arena layout inside the existing memory (spear_abi.arena_layout).
 """
 
 from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+
+from worker.codecs.spear_abi import arena_layout
+from worker.errors import ToolExecError
 
 WASM_PAGE_BYTES = 65_536
 _U32 = struct.Struct("<I")
@@ -44,6 +50,37 @@ def plan_scratch(
     len_ptr = out_ptr + align8(cap)
     needed = len_ptr + 4 - base
     return ScratchLayout(args_ptr, out_ptr, len_ptr, -(-needed // page_bytes))
+
+
+@dataclass(frozen=True)
+class ToolBuffers:
+    """Where one attempt's args (+ NUL), output buffer and u32 length cell live."""
+
+    args_ptr: int
+    out_ptr: int
+    cap: int  # output capacity, written into the length cell before the call
+    len_ptr: int
+
+    @property
+    def end(self) -> int:
+        return self.len_ptr + 4
+
+
+def plan_arena(
+    arena_ptr: int, arena_len: int, args_len: int, max_output_bytes: int, memory_len: int
+) -> ToolBuffers | None:
+    """SPEAR's arena layout, checked against a memory of `memory_len` bytes. ToolExecError if
+    the arena (or its length cell) lies outside the memory; None if the arena cannot hold the
+    args, their NUL and a length cell (the host then uses scratch pages)."""
+    if arena_ptr < 0 or arena_len < 0 or arena_ptr + arena_len > memory_len:
+        raise ToolExecError("tool arena outside memory")
+    layout = arena_layout(arena_ptr, arena_len, args_len, max_output_bytes)
+    if layout is None:
+        return None
+    # SPEAR's cell may end up to 3 bytes past an arena whose length is not a multiple of 8
+    if layout.out_len_ptr + 4 > memory_len:
+        raise ToolExecError("tool arena outside memory")
+    return ToolBuffers(layout.args_ptr, layout.out_ptr, layout.out_cap, layout.out_len_ptr)
 
 
 def as_i32(value: int) -> int:

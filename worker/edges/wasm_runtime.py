@@ -1,8 +1,8 @@
-"""Runs one tool call in a fresh wasmtime instance (guest-abi.md, "Tool ABI").
-
-The only module in the project that imports wasmtime; wasmtime exceptions are translated
-here, once, into worker.errors: tool misbehaviour (trap, timeout, rc < 0, bad output,
-memory limit) -> ToolExecError; a module that cannot load or link -> GuestError.
+"""Runs one tool call in a fresh wasmtime instance (guest-abi.md, "Tool ABI"): of its module
+after `_initialize`, or, for a program's tool, a fork of the program (wasm_fork.py). Linked:
+WASI with nothing granted, and the `spear` imports in tool mode. wasmtime exceptions of a call
+are translated here, once, into worker.errors: tool misbehaviour (trap, timeout, rc < 0, bad
+output, memory limit) -> ToolExecError; a module that cannot load or link -> GuestError.
 """
 
 from __future__ import annotations
@@ -40,7 +40,15 @@ from wasmtime import (
     WasmtimeError,
 )
 
-from worker.edges.wasm_memory import ScratchLayout, as_i32, pack_u32, plan_scratch, unpack_u32
+from worker.edges.spear_imports import define_spear
+from worker.edges.wasm_fork import (
+    HostSwitch,
+    ProgramFork,
+    ToolModeHost,
+    place_buffers,
+    restore_fork,
+)
+from worker.edges.wasm_memory import as_i32, pack_u32, unpack_u32
 from worker.errors import CchatqError, GuestError, ToolExecError
 
 log = logging.getLogger(__name__)
@@ -61,6 +69,7 @@ class ToolInvocation:
     timeout_ms: int = 10_000
     memory_bytes: int = 256 << 20
     max_output_bytes: int = 65_536
+    fork: ProgramFork | None = None  # a program's tool: run in a fork of the program
 
 
 @dataclass
@@ -69,7 +78,7 @@ class _EngineState:
 
     pid: int
     engine: Engine
-    linker: Linker
+    hosts: HostSwitch  # the spear host every linked module calls: the current call's
     stop: threading.Event
     ticker: threading.Thread
     prepared: dict[str, InstancePre] = field(default_factory=dict)  # sha -> linked module
@@ -122,27 +131,37 @@ class WasmToolRuntime:
         self._initial_output_bytes = initial_output_bytes
         self._epoch_tick_ms = epoch_tick_ms
         self._lock = threading.Lock()
+        self._program_modules: dict[tuple[int, str], Module] = {}
         self._state: _EngineState | None = None
 
     # -- public -------------------------------------------------------------------------------
 
-    def call_tool(self, inv: ToolInvocation) -> str:
-        """Run the tool once (twice after -ENOSPC) and return its output text."""
+    def call_tool(self, inv: ToolInvocation, host: ToolModeHost | None = None) -> str:
+        """Run the tool once (twice after -ENOSPC) and return its output text.
+
+        `host` serves the tool's `spear` hostcalls (a fresh one when None); pass one to read
+        the tool's `log` lines afterwards. Its `deadline` is set to this call's."""
+        if inv.fork is not None and inv.table_index is None:
+            raise ToolExecError("a tool of a program fork needs a table index")
         deadline = time.monotonic() + inv.timeout_ms / 1000
+        host = ToolModeHost() if host is None else host
+        host.deadline = deadline
         state = self._engine_state()
         pre = self._prepared(state, inv.module_sha256)
         cap = max(0, min(self._initial_output_bytes, inv.max_output_bytes))
-        outcome = self._attempt(state, pre, inv, cap, self._ticks(inv.timeout_ms))
-        if outcome.rc == ENOSPC:
-            need = outcome.cell
-            if need > inv.max_output_bytes:
-                raise ToolExecError(
-                    f"tool output of {need} bytes exceeds max_tool_output_bytes "
-                    f"{inv.max_output_bytes}"
-                )
-            # The retry gets what is left of the same budget, not a fresh timeout.
-            left_ms = max(0.0, (deadline - time.monotonic()) * 1000)
-            outcome = self._attempt(state, pre, inv, need, self._ticks(left_ms))
+        with state.hosts.serving(host):
+            outcome = self._attempt(state, pre, inv, cap, self._ticks(inv.timeout_ms), True)
+            if outcome.rc == ENOSPC:
+                need = outcome.cell
+                if need > inv.max_output_bytes:
+                    raise ToolExecError(
+                        f"tool output of {need} bytes exceeds max_tool_output_bytes "
+                        f"{inv.max_output_bytes}"
+                    )
+                # The retry (a fresh instance or fork, scratch buffers even after an arena
+                # proved too small) gets what is left of the same budget, not a new timeout.
+                left_ms = max(0.0, (deadline - time.monotonic()) * 1000)
+                outcome = self._attempt(state, pre, inv, need, self._ticks(left_ms), False)
         if outcome.rc < 0:
             raise ToolExecError(f"tool rc: {outcome.rc}")
         try:
@@ -158,6 +177,20 @@ class WasmToolRuntime:
             state.stop.set()
             state.ticker.join(timeout=1.0)
 
+    # -- for program runs (worker.edges.wasm_guest.ModuleSource) -------------------------------
+
+    def compiled(self, sha256: str) -> tuple[Engine, Module]:
+        """The engine and a compiled module, sharing this runtime's caches and epoch ticker."""
+        state = self._engine_state()
+        key = (state.pid, sha256)
+        module = self._program_modules.get(key)
+        if module is None:
+            module = self._program_modules[key] = self._module(state.engine, sha256)
+        return state.engine, module
+
+    def deadline_ticks(self, budget_ms: float) -> int:
+        return self._ticks(budget_ms)
+
     # -- engine and modules -------------------------------------------------------------------
 
     def _engine_state(self) -> _EngineState:
@@ -172,8 +205,6 @@ class WasmToolRuntime:
         config = Config()
         config.epoch_interruption = True
         engine = Engine(config)
-        linker = Linker(engine)
-        linker.define_wasi()  # store-independent, so one linker serves every call
         stop = threading.Event()
         ticker = threading.Thread(
             target=_tick,
@@ -183,7 +214,7 @@ class WasmToolRuntime:
         )
         ticker.start()
         weakref.finalize(self, stop.set)  # a runtime dropped without close() stops its ticker
-        return _EngineState(pid, engine, linker, stop, ticker)
+        return _EngineState(pid, engine, HostSwitch(), stop, ticker)
 
     def _ticks(self, budget_ms: float) -> int:
         # +1: the first tick may land at any point within the current period.
@@ -193,8 +224,15 @@ class WasmToolRuntime:
         pre = state.prepared.get(sha)
         if pre is None:
             module = self._module(state.engine, sha)
+            # One linker per module: define_spear links the spear imports with the module's
+            # own types (mic_* and the like may have any). Both are store-independent.
+            linker = Linker(state.engine)
+            linker.define_wasi()
             try:
-                pre = state.linker.instantiate_pre(module)
+                define_spear(linker, module, state.hosts)
+                pre = linker.instantiate_pre(module)
+            except GuestError as err:
+                raise GuestError(f"module {sha} cannot be linked: {err.message}") from None
             except WasmtimeError as err:
                 reason = _short_reason(str(err))
                 raise GuestError(f"module {sha} cannot be linked: {reason}") from None
@@ -241,7 +279,13 @@ class WasmToolRuntime:
     # -- one attempt --------------------------------------------------------------------------
 
     def _attempt(
-        self, state: _EngineState, pre: InstancePre, inv: ToolInvocation, cap: int, ticks: int
+        self,
+        state: _EngineState,
+        pre: InstancePre,
+        inv: ToolInvocation,
+        cap: int,
+        ticks: int,
+        use_arena: bool,
     ) -> _Outcome:
         store = Store(state.engine)
         store.set_limits(memory_size=max(0, inv.memory_bytes))  # negative would mean no limit
@@ -253,43 +297,55 @@ class WasmToolRuntime:
             raise self._translate(err, inv, instantiating=True) from None
         try:
             exports = instance.exports(store)
-            init = exports.get("_initialize")
-            if isinstance(init, Func):  # WASI reactor; `_start` is never called
-                init(store)
-            func = self._resolve(store, exports, inv)
-            memory = exports.get("memory")
-            if not isinstance(memory, Memory):
-                raise ToolExecError("module exports no linear memory named `memory`")
-            layout = self._grow_scratch(store, memory, len(inv.arguments), cap)
-            memory.write(store, inv.arguments + b"\0", layout.args_ptr)
-            memory.write(store, pack_u32(cap), layout.len_ptr)
+            if inv.fork is None:
+                init = exports.get("_initialize")
+                if isinstance(init, Func):  # WASI reactor; `_start` is never called
+                    init(store)
+                func = self._resolve(store, exports, inv.export, inv.table_index)
+                memory = exports.get("memory")
+                if not isinstance(memory, Memory):
+                    raise ToolExecError("module exports no linear memory named `memory`")
+            else:  # neither `_initialize` nor `_start`: the program's state is the snapshot
+                memory = restore_fork(store, instance, inv.fork)
+                func = self._resolve(store, exports, None, inv.table_index)
+            arena_of = inv.fork if use_arena else None  # the retry never uses the arena
+            buf = place_buffers(
+                store, memory, arena_of, len(inv.arguments), cap, inv.max_output_bytes
+            )
+            memory.write(store, inv.arguments + b"\0", buf.args_ptr)
+            memory.write(store, pack_u32(buf.cap), buf.len_ptr)
             rc = int(
                 func(
                     store,
-                    as_i32(layout.args_ptr),
+                    as_i32(buf.args_ptr),
                     as_i32(len(inv.arguments)),
-                    as_i32(layout.out_ptr),
-                    as_i32(layout.len_ptr),
+                    as_i32(buf.out_ptr),
+                    as_i32(buf.len_ptr),
                 )
             )
-            cell = unpack_u32(memory.read(store, layout.len_ptr, layout.end))
+            cell = unpack_u32(memory.read(store, buf.len_ptr, buf.end))
             if rc < 0:
                 return _Outcome(rc, cell, b"")
-            if cell > cap:
+            if cell > buf.cap:
                 raise ToolExecError("tool wrote a length beyond its buffer")
-            output = bytes(memory.read(store, layout.out_ptr, layout.out_ptr + cell))
+            output = bytes(memory.read(store, buf.out_ptr, buf.out_ptr + cell))
             return _Outcome(rc, cell, output)
         except (Trap, WasmtimeError) as err:
             raise self._translate(err, inv, instantiating=False) from None
 
-    def _resolve(self, store: Store, exports: Mapping[str, Any], inv: ToolInvocation) -> Func:
-        if inv.export is not None:
-            what = f"export {inv.export!r}"
-            func = exports.get(inv.export)
+    def _resolve(
+        self,
+        store: Store,
+        exports: Mapping[str, Any],
+        export: str | None,
+        index: int | None,
+    ) -> Func:
+        if export is not None:
+            what = f"export {export!r}"
+            func = exports.get(export)
             if func is None:
                 raise ToolExecError(f"module has no {what}")
-        elif inv.table_index is not None:
-            index = inv.table_index
+        elif index is not None:
             what = f"table index {index}"
             table = self._function_table(exports)
             if table is None:
@@ -316,16 +372,6 @@ class WasmToolRuntime:
             if isinstance(exports.get(name), Table):
                 return exports[name]  # type: ignore[no-any-return]
         return next((e for e in exports.values() if isinstance(e, Table)), None)
-
-    @staticmethod
-    def _grow_scratch(store: Store, memory: Memory, args_len: int, cap: int) -> ScratchLayout:
-        page = int(memory.page_size(store))
-        layout = plan_scratch(int(memory.data_len(store)), args_len, cap, page)
-        try:
-            memory.grow(store, layout.grow_pages)
-        except WasmtimeError:  # refused by Store.set_limits or the module's declared maximum
-            raise ToolExecError("tool memory limit reached") from None
-        return layout
 
     @staticmethod
     def _translate(

@@ -1,0 +1,168 @@
+"""The `spear` import module for wasmtime: exact wasm types of every hostcall, guest memory
+access with bounds checks, and the link step shared by program runs and tool calls.
+
+A host object implements the calls; this module only adapts wasm values and memory to it.
+Unserved SPEAR families (mic_*, rtasr_*, user_stream_*) link and return -ENOSYS.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import wasmtime
+
+from worker.codecs.spear_abi import EFAULT, ENOSYS, UNSERVED_PREFIXES
+from worker.errors import GuestError
+
+I32, I64 = wasmtime.ValType.i32(), wasmtime.ValType.i64()
+
+# name -> (params, results)
+SPEAR_IMPORTS: dict[str, tuple[tuple[wasmtime.ValType, ...], tuple[wasmtime.ValType, ...]]] = {
+    "cchat_create": ((), (I32,)),
+    "cchat_write_msg": ((I32, I32, I32, I32, I32), (I32,)),
+    "cchat_write_fn": ((I32, I32, I32, I32), (I32,)),
+    "cchat_ctl": ((I32, I32, I32, I32), (I32,)),
+    "cchat_send": ((I32, I32), (I32,)),
+    "cchat_recv": ((I32, I32, I32), (I32,)),
+    "cchat_close": ((I32,), (I32,)),
+    "log": ((I32, I32, I32), (I32,)),
+    "time_now_ms": ((), (I64,)),
+    "wall_time_s": ((), (I64,)),
+    "random_i64": ((), (I64,)),
+    "sleep_ms": ((I32,), ()),
+    "spear_fd_ctl": ((I32, I32, I32, I32), (I32,)),
+    "spear_epoll_create": ((), (I32,)),
+    "spear_epoll_ctl": ((I32, I32, I32, I32), (I32,)),
+    "spear_epoll_wait": ((I32, I32, I32, I32), (I32,)),
+    "spear_epoll_close": ((I32,), (I32,)),
+}
+
+
+class GuestFault(Exception):
+    """A guest pointer or length outside its memory: the hostcall returns -EFAULT."""
+
+
+class GuestMemory:
+    """Bounds-checked access to the calling instance's exported `memory`."""
+
+    def __init__(self, caller: wasmtime.Caller) -> None:
+        self._caller = caller
+        memory = caller.get("memory")
+        self._memory = memory if isinstance(memory, wasmtime.Memory) else None
+
+    def _check(self, ptr: int, length: int) -> wasmtime.Memory:
+        if self._memory is None:
+            raise GuestFault("the guest exports no memory")
+        ptr, length = ptr & 0xFFFFFFFF, length & 0xFFFFFFFF  # wasm i32 are unsigned addresses
+        if ptr + length > self._memory.data_len(self._caller):
+            raise GuestFault(f"{ptr}+{length} is outside guest memory")
+        return self._memory
+
+    def read(self, ptr: int, length: int) -> bytes:
+        memory = self._check(ptr, length)
+        return bytes(
+            memory.read(self._caller, ptr & 0xFFFFFFFF, (ptr & 0xFFFFFFFF) + (length & 0xFFFFFFFF))
+        )
+
+    def write(self, ptr: int, data: bytes) -> None:
+        memory = self._check(ptr, len(data))
+        memory.write(self._caller, data, ptr & 0xFFFFFFFF)
+
+    def read_u32(self, ptr: int) -> int:
+        return int(struct.unpack("<I", self.read(ptr, 4))[0])
+
+    def write_u32(self, ptr: int, value: int) -> None:
+        self.write(ptr, struct.pack("<I", value & 0xFFFFFFFF))
+
+    # what a fork of the guest needs (guest-abi.md section 4) ---------------------------------
+
+    def snapshot(self) -> bytes:
+        """The whole linear memory, as a tool fork will see it."""
+        if self._memory is None:
+            return b""
+        return bytes(self._memory.read(self._caller, 0, self._memory.data_len(self._caller)))
+
+    def mutable_globals(self, names: list[str]) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for name in names:
+            glob = self._caller.get(name)
+            if isinstance(glob, wasmtime.Global) and glob.type(self._caller).mutable:
+                value = glob.value(self._caller)
+                if isinstance(value, int):
+                    out[name] = value
+        return out
+
+    def is_tool_function(self, index: int, fallback_table: str | None = None) -> bool:
+        """Whether `index` names a function of the tool signature in the exported table
+        (`__indirect_function_table`, else `table`, else the first exported table)."""
+        table = self._function_table(fallback_table)
+        if table is None or index < 0 or index >= table.size(self._caller):
+            return False
+        func = table.get(self._caller, index)  # type: ignore[arg-type]  # a Caller is a store here
+        if not isinstance(func, wasmtime.Func):
+            return False
+        ty = func.type(self._caller)
+        return [str(p) for p in ty.params] == ["i32"] * 4 and [str(r) for r in ty.results] == [
+            "i32"
+        ]
+
+    def _function_table(self, fallback: str | None) -> wasmtime.Table | None:
+        for name in ("__indirect_function_table", "table", fallback):
+            if name is None:
+                continue
+            table = self._caller.get(name)
+            if isinstance(table, wasmtime.Table):
+                return table
+        return None
+
+
+class SpearHost(Protocol):
+    def hostcall(self, name: str, mem: GuestMemory, args: tuple[int, ...]) -> int | None:
+        """Run one hostcall. Return its value; raise to trap the guest (deadline, cancel)."""
+        ...
+
+
+def define_spear(linker: wasmtime.Linker, module: wasmtime.Module, host: SpearHost) -> None:
+    """Define every `spear` import `module` declares. Unknown ones fail here, by name."""
+    for imp in module.imports:
+        if imp.module != "spear" or imp.name is None:
+            continue
+        ty = imp.type
+        if not isinstance(ty, wasmtime.FuncType):
+            raise GuestError(f"import spear::{imp.name} is not a function")
+        linker.define_func("spear", imp.name, ty, _adapter(imp.name, ty, host), access_caller=True)
+
+
+def _adapter(name: str, ty: wasmtime.FuncType, host: SpearHost) -> Callable[..., Any]:
+    expected = SPEAR_IMPORTS.get(name)
+    if expected is None:
+        if not name.startswith(UNSERVED_PREFIXES):
+            raise GuestError(f"unknown import spear::{name}")
+        return _enosys(ty)
+    params, results = expected
+    if [str(p) for p in ty.params] != [str(p) for p in params] or [str(r) for r in ty.results] != [
+        str(r) for r in results
+    ]:
+        raise GuestError(f"import spear::{name} has the wrong type {ty}")
+
+    def call(caller: wasmtime.Caller, *args: int) -> int | None:
+        try:
+            return host.hostcall(name, GuestMemory(caller), args)
+        except GuestFault:
+            return -EFAULT
+
+    return call
+
+
+def _enosys(ty: wasmtime.FuncType) -> Callable[..., Any]:
+    results = list(ty.results)
+
+    def stub(caller: wasmtime.Caller, *args: Any) -> Any:
+        if not results:
+            return None
+        values = [-ENOSYS if str(r) in ("i32", "i64") else 0 for r in results]
+        return values[0] if len(values) == 1 else values
+
+    return stub

@@ -1,0 +1,91 @@
+"""Redis operations of program runs: their chats, fd tables and memory snapshots.
+Same rules as store.py: every key has a TTL; redis errors become StoreError."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from typing import Any
+
+from schemas import keys
+from schemas.bodies import dump_body
+from worker.edges.store import RedisStore, _translated
+from worker.errors import StoreError
+
+
+class ProgramStore:
+    def __init__(self, store: RedisStore) -> None:
+        self.store = store
+        self.client = store.client
+        self.ttl_s = store.ttl_s
+        self._forks: dict[str, bytes] = {}
+
+    @_translated
+    def submit_chat(self, sk: str, spec: dict[str, Any], batch: str) -> bool:
+        """Store a chat's spec and watch it from the run's batch. False if it already exists
+        (a redelivered program replaying its chats): then it is not started again."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.set(keys.spec(sk), dump_body(spec), nx=True, ex=self.ttl_s)
+        pipe.hsetnx(keys.meta(sk), "submitted_ms", int(time.time() * 1000))
+        pipe.hset(keys.meta(sk), mapping={"id": spec["id"], "batch": batch})
+        pipe.expire(keys.meta(sk), self.ttl_s)
+        pipe.sadd(keys.watchers(sk), batch)
+        pipe.expire(keys.watchers(sk), self.ttl_s)
+        return bool(pipe.execute()[0])
+
+    @_translated
+    def ready(self, sks: list[str]) -> list[bool]:
+        pipe = self.client.pipeline(transaction=False)
+        for sk in sks:
+            pipe.exists(keys.response(sk))
+        return [bool(x) for x in pipe.execute()]
+
+    @_translated
+    def response_and_record(self, sk: str) -> tuple[bytes | None, dict[str, Any] | None]:
+        body, record = self.client.mget([keys.response(sk), keys.record(sk)])
+        return (None if body is None else bytes(body)), (
+            None if record is None else json.loads(record)
+        )
+
+    @_translated
+    def wait_done(self, batch: str, timeout_s: float) -> list[str]:
+        """Block until a chat of the batch finishes (or the timeout): the keys announced."""
+        item = self.client.blpop([keys.done_list(batch)], timeout=max(timeout_s, 0.01))
+        if item is None:
+            return []
+        more = self.client.lpop(keys.done_list(batch), 1000) or []
+        return [item[1].decode(), *(m.decode() for m in more)]
+
+    @_translated
+    def is_cancelled(self, sk: str) -> bool:
+        return bool(self.client.exists(keys.cancel(sk)))
+
+    @_translated
+    def put_fork(self, blob: bytes) -> str:
+        """Content-addressed, so unchanged memory between sends is stored once."""
+        sha = hashlib.sha256(blob).hexdigest()
+        self.client.set(keys.fork(sha), blob, nx=True, ex=self.ttl_s)
+        self.client.expire(keys.fork(sha), self.ttl_s)
+        return sha
+
+    @_translated
+    def fork_blob(self, sha: str) -> bytes:
+        """A snapshot; each tools process keeps the recent ones (a program's tool calls share
+        one snapshot per send)."""
+        blob = self._forks.get(sha)
+        if blob is None:
+            raw = self.client.get(keys.fork(sha))
+            if raw is None:
+                raise StoreError(f"fork {sha[:12]} not in Redis (expired)")
+            if len(self._forks) >= 64:
+                self._forks.pop(next(iter(self._forks)))
+            blob = self._forks[sha] = bytes(raw)
+        return blob
+
+    @_translated
+    def save_fd(self, run_sk: str, fd: int, entry: dict[str, Any]) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hset(keys.fds(run_sk), str(fd), dump_body(entry))
+        pipe.expire(keys.fds(run_sk), self.ttl_s)
+        pipe.execute()

@@ -1,0 +1,517 @@
+"""The `spear` hostcalls of one program run (guest-abi.md sections 2, 3 and 6).
+
+Each `cchat_send` becomes a chat session on the same round/tool pipeline as a spec session
+(id `<run id>#send<n>`), with its tools forked from the program's memory at the send. The fd
+table lives here and is mirrored to Redis (`cq:fds:<run>`); response bodies are read from the
+chats' response fds, written by whichever worker finished them.
+
+Hostcalls return -errno and never raise, except RunAborted (deadline, cancellation), which
+traps the guest and ends the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from schemas import keys
+from schemas.bodies import dump_body, error_obj
+from schemas.limits import LIMIT_ALIASES, LIMIT_BOUNDS, Limits
+from worker.codecs import spear_abi as abi
+from worker.edges.dispatch import Dispatcher
+from worker.edges.spear_imports import GuestMemory
+from worker.edges.store_programs import ProgramStore
+from worker.edges.wasm_fork import ProgramFork
+from worker.edges.wasm_guest import RunAborted
+from worker.errors import StoreError
+
+ROLES = ("system", "user", "assistant", "tool")
+CONSUMED_PARAMS = (
+    "model",
+    "backend",
+    "timeout_ms",
+    "tool_arena_ptr",
+    "tool_arena_len",
+    "strict_unknown_tool",
+)
+WAIT_SLICE_S = 1.0  # blocking waits wake at least this often to check cancellation
+
+
+@dataclass
+class FdEntry:
+    kind: str
+    closed: bool = False
+    flags: set[str] = field(default_factory=set)
+    # a chat session
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    tools: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
+    params: dict[str, Any] = field(default_factory=dict)
+    # a response
+    sk: str = ""
+    session_fd: int = 0
+    auto: bool = False
+    metrics: bool = False
+    body: bytes | None = None
+    record: dict[str, Any] | None = None
+    sent_messages: int = 0
+    # an epoll instance: fd -> interest events
+    watch: dict[int, int] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        """What the Redis mirror shows (`cchatq status`): no message text."""
+        out: dict[str, Any] = {
+            "kind": self.kind,
+            "closed": self.closed,
+            "flags": sorted(self.flags),
+        }
+        if self.kind == abi.KIND_SESSION:
+            out.update(messages=len(self.messages), tools=[f["name"] for _, f in self.tools])
+        elif self.kind == abi.KIND_RESPONSE:
+            out.update(session=self.sk, ready=self.body is not None)
+        else:
+            out.update(watch=sorted(self.watch))
+        return out
+
+
+@dataclass
+class ChatDefaults:
+    run_id: str
+    run_sk: str
+    module_sha256: str
+    backend: str | None
+    model: str | None
+    deadline: float  # time.monotonic() at which the run ends
+
+
+class ProgramHost:
+    def __init__(self, defaults: ChatDefaults, store: ProgramStore, dispatch: Dispatcher) -> None:
+        self.d = defaults
+        self.store = store
+        self.dispatch = dispatch
+        self.fds: dict[int, FdEntry] = {}
+        self.next_fd = abi.FIRST_FD
+        self.sends = 0
+        self.logs: list[tuple[int, str]] = []
+        self.responses: list[int] = []  # response fds in send order
+        self.exported_globals: list[str] = []
+        self.table_name: str | None = None
+        self._aborted: RunAborted | None = None
+        self._calls: dict[str, Callable[..., int | None]] = {
+            name: getattr(self, f"_{name}") for name in _HOSTCALLS
+        }
+
+    # SpearHost -----------------------------------------------------------------------------
+
+    def attach(self, exported_globals: list[str], table_name: str | None) -> None:
+        self.exported_globals, self.table_name = exported_globals, table_name
+
+    def abort_reason(self) -> RunAborted | None:
+        return self._aborted
+
+    def hostcall(self, name: str, mem: GuestMemory, args: tuple[int, ...]) -> int | None:
+        if self._aborted is not None:
+            raise self._aborted
+        try:
+            return self._calls[name](mem, *args)
+        except StoreError:
+            return -abi.EIO
+
+    def _abort(self, code: str, message: str) -> RunAborted:
+        self._aborted = RunAborted(code, message)
+        return self._aborted
+
+    def _check_time(self) -> float:
+        remaining = self.d.deadline - time.monotonic()
+        if remaining <= 0:
+            raise self._abort("deadline_exceeded", "program exceeded its deadline")
+        return remaining
+
+    def _check_cancel(self) -> None:
+        if self.store.is_cancelled(self.d.run_sk):
+            raise self._abort("cancelled", "program run cancelled")
+
+    # fds -----------------------------------------------------------------------------------
+
+    def _new_fd(self, entry: FdEntry) -> int:
+        fd, self.next_fd = self.next_fd, self.next_fd + 1
+        self.fds[fd] = entry
+        self._persist(fd)
+        return fd
+
+    def _persist(self, fd: int) -> None:
+        self.store.save_fd(self.d.run_sk, fd, self.fds[fd].summary())
+
+    def _get(self, fd: int, kind: str, open_only: bool = True) -> FdEntry | None:
+        entry = self.fds.get(fd)
+        if entry is None or entry.kind != kind or (open_only and entry.closed):
+            return None
+        return entry
+
+    def _write_with_len(self, mem: GuestMemory, out_ptr: int, out_len_ptr: int, data: bytes) -> int:
+        capacity = mem.read_u32(out_len_ptr)
+        need, fits = abi.write_with_len_plan(capacity, data)
+        if not fits:
+            mem.write_u32(out_len_ptr, need)
+            return -abi.ENOSPC
+        mem.write(out_ptr, data)
+        mem.write_u32(out_len_ptr, need)
+        return need
+
+    # chat hostcalls ------------------------------------------------------------------------
+
+    def _cchat_create(self, mem: GuestMemory) -> int:
+        return self._new_fd(FdEntry(kind=abi.KIND_SESSION))
+
+    def _cchat_write_msg(
+        self, mem: GuestMemory, fd: int, role_ptr: int, role_len: int, ptr: int, length: int
+    ) -> int:
+        entry = self._get(fd, abi.KIND_SESSION)
+        if entry is None:
+            return -abi.EBADF
+        try:
+            role = mem.read(role_ptr, role_len).decode()
+            content = mem.read(ptr, length).decode()
+        except UnicodeDecodeError:
+            return -abi.EINVAL
+        if role not in ROLES:
+            return -abi.EINVAL
+        entry.messages.append({"role": role, "content": content})
+        self._persist(fd)
+        return 0
+
+    def _cchat_write_fn(
+        self, mem: GuestMemory, fd: int, fn_offset: int, ptr: int, length: int
+    ) -> int:
+        entry = self._get(fd, abi.KIND_SESSION)
+        if entry is None:
+            return -abi.EBADF
+        function = abi.parse_tool_json(mem.read(ptr, length))
+        if isinstance(function, int):
+            return function
+        if not mem.is_tool_function(fn_offset, self.table_name):
+            return -abi.EINVAL
+        if all(f["name"] != function["name"] for _, f in entry.tools):  # the first one wins
+            entry.tools.append((fn_offset, function))
+            self._persist(fd)
+        return 0
+
+    def _cchat_ctl(
+        self, mem: GuestMemory, fd: int, cmd: int, arg_ptr: int, arg_len_ptr: int
+    ) -> int:
+        entry = self.fds.get(fd)
+        if entry is None:
+            return -abi.EBADF
+        if cmd == abi.CTL_SET_PARAM:
+            session = self._get(fd, abi.KIND_SESSION)
+            if session is None:
+                return -abi.EBADF
+            parsed = abi.parse_set_param(mem.read(arg_ptr, mem.read_u32(arg_len_ptr)))
+            if isinstance(parsed, int):
+                return parsed
+            session.params[parsed[0]] = parsed[1]
+            self._persist(fd)
+            return 0
+        if cmd == abi.CTL_GET_METRICS:
+            if entry.kind != abi.KIND_RESPONSE:
+                return -abi.EBADF
+            return self._metrics(mem, entry, arg_ptr, arg_len_ptr)
+        return -abi.EINVAL
+
+    def _metrics(self, mem: GuestMemory, entry: FdEntry, out_ptr: int, out_len_ptr: int) -> int:
+        if not self._observe(entry):
+            return -abi.EAGAIN
+        metrics = (entry.record or {}).get("metrics", {}) if entry.metrics else {}
+        return self._write_with_len(mem, out_ptr, out_len_ptr, dump_body(metrics))
+
+    def _cchat_send(self, mem: GuestMemory, fd: int, flags: int) -> int:
+        session = self._get(fd, abi.KIND_SESSION)
+        if session is None:
+            return -abi.EBADF
+        self._check_cancel()
+        n, self.sends = self.sends, self.sends + 1
+        chat_id = f"{self.d.run_id}#send{n}"
+        sk = keys.session_key(chat_id)
+        auto = bool(flags & abi.SEND_AUTO_TOOL_CALL)
+        metrics = bool(flags & abi.SEND_METRICS)
+        response = FdEntry(
+            kind=abi.KIND_RESPONSE, sk=sk, session_fd=fd, auto=auto, metrics=metrics,
+            sent_messages=len(session.messages),
+        )  # fmt: skip
+        spec = self._chat_spec(mem, session, chat_id, auto, response.metrics)
+        if isinstance(spec, bytes):  # a routing error: the response fd holds an error body
+            response.body, response.record = spec, {"transcript": session.messages, "metrics": {}}
+        elif self.store.submit_chat(sk, spec, keys.run_batch(self.d.run_sk)):
+            self.dispatch.round(sk, 0)
+        resp_fd = self._new_fd(response)
+        self.responses.append(resp_fd)
+        if abi.O_NONBLOCK not in session.flags:
+            timeout_ms = session.params.get("timeout_ms")
+            limit = (
+                time.monotonic() + timeout_ms / 1000
+                if isinstance(timeout_ms, int | float)
+                else None
+            )
+            self._wait(lambda: self._observe(response), until=limit)
+        return resp_fd
+
+    def _chat_spec(
+        self, mem: GuestMemory, session: FdEntry, chat_id: str, auto: bool, metrics: bool
+    ) -> dict[str, Any] | bytes:
+        params = dict(session.params)
+        consumed = {
+            k: params.pop(k)
+            for k in (*CONSUMED_PARAMS, *LIMIT_BOUNDS, *LIMIT_ALIASES)
+            if k in params
+        }
+        model = consumed.get("model") or self.d.model
+        if not isinstance(model, str) or not model:
+            return dump_body(error_obj("invalid_request", "no model: set the `model` param"))
+        tools = []
+        fork_sha: str | None = None
+        if session.tools and auto:  # only an auto tool-call loop runs the tools
+            fork = ProgramFork(
+                snapshot=mem.snapshot(),
+                globals=mem.mutable_globals(self.exported_globals),
+                arena_ptr=_int_or_none(consumed.get("tool_arena_ptr")),
+                arena_len=_int_or_none(consumed.get("tool_arena_len")),
+            )
+            fork_sha = self.store.put_fork(fork.to_blob())
+        for fn_offset, function in session.tools:
+            tools.append(
+                {"module_sha256": self.d.module_sha256, "export": None, "table_index": fn_offset,
+                 "fork_sha256": fork_sha, "module_name": "program", "function": function}
+            )  # fmt: skip
+        return {
+            "id": chat_id,
+            "provider": consumed.get("backend") or self.d.backend,
+            "model": model,
+            "messages": list(session.messages),
+            "tools": tools,
+            "params": params,
+            "flags": {
+                "auto_tool_call": auto,
+                "metrics": metrics,
+                "strict_unknown_tool": bool(consumed.get("strict_unknown_tool", False)),
+            },
+            "limits": Limits.resolve(consumed).as_dict(),
+        }
+
+    def _observe(self, response: FdEntry) -> bool:
+        """Whether the chat behind a response fd has finished; on the first sight of it, take
+        its body and (auto tool call) append its new messages to the session."""
+        if response.body is not None:
+            return True
+        body, record = self.store.response_and_record(response.sk)
+        if body is None:
+            return False
+        response.body, response.record = body, record
+        session = self.fds.get(response.session_fd)
+        if response.auto and session is not None and record is not None:
+            transcript = record.get("transcript") or []
+            session.messages.extend(transcript[response.sent_messages :])
+        return True
+
+    def _wait(self, ready: Callable[[], bool], until: float | None = None) -> bool:
+        """Block until `ready()`, the run's deadline (which aborts), or `until`."""
+        while not ready():
+            remaining = self._check_time()
+            if until is not None:
+                remaining = min(remaining, until - time.monotonic())
+                if remaining <= 0:
+                    return False
+            self._check_cancel()
+            self.store.wait_done(keys.run_batch(self.d.run_sk), min(remaining, WAIT_SLICE_S))
+        return True
+
+    def _cchat_recv(self, mem: GuestMemory, fd: int, out_ptr: int, out_len_ptr: int) -> int:
+        response = self._get(
+            fd, abi.KIND_RESPONSE, open_only=False
+        )  # closed responses stay readable
+        if response is None:
+            return -abi.EBADF
+        if not self._observe(response):
+            return -abi.EAGAIN
+        assert response.body is not None
+        return self._write_with_len(mem, out_ptr, out_len_ptr, response.body)
+
+    def _cchat_close(self, mem: GuestMemory, fd: int) -> int:
+        entry = self.fds.get(fd)
+        if entry is None or entry.kind == abi.KIND_EPOLL:
+            return -abi.EBADF
+        if not entry.closed:
+            entry.closed = True
+            self._persist(fd)
+        return 0
+
+    # other imports -------------------------------------------------------------------------
+
+    def _log(self, mem: GuestMemory, level: int, ptr: int, length: int) -> int:
+        if length > abi.LOG_MAX_BYTES or length < 0 or not 0 <= level <= 4:
+            return -abi.EINVAL
+        self.logs.append((level, mem.read(ptr, length).decode(errors="replace")))
+        return 0
+
+    def _time_now_ms(self, mem: GuestMemory) -> int:
+        return int(time.time() * 1000)
+
+    def _wall_time_s(self, mem: GuestMemory) -> int:
+        return int(time.time())
+
+    def _random_i64(self, mem: GuestMemory) -> int:
+        return int.from_bytes(os.urandom(8), "little", signed=True)
+
+    def _sleep_ms(self, mem: GuestMemory, ms: int) -> None:
+        until = time.monotonic() + max(ms, 0) / 1000
+        while time.monotonic() < until:
+            remaining = self._check_time()
+            self._check_cancel()
+            time.sleep(max(0.0, min(until - time.monotonic(), remaining, WAIT_SLICE_S)))
+        return None
+
+    def _spear_fd_ctl(
+        self, mem: GuestMemory, fd: int, cmd: int, arg_ptr: int, arg_len_ptr: int
+    ) -> int:
+        entry = self.fds.get(fd)
+        if entry is None:
+            return -abi.EBADF
+        if cmd == abi.FD_SET_FLAGS:
+            change = abi.parse_flag_change(mem.read(arg_ptr, mem.read_u32(arg_len_ptr)))
+            if isinstance(change, int):
+                return change
+            entry.flags = (entry.flags | change[0]) - change[1]
+            self._persist(fd)
+            return 0
+        if cmd == abi.FD_GET_FLAGS:
+            return self._write_with_len(
+                mem, arg_ptr, arg_len_ptr, dump_body({"flags": sorted(entry.flags)})
+            )
+        if cmd == abi.FD_GET_KIND:
+            return self._write_with_len(mem, arg_ptr, arg_len_ptr, dump_body({"kind": entry.kind}))
+        if cmd == abi.FD_GET_STATUS:
+            status = {"closed": entry.closed, "flags": sorted(entry.flags), "kind": entry.kind,
+                      "poll_mask": _event_names(self._poll_mask(entry))}  # fmt: skip
+            return self._write_with_len(mem, arg_ptr, arg_len_ptr, dump_body(status))
+        if cmd == abi.FD_GET_METRICS:
+            if entry.kind != abi.KIND_RESPONSE:
+                return self._write_with_len(mem, arg_ptr, arg_len_ptr, b"{}")
+            return self._metrics(mem, entry, arg_ptr, arg_len_ptr)
+        return -abi.EINVAL
+
+    def _poll_mask(self, entry: FdEntry) -> int:
+        mask = abi.EPOLLHUP if entry.closed else 0
+        if entry.kind == abi.KIND_RESPONSE and self._observe(entry):
+            mask |= abi.EPOLLIN
+        if entry.kind == abi.KIND_SESSION and not entry.closed:
+            mask |= abi.EPOLLOUT
+        return mask
+
+    def _spear_epoll_create(self, mem: GuestMemory) -> int:
+        return self._new_fd(FdEntry(kind=abi.KIND_EPOLL))
+
+    def _spear_epoll_ctl(self, mem: GuestMemory, epfd: int, op: int, fd: int, events: int) -> int:
+        ep = self._get(epfd, abi.KIND_EPOLL)
+        if ep is None or fd not in self.fds or fd == epfd:
+            return -abi.EBADF
+        if op == abi.EPOLL_CTL_ADD:
+            if fd in ep.watch:
+                return -17  # EEXIST
+            ep.watch[fd] = events
+        elif op == abi.EPOLL_CTL_MOD:
+            if fd not in ep.watch:
+                return -abi.ENOENT
+            ep.watch[fd] = events
+        elif op == abi.EPOLL_CTL_DEL:
+            if ep.watch.pop(fd, None) is None:
+                return -abi.ENOENT
+        else:
+            return -abi.EINVAL
+        self._persist(epfd)
+        return 0
+
+    def _spear_epoll_wait(
+        self, mem: GuestMemory, epfd: int, out_ptr: int, out_len_ptr: int, timeout_ms: int
+    ) -> int:
+        ep = self._get(epfd, abi.KIND_EPOLL)
+        if ep is None:
+            return -abi.EBADF
+        capacity = mem.read_u32(out_len_ptr)
+        ready: list[tuple[int, int]] = []
+
+        def scan() -> bool:
+            pending = [self.fds[fd] for fd in ep.watch if self.fds[fd].kind == abi.KIND_RESPONSE]
+            self._observe_many(pending)
+            ready[:] = [
+                (fd, revents)
+                for fd, interest in ep.watch.items()
+                if (
+                    revents := self._poll_mask(self.fds[fd])
+                    & (interest | abi.EPOLLERR | abi.EPOLLHUP)
+                )
+            ]
+            return bool(ready)
+
+        until = None if timeout_ms < 0 else time.monotonic() + timeout_ms / 1000
+        if timeout_ms == 0:
+            scan()
+        else:
+            self._wait(scan, until=until)
+        packed = abi.pack_epoll_records(ready, capacity)
+        if isinstance(packed, int):
+            mem.write_u32(out_len_ptr, abi.EPOLL_RECORD_BYTES)
+            return packed
+        data, count = packed
+        mem.write(out_ptr, data)
+        mem.write_u32(out_len_ptr, len(data))
+        return count
+
+    def _observe_many(self, responses: list[FdEntry]) -> None:
+        """One round trip to learn which of many chats finished (epoll's hot path)."""
+        waiting = [r for r in responses if r.body is None]
+        if not waiting:
+            return
+        for response, done in zip(waiting, self.store.ready([r.sk for r in waiting]), strict=True):
+            if done:
+                self._observe(response)
+
+    def _spear_epoll_close(self, mem: GuestMemory, epfd: int) -> int:
+        ep = self._get(epfd, abi.KIND_EPOLL, open_only=False)
+        if ep is None:
+            return -abi.EBADF
+        ep.closed = True
+        self._persist(epfd)
+        return 0
+
+    # the run's result ----------------------------------------------------------------------
+
+    def response_bodies(self) -> list[Any]:
+        out = []
+        for fd in self.responses:
+            entry = self.fds[fd]
+            self._observe(entry)
+            out.append(json.loads(entry.body) if entry.body is not None else None)
+        return out
+
+
+_HOSTCALLS = (
+    "cchat_create", "cchat_write_msg", "cchat_write_fn", "cchat_ctl", "cchat_send", "cchat_recv",
+    "cchat_close", "log", "time_now_ms", "wall_time_s", "random_i64", "sleep_ms", "spear_fd_ctl",
+    "spear_epoll_create", "spear_epoll_ctl", "spear_epoll_wait", "spear_epoll_close",
+)  # fmt: skip
+
+
+def _int_or_none(value: Any) -> int | None:
+    return int(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _event_names(mask: int) -> list[str]:
+    names = {
+        abi.EPOLLIN: "EPOLLIN",
+        abi.EPOLLOUT: "EPOLLOUT",
+        abi.EPOLLERR: "EPOLLERR",
+        abi.EPOLLHUP: "EPOLLHUP",
+    }
+    return [name for bit, name in names.items() if mask & bit]

@@ -1,0 +1,97 @@
+"""The program step: one WASM agent program run, on the `programs` queue (a pool of its own:
+a program waits on chats that run on the llm/tools/control queues, so sharing their pool could
+deadlock a full one). Guarded like every step; its result lands in the run's response fd."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from schemas import keys
+from schemas.bodies import dump_body, error_obj
+from worker.edges.store_programs import ProgramStore
+from worker.edges.wasm_guest import ModuleSource, ProgramOutcome, ProgramRun, run_program
+from worker.program_host import ChatDefaults, ProgramHost
+from worker.steps import StepRunner, failed_program_record
+
+LEASE_MARGIN_MS = 15_000
+LOG_LEVELS = ("trace", "debug", "info", "warn", "error")
+
+
+@dataclass
+class ProgramSteps:
+    runner: StepRunner
+    programs: ProgramStore
+    source: ModuleSource
+
+    def program(self, sk: str) -> None:
+        spec = self.runner.store.load_spec(sk)
+        timeout_ms = int(spec["limits"]["run_timeout_ms"])
+
+        def body() -> None:
+            started = time.monotonic()
+            if self.programs.is_cancelled(sk):
+                record = cancelled_record(spec)
+            else:
+                host = ProgramHost(
+                    ChatDefaults(
+                        run_id=spec["id"],
+                        run_sk=sk,
+                        module_sha256=spec["program"]["module_sha256"],
+                        backend=spec.get("provider"),
+                        model=spec.get("model"),
+                        deadline=started + timeout_ms / 1000,
+                    ),
+                    self.programs,
+                    self.runner.dispatch,
+                )
+                outcome = run_program(self.source, _run_of(spec), host)
+                record = program_record(
+                    spec, outcome, host, int((time.monotonic() - started) * 1000)
+                )
+            self.runner.store.write_result(sk, dump_body(record["body"]), record)
+
+        lease_ms = timeout_ms + LEASE_MARGIN_MS
+        self.runner._guarded(
+            keys.program_step(sk), sk, lease_ms, body, stop_if_cancelled=False, state="running"
+        )
+
+
+def _run_of(spec: dict[str, Any]) -> ProgramRun:
+    program, limits = spec["program"], spec["limits"]
+    return ProgramRun(
+        module_sha256=program["module_sha256"],
+        args=list(program.get("args", [])),
+        stdin=str(program.get("stdin", "")).encode(),
+        env=dict(program.get("env", {})),
+        timeout_ms=int(limits["run_timeout_ms"]),
+        memory_bytes=int(limits["memory_bytes"]),
+        max_output_bytes=int(limits["max_output_bytes"]),
+    )
+
+
+def program_record(
+    spec: dict[str, Any], outcome: ProgramOutcome, host: ProgramHost, latency_ms: int
+) -> dict[str, Any]:
+    if outcome.error_code is not None:
+        body = error_obj(outcome.error_code, outcome.error or outcome.error_code)
+    else:
+        body = {"exit_code": outcome.exit_code}
+    ok = outcome.error_code is None and outcome.exit_code == 0
+    return {
+        "id": spec["id"],
+        "kind": "program",
+        "status": "ok" if ok else "error",
+        "body": body,
+        "exit_code": outcome.exit_code,
+        "stdout": outcome.stdout.decode(errors="replace"),
+        "stderr": outcome.stderr.decode(errors="replace"),
+        "logs": [{"level": LOG_LEVELS[lvl], "message": msg} for lvl, msg in host.logs],
+        "responses": host.response_bodies(),
+        "metrics": {"latency_ms": latency_ms, "chats": host.sends},
+    }
+
+
+def cancelled_record(spec: dict[str, Any]) -> dict[str, Any]:
+    return failed_program_record(spec, error_obj("cancelled", "program run cancelled"))
