@@ -4,6 +4,7 @@ Redis is our own, on a free port, and every test uses fresh session ids."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from producer.fleet import Fleet
 
 ROOT = Path(__file__).resolve().parent.parent
 GUESTS = ROOT / "fixtures" / "guests"
+SLOW_LATENCY_MS = 200
 
 
 @dataclass
@@ -25,27 +27,41 @@ class Running:
     redis_url: str
     client: Client
 
-    def replay_stats(self) -> dict[str, int]:
-        return dict(
-            requests.get(self.fleet.replay_url.removesuffix("/v1") + "/stats", timeout=5).json()
-        )
+    def replay_stats(self, url: str | None = None) -> dict[str, int]:
+        base = (url or self.fleet.replay_url).removesuffix("/v1")
+        return dict(requests.get(base + "/stats", timeout=5).json())
+
+    def slow_replay_reset(self) -> None:
+        requests.post(self.fleet.env["CCHATQ_SLOW_URL"].removesuffix("/v1") + "/reset", timeout=5)
 
 
 @pytest.fixture(scope="session")
 def base_fleet() -> Iterator[Fleet]:
     """One private Redis and one replay server for the whole run."""
     fleet = Fleet()
+    slow = Fleet(workdir=fleet.workdir / "slow")
+    slow.workdir.mkdir()
     try:
         fleet.ensure_redis(private=True)
         fleet.start_replay()
+        # a backend named `slow`: the replay server with 200 ms per completion
+        slow_url = slow.start_replay(latency_ms=SLOW_LATENCY_MS)
+        fleet.env["CCHATQ_BACKENDS"] = json.dumps({"backends": {"slow": {"base_url": slow_url}}})
+        fleet.env["CCHATQ_SLOW_URL"] = slow_url
         yield fleet
     finally:
+        slow.stop()
         fleet.stop()
 
 
 def _workers(base: Fleet, db: int, extra_env: dict[str, str] | None = None) -> Iterator[Running]:
     url = base.redis_url.rsplit("/", 1)[0] + f"/{db}"
-    fleet = Fleet(redis_url=url, replay_url=base.replay_url, workdir=base.workdir / f"db{db}")
+    fleet = Fleet(
+        redis_url=url,
+        replay_url=base.replay_url,
+        workdir=base.workdir / f"db{db}",
+        env=dict(base.env),
+    )
     fleet.workdir.mkdir(exist_ok=True)
     client = Client(url)
     client.redis.flushdb()

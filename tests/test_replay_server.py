@@ -113,6 +113,7 @@ def test_health_and_empty_stats(client: Client) -> None:
         "unexpected": 0,
         "faults": 0,
         "last_unexpected": "",
+        "max_in_flight": 0,
     }
 
 

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 from wasmtime import wat2wasm
 
-from worker.edges.wasm_memory import as_i32, plan_scratch
+from worker.edges.wasm_fork import ToolModeHost
+from worker.edges.wasm_memory import as_i32, plan_arena, plan_scratch
 from worker.edges.wasm_runtime import WASMTIME_VERSION, ToolInvocation, WasmToolRuntime
 from worker.errors import GuestError, ToolExecError
 
@@ -181,6 +182,27 @@ UNKNOWN_IMPORT_WAT = f"""
   (import "env" "mystery" (func (param i32) (result i32)))
   (memory (export "memory") 1)
   (func (export "t") {SIG} (i32.const 0))
+)
+"""
+
+SPEAR_REACTOR_WAT = f"""
+(module
+  (import "spear" "log" (func $log (param i32 i32 i32) (result i32)))
+  (import "spear" "cchat_create" (func $cchat_create (result i32)))
+  (memory (export "memory") 1)
+  (data (i32.const 64) "ready")
+  (global $inits (mut i32) (i32.const 0))
+  (func (export "_initialize")
+    (drop (call $log (i32.const 1) (i32.const 64) (i32.const 5)))
+    (global.set $inits (i32.add (global.get $inits) (i32.const 1))))
+  ;; logs its args; output: "inits" and then 1 if cchat_create gave -EPERM
+  (func (export "t") {SIG}
+    (drop (call $log (i32.const 2) (local.get $a) (local.get $n)))
+    (i32.store8 (local.get $out) (i32.add (i32.const 48) (global.get $inits)))
+    (i32.store8 (i32.add (local.get $out) (i32.const 1))
+      (i32.add (i32.const 48) (i32.eq (call $cchat_create) (i32.const -1))))
+    (i32.store (local.get $lenp) (i32.const 2))
+    (i32.const 0))
 )
 """
 
@@ -369,6 +391,15 @@ def test_initialize_runs_once_per_instance_and_start_never(
     assert call(runtime, sha, "inits") == "1"  # a fresh instance each call
 
 
+def test_spec_session_tool_gets_the_tool_mode_spear_imports(
+    runtime: WasmToolRuntime, modules: Modules
+) -> None:
+    sha = modules.add(SPEAR_REACTOR_WAT)
+    host = ToolModeHost()
+    assert runtime.call_tool(ToolInvocation(sha, "t", None, b'{"k":1}'), host) == "11"
+    assert host.logs == [(1, "ready"), (2, '{"k":1}')]  # _initialize ran, in tool mode too
+
+
 def test_sha_mismatch(runtime: WasmToolRuntime, modules: Modules, tools: str) -> None:
     modules.blobs[tools] = bytes(wat2wasm(REACTOR_WAT))
     with pytest.raises(GuestError, match="do not match sha256"):
@@ -518,6 +549,32 @@ def test_plan_scratch(
     layout = plan_scratch(base, args_len, cap)
     assert (layout.args_ptr, layout.out_ptr, layout.len_ptr, layout.grow_pages) == expected
     assert layout.out_ptr % 8 == 0 and layout.len_ptr % 8 == 0
+
+
+@pytest.mark.parametrize(
+    ("arena", "args_len", "max_out", "expected"),
+    [
+        ((4096, 1024), 7, 65_536, (4096, 4104, 1008, 5112)),
+        ((4096, 1024), 8, 100, (4096, 4112, 100, 4216)),
+        ((4100, 64), 0, 65_536, (4100, 4108, 48, 4156)),  # SPEAR aligns relative to the arena
+        ((4096, 16), 9, 65_536, None),  # args + NUL + cell do not fit: scratch pages instead
+    ],
+)
+def test_plan_arena(
+    arena: tuple[int, int],
+    args_len: int,
+    max_out: int,
+    expected: tuple[int, int, int, int] | None,
+) -> None:
+    buf = plan_arena(*arena, args_len, max_out, 65_536)
+    got = None if buf is None else (buf.args_ptr, buf.out_ptr, buf.cap, buf.len_ptr)
+    assert got == expected
+
+
+@pytest.mark.parametrize("arena", [(65_000, 600), (-8, 64), (0, -1), (65_519, 17)])
+def test_plan_arena_outside_memory(arena: tuple[int, int]) -> None:
+    with pytest.raises(ToolExecError, match=r"^tool arena outside memory$"):
+        plan_arena(*arena, 1, 65_536, 65_536)
 
 
 def test_as_i32_wraps_high_addresses() -> None:

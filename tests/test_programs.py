@@ -1,0 +1,118 @@
+"""WASM agent programs (C, built against sdk/c/ or written SPEAR's way) on the worker fleet:
+their chats run through the round and tool tasks, their tools in forked instances on a tools
+worker, and failures end in error results while the workers carry on."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import GUESTS, Running
+from tests.test_pipeline import run_specs
+
+pytestmark = pytest.mark.fleet
+
+
+def run_program(
+    running: Running, tmp_path: Path, spec_id: str, module: str, **extra: Any
+) -> dict[str, Any]:
+    program = {"module": str(GUESTS / module), **extra.pop("program", {})}
+    spec = {"id": spec_id, "program": program, **extra}
+    return run_specs(running.client, [spec], tmp_path, timeout_s=90)[spec_id]
+
+
+def test_chat_program_answers_through_recv(running: Running, tmp_path: Path, fresh_id: str) -> None:
+    record = run_program(
+        running, tmp_path, f"{fresh_id}/chat", "prog_chat.wasm", program={"stdin": "hi there\n"}
+    )
+    assert record["status"] == "ok" and record["exit_code"] == 0, record
+    lines = record["stdout"].splitlines()
+    assert lines[0] == "ANSWER: Echo: hi there"
+    metrics = json.loads(lines[1].removeprefix("METRICS: "))
+    assert metrics["iterations"] == 1 and metrics["usage"]["total_tokens"] > 0
+    assert record["logs"] == [{"level": "info", "message": "chat done"}]
+    assert [r["choices"][0]["message"]["content"] for r in record["responses"]] == [
+        "Echo: hi there"
+    ]
+    assert record["responses"][0]["_spear"] == {"backend": "replay", "model": "replay/plain"}
+
+
+def test_program_tool_runs_in_a_fork_that_sees_main_state(
+    running: Running, tmp_path: Path, fresh_id: str
+) -> None:
+    record = run_program(
+        running, tmp_path, f"{fresh_id}/sum", "prog_sum_tool.wasm", program={"args": ["x", "y"]}
+    )
+    assert record["status"] == "ok", record
+    lines = record["stdout"].splitlines()
+    assert lines[:5] == ["BADJSON -22", "NONAME -22", "BADOFFSET -22", "BADRANGE -22", "BADSIG -22"]
+    # g_bias = 1000 + 2 args was set by main at run time, g_label is on main's heap
+    assert lines[5] == 'ANSWER: Tool said: {"label":"sum-from-heap","sum":1007}'
+    response = record["responses"][0]
+    assert (
+        response["choices"][0]["message"]["content"]
+        == 'Tool said: {"label":"sum-from-heap","sum":1007}'
+    )
+
+
+def test_spear_style_program_runs_unmodified(
+    running: Running, tmp_path: Path, fresh_id: str
+) -> None:
+    record = run_program(running, tmp_path, f"{fresh_id}/spear", "prog_spear_style.wasm")
+    assert record["status"] == "ok", record
+    assert record["stdout"].splitlines()[-1] == 'ANSWER: Tool said: {\\"result\\":42}'
+
+
+def test_fanout_chats_run_concurrently(running: Running, tmp_path: Path, fresh_id: str) -> None:
+    running.slow_replay_reset()
+    record = run_program(running, tmp_path, f"{fresh_id}/fan", "prog_fanout.wasm", provider="slow")
+    assert record["status"] == "ok", record
+    lines = record["stdout"].splitlines()
+    assert lines[0] == "FIRST_RECV -11"  # non-blocking: the body was not there yet
+    assert lines[1:] == [f"GOT {i} Echo: chat {i}" for i in range(10)] + ["DONE 10"]
+    # the ten 200 ms completions were in flight together, not one after another
+    assert running.replay_stats(running.fleet.env["CCHATQ_SLOW_URL"])["max_in_flight"] >= 5
+
+
+def test_bad_pointers_get_error_codes_and_the_program_survives(
+    running: Running, tmp_path: Path, fresh_id: str
+) -> None:
+    record = run_program(running, tmp_path, f"{fresh_id}/badptr", "prog_badptr.wasm")
+    assert record["status"] == "ok", record
+    lines = record["stdout"].splitlines()
+    recv_small = next(line for line in lines if line.startswith("recv_small"))
+    assert recv_small.startswith("recv_small -28 need=") and int(recv_small.split("=")[1]) > 100
+    assert [line for line in lines if not line.startswith("recv_small")] == [
+        "write_msg_role_ptr -14", "write_msg_content_len -14", "write_fn_json_ptr -14",
+        "ctl_arg_len_ptr -14", "recv_out_len_ptr -14", "log_ptr -14", "log_len -22",
+        "fd_ctl_arg_len_ptr -14", "epoll_wait_out_ptr -14", "write_msg_fd_999 -9",
+        "write_msg_resp_fd -9", "ctl_cmd_99 -22", "ctl_metrics_session -9",
+        "set_param_bad_json -5", "close1 0", "close2 0", "write_msg_closed -9", "SURVIVED",
+    ]  # fmt: skip
+
+
+def test_trapping_and_endless_programs_end_with_errors_and_workers_survive(
+    running: Running, tmp_path: Path, fresh_id: str
+) -> None:
+    trap = run_program(running, tmp_path, f"{fresh_id}/trap", "prog_trap.wasm")
+    assert trap["status"] == "error" and trap["body"]["error"]["code"] == "guest_trap"
+    assert "unreachable" in trap["body"]["error"]["message"]
+    assert trap["logs"] == [{"level": "warn", "message": "about to trap"}]
+    spin = run_program(
+        running, tmp_path, f"{fresh_id}/spin", "prog_spin.wasm", limits={"run_timeout_ms": 1500}
+    )
+    assert spin["status"] == "error"
+    assert spin["body"] == {
+        "error": {
+            "code": "deadline_exceeded",
+            "message": "program exceeded its deadline of 1500 ms",
+        }
+    }
+    # the same programs worker takes the next run
+    after = run_program(
+        running, tmp_path, f"{fresh_id}/after", "prog_chat.wasm", program={"args": ["again"]}
+    )
+    assert after["status"] == "ok" and after["stdout"].startswith("ANSWER: Echo: again")
