@@ -16,7 +16,7 @@ import fixtures
 from producer.client import Client, Submission
 from producer.fleet import Fleet, worker_command
 from producer.report import Progress, summary
-from producer.specfile import SpecFileError, load_spec_file
+from producer.specfile import SpecFileError, load_spec_file, load_spec_from_objects
 from schemas.bodies import dump_text
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -27,8 +27,16 @@ def _redis_url() -> str:
     return os.environ.get("REDIS_URL", DEFAULT_REDIS_URL)
 
 
+PROGRAM_FIELDS = ("exit_code", "stdout", "stderr", "logs", "responses", "metrics")
+
+
 def result_line(record: dict[str, Any]) -> dict[str, Any]:
     body = record.get("body") or {}
+    if record.get("kind") == "program":
+        line = {"id": record["id"], "kind": "program", "status": record["status"]}
+        line.update({k: record.get(k) for k in PROGRAM_FIELDS})
+        line["error"] = body.get("error")
+        return line
     return {
         "id": record["id"],
         "status": record["status"],
@@ -151,6 +159,42 @@ def cmd_replay_server(args: argparse.Namespace) -> int:
     os.execv(cmd[0], cmd)
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    """Run one program on the fleet: its stdout on ours, its logs and stderr on our stderr,
+    its exit code as ours (1 when it ended in an error)."""
+    spec: dict[str, Any] = {
+        "id": f"run/{uuid.uuid4().hex[:12]}",
+        "program": {"module": str(Path(args.module).resolve()), "args": list(args.arg)},
+        "limits": {"run_timeout_ms": args.timeout_ms},
+    }
+    if args.stdin:
+        spec["program"]["stdin"] = Path(args.stdin).read_text()
+    if args.provider:
+        spec["provider"] = args.provider
+    if args.model:
+        spec["model"] = args.model
+    try:
+        loaded = load_spec_from_objects([spec])
+    except SpecFileError as exc:
+        print(f"rejected:\n{exc}", file=sys.stderr)
+        return 2
+    client = Client(_redis_url())
+    try:
+        sub = client.submit(loaded)
+        record = next(iter(client.wait(sub, timeout_s=args.timeout_ms / 1000 + 60)))[1]
+    finally:
+        client.close()
+    sys.stdout.write(record.get("stdout", ""))
+    sys.stderr.write(record.get("stderr", ""))
+    for log in record.get("logs", []):
+        print(f"[{log['level']}] {log['message']}", file=sys.stderr)
+    error = (record.get("body") or {}).get("error")
+    if error:
+        print(f"program failed: {error.get('code')}: {error.get('message')}", file=sys.stderr)
+        return 1
+    return int(record.get("exit_code") or 0)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from fixtures.demo_batch import check
 
@@ -226,6 +270,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8011)
     p.add_argument("--latency-ms", type=int, default=0)
     p.set_defaults(fn=cmd_replay_server)
+
+    p = sub.add_parser("run", help="run a WASM agent program on the fleet and wait for it")
+    p.add_argument("module")
+    p.add_argument("--arg", action="append", default=[], help="a program argument (repeatable)")
+    p.add_argument("--stdin", help="a file given to the program as its stdin")
+    p.add_argument("--provider", help="backend for its chats (its `backend` param wins)")
+    p.add_argument("--model", help="model for its chats (its `model` param wins)")
+    p.add_argument("--timeout-ms", type=int, default=60_000)
+    p.set_defaults(fn=cmd_run)
 
     p = sub.add_parser("demo", help="run the demo batch on a local fleet it starts and stops")
     p.add_argument("--out", default="demo-results.jsonl")

@@ -68,7 +68,21 @@ def load_spec_file(path: str | Path) -> list[LoadedSpec]:
     else:
         entries = _parse_jsonl(text, shown, issues)
 
-    base_dir = file_path.resolve().parent
+    return _validate(entries, shown, file_path.resolve().parent, issues)
+
+
+def load_spec_from_objects(
+    objs: Sequence[Any], base_dir: Path | None = None
+) -> list[dict[str, Any]]:
+    """Specs built in memory (`cchatq run`), through the same validation as a file's."""
+    entries = [(n + 1, obj) for n, obj in enumerate(objs)]
+    loaded = _validate(entries, "<arguments>", base_dir or Path.cwd(), [])
+    return [item.spec for item in loaded]
+
+
+def _validate(
+    entries: list[tuple[int, Any]], shown: str, base_dir: Path, issues: list[SpecIssue]
+) -> list[LoadedSpec]:
     modules = _ModuleChecker(base_dir)
     session_schema, program_schema = SessionSpecSchema(), ProgramSpecSchema()
     seen_ids: dict[str, int] = {}

@@ -5,6 +5,8 @@ worker, and failures end in error results while the workers carry on."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -116,3 +118,48 @@ def test_trapping_and_endless_programs_end_with_errors_and_workers_survive(
         running, tmp_path, f"{fresh_id}/after", "prog_chat.wasm", program={"args": ["again"]}
     )
     assert after["status"] == "ok" and after["stdout"].startswith("ANSWER: Echo: again")
+
+
+def test_cchatq_run_and_program_lines_in_a_batch(
+    running: Running, tmp_path: Path, fresh_id: str
+) -> None:
+    env = {"REDIS_URL": running.redis_url, "PATH": "/usr/bin:/bin"}
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "producer.cli", *args]
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+
+    ran = cli("run", str(GUESTS / "prog_chat.wasm"), "--arg", f"cli {fresh_id}")
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.splitlines()[0] == f"ANSWER: Echo: cli {fresh_id}"
+    assert "[info] chat done" in ran.stderr
+    trapped = cli("run", str(GUESTS / "prog_trap.wasm"))
+    assert trapped.returncode == 1 and "program failed: guest_trap" in trapped.stderr
+
+    # one program, many inputs, next to a spec session, in one JSONL file
+    lines = [
+        {
+            "id": f"{fresh_id}/in/{n}",
+            "program": {"module": str(GUESTS / "prog_chat.wasm"), "stdin": f"input {n}\n"},
+        }
+        for n in range(3)
+    ]
+    lines.append(
+        {
+            "id": f"{fresh_id}/plain",
+            "model": "replay/plain",
+            "messages": [{"role": "user", "content": "x"}],
+        }
+    )
+    batch = tmp_path / "mixed.jsonl"
+    batch.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "results.jsonl"
+    submitted = cli("submit", str(batch), "--out", str(out), "--timeout-s", "60")
+    assert submitted.returncode == 0, submitted.stderr
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in results] == [line["id"] for line in lines]
+    for n, result in enumerate(results[:3]):
+        assert result["kind"] == "program" and result["exit_code"] == 0 and result["error"] is None
+        assert result["stdout"].startswith(f"ANSWER: Echo: input {n}\n")
+        assert len(result["responses"]) == 1
+    assert results[3]["response"]["choices"][0]["message"]["content"] == "Echo: x"

@@ -125,7 +125,8 @@ def restore_fork(store: Store, instance: Instance, fork: ProgramFork) -> Memory:
             raise ToolExecError("tool memory limit reached") from None
     if size:
         # One copy straight from the bytes object (Memory.write would copy it twice).
-        ctypes.memmove(memory.data_ptr(store), fork.snapshot, size)
+        snapshot = fork.snapshot if isinstance(fork.snapshot, bytes) else bytes(fork.snapshot)
+        ctypes.memmove(memory.data_ptr(store), snapshot, size)
     for name, value in fork.globals.items():
         _set_global(store, exports.get(name), name, value)
     return memory
