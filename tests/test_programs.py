@@ -7,11 +7,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from producer.specfile import load_spec_file
+from schemas import keys
 from tests.conftest import GUESTS, Running
 from tests.test_pipeline import run_specs
 
@@ -163,3 +166,63 @@ def test_cchatq_run_and_program_lines_in_a_batch(
         assert result["stdout"].startswith(f"ANSWER: Echo: input {n}\n")
         assert len(result["responses"]) == 1
     assert results[3]["response"]["choices"][0]["message"]["content"] == "Echo: x"
+
+
+def test_cancelled_program_ends_at_its_next_hostcall_wait(
+    running: Running, tmp_path: Path, fresh_id: str
+) -> None:
+    spec_id = f"{fresh_id}/cancel"
+    spec = {
+        "id": spec_id,
+        "program": {
+            "module": str(GUESTS / "prog_chat.wasm"),
+            "stdin": "wait [[latency_ms:8000]]\n",
+        },
+    }
+    path = tmp_path / "cancel.jsonl"
+    path.write_text(json.dumps(spec) + "\n")
+    sub = running.client.submit([s.spec for s in load_spec_file(path)])
+    deadline = time.monotonic() + 10
+    while running.client.status(spec_id).get("state") != "running" and time.monotonic() < deadline:  # type: ignore[union-attr]
+        time.sleep(0.05)
+    time.sleep(0.3)  # inside its blocking cchat_send
+    assert running.client.cancel(spec_id)
+    record = dict(running.client.wait(sub, timeout_s=30))[keys.session_key(spec_id)]
+    assert record["body"] == {"error": {"code": "cancelled", "message": "program run cancelled"}}
+    assert record["stdout"] == ""  # it never got past the send
+
+
+GROW_FOREVER = """
+(module
+  (import "wasi_snapshot_preview1" "proc_exit" (func $exit (param i32)))
+  (memory (export "memory") 1)
+  (func (export "_start")
+    (local $pages i32)
+    (block $refused
+      (loop $more
+        (br_if $refused (i32.eq (memory.grow (i32.const 16)) (i32.const -1)))
+        (local.set $pages (i32.add (local.get $pages) (i32.const 16)))
+        (br $more)))
+    ;; exit code 7 says: growth was refused (returned -1) instead of crashing anything
+    (call $exit (i32.const 7))))
+"""
+
+
+def test_memory_growth_beyond_the_cap_is_refused(
+    running: Running, tmp_path: Path, fresh_id: str
+) -> None:
+    import wasmtime
+
+    module = tmp_path / "grow.wasm"
+    module.write_bytes(wasmtime.wat2wasm(GROW_FOREVER))
+    spec = {
+        "id": f"{fresh_id}/grow",
+        "program": {"module": str(module)},
+        "limits": {"memory_bytes": 8 << 20},
+    }
+    record = run_specs(running.client, [spec], tmp_path)[spec["id"]]
+    assert (
+        record["exit_code"] == 7
+        and record["status"] == "error"
+        and record["body"] == {"exit_code": 7}
+    )
