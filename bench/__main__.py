@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import sys
@@ -21,7 +22,7 @@ import fixtures
 from fixtures.demo_batch import WEATHER
 from producer.client import Client
 from producer.fleet import WORKER_PROFILES, Fleet
-from producer.specfile import LoadedSpec
+from producer.specfile import LoadedSpec, load_spec_from_objects
 from schemas.spec import SessionSpecSchema
 
 GUESTS = Path(fixtures.__file__).parent / "guests"
@@ -72,12 +73,84 @@ def trampoline_ms_per_hop(fleet: Fleet, hops: int = 300) -> float:
     return statistics.median(samples[1:])
 
 
+def program_spec(spec_id: str, module: str, provider: str | None = None) -> dict[str, Any]:
+    raw: dict[str, Any] = {"id": spec_id, "program": {"module": str(GUESTS / module)}}
+    if provider:
+        raw["provider"] = provider
+    return load_spec_from_objects([raw])[0]
+
+
+def median_ms(client: Client, make: Any, n: int) -> float:
+    return statistics.median(run(client, [make(i)]) * 1000 for i in range(n))
+
+
+def fork_micro(rows: list[tuple[str, str]]) -> None:
+    """In-process: a spec tool call next to a program tool call (snapshot blob + fork + call)."""
+    import hashlib
+    import tempfile
+
+    from worker.edges.wasm_fork import ProgramFork
+    from worker.edges.wasm_runtime import ToolInvocation, WasmToolRuntime
+
+    blobs = {n: (GUESTS / n).read_bytes() for n in ("weather.wasm", "prog_spear_style.wasm")}
+    by_sha = {hashlib.sha256(b).hexdigest(): b for b in blobs.values()}
+    runtime = WasmToolRuntime(Path(tempfile.mkdtemp()), by_sha.__getitem__)
+    weather = ToolInvocation(
+        hashlib.sha256(blobs["weather.wasm"]).hexdigest(), "get_weather", None, b'{"city":"Paris"}'
+    )
+    prog_sha = hashlib.sha256(blobs["prog_spear_style.wasm"]).hexdigest()
+    engine, module = runtime.compiled(prog_sha)
+    import wasmtime
+
+    store = wasmtime.Store(engine)
+    linker = wasmtime.Linker(engine)
+    linker.define_wasi()
+    for imp in module.imports:
+        if imp.module == "spear" and isinstance(imp.type, wasmtime.FuncType):
+            linker.define_func("spear", imp.name or "", imp.type, lambda *a: -38)
+    store.set_wasi(wasmtime.WasiConfig())
+    instance = linker.instantiate(store, module)
+    memory = instance.exports(store)["memory"]
+    assert isinstance(memory, wasmtime.Memory)
+    snapshot = bytes(memory.read(store, 0, memory.data_len(store)))
+
+    def spec_call() -> None:
+        runtime.call_tool(weather)
+
+    def program_call() -> None:
+        blob = ProgramFork(snapshot=snapshot, globals={}).to_blob()  # at cchat_send
+        fork = ProgramFork.from_blob(blob)  # on the tools worker
+        runtime.call_tool(ToolInvocation(prog_sha, None, 1, b'{"a":40,"b":2}', fork=fork))
+
+    timings = {}
+    for name, fn in (("spec", spec_call), ("program", program_call)):
+        for _ in range(20):
+            fn()
+        samples = []
+        for _ in range(200):
+            started = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - started) * 1000)
+        timings[name] = statistics.median(samples)
+    rows.append(
+        ("tool call in-process: spec session (fresh instance)", f"{timings['spec']:.2f} ms")
+    )
+    rows.append(
+        (f"  program tool ({len(snapshot) >> 10} KiB snapshot: blob + fork + call)",
+         f"{timings['program']:.2f} ms ({timings['program'] / timings['spec']:.1f}x)")
+    )  # fmt: skip
+    runtime.close()
+
+
 def main() -> int:
     rows: list[tuple[str, str]] = []
-    with Fleet() as fleet:
+    fork_micro(rows)
+    with Fleet() as fleet, Fleet() as slow:
         redis_url = fleet.ensure_redis(private=True)
         os.environ["REDIS_URL"] = redis_url
         fleet.start_replay()
+        slow_url = slow.start_replay(latency_ms=200)
+        fleet.env["CCHATQ_BACKENDS"] = json.dumps({"backends": {"slow": {"base_url": slow_url}}})
         fleet.start_workers()
         client = Client(redis_url)
         run(client, [weather_spec(f"warm/{i}") for i in range(20)])  # compile + connect
@@ -105,6 +178,42 @@ def main() -> int:
             (f"{n} sessions, 200 ms model latency, C={concurrency}",
              f"{wall:.2f} s vs ideal {ideal:.2f} s ({wall / ideal:.2f}x)")
         )  # fmt: skip
+        # the tool round of a chat, end to end: spec session vs program session
+        plain = median_ms(
+            client, lambda i: {**weather_spec(f"pl/{i}"), "tools": [], "model": "replay/plain"}, 20
+        )
+        tool = median_ms(client, lambda i: weather_spec(f"wt/{i}"), 20)
+        run(
+            client,
+            [
+                program_spec("pwarm", "prog_spear_style.wasm"),
+                program_spec("pwarm2", "prog_chat.wasm"),
+            ],
+        )
+        p_plain = median_ms(client, lambda i: program_spec(f"pc/{i}", "prog_chat.wasm"), 20)
+        p_tool = median_ms(client, lambda i: program_spec(f"pt/{i}", "prog_spear_style.wasm"), 20)
+        rows.append(
+            (
+                "tool round added to a chat: spec session",
+                f"{tool - plain:.1f} ms ({plain:.1f} -> {tool:.1f})",
+            )
+        )
+        rows.append(
+            (
+                "  program session (snapshot at send + fork)",
+                f"{p_tool - p_plain:.1f} ms ({p_plain:.1f} -> {p_tool:.1f})",
+            )
+        )
+
+        one = median_ms(client, lambda i: program_spec(f"one/{i}", "prog_chat.wasm", "slow"), 5)
+        fan = median_ms(client, lambda i: program_spec(f"fan/{i}", "prog_fanout.wasm", "slow"), 5)
+        rows.append(("program, 1 chat, 200 ms model latency", f"{one:.0f} ms"))
+        rows.append(
+            (
+                "  10 non-blocking chats collected with epoll",
+                f"{fan:.0f} ms ({fan / one:.2f}x one chat)",
+            )
+        )
         client.close()
     width = max(len(k) for k, _ in rows)
     print(f"\n{'measure'.ljust(width)}  result\n{'-' * width}  {'-' * 40}")
