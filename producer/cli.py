@@ -206,7 +206,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         replay_url = fleet.start_replay()
         fleet.start_workers()
         print(
-            f"redis {redis_url}  replay {replay_url}  workers llm/tools/control  "
+            f"redis {redis_url}  replay {replay_url}  workers llm/tools/control/programs  "
             f"logs {fleet.workdir}",
             file=sys.stderr,
         )

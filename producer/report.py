@@ -62,6 +62,8 @@ def summary(records: Sequence[dict[str, Any]], wall_s: float) -> str:
         for r in records
         if r.get("status") != "ok"
     )
+    programs = [r for r in records if r.get("kind") == "program"]
+    program_chats = sum(int((r.get("metrics") or {}).get("chats", 0)) for r in programs)
     metrics = [r.get("metrics") or {} for r in records]
     latencies = [int(m.get("latency_ms", 0)) for m in metrics]
     usage = Counter[str]()
@@ -71,6 +73,7 @@ def summary(records: Sequence[dict[str, Any]], wall_s: float) -> str:
         ("sessions", str(len(records))),
         ("ok", str(sum(1 for r in records if r.get("status") == "ok"))),
         ("errors", ", ".join(f"{code} {n}" for code, n in sorted(errors.items())) or "0"),
+        ("program runs (their chats)", f"{len(programs)} ({program_chats})"),
         ("rounds", str(sum(int(m.get("iterations", 0)) for m in metrics))),
         ("tool calls", str(sum(int(m.get("tool_calls", 0)) for m in metrics))),
         ("tool failures", str(sum(int(m.get("tool_failures", 0)) for m in metrics))),
