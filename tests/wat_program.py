@@ -69,7 +69,7 @@ class Program:
     """Build with data()/buffer()/cell()/tool()/call(), then wat()."""
 
     signatures: dict[str, tuple[tuple[str, ...], str | None]] = field(default_factory=dict)
-    extra_pages: int = 0
+    pages: int | None = None  # the memory's size in pages (default: just enough)
     _segments: list[tuple[int, bytes]] = field(default_factory=list)
     _top: int = DATA
     _steps: list[tuple[str, tuple[Arg, ...]] | None] = field(default_factory=list)
@@ -188,7 +188,11 @@ class Program:
             f"    (drop (call $fd_write (i32.const 1) (i32.const {IOV}) (i32.const 1)"
             f" (i32.const {NWRITTEN})))",
         ]
-        pages = (self._top + PAGE - 1) // PAGE + self.extra_pages
+        pages = (self._top + PAGE - 1) // PAGE
+        if self.pages is not None:
+            if self.pages < pages:
+                raise ValueError(f"the data needs {pages} pages")
+            pages = self.pages
         data = [f'  (data (i32.const {ptr}) "{_escape(raw)}")' for ptr, raw in self._segments]
         table = [
             f'  (table (export "__indirect_function_table") {self.table_size} funcref)',

@@ -12,6 +12,7 @@ traps the guest and ends the run.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -23,12 +24,13 @@ from schemas.bodies import dump_body, error_obj
 from schemas.limits import LIMIT_ALIASES, LIMIT_BOUNDS, Limits
 from worker.codecs import spear_abi as abi
 from worker.edges.dispatch import Dispatcher
-from worker.edges.spear_imports import GuestMemory
+from worker.edges.spear_imports import GuestFault, GuestMemory
 from worker.edges.store_programs import ProgramStore
 from worker.edges.wasm_fork import ProgramFork
 from worker.edges.wasm_guest import RunAborted
 from worker.errors import StoreError
 
+log = logging.getLogger(__name__)
 ROLES = ("system", "user", "assistant", "tool")
 CONSUMED_PARAMS = (
     "model",
@@ -117,7 +119,13 @@ class ProgramHost:
             raise self._aborted
         try:
             return self._calls[name](mem, *args)
+        except (RunAborted, GuestFault):
+            raise
         except StoreError:
+            return -abi.EIO
+        except Exception:
+            # a host fault must not unwind through the guest: the ABI's internal failure
+            log.exception("hostcall %s failed in run %s", name, self.d.run_sk)
             return -abi.EIO
 
     def _abort(self, code: str, message: str) -> RunAborted:
@@ -244,8 +252,12 @@ class ProgramHost:
         spec = self._chat_spec(mem, session, chat_id, auto, response.metrics)
         if isinstance(spec, bytes):  # a routing error: the response fd holds an error body
             response.body, response.record = spec, {"transcript": session.messages, "metrics": {}}
-        elif self.store.submit_chat(sk, spec, keys.run_batch(self.d.run_sk)):
-            self.dispatch.round(sk, 0)
+        else:
+            new = self.store.submit_chat(sk, spec, keys.run_batch(self.d.run_sk))
+            # A replayed run (its task redelivered) finds its chats stored; one still without an
+            # answer is published again, which its round step's guards make harmless.
+            if new or not self.store.ready([sk])[0]:
+                self.dispatch.round(sk, 0)
         resp_fd = self._new_fd(response)
         self.responses.append(resp_fd)
         if abi.O_NONBLOCK not in session.flags:
