@@ -167,9 +167,12 @@ class Client:
         pipe = self.redis.pipeline(transaction=False)
         pipe.exists(keys.response(sk))
         pipe.exists(keys.cancel(sk))
-        finished, cancelled = pipe.execute()
+        pipe.get(keys.partial(sk))
+        finished, cancelled, partial = pipe.execute()
         meta["finished"] = bool(finished)
         meta["cancel_requested"] = bool(cancelled)
+        if partial is not None:
+            meta["partial_text"] = partial.decode(errors="replace")  # the round being streamed
         return meta
 
     def response(self, spec_id: str) -> bytes | None:

@@ -21,6 +21,9 @@ which would make task ids and Flower URLs awkward). Round r, tool call i:
     cq:module:{sha256}      WASM module bytes, content-addressed
     cq:fork:{sha256}        a program's memory snapshot at cchat_send (zlib), for its tool forks
     cq:fds:{sk}             a program run's fd table: hash fd -> entry JSON
+    cq:partial:{sk}         the text of the round being streamed (for `cchatq status`)
+    cq:rl:{backend}:req     rate limit: zset of recent requests (member -> time)
+    cq:rl:{backend}:tok     rate limit: hash member -> tokens
     cq:deadletter           stream of poison steps
 """
 
@@ -106,6 +109,18 @@ def fork(sha256: str) -> str:
 
 def fds(sk: str) -> str:
     return f"{PREFIX}:fds:{sk}"
+
+
+def partial(sk: str) -> str:
+    return f"{PREFIX}:partial:{sk}"
+
+
+def rate_requests(backend: str) -> str:
+    return f"{PREFIX}:rl:{backend}:req"
+
+
+def rate_tokens(backend: str) -> str:
+    return f"{PREFIX}:rl:{backend}:tok"
 
 
 def run_batch(sk: str) -> str:

@@ -36,7 +36,7 @@ class Limits:
                 continue
             try:
                 number = int(value)
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, OverflowError):  # OverflowError: a JSON 1e400
                 continue
             default, cap = LIMIT_BOUNDS[name]
             values[name] = min(number, cap) if number >= 1 else default

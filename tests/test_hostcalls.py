@@ -10,7 +10,7 @@ import hashlib
 import json
 import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,7 +156,9 @@ class Harness:
         model: str | None = "replay/plain",
         deadline_s: float = 30.0,
         check: bool = True,
+        before: Callable[[str], None] | None = None,
     ) -> Ran:
+        """Run `prog` to its end. `before(run_sk)` is called just before it starts."""
         wat = prog if isinstance(prog, str) else prog.wat()
         blob = bytes(wat2wasm(wat))
         sha = hashlib.sha256(blob).hexdigest()
@@ -175,6 +177,8 @@ class Harness:
             deadline=time.monotonic() + deadline_s,
         )
         host = ProgramHost(defaults, self.shared.programs, self.shared.dispatcher)
+        if before is not None:
+            before(run_sk)
         started = time.monotonic()
         outcome = run_program(
             self.shared.source,
@@ -438,13 +442,78 @@ def test_write_fn_duplicate_name_first_registration_runs(h: Harness) -> None:
             "tool_calls": 1,
             "tool_failures": 0,
             "tool_output_bytes": 5,
-            "usage": reply_usage_sum(reply, first_round=usage(10, 5)),
+            # round 0: 1 message in, a tool call out (5); round 1: 3 in, "Tool said: first" out
+            "usage": usage(10 + 30, 5 + len("Tool said: first") // 4 + 1),
         }
     )
 
 
-def reply_usage_sum(last: dict[str, Any], first_round: dict[str, int]) -> dict[str, int]:
-    return {k: first_round[k] + last["usage"][k] for k in first_round}
+@pytest.mark.parametrize("export", ["__indirect_function_table", "table", "funcs", None])
+def test_write_fn_finds_the_function_table(h: Harness, export: str | None) -> None:
+    """`__indirect_function_table`, else `table`, else the first exported table (section 3)."""
+    p = Program(table_export=export)
+    tool = p.tool("x")
+    s = p.call("cchat_create")
+    span = p.data('{"name":"t"}')
+    rc = p.call("cchat_write_fn", Ref(s), tool, span.ptr, span.len)
+    ran = h.run(p)
+    assert ran.r(rc) == (0 if export else -EINVAL)
+
+
+def test_hostcalls_inside_a_tool_call(h: Harness) -> None:
+    """A tool runs in a fork (section 4): cchat_*, spear_fd_ctl and spear_epoll_* return
+    -EPERM there, log works with the same length and pointer checks."""
+    p = Program()
+    line = p.data("from the tool")
+    buf, cell = p.out(64)
+    probe = p.hostcall_tool(
+        [
+            ("cchat_create", ()),
+            ("cchat_write_msg", (1000, line.ptr, 4, line.ptr, 4)),
+            ("cchat_write_fn", (1000, 1, line.ptr, line.len)),
+            ("cchat_ctl", (1000, SET_PARAM, line.ptr, cell)),
+            ("cchat_send", (1000, 0)),
+            ("cchat_recv", (1001, buf, cell)),
+            ("cchat_close", (1000,)),
+            ("spear_fd_ctl", (1000, GET_KIND, buf, cell)),
+            ("spear_epoll_create", ()),
+            ("spear_epoll_ctl", (1002, ADD, 1001, EPOLLIN)),
+            ("spear_epoll_wait", (1002, buf, cell, 0)),
+            ("spear_epoll_close", (1002,)),
+            ("log", (2, line.ptr, line.len)),
+            ("log", (2, line.ptr, 16_385)),
+            ("log", (2, OOB, 4)),
+        ]
+    )
+    s = p.call("cchat_create")
+    fn = p.data('{"name":"probe","parameters":{"type":"object","properties":{}}}')
+    reg = p.call("cchat_write_fn", Ref(s), probe, fn.ptr, fn.len)
+    write_msg(p, Ref(s), "user", "[[call:probe {}]]")
+    r = p.call("cchat_send", Ref(s), AUTO_TOOL_CALL)
+    body = with_out(p, "cchat_recv", Ref(r), cap=4096)
+    ran = h.run(p, model="replay/call")
+    assert (ran.r(reg), ran.r(r)) == (0, 1001)
+    reply = json.loads(ran.out(body.ptr, body.cell))
+    answer = "".join(chr(64 + e) for e in [EPERM] * 12 + [0, EINVAL, EFAULT])  # "AAA..@VN"
+    assert reply["choices"][0]["message"]["content"] == f"Tool said: {answer}"
+    assert sorted(ran.host.fds) == [1000, 1001]  # the tool's calls touched no program fd
+    assert ran.untouched(buf, 64)  # nor the program's memory
+    assert ran.dump.u32(cell) == 64
+
+
+def test_log_level_out_of_range_inside_a_tool_call(h: Harness) -> None:
+    p = Program()
+    line = p.data("bad level")
+    probe = p.hostcall_tool([("log", (9, line.ptr, line.len)), ("log", (-1, line.ptr, line.len))])
+    s = p.call("cchat_create")
+    fn = p.data('{"name":"probe","parameters":{"type":"object","properties":{}}}')
+    p.call("cchat_write_fn", Ref(s), probe, fn.ptr, fn.len)
+    write_msg(p, Ref(s), "user", "[[call:probe {}]]")
+    r = p.call("cchat_send", Ref(s), AUTO_TOOL_CALL)
+    body = with_out(p, "cchat_recv", Ref(r), cap=4096)
+    ran = h.run(p, model="replay/call")
+    reply = json.loads(ran.out(body.ptr, body.cell))
+    assert reply["choices"][0]["message"]["content"] == "Tool said: VV"
 
 
 # cchat_ctl -----------------------------------------------------------------------------------
@@ -639,6 +708,104 @@ def test_send_timeout_ms_param_bounds_a_blocking_send(h: Harness) -> None:
     )
 
 
+def test_send_auto_appends_the_reply_to_the_session_plain_does_not(h: Harness) -> None:
+    p = Program()
+    s_auto, r_auto = chat(p, "auto no tools", AUTO_TOOL_CALL)
+    s_plain, r_plain = chat(p, "plain no tools", 0)
+    ran = h.run(p)
+    assert [ran.r(c) for c in (s_auto, r_auto, s_plain, r_plain)] == [1000, 1001, 1002, 1003]
+    assert ran.host.fds[1000].messages == [
+        {"role": "user", "content": "auto no tools"},
+        {"role": "assistant", "content": "Echo: auto no tools"},
+    ]
+    assert ran.host.fds[1002].messages == [{"role": "user", "content": "plain no tools"}]
+
+
+def test_send_upstream_error_gives_a_response_fd_with_an_error_body(h: Harness) -> None:
+    p = Program()
+    _, r = chat(p, "upstream says no", METRICS)
+    body = with_out(p, "cchat_recv", Ref(r), cap=1024)
+    metrics = with_out(p, "cchat_ctl", Ref(r), GET_METRICS, cap=1024)
+    ran = h.run(p, model="replay/bad_request")
+    assert ran.r(r) == 1001
+    data = ran.out(body.ptr, body.cell)
+    assert ran.r(body.call) == len(data)
+    err = json.loads(data)
+    assert set(err) == {"error"}
+    assert err["error"]["code"] == "provider_error"
+    assert "400" in err["error"]["message"]
+    assert data == jb(err)
+    got = json.loads(ran.out(metrics.ptr, metrics.cell))
+    assert ran.out(metrics.ptr, metrics.cell) == jb(
+        {
+            "iterations": 0,
+            "latency_ms": got["latency_ms"],
+            "tool_calls": 0,
+            "tool_failures": 0,
+            "tool_output_bytes": 0,
+            "usage": {},
+        }
+    )
+
+
+def test_send_with_an_out_of_range_limit_param_still_returns_a_response_fd(h: Harness) -> None:
+    p = Program()
+    s = p.call("cchat_create")
+    param = with_arg(p, "cchat_ctl", Ref(s), SET_PARAM, '{"key":"max_iterations","value":1e400}')
+    write_msg(p, Ref(s), "user", "huge limit")
+    r = p.call("cchat_send", Ref(s), 0)
+    body = with_out(p, "cchat_recv", Ref(r), cap=1024)
+    ran = h.run(p)
+    assert ran.r(param) == 0
+    assert ran.r(r) == 1001
+    assert ran.out(body.ptr, body.cell) == echo_body("huge limit")
+
+
+def test_send_with_a_non_string_backend_param_gives_an_error_body(h: Harness) -> None:
+    p = Program()
+    s = p.call("cchat_create")
+    with_arg(p, "cchat_ctl", Ref(s), SET_PARAM, '{"key":"backend","value":[1]}')
+    with_arg(p, "cchat_ctl", Ref(s), SET_PARAM, '{"key":"timeout_ms","value":3000}')
+    write_msg(p, Ref(s), "user", "list backend")
+    r = p.call("cchat_send", Ref(s), 0)
+    body = with_out(p, "cchat_recv", Ref(r), cap=2048)
+    ran = h.run(p)
+    assert ran.r(r) == 1001
+    assert ran.r(body.call) > 0
+    err = json.loads(ran.out(body.ptr, body.cell))
+    assert set(err) == {"error"}
+
+
+def test_a_blocking_send_past_the_deadline_ends_the_run(h: Harness) -> None:
+    p = Program()
+    chat(p, "[[latency_ms:3000]] too slow")
+    ran = h.run(p, deadline_s=1.0, check=False)
+    assert ran.outcome.error_code == "deadline_exceeded"
+    assert (ran.outcome.exit_code, ran.outcome.stdout) == (None, b"")
+    assert 0.9 <= ran.elapsed_s < 2.5
+    assert sorted(ran.host.fds) == [1000, 1001]
+
+
+def test_a_cancelled_run_traps_in_sleep_and_send(h: Harness) -> None:
+    def cancel(run_sk: str) -> None:
+        h.shared.store.client.set(keys.cancel(run_sk), b"1", ex=600)
+
+    p = Program()
+    p.call("cchat_create")
+    p.call("sleep_ms", 5000)
+    ran = h.run(p, check=False, before=cancel)
+    assert ran.outcome.error_code == "cancelled"
+    assert (ran.outcome.exit_code, ran.outcome.stdout) == (None, b"")
+    assert ran.elapsed_s < 2
+    assert sorted(ran.host.fds) == [1000]
+    p = Program()
+    chat(p, "never sent")
+    ran = h.run(p, check=False, before=cancel)
+    assert ran.outcome.error_code == "cancelled"
+    assert ran.host.sends == 0
+    assert ran.host.fds[1000].messages == [{"role": "user", "content": "never sent"}]
+
+
 # cchat_recv ----------------------------------------------------------------------------------
 
 
@@ -682,6 +849,18 @@ def test_recv_exact_bytes_and_every_error(h: Harness) -> None:
         assert ran.dump.u32(out.cell) == 64
         assert ran.untouched(out.ptr, 64)
     assert ran.r(close) == 0
+
+
+def test_recv_body_keeps_utf8_unescaped(h: Harness) -> None:
+    text = "héllo ✓ wörld"
+    p = Program()
+    _, r = chat(p, text)
+    body = with_out(p, "cchat_recv", Ref(r), cap=1024)
+    ran = h.run(p)
+    expected = echo_body(text)
+    assert "Echo: héllo ✓ wörld".encode() in expected
+    assert ran.out(body.ptr, body.cell) == expected
+    assert ran.r(body.call) == len(expected)
 
 
 def test_recv_nonblocking_session_returns_eagain_until_ready(h: Harness) -> None:

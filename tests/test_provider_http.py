@@ -1,4 +1,5 @@
-"""OpenAIChatProvider against a real loopback HTTP server with scripted responses."""
+"""HttpProvider with the OpenAI codec against a real loopback HTTP server with scripted
+responses (retries, timeouts, errors; the codecs' own cases are in tests/test_codec_*)."""
 
 from __future__ import annotations
 
@@ -14,15 +15,13 @@ from typing import Any
 
 import pytest
 
+from worker.codecs.openai_codec import OpenAICodec
+from worker.codecs.protocol import ChatRequest
 from worker.config import BackendConfig
-from worker.edges.provider_http import CompletionResult, OpenAIChatProvider
+from worker.edges.provider_http import CompletionResult, HttpProvider
 from worker.errors import ProviderProtocolError, ProviderRequestError, ProviderRetryableError
 
-REQUEST: dict[str, Any] = {
-    "model": "m",
-    "messages": [{"role": "user", "content": "TOPSECRETPROMPT"}],
-    "stream": False,
-}
+REQUEST = ChatRequest(model="m", messages=[{"role": "user", "content": "TOPSECRETPROMPT"}])
 
 
 def completion(content: str | None = "hello") -> dict[str, Any]:
@@ -117,11 +116,11 @@ class Harness:
     def __init__(self, base_url: str, environ: dict[str, str] | None = None, **cfg: Any) -> None:
         self.sleeps: list[float] = []
         self.backend = BackendConfig(name="test", base_url=base_url, **cfg)
-        self.provider = OpenAIChatProvider(
-            self.backend, sleep=self.sleeps.append, environ=environ or {}
+        self.provider = HttpProvider(
+            self.backend, OpenAICodec(), sleep=self.sleeps.append, environ=environ or {}
         )
 
-    def complete(self, request: dict[str, Any] = REQUEST) -> CompletionResult:
+    def complete(self, request: ChatRequest = REQUEST) -> CompletionResult:
         return self.provider.complete(request)
 
 
@@ -147,7 +146,7 @@ def test_success_posts_json_body(make: Any, server: ScriptedServer) -> None:
     assert result.latency_ms >= 0
     (seen,) = server.seen
     assert seen.path == "/v1/chat/completions"  # trailing slash of base_url dropped
-    assert json.loads(seen.body) == REQUEST
+    assert json.loads(seen.body) == {"model": "m", "messages": REQUEST.messages, "stream": False}
     assert seen.headers["Content-Type"] == "application/json"
     assert "Authorization" not in seen.headers
 
@@ -255,7 +254,7 @@ def test_connection_refused_is_retryable() -> None:
         port = sock.getsockname()[1]
     sleeps: list[float] = []
     backend = BackendConfig(name="down", base_url=f"http://127.0.0.1:{port}/v1", max_attempts=2)
-    provider = OpenAIChatProvider(backend, sleep=sleeps.append, environ={})
+    provider = HttpProvider(backend, OpenAICodec(), sleep=sleeps.append, environ={})
     try:
         with pytest.raises(ProviderRetryableError, match="connection failed") as info:
             provider.complete(REQUEST)

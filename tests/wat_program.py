@@ -7,8 +7,9 @@ in data segments placed after the results. At the end `_start` writes the whole 
 RESULTS to the last byte allocated, to stdout with WASI `fd_write`, so a test reads exact
 return values and exactly what the host wrote into guest memory (`Dump`).
 
-Tool functions for `cchat_write_fn` sit in an exported `__indirect_function_table`: slot 0 is
-null, then the entries in the order they were added, then two more null slots.
+Tool functions for `cchat_write_fn` sit in a function table exported as
+`__indirect_function_table` (or `table_export`): slot 0 is null, then the entries in the order
+they were added, then two more null slots.
 """
 
 from __future__ import annotations
@@ -70,10 +71,12 @@ class Program:
 
     signatures: dict[str, tuple[tuple[str, ...], str | None]] = field(default_factory=dict)
     pages: int | None = None  # the memory's size in pages (default: just enough)
+    table_export: str | None = "__indirect_function_table"  # None: the table is not exported
     _segments: list[tuple[int, bytes]] = field(default_factory=list)
     _top: int = DATA
     _steps: list[tuple[str, tuple[Arg, ...]] | None] = field(default_factory=list)
     _table: list[str] = field(default_factory=list)  # function bodies, slot 1 onwards
+    _tool_imports: set[str] = field(default_factory=set)  # imports the table functions call
 
     # memory ---------------------------------------------------------------------------------
 
@@ -126,6 +129,31 @@ class Program:
         )
         return len(self._table)
 
+    def hostcall_tool(self, calls: list[tuple[str, tuple[int, ...]]]) -> int:
+        """A tool that makes `calls` (each with an i32 result) when the model calls it and
+        answers one character per call, chr(64 - rc): 0 -> "@", -1 -> "A", -22 -> "V"...;
+        its table index."""
+        n = len(calls)
+        lines = [
+            f"(func {TOOL_SIG}",
+            f"    (if (i32.lt_u (i32.load (local.get 3)) (i32.const {n}))",
+            f"      (then (i32.store (local.get 3) (i32.const {n})) (return (i32.const -28))))",
+        ]
+        for k, (name, args) in enumerate(calls):
+            params, result = self._sig(name)
+            if result != "i32" or len(args) != len(params):
+                raise ValueError(f"{name}: a tool probe needs an i32 call with {len(params)} args")
+            rendered = " ".join(_arg(a, t) for a, t in zip(args, params, strict=True))
+            call = f"(call ${name} {rendered})".replace(" )", ")")
+            lines.append(
+                f"    (i32.store8 (i32.add (local.get 2) (i32.const {k}))"
+                f" (i32.sub (i32.const 64) {call}))"
+            )
+            self._tool_imports.add(name)
+        lines += [f"    (i32.store (local.get 3) (i32.const {n}))", "    (i32.const 0))"]
+        self._table.append("\n".join(lines))
+        return len(self._table)
+
     def other_function(self) -> int:
         """A table entry of another signature, `(i32) -> i32`."""
         self._table.append("(func (param i32) (result i32) (local.get 0))")
@@ -158,7 +186,7 @@ class Program:
         self._steps.append(None)
 
     def wat(self) -> str:
-        names = sorted({s[0] for s in self._steps if s is not None})
+        names = sorted({s[0] for s in self._steps if s is not None} | self._tool_imports)
         imports = []
         for name in names:
             params, result = self._sig(name)
@@ -194,9 +222,8 @@ class Program:
                 raise ValueError(f"the data needs {pages} pages")
             pages = self.pages
         data = [f'  (data (i32.const {ptr}) "{_escape(raw)}")' for ptr, raw in self._segments]
-        table = [
-            f'  (table (export "__indirect_function_table") {self.table_size} funcref)',
-        ]
+        export = f' (export "{self.table_export}")' if self.table_export else ""
+        table = [f"  (table{export} {self.table_size} funcref)"]
         funcs = []
         if self._table:
             refs = " ".join(f"$t{n + 1}" for n in range(len(self._table)))

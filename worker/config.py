@@ -23,6 +23,7 @@ from typing import Any
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_REPLAY_URL = "http://127.0.0.1:8011/v1"
+PROTOCOLS = ("openai", "anthropic", "gemini", "openai-text-tags")
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,12 @@ class BackendConfig:
     backoff_base_s: float = 0.5
     backoff_max_s: float = 8.0
     max_retry_after_s: float = 60.0
+    stream: bool = False  # SSE replies; partial text shows in `cchatq status` while a round runs
+    thinking_budget_tokens: int | None = None  # None: thinking off
+    # a limit shared by every worker of the fleet (in Redis); None: no limit
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    rate_window_s: float = 60.0  # the window the two limits count over
 
     @classmethod
     def from_mapping(cls, name: str, raw: Mapping[str, Any]) -> BackendConfig:
@@ -48,7 +55,12 @@ class BackendConfig:
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ValueError(f"backend {name!r}: unknown keys {unknown}")
-        return cls(name=name, **dict(raw))
+        backend = cls(name=name, **dict(raw))
+        if backend.protocol not in PROTOCOLS:
+            raise ValueError(
+                f"backend {name!r}: protocol {backend.protocol!r} is not one of {PROTOCOLS}"
+            )
+        return backend
 
     def api_key(self, environ: Mapping[str, str] | None = None) -> str | None:
         if not self.api_key_env:

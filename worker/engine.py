@@ -17,6 +17,7 @@ import jsonschema
 from schemas.bodies import dump_text, error_obj, is_error_body
 from schemas.limits import Limits
 from worker.codecs.openai_chat import decode_arguments, tool_calls_of, tool_message_content
+from worker.codecs.protocol import ToolChoice
 from worker.errors import ToolArgumentsError
 
 
@@ -84,7 +85,9 @@ class CallModel:
     model: str
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]]
-    params: dict[str, Any]
+    params: dict[str, Any]  # upstream fields, without tool_choice / parallel_tool_calls
+    tool_choice: ToolChoice = None  # neutral: auto | none | required | {"name": f}
+    parallel_tool_calls: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -159,6 +162,12 @@ def plan(session: Session) -> Step:
 
 
 def _call_model(session: Session, round_no: int) -> CallModel:
+    params = dict(session.spec.get("params") or {})
+    choice = neutral_tool_choice(params.pop("tool_choice", None))
+    parallel = params.pop("parallel_tool_calls", None)
+    if choice not in (None, "auto", "none") and any(tool_calls_of(r.reply) for r in session.rounds):
+        # a forced choice holds for the first tool round only, or the model could never answer
+        choice = "auto"
     return CallModel(
         round_no=round_no,
         model=session.spec["model"],
@@ -166,8 +175,23 @@ def _call_model(session: Session, round_no: int) -> CallModel:
         tools=[
             {"type": "function", "function": t["function"]} for t in session.spec.get("tools", [])
         ],
-        params=dict(session.spec.get("params") or {}),
+        params=params,
+        tool_choice=choice,
+        parallel_tool_calls=parallel if isinstance(parallel, bool) else None,
     )
+
+
+def neutral_tool_choice(raw: Any) -> ToolChoice:
+    """auto | none | required | {"name": f}, from the neutral or the OpenAI spelling."""
+    if raw == "auto" or raw == "none" or raw == "required":
+        return raw  # type: ignore[no-any-return]
+    if raw == "any":
+        return "required"
+    if isinstance(raw, dict):
+        name = raw.get("name") or (raw.get("function") or {}).get("name")
+        if isinstance(name, str) and name:
+            return {"name": name}
+    return None
 
 
 def _limit_hit(session: Session, call_count: int) -> str | None:
@@ -242,11 +266,15 @@ def _finish_reason(reply: dict[str, Any]) -> str | None:
 # Transcript, bodies, metrics ---------------------------------------------------------------
 
 
+REPLAYED_FIELDS = ("tool_calls", "reasoning_content", "reasoning", "_provider")
+
+
 def assistant_message(reply: dict[str, Any]) -> dict[str, Any]:
+    """The assistant turn as history: with its thinking and the provider's own blocks, which
+    a codec replays verbatim (Anthropic signed thinking, Gemini thought signatures)."""
     message = dict((reply.get("choices") or [{}])[0].get("message") or {})
     out: dict[str, Any] = {"role": "assistant", "content": message.get("content")}
-    if message.get("tool_calls"):
-        out["tool_calls"] = message["tool_calls"]
+    out.update({k: message[k] for k in REPLAYED_FIELDS if message.get(k)})
     return out
 
 
@@ -308,7 +336,14 @@ def _fill_for_round(
 
 
 def success_body(session: Session, reply: dict[str, Any]) -> dict[str, Any]:
+    """The reply in OpenAI shape: the provider's replay blocks stay in the transcript only."""
     body = dict(reply)
+    choices = [dict(c) for c in body.get("choices") or []]
+    for choice in choices:
+        if isinstance(choice.get("message"), dict) and "_provider" in choice["message"]:
+            choice["message"] = {k: v for k, v in choice["message"].items() if k != "_provider"}
+    if choices:
+        body["choices"] = choices
     body["_spear"] = {
         "backend": session.backend,
         "model": reply.get("model") or session.spec["model"],

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -282,6 +283,9 @@ class ProgramHost:
         model = consumed.get("model") or self.d.model
         if not isinstance(model, str) or not model:
             return dump_body(error_obj("invalid_request", "no model: set the `model` param"))
+        backend = consumed.get("backend") or self.d.backend
+        if backend is not None and not isinstance(backend, str):
+            return dump_body(error_obj("invalid_request", "the `backend` param must be a string"))
         tools = []
         fork_sha: str | None = None
         if session.tools and auto:  # only an auto tool-call loop runs the tools
@@ -299,7 +303,7 @@ class ProgramHost:
             )  # fmt: skip
         return {
             "id": chat_id,
-            "provider": consumed.get("backend") or self.d.backend,
+            "provider": backend,
             "model": model,
             "messages": list(session.messages),
             "tools": tools,
@@ -516,7 +520,9 @@ _HOSTCALLS = (
 
 
 def _int_or_none(value: Any) -> int | None:
-    return int(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return None
+    return int(value)
 
 
 def _event_names(mask: int) -> list[str]:

@@ -9,6 +9,7 @@ Celery is not imported here: tasks call these methods and turn `RetryLater` into
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -17,9 +18,11 @@ from typing import Any, Protocol
 
 from schemas import keys
 from schemas.bodies import dump_body, error_obj, is_error_body
-from worker.codecs.openai_chat import build_request, tool_calls_of
+from worker.codecs.openai_chat import tool_calls_of
+from worker.codecs.protocol import ChatRequest, Delta
 from worker.config import BackendConfig, Settings
 from worker.edges.dispatch import Dispatcher
+from worker.edges.rate_limit import Permit, RateLimiter
 from worker.edges.store import RedisStore
 from worker.edges.wasm_fork import ProgramFork
 from worker.edges.wasm_runtime import ToolInvocation, WasmToolRuntime
@@ -42,6 +45,39 @@ log = logging.getLogger(__name__)
 
 START_LEASE_MS = 60_000
 FINISH_LEASE_MS = 30_000
+PARTIAL_EVERY_S = 0.25
+
+
+class RateLimited(Exception):
+    def __init__(self, wait_s: float) -> None:
+        super().__init__(f"rate limited for {wait_s:.2f} s")
+        self.wait_s = wait_s
+
+
+class PartialText:
+    """The text of a streamed round, published every PARTIAL_EVERY_S for `cchatq status`."""
+
+    def __init__(self, store: RedisStore, sk: str) -> None:
+        self.store, self.sk = store, sk
+        self.text: list[str] = []
+        self.last = 0.0
+
+    def __call__(self, delta: Delta) -> None:
+        if delta.kind != "content":
+            return
+        self.text.append(delta.text)
+        if time.monotonic() - self.last >= PARTIAL_EVERY_S:
+            self.last = time.monotonic()
+            self.store.set_partial(self.sk, "".join(self.text))
+
+    def close(self) -> None:
+        with contextlib.suppress(StoreError):
+            self.store.set_partial(self.sk, None)
+
+
+def estimate_tokens(chat: ChatRequest) -> int:
+    """A prompt's size in tokens, roughly (4 characters a token), before the call."""
+    return len(json.dumps(chat.messages, ensure_ascii=False)) // 4 + 1
 
 
 class RetryLater(Exception):
@@ -51,7 +87,9 @@ class RetryLater(Exception):
 
 
 class CompletionProvider(Protocol):
-    def complete(self, request: dict[str, Any]) -> Any: ...
+    def complete(
+        self, request: ChatRequest, on_delta: Callable[[Delta], None] | None = None
+    ) -> Any: ...
 
 
 @dataclass
@@ -62,6 +100,7 @@ class StepRunner:
     runtime: Callable[[], WasmToolRuntime]
     settings: Settings
     fork_blob: Callable[[str], bytes]  # a program's memory snapshot, for its tools' forks
+    rate_limiter: RateLimiter
 
     # guards --------------------------------------------------------------------------------
 
@@ -89,6 +128,12 @@ class StepRunner:
             return
         try:
             body()
+        except RateLimited as exc:
+            # waiting for the backend's rate limit is not a failure: no try is spent, and the
+            # task gives its worker slot back until there may be room
+            self._release_quietly(step)
+            self.store.uncount_try(step)
+            raise RetryLater(exc.wait_s, "rate limited") from None
         except Exception as exc:
             self._release_quietly(step)
             if start.tries >= self.settings.max_step_attempts:
@@ -149,7 +194,7 @@ class StepRunner:
                 step = plan(session)
                 if not isinstance(step, CallModel) or step.round_no != round_no:
                     return  # a stale duplicate: the session is past this round
-                reply = self._call_model(session, backend, step)
+                reply = self._call_model(sk, session, backend, step)
                 winner = self.store.store_model_reply(sk, round_no, reply)
                 session = replace(session, rounds=(*session.rounds, Round(reply=winner)))
             self._continue(sk, session)
@@ -159,11 +204,11 @@ class StepRunner:
     def _backend(self, spec: dict[str, Any]) -> BackendConfig | None:
         try:
             return self.settings.backend(spec.get("provider"))
-        except KeyError:
+        except (KeyError, TypeError):  # unknown, or not a name at all: the round ends it
             return None
 
     def _call_model(
-        self, session: Session, backend: BackendConfig | None, step: CallModel
+        self, sk: str, session: Session, backend: BackendConfig | None, step: CallModel
     ) -> dict[str, Any]:
         if backend is None:
             name = session.spec.get("provider")
@@ -171,11 +216,29 @@ class StepRunner:
                 "provider_error",
                 f"unknown backend {name!r}; configured: {sorted(self.settings.backends)}",
             )
-        request = build_request(step.model, step.messages, step.tools, step.params)
+        chat = ChatRequest(
+            model=step.model,
+            messages=step.messages,
+            tools=step.tools,
+            params=step.params,
+            tool_choice=step.tool_choice,
+            parallel_tool_calls=step.parallel_tool_calls,
+            stream=backend.stream,
+            thinking_budget_tokens=backend.thinking_budget_tokens,
+        )
+        permit = self.rate_limiter.acquire(backend, estimate_tokens(chat))
+        if not isinstance(permit, Permit):
+            raise RateLimited(permit)
+        partial = PartialText(self.store, sk) if backend.stream else None
         try:
-            return dict(self.provider_for(backend).complete(request).completion)
+            reply = dict(self.provider_for(backend).complete(chat, partial).completion)
         except ProviderError as exc:
             return error_obj(exc.code, exc.message)
+        finally:
+            if partial is not None:
+                partial.close()
+        self.rate_limiter.settle(permit, int((reply.get("usage") or {}).get("total_tokens", 0)))
+        return reply
 
     def _continue(self, sk: str, session: Session) -> None:
         """Publish what follows a stored model reply."""

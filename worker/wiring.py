@@ -5,25 +5,39 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from celery import Celery
 
+from worker.codecs.anthropic import AnthropicCodec
+from worker.codecs.gemini import GeminiCodec
+from worker.codecs.openai_codec import OpenAICodec
+from worker.codecs.protocol import Codec
+from worker.codecs.text_tags import TextTagCodec
 from worker.config import BackendConfig, Settings, load_settings
 from worker.edges.dispatch import Dispatcher
-from worker.edges.provider_http import OpenAIChatProvider
+from worker.edges.provider_http import HttpProvider
+from worker.edges.rate_limit import RateLimiter
 from worker.edges.store import RedisStore
 from worker.edges.store_programs import ProgramStore
 from worker.edges.wasm_runtime import WasmToolRuntime
 from worker.program_step import ProgramSteps
 from worker.steps import StepRunner
 
+CODECS: dict[str, Callable[[], Codec]] = {
+    "openai": OpenAICodec,
+    "anthropic": AnthropicCodec,
+    "gemini": GeminiCodec,
+    "openai-text-tags": TextTagCodec,
+}
+
 
 class Wiring:
     def __init__(self, app: Celery, settings: Settings) -> None:
         self.settings = settings
         self.store = RedisStore.from_url(settings.redis_url, settings.result_ttl_s)
-        self._providers: dict[str, OpenAIChatProvider] = {}
+        self._providers: dict[str, HttpProvider] = {}
         self._runtime: WasmToolRuntime | None = None
         self._lock = threading.Lock()
         self.programs = ProgramStore(self.store)
@@ -34,20 +48,18 @@ class Wiring:
             runtime=self.runtime,
             settings=settings,
             fork_blob=self.programs.fork_blob,
+            rate_limiter=RateLimiter(self.store.client),
         )
         self.program_steps = ProgramSteps(
             runner=self.runner, programs=self.programs, source=_LazySource(self)
         )
 
-    def provider_for(self, backend: BackendConfig) -> Any:
+    def provider_for(self, backend: BackendConfig) -> HttpProvider:
         with self._lock:
             provider = self._providers.get(backend.name)
             if provider is None:
-                if backend.protocol != "openai":
-                    raise KeyError(
-                        f"backend {backend.name!r}: protocol {backend.protocol!r} not supported"
-                    )
-                provider = self._providers[backend.name] = OpenAIChatProvider(backend)
+                provider = HttpProvider(backend, CODECS[backend.protocol]())
+                self._providers[backend.name] = provider
             return provider
 
     def runtime(self) -> WasmToolRuntime:

@@ -1,6 +1,8 @@
-"""OpenAI-compatible chat-completions over HTTP: the only module that imports `requests`.
+"""LLM providers over HTTP: the only module that imports `requests`. A codec
+(worker/codecs/protocol.py) makes the wire body and reads the reply, JSON or SSE stream; this
+module sends it, retries per conformance B9 and translates every requests exception and
+status into the ProviderError tree.
 
-Every requests exception and HTTP status is translated here into the ProviderError tree.
 Logs carry backend names, statuses, attempt numbers, request ids and lengths, never the
 request body, prompts, replies or the API key.
 """
@@ -18,10 +20,13 @@ from typing import Any
 
 import requests
 
-from worker.codecs.openai_chat import is_empty_reply, normalize_completion
+from worker.codecs.openai_chat import is_empty_reply
+from worker.codecs.protocol import ChatRequest, Codec, Delta, WireRequest
 from worker.codecs.retry import RetryPolicy, backoff_s, parse_retry_after_s, should_retry_status
+from worker.codecs.sse import SseParser, looks_like_sse
 from worker.config import BackendConfig
 from worker.errors import (
+    ProviderError,
     ProviderProtocolError,
     ProviderRequestError,
     ProviderRetryableError,
@@ -32,29 +37,35 @@ log = logging.getLogger(__name__)
 _MAX_ERROR_CHARS = 300
 _MIN_READ_TIMEOUT_S = 0.1
 _USER_AGENT = "cchatq/0.1"
+# how each protocol carries the API key (the default: Authorization: Bearer)
+_KEY_HEADERS = {"anthropic": "x-api-key", "gemini": "x-goog-api-key"}
+
+DeltaSink = Callable[[Delta], None]
 
 
 @dataclass(frozen=True)
 class CompletionResult:
-    completion: dict[str, Any]  # normalised (normalize_completion)
+    completion: dict[str, Any]  # canonical chat.completion
     attempts: int
     latency_ms: int  # the whole call: every attempt and every backoff sleep
 
 
-class OpenAIChatProvider:
+class HttpProvider:
     """One backend. Thread-safe: each thread gets its own requests.Session (Celery llm pool)."""
 
     def __init__(
         self,
         backend: BackendConfig,
+        codec: Codec,
         sleep: Callable[[float], None] = time.sleep,
         environ: Mapping[str, str] | None = None,
     ) -> None:
         self._backend = backend
+        self._codec = codec
         self._policy = RetryPolicy.from_backend(backend)
         self._sleep = sleep
         self._environ = environ
-        self._url = backend.base_url.rstrip("/") + "/chat/completions"
+        self._base = backend.base_url.rstrip("/")
         self._local = threading.local()
         self._sessions: list[requests.Session] = []
         self._lock = threading.Lock()
@@ -75,23 +86,27 @@ class OpenAIChatProvider:
                 self._local.session = session
         return session
 
-    def _headers(self) -> dict[str, str]:
+    def _headers(self, wire: WireRequest, stream: bool) -> dict[str, str]:
         headers = {
             "Content-Type": "application/json",
-            "Accept": "application/json",
+            "Accept": "text/event-stream" if stream else "application/json",
             "User-Agent": _USER_AGENT,
+            **wire.headers,
         }
         # Read at call time so a rotated key is picked up without a restart.
         key = self._backend.api_key(self._environ)
         if key:
-            headers["Authorization"] = f"Bearer {key}"
+            name = _KEY_HEADERS.get(self._codec.protocol)
+            headers.update({name: key} if name else {"Authorization": f"Bearer {key}"})
         return headers
 
-    def complete(self, request: dict[str, Any]) -> CompletionResult:
-        """POST one chat-completions body; retry transient failures per RetryPolicy (B9)."""
+    def complete(self, request: ChatRequest, on_delta: DeltaSink | None = None) -> CompletionResult:
+        """One model call; transient failures retried per RetryPolicy (B9). A retried stream
+        restarts the whole call and discards its partial output (B9 77)."""
+        wire = self._codec.encode(request)
         try:
             body = json.dumps(
-                request, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+                wire.body, separators=(",", ":"), ensure_ascii=False, allow_nan=False
             ).encode()  # NaN is not JSON; servers would answer 400
         except (TypeError, ValueError) as exc:
             raise ProviderRequestError(f"request is not JSON-serialisable: {exc}") from None
@@ -101,7 +116,7 @@ class OpenAIChatProvider:
         empty_retried = False
         while True:
             attempts += 1
-            outcome = self._attempt(body, attempts, start)
+            outcome = self._attempt(wire, body, request, attempts, start, on_delta)
             if isinstance(outcome, dict):
                 if not is_empty_reply(outcome):
                     latency_ms = int((time.monotonic() - start) * 1000)
@@ -126,32 +141,40 @@ class OpenAIChatProvider:
             # outcome.message holds at most the upstream error text, never our request.
             log.warning(
                 "backend %s: %s (attempt %d/%d), retrying in %.2fs",
-                backend.name,
-                outcome.message,
-                attempts,
-                policy.max_attempts,
-                delay,
-            )
+                backend.name, outcome.message, attempts, policy.max_attempts, delay,
+            )  # fmt: skip
             self._sleep(delay)
 
     def _past_deadline(self, start: float, delay: float) -> bool:
         return time.monotonic() - start + delay >= self._backend.total_timeout_s
 
     def _attempt(
-        self, body: bytes, attempt: int, start: float
+        self,
+        wire: WireRequest,
+        body: bytes,
+        request: ChatRequest,
+        attempt: int,
+        start: float,
+        on_delta: DeltaSink | None,
     ) -> dict[str, Any] | ProviderRetryableError:
         """One HTTP exchange: the completion, a retryable failure, or a raised final error."""
         backend = self._backend
         remaining = backend.total_timeout_s - (time.monotonic() - start)
-        # The total deadline also bounds each read (B9.77), never below a usable minimum.
+        # read_s is the idle timeout between reads of a stream; the total deadline bounds it too
         read_s = max(min(backend.read_timeout_s, remaining), _MIN_READ_TIMEOUT_S)
         try:
             resp = self._session().post(
-                self._url,
+                self._base + wire.path,
+                params=wire.query or None,
                 data=body,
-                headers=self._headers(),
+                headers=self._headers(wire, request.stream),
                 timeout=(backend.connect_timeout_s, read_s),
+                stream=request.stream,
             )
+            try:
+                return self._reply(resp, request, body, attempt, start, on_delta)
+            finally:
+                resp.close()
         except requests.Timeout as exc:
             kind = "connect" if isinstance(exc, requests.ConnectTimeout) else "read"
             return ProviderRetryableError(f"{kind} timeout calling backend {backend.name}")
@@ -169,34 +192,87 @@ class OpenAIChatProvider:
                 f"request to backend {backend.name} failed: {type(exc).__name__}"
             ) from None
 
-        status = resp.status_code
-        request_id = resp.headers.get("x-request-id", "-")
+    def _reply(
+        self,
+        resp: requests.Response,
+        request: ChatRequest,
+        body: bytes,
+        attempt: int,
+        start: float,
+        on_delta: DeltaSink | None,
+    ) -> dict[str, Any] | ProviderRetryableError:
+        backend, status = self._backend, resp.status_code
+        content_type = resp.headers.get("content-type", "")
+        # B8 73: a JSON or HTML reply to a stream request is an error body, not an empty stream
+        streaming = request.stream and 200 <= status < 300 and looks_like_sse(content_type)
         log.log(
             logging.DEBUG if 200 <= status < 300 else logging.WARNING,
-            "backend %s: HTTP %d attempt %d request_id %s sent %d bytes got %d bytes",
-            backend.name,
-            status,
-            attempt,
-            request_id,
-            len(body),
-            len(resp.content),
-        )
+            "backend %s: HTTP %d attempt %d request_id %s sent %d bytes%s",
+            backend.name, status, attempt, resp.headers.get("x-request-id", "-"), len(body),
+            " (stream)" if streaming else f" got {len(resp.content)} bytes",
+        )  # fmt: skip
+        if streaming:
+            return self._stream(resp, request, start, on_delta)
         if 200 <= status < 300:
-            return self._completion(resp)
+            try:
+                return self._codec.decode(_json_body(resp), request)
+            except ProviderRetryableError as exc:  # e.g. Gemini MALFORMED_FUNCTION_CALL
+                return exc
         message = f"HTTP {status}: {_upstream_message(resp)}"
         if not should_retry_status(status, resp.headers):
             raise ProviderRequestError(message, status)
         retry_after = parse_retry_after_s(resp.headers, time.time())
+        if retry_after is None:
+            retry_after = self._codec.retry_after_s(status, _json_or_none(resp))
         return ProviderRetryableError(message, status, retry_after)
 
-    def _completion(self, resp: requests.Response) -> dict[str, Any]:
+    def _stream(
+        self,
+        resp: requests.Response,
+        request: ChatRequest,
+        start: float,
+        on_delta: DeltaSink | None,
+    ) -> dict[str, Any] | ProviderRetryableError:
+        parser, assembler = SseParser(), self._codec.assembler(request)
         try:
-            payload = json.loads(resp.content)
-        except (ValueError, UnicodeDecodeError):
-            raise ProviderProtocolError(
-                f"HTTP {resp.status_code} body is not JSON ({len(resp.content)} bytes)"
-            ) from None
-        return normalize_completion(payload)
+            for chunk in resp.iter_content(chunk_size=None):
+                for event in parser.feed(chunk):
+                    deltas = assembler.feed(event)
+                    if on_delta is not None:
+                        for delta in deltas:
+                            on_delta(delta)
+                if time.monotonic() - start > self._backend.total_timeout_s:
+                    name = self._backend.name
+                    return ProviderRetryableError(f"stream from backend {name} passed its deadline")
+            for event in parser.close():
+                assembler.feed(event)
+        except ProviderRetryableError as exc:
+            return exc
+        except ProviderError:
+            raise
+        if not assembler.finished:
+            # conformance B2 27: a stream that ends early is truncated; its calls never run
+            return ProviderRetryableError(f"stream from backend {self._backend.name} ended early")
+        try:
+            return assembler.result()
+        except ProviderRetryableError as exc:
+            return exc
+
+
+def _json_body(resp: requests.Response) -> Any:
+    try:
+        return json.loads(resp.content)
+    except (ValueError, UnicodeDecodeError):
+        raise ProviderProtocolError(
+            f"HTTP {resp.status_code} body is not JSON ({len(resp.content)} bytes)"
+        ) from None
+
+
+def _json_or_none(resp: requests.Response) -> Any:
+    try:
+        return json.loads(resp.content)
+    except (ValueError, UnicodeDecodeError):
+        return None
 
 
 def _upstream_message(resp: requests.Response) -> str:

@@ -168,6 +168,17 @@ class RedisStore:
         return StepStart(bool(published), bool(leased), int(tries), cancelled)
 
     @_translated
+    def uncount_try(self, step: str) -> None:
+        self.client.decr(keys.tries(step))
+
+    @_translated
+    def set_partial(self, sk: str, text: str | None) -> None:
+        if text is None:
+            self.client.delete(keys.partial(sk))
+        else:
+            self.client.set(keys.partial(sk), text.encode(), ex=self.ttl_s)
+
+    @_translated
     def lease_left_ms(self, step: str) -> int:
         return max(int(self.client.pttl(keys.lease(step))), 0)
 

@@ -202,7 +202,7 @@ class ToolModeHost:
         return -ENOSYS  # define_spear links no other name to a host
 
     def _log(self, mem: GuestMemory, level: int, ptr: int, length: int) -> int:
-        if length & 0xFFFF_FFFF > LOG_MAX_BYTES:
+        if length & 0xFFFF_FFFF > LOG_MAX_BYTES or not 0 <= level <= 4:
             return -EINVAL
         text = mem.read(ptr, length).decode("utf-8", "replace")  # GuestFault -> -EFAULT
         if len(text) <= self._log_room:

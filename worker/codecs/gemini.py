@@ -1,0 +1,627 @@
+"""Google Gemini generateContent codec (REST v1beta, camelCase JSON): canonical OpenAI
+`chat.completion` <-> Gemini, for JSON replies and `streamGenerateContent?alt=sse` streams.
+Pure: no I/O. Case numbers (B5.n, B10.n) refer to docs/provider-conformance.md.
+
+Decisions where the wire format leaves a choice:
+  - Call ids (B5 48): a `functionCall.id` from Gemini is the canonical id and is echoed on
+    `functionCall.id`/`functionResponse.id`. Without one we synthesise `gcall_<24 hex>` from
+    (responseId, or model + request length when there is none, candidate index, part index,
+    name): stable for a redelivered step, distinct for two calls to one tool. Ids starting with
+    `gcall_` are ours and never go on the wire.
+  - Replay (B5 52): an assistant turn carrying `_provider.gemini.parts` is sent as those parts,
+    verbatim; decode keeps them whenever a part has a `thoughtSignature`, there are function
+    calls, or a part has no canonical form (code execution, inline data...). Other assistant
+    turns are rebuilt as text + functionCall parts; their `reasoning_content` is not sent (an
+    unsigned thought is useless to Gemini).
+  - Consecutive contents with the same role are merged, so roles alternate and all responses
+    of one turn share one `user` content (B5 50). Every system/developer message, wherever it
+    sits, becomes a part of `systemInstruction` (Gemini has no mid-conversation system turn).
+  - Tool results (B5 49): a JSON object is sent as that object (our error JSON stays
+    `{"error": {...}}`); anything else as `{"content": <text>}`.
+  - Finish reasons: STOP/OTHER/unknown -> stop (tool_calls when calls are present, B5 51);
+    MAX_TOKENS/CONTINUATION -> length (calls then stay unexecuted, B1 13); SAFETY, RECITATION,
+    BLOCKLIST, PROHIBITED_CONTENT, SPII, LANGUAGE, IMAGE_*, MODEL_ARMOR -> content_filter.
+    MALFORMED_FUNCTION_CALL, UNEXPECTED_TOOL_CALL and MALFORMED_RESPONSE raise
+    ProviderRetryableError: nothing ran, so the round is retried under the backend's retry
+    budget (B9 78). MISSING_THOUGHT_SIGNATURE raises ProviderRequestError (our request lacked
+    a signature; a retry would fail alike).
+  - No candidates: `promptFeedback.blockReason` -> ProviderRequestError naming the reason (a
+    retry is blocked alike); none at all -> ProviderProtocolError.
+  - Usage (B10 81): prompt = promptTokenCount + toolUsePromptTokenCount; completion =
+    candidatesTokenCount + thoughtsTokenCount, unless prompt + candidates already equals
+    totalTokenCount (then candidates include the thoughts); total = totalTokenCount.
+    `prompt_tokens_details.cached_tokens`, `completion_tokens_details.reasoning_tokens` and the
+    raw `usageMetadata` as `gemini_details`.
+  - Params (`generationConfig`): temperature, top_p, top_k, max_tokens/max_completion_tokens,
+    stop, presence_penalty, frequency_penalty, seed, logprobs, top_logprobs, response_format
+    (json_object/json_schema) are translated; any Gemini generationConfig field name (camelCase
+    or snake_case, see _GENERATION_CONFIG) passes through and wins over its OpenAI alias;
+    `safetySettings` and `cachedContent` go to the top level of the body. Everything else is
+    dropped (debug log): n (we read one candidate), user, logit_bias, service_tier, store,
+    metadata, reasoning_effort, parallel_tool_calls (Gemini has no switch)... A set
+    `ChatRequest.max_tokens` wins over params; thinking on sets `thinkingConfig` whole.
+  - tool_choice without tools is not sent; None leaves Gemini's default (AUTO).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import math
+import mimetypes
+import re
+from typing import Any
+
+from worker.codecs.gemini_schema import gemini_parameters
+from worker.codecs.openai_chat import (
+    NO_OUTPUT,
+    _as_int,
+    decode_arguments,
+    tool_message_content,
+)
+from worker.codecs.protocol import ChatRequest, Delta, SseEvent, WireRequest
+from worker.errors import (
+    ProviderError,
+    ProviderProtocolError,
+    ProviderRequestError,
+    ProviderRetryableError,
+    ToolArgumentsError,
+)
+
+log = logging.getLogger(__name__)
+
+PROTOCOL = "gemini"
+SYNTHETIC_ID_PREFIX = "gcall_"
+RESULT_KEY = "content"  # a non-object tool result goes back as {"content": text}
+
+_OPENAI_PARAMS = {
+    "temperature": "temperature",
+    "top_p": "topP",
+    "top_k": "topK",
+    "max_tokens": "maxOutputTokens",
+    "max_completion_tokens": "maxOutputTokens",
+    "stop": "stopSequences",
+    "presence_penalty": "presencePenalty",
+    "frequency_penalty": "frequencyPenalty",
+    "seed": "seed",
+    "logprobs": "responseLogprobs",
+    "top_logprobs": "logprobs",
+}
+_GENERATION_CONFIG = frozenset(
+    {
+        "stopSequences", "responseMimeType", "responseSchema", "responseJsonSchema",
+        "responseModalities", "candidateCount", "maxOutputTokens", "temperature", "topP", "topK",
+        "seed", "presencePenalty", "frequencyPenalty", "responseLogprobs", "logprobs",
+        "enableEnhancedCivicAnswers", "speechConfig", "thinkingConfig", "imageConfig",
+        "mediaResolution",
+    }
+)  # fmt: skip
+_TOP_LEVEL = frozenset({"safetySettings", "cachedContent"})
+_CHOICE_MODES = {"auto": "AUTO", "none": "NONE", "required": "ANY"}
+_FILTERED = frozenset(
+    {
+        "SAFETY", "RECITATION", "BLOCKLIST", "PROHIBITED_CONTENT", "SPII", "LANGUAGE",
+        "IMAGE_SAFETY", "IMAGE_PROHIBITED_CONTENT", "IMAGE_RECITATION", "IMAGE_OTHER",
+        "MODEL_ARMOR",
+    }
+)  # fmt: skip
+_LENGTH = frozenset({"MAX_TOKENS", "CONTINUATION"})
+_FAILED_ROUND = frozenset({"MALFORMED_FUNCTION_CALL", "UNEXPECTED_TOOL_CALL", "MALFORMED_RESPONSE"})
+_RETRYABLE_STATUS = frozenset(
+    {"RESOURCE_EXHAUSTED", "UNAVAILABLE", "INTERNAL", "DEADLINE_EXCEEDED", "ABORTED"}
+)
+_RETRY_INFO = "type.googleapis.com/google.rpc.RetryInfo"
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(s|ms)?\s*$")
+_DATA_URL = re.compile(r"^data:([^;,]+)?(?:;[^,]*)?;base64,(.*)$", re.DOTALL)
+_MAX_ERROR_CHARS = 300
+
+
+def _compact(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+
+
+def _camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(w[:1].upper() + w[1:] for w in rest)
+
+
+class GeminiCodec:
+    protocol = PROTOCOL
+
+    # -----------------------------------------------------------------------------------------
+    # Requests
+
+    def encode(self, request: ChatRequest) -> WireRequest:
+        system, contents = _contents(request.messages)
+        body: dict[str, Any] = {"contents": contents}
+        if system:
+            body["systemInstruction"] = {"parts": system}
+        if request.tools:
+            body["tools"] = [{"functionDeclarations": [_declaration(t) for t in request.tools]}]
+            config = _calling_config(request.tool_choice)
+            if config:
+                body["toolConfig"] = {"functionCallingConfig": config}
+        generation, top = _generation_config(request)
+        if generation:
+            body["generationConfig"] = generation
+        body.update(top)
+        model = request.model.removeprefix("models/")
+        if request.stream:
+            return WireRequest(
+                path=f"/models/{model}:streamGenerateContent", body=body, query={"alt": "sse"}
+            )
+        return WireRequest(path=f"/models/{model}:generateContent", body=body)
+
+    # -----------------------------------------------------------------------------------------
+    # Replies
+
+    def decode(self, body: Any, request: ChatRequest) -> dict[str, Any]:
+        return _completion(body, request)
+
+    def assembler(self, request: ChatRequest) -> GeminiStreamAssembler:
+        return GeminiStreamAssembler(request)
+
+    def retry_after_s(self, status: int, body: Any) -> float | None:
+        """B5 55: the `retryDelay` of a `google.rpc.RetryInfo` in `error.details` ("7s",
+        "1.5s", also "750ms" or {"seconds", "nanos"}), on whatever status the edge retries."""
+        return _retry_delay(_error_object(body))
+
+
+# ---------------------------------------------------------------------------------------------
+# Request parts
+
+
+def _contents(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    system: list[dict[str, Any]] = []
+    contents: list[dict[str, Any]] = []
+    names: dict[str, str] = {}  # call id -> function name, from every earlier assistant turn
+    for message in messages:
+        role = message.get("role")
+        if role in ("system", "developer"):
+            text = _text(message.get("content"))
+            if text:
+                system.append({"text": text})
+        elif role == "user":
+            _append(contents, "user", _user_parts(message.get("content")))
+        elif role == "assistant":
+            _append(contents, "model", _model_parts(message, names))
+        elif role == "tool":
+            _append(contents, "user", [_function_response(message, names)])
+        else:
+            raise ProviderRequestError(f"message role {str(role)[:20]!r} has no Gemini form")
+    return system, contents
+
+
+def _append(contents: list[dict[str, Any]], role: str, parts: list[dict[str, Any]]) -> None:
+    if not parts:
+        return  # Gemini rejects a content without parts
+    if contents and contents[-1]["role"] == role:
+        contents[-1]["parts"].extend(parts)
+    else:
+        contents.append({"role": role, "parts": parts})
+
+
+def _text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(
+            p["text"]
+            for p in content
+            if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+        )
+    return tool_message_content(content)
+
+
+def _user_parts(content: Any) -> list[dict[str, Any]]:
+    if not isinstance(content, list):
+        text = _text(content)
+        return [{"text": text}] if text else []
+    return [p for p in (_user_part(item) for item in content) if p]
+
+
+def _user_part(item: Any) -> dict[str, Any] | None:
+    kind = item.get("type") if isinstance(item, dict) else None
+    if kind == "text":
+        text = item.get("text")
+        return {"text": text} if isinstance(text, str) and text else None
+    if kind == "image_url":
+        image = item.get("image_url")
+        url = image.get("url") if isinstance(image, dict) else image
+        if isinstance(url, str) and url:
+            return _media_part(url)
+    if kind == "input_audio" and isinstance(item.get("input_audio"), dict):
+        audio = item["input_audio"]
+        mime = f"audio/{audio.get('format') or 'wav'}"
+        return {"inlineData": {"mimeType": mime, "data": audio.get("data") or ""}}
+    if kind == "file" and isinstance(item.get("file"), dict):
+        data = item["file"].get("file_data")
+        if isinstance(data, str) and data:
+            return _media_part(data)
+    raise ProviderRequestError(f"user content part {str(kind)[:20]!r} has no Gemini form")
+
+
+def _media_part(url: str) -> dict[str, Any]:
+    match = _DATA_URL.match(url)
+    if match:
+        mime = match.group(1) or "application/octet-stream"
+        return {"inlineData": {"mimeType": mime, "data": match.group(2)}}
+    file_data = {"fileUri": url}
+    mime, _ = mimetypes.guess_type(url)
+    if mime:
+        file_data["mimeType"] = mime
+    return {"fileData": file_data}
+
+
+def _model_parts(message: dict[str, Any], names: dict[str, str]) -> list[dict[str, Any]]:
+    calls = [c for c in message.get("tool_calls") or [] if isinstance(c, dict)]
+    for call in calls:
+        fn = call.get("function") or {}
+        if isinstance(call.get("id"), str) and isinstance(fn.get("name"), str):
+            names[call["id"]] = fn["name"]
+    provider = message.get("_provider")
+    replay = provider.get(PROTOCOL) if isinstance(provider, dict) else None
+    if isinstance(replay, dict) and isinstance(replay.get("parts"), list):
+        return copy.deepcopy(replay["parts"])  # B5 52: verbatim, signatures untouched
+    parts: list[dict[str, Any]] = []
+    text = _text(message.get("content"))
+    if text:
+        parts.append({"text": text})
+    for call in calls:
+        fn = call.get("function") or {}
+        function_call: dict[str, Any] = {"name": fn.get("name"), "args": _args(fn.get("arguments"))}
+        if _is_provider_id(call.get("id")):
+            function_call["id"] = call["id"]
+        parts.append({"functionCall": function_call})
+    return parts
+
+
+def _args(arguments: Any) -> dict[str, Any]:
+    """B5 46: Gemini wants the object; text that is no object replays as `{}`."""
+    if isinstance(arguments, dict):
+        return arguments
+    if not isinstance(arguments, str):
+        return {}
+    try:
+        return decode_arguments(arguments)
+    except ToolArgumentsError:
+        return {}
+
+
+def _is_provider_id(call_id: Any) -> bool:
+    """A Gemini-issued id (echoed on the wire), not one we synthesised."""
+    return (
+        isinstance(call_id, str) and bool(call_id) and not call_id.startswith(SYNTHETIC_ID_PREFIX)
+    )
+
+
+def _function_response(message: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    call_id = message.get("tool_call_id")
+    name = names.get(call_id) if isinstance(call_id, str) else None
+    name = name or message.get("name")
+    if not isinstance(name, str) or not name:
+        raise ProviderRequestError("a tool message answers no earlier tool call (name unknown)")
+    text = _text(message.get("content")) or NO_OUTPUT
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        parsed = None
+    response: dict[str, Any] = parsed if isinstance(parsed, dict) else {RESULT_KEY: text}
+    function_response: dict[str, Any] = {"name": name, "response": response}
+    if _is_provider_id(call_id):
+        function_response["id"] = call_id
+    return {"functionResponse": function_response}
+
+
+def _declaration(tool: dict[str, Any]) -> dict[str, Any]:
+    fn = tool.get("function") if tool.get("type", "function") == "function" else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise ProviderRequestError("only function tools with a name have a Gemini form")
+    out: dict[str, Any] = {"name": fn["name"]}
+    if isinstance(fn.get("description"), str) and fn["description"]:
+        out["description"] = fn["description"]
+    parameters = gemini_parameters(fn.get("parameters"))
+    if parameters is not None:
+        out["parameters"] = parameters
+    return out
+
+
+def _calling_config(choice: Any) -> dict[str, Any] | None:
+    if isinstance(choice, str) and choice in _CHOICE_MODES:
+        return {"mode": _CHOICE_MODES[choice]}
+    if isinstance(choice, dict) and isinstance(choice.get("name"), str) and choice["name"]:
+        return {"mode": "ANY", "allowedFunctionNames": [choice["name"]]}
+    return None
+
+
+def _generation_config(request: ChatRequest) -> tuple[dict[str, Any], dict[str, Any]]:
+    aliased: dict[str, Any] = {}
+    native: dict[str, Any] = {}
+    top: dict[str, Any] = {}
+    dropped: list[str] = []
+    for key, value in request.params.items():
+        camel = _camel(key)
+        if key in _OPENAI_PARAMS:
+            aliased[_OPENAI_PARAMS[key]] = value
+        elif key == "response_format":
+            aliased.update(_response_format(value))
+        elif camel in _GENERATION_CONFIG:
+            native[camel] = value
+        elif camel in _TOP_LEVEL:
+            top[camel] = value
+        else:
+            dropped.append(key)
+    if dropped:
+        log.debug("gemini: params with no Gemini form dropped: %s", ", ".join(sorted(dropped)))
+    config = {**aliased, **native}
+    if isinstance(config.get("stopSequences"), str):
+        config["stopSequences"] = [config["stopSequences"]]
+    if request.max_tokens is not None:
+        config["maxOutputTokens"] = request.max_tokens
+    if request.thinking_budget_tokens is not None:
+        config["thinkingConfig"] = {
+            "thinkingBudget": request.thinking_budget_tokens,
+            "includeThoughts": True,
+        }
+    return config, top
+
+
+def _response_format(value: Any) -> dict[str, Any]:
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "json_object":
+        return {"responseMimeType": "application/json"}
+    if kind == "json_schema" and isinstance(value.get("json_schema"), dict):
+        schema = value["json_schema"].get("schema")
+        out: dict[str, Any] = {"responseMimeType": "application/json"}
+        if isinstance(schema, dict):
+            out["responseJsonSchema"] = schema  # full JSON Schema: no dialect cleaning
+        return out
+    return {}
+
+
+# ---------------------------------------------------------------------------------------------
+# Replies
+
+
+def _completion(raw: Any, request: ChatRequest) -> dict[str, Any]:
+    if not isinstance(raw, dict):
+        raise ProviderProtocolError("Gemini reply is not a JSON object")
+    if "error" in raw:
+        raise _provider_error(raw)
+    candidates = raw.get("candidates")
+    if not candidates:
+        feedback = raw.get("promptFeedback")
+        reason = feedback.get("blockReason") if isinstance(feedback, dict) else None
+        if reason:
+            raise ProviderRequestError(f"Gemini blocked the prompt: {str(reason)[:60]}")
+        raise ProviderProtocolError("Gemini reply has no candidates")
+    if not isinstance(candidates, list) or not isinstance(candidates[0], dict):
+        raise ProviderProtocolError("Gemini candidates are not a list of objects")
+    candidate = candidates[0]
+    content = candidate.get("content")
+    parts = content.get("parts") if isinstance(content, dict) else None
+    parts = parts or []
+    if not isinstance(parts, list) or not all(isinstance(p, dict) for p in parts):
+        raise ProviderProtocolError("Gemini content parts are not a list of objects")
+
+    anchor = raw.get("responseId") or f"{request.model}#{len(request.messages)}"
+    index = candidate.get("index") if isinstance(candidate.get("index"), int) else 0
+    texts: list[str] = []
+    thoughts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    keep = False
+    for i, part in enumerate(parts):
+        keep = keep or "thoughtSignature" in part
+        if isinstance(part.get("functionCall"), dict):
+            calls.append(_call(part["functionCall"], f"{anchor}\x00{index}\x00{i}"))
+        elif isinstance(part.get("text"), str):
+            (thoughts if part.get("thought") is True else texts).append(part["text"])
+        elif not (part.keys() <= {"thought", "thoughtSignature"}):
+            keep = True  # a part with no canonical form (code execution, inline data...)
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
+    if calls:
+        message["tool_calls"] = calls
+    if "".join(thoughts):
+        message["reasoning_content"] = "".join(thoughts)
+    if keep or calls:
+        message["_provider"] = {PROTOCOL: {"parts": copy.deepcopy(parts)}}
+
+    out: dict[str, Any] = {}
+    if isinstance(raw.get("responseId"), str):
+        out["id"] = raw["responseId"]
+    out["object"] = "chat.completion"
+    out["model"] = raw.get("modelVersion") or request.model
+    reason = _finish_reason(candidate.get("finishReason"), bool(calls))
+    out["choices"] = [{"index": 0, "message": message, "finish_reason": reason}]
+    out["usage"] = _usage(raw.get("usageMetadata"))
+    return out
+
+
+def _call(function_call: dict[str, Any], seed: str) -> dict[str, Any]:
+    name = function_call.get("name")
+    if not isinstance(name, str) or not name:
+        raise ProviderProtocolError("Gemini functionCall has no name")
+    args = function_call.get("args")
+    if args is not None and not isinstance(args, dict):
+        raise ProviderProtocolError("Gemini functionCall args is not an object")
+    call_id = function_call.get("id")
+    if not isinstance(call_id, str) or not call_id:
+        digest = hashlib.sha256(f"{seed}\x00{name}".encode()).hexdigest()[:24]
+        call_id = SYNTHETIC_ID_PREFIX + digest  # B5 48
+    return {
+        "id": call_id,
+        "type": "function",
+        "function": {"name": name, "arguments": _compact(args or {})},  # B5 46
+    }
+
+
+def _finish_reason(raw: Any, has_calls: bool) -> str:
+    if raw in _FAILED_ROUND:
+        raise ProviderRetryableError(f"Gemini round failed: finishReason {raw}")
+    if raw == "MISSING_THOUGHT_SIGNATURE":
+        raise ProviderRequestError("Gemini: a replayed function call lacks its thought signature")
+    if raw in _LENGTH:
+        return "length"
+    if has_calls:
+        return "tool_calls"  # B5 51: STOP even with calls
+    if raw in _FILTERED:
+        return "content_filter"
+    return "stop"
+
+
+def _usage(raw: Any) -> dict[str, Any]:
+    meta = raw if isinstance(raw, dict) else {}
+    prompt = _as_int(meta.get("promptTokenCount")) + _as_int(meta.get("toolUsePromptTokenCount"))
+    candidates = _as_int(meta.get("candidatesTokenCount"))
+    thoughts = _as_int(meta.get("thoughtsTokenCount"))
+    total = _as_int(meta["totalTokenCount"]) if "totalTokenCount" in meta else None
+    # B10 81: thoughts are usually outside candidatesTokenCount; when prompt + candidates already
+    # make the total, the candidates count includes them.
+    included = total is not None and prompt + candidates == total
+    completion = candidates if included else candidates + thoughts
+    usage: dict[str, Any] = {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": total if total is not None else prompt + completion,
+    }
+    if "cachedContentTokenCount" in meta:
+        usage["prompt_tokens_details"] = {"cached_tokens": _as_int(meta["cachedContentTokenCount"])}
+    if "thoughtsTokenCount" in meta:
+        usage["completion_tokens_details"] = {"reasoning_tokens": thoughts}
+    if meta:
+        usage["gemini_details"] = copy.deepcopy(meta)
+    return usage
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+
+
+def _error_object(body: Any) -> dict[str, Any] | None:
+    """The `error` object of a Gemini error body (an object, or a one-item list on streams)."""
+    if isinstance(body, bytes | bytearray):
+        body = bytes(body).decode("utf-8", errors="replace")
+    if isinstance(body, str):
+        try:
+            body = json.loads(body)
+        except ValueError:
+            return None
+    if isinstance(body, list) and body:
+        body = body[0]
+    error = body.get("error") if isinstance(body, dict) else None
+    return error if isinstance(error, dict) else None
+
+
+def _retry_delay(error: dict[str, Any] | None) -> float | None:
+    details = error.get("details") if error else None
+    for detail in details if isinstance(details, list) else []:
+        if isinstance(detail, dict) and detail.get("@type") == _RETRY_INFO:
+            return _duration_s(detail.get("retryDelay"))
+    return None
+
+
+def _duration_s(value: Any) -> float | None:
+    if isinstance(value, dict):
+        seconds = _as_int(value.get("seconds")) + _as_int(value.get("nanos")) / 1e9
+        return seconds if math.isfinite(seconds) else None
+    if not isinstance(value, str):
+        return None
+    match = _DURATION.match(value)
+    if not match:
+        return None
+    seconds = float(match.group(1)) / (1000.0 if match.group(2) == "ms" else 1.0)
+    return seconds if math.isfinite(seconds) else None
+
+
+def _provider_error(body: Any) -> ProviderError:
+    error = _error_object(body) or {}
+    code = error.get("code") if isinstance(error.get("code"), int) else None
+    status = error.get("status") if isinstance(error.get("status"), str) else ""
+    text = str(error.get("message") or "")[:_MAX_ERROR_CHARS]
+    message = f"Gemini error {code or '-'} {status}: {text}".strip()
+    if code == 429 or (code is not None and code >= 500) or status in _RETRYABLE_STATUS:
+        return ProviderRetryableError(message, code, _retry_delay(error))
+    return ProviderRequestError(message, code)
+
+
+# ---------------------------------------------------------------------------------------------
+# Streams
+
+
+class GeminiStreamAssembler:
+    """B5 53: every SSE `data:` is a whole GenerateContentResponse. Parts are kept in arrival
+    order (text increments concatenate into the content, each functionCall arrives whole and
+    is appended, a thoughtSignature stays on its part); usage, responseId and modelVersion come
+    from the last chunk that has them, the finish reason from the last chunk with one. Gemini
+    sends no terminator: `finished` means a finishReason (or a prompt block) was seen.
+    `result()` is `decode` of the merged response."""
+
+    def __init__(self, request: ChatRequest) -> None:
+        self._request = request
+        self._parts: list[dict[str, Any]] = []
+        self._top: dict[str, Any] = {}  # responseId, modelVersion, usageMetadata, promptFeedback
+        self._candidate: dict[str, Any] = {}  # finishReason, finishMessage, index
+        self._blocked = False
+
+    def feed(self, event: SseEvent) -> list[Delta]:
+        data = event.data.strip()
+        if not data:
+            return []
+        try:
+            chunk = json.loads(data)
+        except ValueError:
+            raise ProviderProtocolError("Gemini stream event is not JSON") from None
+        deltas: list[Delta] = []
+        for item in chunk if isinstance(chunk, list) else [chunk]:
+            deltas.extend(self._feed_chunk(item))
+        return deltas
+
+    def _feed_chunk(self, chunk: Any) -> list[Delta]:
+        if not isinstance(chunk, dict):
+            raise ProviderProtocolError("Gemini stream chunk is not a JSON object")
+        if "error" in chunk:
+            raise _provider_error(chunk)
+        for key in ("responseId", "modelVersion", "usageMetadata", "promptFeedback"):
+            if key in chunk:
+                self._top[key] = chunk[key]
+        feedback = chunk.get("promptFeedback")
+        if isinstance(feedback, dict) and feedback.get("blockReason"):
+            self._blocked = True
+        candidates = chunk.get("candidates")
+        if not isinstance(candidates, list) or not candidates:
+            return []
+        candidate = candidates[0]
+        if not isinstance(candidate, dict):
+            raise ProviderProtocolError("Gemini stream candidate is not an object")
+        for key in ("finishReason", "finishMessage", "index"):
+            if candidate.get(key) is not None:
+                self._candidate[key] = candidate[key]
+        content = candidate.get("content")
+        parts = content.get("parts") if isinstance(content, dict) else None
+        deltas: list[Delta] = []
+        for part in parts if isinstance(parts, list) else []:
+            if not isinstance(part, dict):
+                raise ProviderProtocolError("Gemini stream part is not an object")
+            self._parts.append(copy.deepcopy(part))
+            text = part.get("text")
+            if isinstance(text, str) and text and "functionCall" not in part:
+                thought = part.get("thought") is True
+                deltas.append(Delta("reasoning" if thought else "content", text))
+        return deltas
+
+    @property
+    def finished(self) -> bool:
+        return "finishReason" in self._candidate or self._blocked
+
+    def result(self) -> dict[str, Any]:
+        if "finishReason" not in self._candidate and not self._blocked:
+            raise ProviderProtocolError("Gemini stream ended without a finishReason (truncated)")
+        merged = dict(self._top)
+        if "finishReason" in self._candidate or self._parts:
+            content = {"role": "model", "parts": self._parts}
+            merged["candidates"] = [{"content": content, **self._candidate}]
+        return _completion(merged, self._request)
