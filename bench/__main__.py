@@ -21,7 +21,7 @@ from typing import Any
 import fixtures
 from fixtures.demo_batch import WEATHER
 from producer.client import Client
-from producer.fleet import WORKER_PROFILES, Fleet
+from producer.fleet import WORKER_PROFILES, Fleet, replay_backends
 from producer.specfile import LoadedSpec, load_spec_from_objects
 from schemas.spec import SessionSpecSchema
 
@@ -150,7 +150,8 @@ def main() -> int:
         os.environ["REDIS_URL"] = redis_url
         fleet.start_replay()
         slow_url = slow.start_replay(latency_ms=200)
-        fleet.env["CCHATQ_BACKENDS"] = json.dumps({"backends": {"slow": {"base_url": slow_url}}})
+        backends = {**replay_backends(fleet.replay_url), "slow": {"base_url": slow_url}}
+        fleet.env["CCHATQ_BACKENDS"] = json.dumps({"backends": backends})
         fleet.start_workers()
         client = Client(redis_url)
         run(client, [weather_spec(f"warm/{i}") for i in range(20)])  # compile + connect

@@ -14,7 +14,7 @@ from typing import Any, TextIO
 
 import fixtures
 from producer.client import Client, Submission
-from producer.fleet import Fleet, worker_command
+from producer.fleet import REPLAY_PROTOCOL_PATHS, Fleet, replay_backend_name, worker_command
 from producer.report import Progress, summary
 from producer.specfile import SpecFileError, load_spec_file, load_spec_from_objects
 from schemas.bodies import dump_text
@@ -196,18 +196,22 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from fixtures.demo_batch import check
+    from fixtures.demo_batch import check, on_backend
 
     loaded = load_spec_file(DEMO_FILE)
     run = uuid.uuid4().hex[:8]  # fresh ids, so a shared Redis never answers from an earlier run
-    specs = [{**s.spec, "id": f"{run}:{s.spec['id']}"} for s in loaded]
+    backend = replay_backend_name(args.provider, args.stream)
+    specs = [
+        on_backend({**s.spec, "id": f"{run}:{s.spec['id']}"}, backend, args.provider)
+        for s in loaded
+    ]
     with Fleet() as fleet:
         redis_url = fleet.ensure_redis(os.environ.get("REDIS_URL"))
         replay_url = fleet.start_replay()
         fleet.start_workers()
         print(
-            f"redis {redis_url}  replay {replay_url}  workers llm/tools/control/programs  "
-            f"logs {fleet.workdir}",
+            f"redis {redis_url}  replay {replay_url} ({backend})  "
+            f"workers llm/tools/control/programs  logs {fleet.workdir}",
             file=sys.stderr,
         )
         client = Client(redis_url)
@@ -283,6 +287,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="run the demo batch on a local fleet it starts and stops")
     p.add_argument("--out", default="demo-results.jsonl")
     p.add_argument("--timeout-s", type=float, default=300)
+    p.add_argument("--provider", default="openai", choices=sorted(REPLAY_PROTOCOL_PATHS),
+                   help="the wire protocol the replay server is spoken to in")  # fmt: skip
+    p.add_argument("--stream", action="store_true", help="streamed (SSE) model calls")
     p.set_defaults(fn=cmd_demo)
     return parser
 

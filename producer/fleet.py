@@ -8,6 +8,7 @@ never imports the worker.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -30,6 +31,39 @@ WORKER_PROFILES: dict[str, tuple[str, int]] = {
     "control": ("threads", 8),
     "programs": ("threads", 16),
 }
+
+
+# the replay server's path prefix per protocol, and each protocol's backends (stream off/on)
+REPLAY_PROTOCOL_PATHS = {
+    "openai": "/v1",
+    "anthropic": "/v1",
+    "gemini": "/v1beta",
+    "openai-text-tags": "/v1",
+}
+
+
+def replay_backend_name(protocol: str, stream: bool) -> str:
+    return f"replay-{protocol}" + ("-stream" if stream else "")
+
+
+def replay_backends(replay_url: str) -> dict[str, dict[str, object]]:
+    """A backend per protocol and stream setting, all on the replay server."""
+    root = replay_url.removesuffix("/v1")
+    backends: dict[str, dict[str, object]] = {
+        replay_backend_name(protocol, stream): {
+            "protocol": protocol,
+            "base_url": root + path,
+            "stream": stream,
+        }
+        for protocol, path in REPLAY_PROTOCOL_PATHS.items()
+        for stream in (False, True)
+    }
+    for protocol in ("anthropic", "gemini"):  # thinking, whose signatures must be replayed
+        for stream in (False, True):
+            backend = dict(backends[replay_backend_name(protocol, stream)])
+            backend["thinking_budget_tokens"] = 1024
+            backends[replay_backend_name(protocol, stream) + "-thinking"] = backend
+    return backends
 
 
 def free_port() -> int:
@@ -141,6 +175,7 @@ class Fleet:
                 "REDIS_URL": self.redis_url,
                 "CCHATQ_REPLAY_URL": self.replay_url,
                 "CCHATQ_MODULE_CACHE_DIR": str(self.workdir / "modules"),
+                "CCHATQ_BACKENDS": json.dumps({"backends": replay_backends(self.replay_url)}),
             }
         )
         env.update(self.env)

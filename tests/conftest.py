@@ -14,7 +14,7 @@ import pytest
 import requests
 
 from producer.client import Client
-from producer.fleet import Fleet
+from producer.fleet import Fleet, replay_backends
 
 ROOT = Path(__file__).resolve().parent.parent
 GUESTS = ROOT / "fixtures" / "guests"
@@ -46,7 +46,8 @@ def base_fleet() -> Iterator[Fleet]:
         fleet.start_replay()
         # a backend named `slow`: the replay server with 200 ms per completion
         slow_url = slow.start_replay(latency_ms=SLOW_LATENCY_MS)
-        fleet.env["CCHATQ_BACKENDS"] = json.dumps({"backends": {"slow": {"base_url": slow_url}}})
+        backends = {**replay_backends(fleet.replay_url), "slow": {"base_url": slow_url}}
+        fleet.env["CCHATQ_BACKENDS"] = json.dumps({"backends": backends})
         fleet.env["CCHATQ_SLOW_URL"] = slow_url
         yield fleet
     finally:

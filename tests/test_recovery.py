@@ -69,8 +69,11 @@ def test_tools_worker_sigkilled_mid_batch_loses_nothing(
     crashable.fleet.kill(tools_worker)  # SIGKILL to the worker and its pool processes
     time.sleep(0.5)
     crashable.fleet.start_worker("tools")
-    for _, record in waiter:
-        records[record["id"]] = record
+    try:
+        for _, record in waiter:
+            records[record["id"]] = record
+    except TimeoutError:
+        pytest.fail(diagnose(crashable, [sk for sk in sub.order if sub.ids[sk] not in records]))
 
     assert busy > 0, "the kill did not land mid-batch"
     assert len(records) == len(specs)
@@ -88,3 +91,20 @@ def test_tools_worker_sigkilled_mid_batch_loses_nothing(
         assert "tool timed out after 400 ms" in record["body"]["choices"][0]["message"]["content"]
     for record in records.values():
         assert_tool_messages_paired(record)
+
+
+def diagnose(running: Running, stuck: list[str]) -> str:
+    """What Redis holds for sessions that never finished (a failure message, not a check)."""
+    r = running.client.redis
+    lines = [f"{len(stuck)} sessions stuck; unacked={r.hlen('unacked')}",
+             f"queues={ {q: r.llen(q) for q in ('llm', 'tools', 'control')} }"]  # fmt: skip
+    for sk in stuck:
+        found = sorted(k.decode() for k in r.scan_iter(f"cq:*{sk}*", count=1000))
+        lines.append(f"{sk}: {r.hgetall(f'cq:meta:{sk}')} {found}")
+        lines.extend(
+            f"  {k} = {r.get(k) if r.type(k) == b'string' else r.type(k)}"
+            for k in found
+            if ":out:" not in k
+        )
+    lines.append(f"unacked: {[v[:160] for v in r.hvals('unacked')]}")
+    return "\n".join(lines)

@@ -534,20 +534,23 @@ class Driver:
     def start(self, text: str) -> list[dict[str, Any]]:
         raise NotImplementedError
 
-    def post(self, scenario: str, history: list[dict[str, Any]], stream: bool,
-             **extra: Any) -> requests.Response:  # fmt: skip
+    def post(
+        self, scenario: str, history: list[dict[str, Any]], stream: bool, **extra: Any
+    ) -> requests.Response:
         raise NotImplementedError
 
     def assemble(self, response: requests.Response, stream: bool) -> tuple[Assembled, Any]:
         """(text, calls) of a reply, and the raw assistant turn to echo back."""
         raise NotImplementedError
 
-    def follow(self, history: list[dict[str, Any]], raw: Any, calls: list[Any],
-               results: list[Any]) -> list[dict[str, Any]]:  # fmt: skip
+    def follow(
+        self, history: list[dict[str, Any]], raw: Any, calls: list[Any], results: list[Any]
+    ) -> list[dict[str, Any]]:
         raise NotImplementedError
 
-    def turn(self, scenario: str, history: list[dict[str, Any]], stream: bool,
-             **extra: Any) -> tuple[Assembled, Any]:  # fmt: skip
+    def turn(
+        self, scenario: str, history: list[dict[str, Any]], stream: bool, **extra: Any
+    ) -> tuple[Assembled, Any]:
         response = self.post(scenario, history, stream, **extra)
         assert response.status_code == 200, response.text
         return self.assemble(response, stream)
@@ -563,10 +566,13 @@ class OpenAIDriver(Driver):
     def start(self, text: str) -> list[dict[str, Any]]:
         return user(text)
 
-    def post(self, scenario: str, history: list[dict[str, Any]], stream: bool,
-             **extra: Any) -> requests.Response:  # fmt: skip
-        tools = [{"type": "function", "function": {"name": n, "parameters": SCHEMA}}
-                 for n in TOOL_NAMES.get(scenario, [])]  # fmt: skip
+    def post(
+        self, scenario: str, history: list[dict[str, Any]], stream: bool, **extra: Any
+    ) -> requests.Response:
+        tools = [
+            {"type": "function", "function": {"name": n, "parameters": SCHEMA}}
+            for n in TOOL_NAMES.get(scenario, [])
+        ]
         body: dict[str, Any] = {"model": f"replay/{scenario}", "messages": history, **extra}
         if tools:
             body["tools"] = tools
@@ -593,18 +599,25 @@ class OpenAIDriver(Driver):
                 for frag in delta.get("tool_calls", []):
                     slot = slots.setdefault(frag["index"], {"function": {"arguments": ""}})
                     slot.update({k: frag[k] for k in ("id", "type") if k in frag})
-                    slot["function"]["name"] = frag["function"].get("name", slot["function"].get("name"))
+                    slot["function"]["name"] = frag["function"].get(
+                        "name", slot["function"].get("name")
+                    )
                     slot["function"]["arguments"] += frag["function"]["arguments"]
             if slots:
                 msg["tool_calls"] = [slots[i] for i in sorted(slots)]
-        calls = [(c["id"], c["function"]["name"], json.loads(c["function"]["arguments"]))
-                 for c in msg.get("tool_calls", [])]  # fmt: skip
+        calls = [
+            (c["id"], c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in msg.get("tool_calls", [])
+        ]
         return (msg["content"], calls), msg
 
-    def follow(self, history: list[dict[str, Any]], raw: Any, calls: list[Any],
-               results: list[Any]) -> list[dict[str, Any]]:  # fmt: skip
-        tools = [{"role": "tool", "tool_call_id": c[0], "content": as_text(r)}
-                 for c, r in zip(calls, results, strict=True)]  # fmt: skip
+    def follow(
+        self, history: list[dict[str, Any]], raw: Any, calls: list[Any], results: list[Any]
+    ) -> list[dict[str, Any]]:
+        tools = [
+            {"role": "tool", "tool_call_id": c[0], "content": as_text(r)}
+            for c, r in zip(calls, results, strict=True)
+        ]
         return [*history, raw, *tools]
 
 
@@ -614,10 +627,16 @@ class AnthropicDriver(Driver):
     def start(self, text: str) -> list[dict[str, Any]]:
         return [{"role": "user", "content": text}]
 
-    def post(self, scenario: str, history: list[dict[str, Any]], stream: bool,
-             **extra: Any) -> requests.Response:  # fmt: skip
-        body: dict[str, Any] = {"model": f"replay/{scenario}", "max_tokens": 2048,
-                                "messages": history, "stream": stream, **extra}  # fmt: skip
+    def post(
+        self, scenario: str, history: list[dict[str, Any]], stream: bool, **extra: Any
+    ) -> requests.Response:
+        body: dict[str, Any] = {
+            "model": f"replay/{scenario}",
+            "max_tokens": 2048,
+            "messages": history,
+            "stream": stream,
+            **extra,
+        }
         if TOOL_NAMES.get(scenario):
             body["tools"] = [{"name": n, "input_schema": SCHEMA} for n in TOOL_NAMES[scenario]]
         url = f"{self.server.root}/v1/messages"
@@ -648,7 +667,9 @@ class AnthropicDriver(Driver):
                     elif delta["type"] == "signature_delta":
                         block["signature"] = delta["signature"]
                     else:
-                        buffers[event["index"]] = buffers.get(event["index"], "") + delta["partial_json"]
+                        buffers[event["index"]] = (
+                            buffers.get(event["index"], "") + delta["partial_json"]
+                        )
                 elif name == "content_block_stop" and event["index"] in buffers:
                     reply["content"][event["index"]]["input"] = json.loads(buffers[event["index"]])
                 elif name == "message_delta":
@@ -660,10 +681,13 @@ class AnthropicDriver(Driver):
         assert reply["stop_reason"] == ("tool_use" if calls else "end_turn")
         return (text, calls), {"role": "assistant", "content": blocks}
 
-    def follow(self, history: list[dict[str, Any]], raw: Any, calls: list[Any],
-               results: list[Any]) -> list[dict[str, Any]]:  # fmt: skip
-        blocks = [{"type": "tool_result", "tool_use_id": c[0], "content": as_text(r)}
-                  for c, r in zip(calls, results, strict=True)]  # fmt: skip
+    def follow(
+        self, history: list[dict[str, Any]], raw: Any, calls: list[Any], results: list[Any]
+    ) -> list[dict[str, Any]]:
+        blocks = [
+            {"type": "tool_result", "tool_use_id": c[0], "content": as_text(r)}
+            for c, r in zip(calls, results, strict=True)
+        ]
         return [*history, raw, {"role": "user", "content": blocks}]
 
 
@@ -673,8 +697,9 @@ class GeminiDriver(Driver):
     def start(self, text: str) -> list[dict[str, Any]]:
         return [{"role": "user", "parts": [{"text": text}]}]
 
-    def post(self, scenario: str, history: list[dict[str, Any]], stream: bool,
-             **extra: Any) -> requests.Response:  # fmt: skip
+    def post(
+        self, scenario: str, history: list[dict[str, Any]], stream: bool, **extra: Any
+    ) -> requests.Response:
         method = "streamGenerateContent?alt=sse" if stream else "generateContent"
         url = f"{self.server.root}/v1beta/models/replay-{scenario}:{method}"
         body: dict[str, Any] = {"contents": history, **extra}
@@ -691,26 +716,41 @@ class GeminiDriver(Driver):
         assert chunks[-1]["candidates"][0]["finishReason"] == "STOP"
         assert all("finishReason" not in c["candidates"][0] for c in chunks[:-1])
         usage = chunks[-1]["usageMetadata"]
-        assert usage["totalTokenCount"] == (usage["promptTokenCount"]
-            + usage["candidatesTokenCount"] + usage.get("thoughtsTokenCount", 0))  # fmt: skip
+        assert usage["totalTokenCount"] == (
+            usage["promptTokenCount"]
+            + usage["candidatesTokenCount"]
+            + usage.get("thoughtsTokenCount", 0)
+        )
         text = "".join(p["text"] for p in parts if "text" in p and not p.get("thought")) or None
-        calls = [(p["functionCall"].get("id"), p["functionCall"]["name"], p["functionCall"]["args"])
-                 for p in parts if "functionCall" in p]  # fmt: skip
+        calls = [
+            (p["functionCall"].get("id"), p["functionCall"]["name"], p["functionCall"]["args"])
+            for p in parts
+            if "functionCall" in p
+        ]
         return (text, calls), {"role": "model", "parts": parts}
 
-    def follow(self, history: list[dict[str, Any]], raw: Any, calls: list[Any],
-               results: list[Any]) -> list[dict[str, Any]]:  # fmt: skip
-        parts = [{"functionResponse": {"id": c[0], "name": c[1],
-                  "response": r if isinstance(r, dict) else {"result": r}}}
-                 for c, r in zip(calls, results, strict=True)]  # fmt: skip
+    def follow(
+        self, history: list[dict[str, Any]], raw: Any, calls: list[Any], results: list[Any]
+    ) -> list[dict[str, Any]]:
+        parts = [
+            {
+                "functionResponse": {
+                    "id": c[0],
+                    "name": c[1],
+                    "response": r if isinstance(r, dict) else {"result": r},
+                }
+            }
+            for c, r in zip(calls, results, strict=True)
+        ]
         return [*history, raw, {"role": "user", "parts": parts}]
 
 
 class TagsDriver(OpenAIDriver):
     protocol = "tags"
 
-    def post(self, scenario: str, history: list[dict[str, Any]], stream: bool,
-             **extra: Any) -> requests.Response:  # fmt: skip
+    def post(
+        self, scenario: str, history: list[dict[str, Any]], stream: bool, **extra: Any
+    ) -> requests.Response:
         body: dict[str, Any] = {"model": f"replay-tags/{scenario}", "messages": history, **extra}
         if stream:
             body["stream"] = True
@@ -730,11 +770,14 @@ class TagsDriver(OpenAIDriver):
             assert "tool_calls" not in message(reply)
         assert finish == "stop"
         blocks = re.findall(r"<tool_call>(.*?)</tool_call>", content, re.S)
-        calls = [(None, json.loads(b)["name"], json.loads(b)["arguments"]) for b in blocks]
+        calls: list[tuple[str | None, str, dict[str, Any]]] = [
+            (None, json.loads(b)["name"], json.loads(b)["arguments"]) for b in blocks
+        ]
         return (None if blocks else content, calls), {"role": "assistant", "content": content}
 
-    def follow(self, history: list[dict[str, Any]], raw: Any, calls: list[Any],
-               results: list[Any]) -> list[dict[str, Any]]:  # fmt: skip
+    def follow(
+        self, history: list[dict[str, Any]], raw: Any, calls: list[Any], results: list[Any]
+    ) -> list[dict[str, Any]]:
         text = "\n".join(
             "<tool_response>\n" + json.dumps({"name": c[1], "content": r}) + "\n</tool_response>"
             for c, r in zip(calls, results, strict=True)
@@ -810,9 +853,7 @@ def test_stream_assembles_to_the_json_reply(drivers: dict[str, Driver], protocol
 
 
 @pytest.mark.parametrize("protocol", list(DRIVERS))
-def test_rewritten_history_is_loud_on_every_wire(
-    drivers: dict[str, Driver], protocol: str
-) -> None:
+def test_rewritten_history_is_loud_on_every_wire(drivers: dict[str, Driver], protocol: str) -> None:
     d = drivers[protocol]
     history = d.start("Weather in Paris")
     (_, calls), raw = d.turn("weather", history, False)
@@ -843,18 +884,29 @@ def test_openai_stream_chunk_sequence(drivers: dict[str, Driver]) -> None:
     assert len({c["id"] for c in chunks}) == 1
     fragments = [c["choices"][0]["delta"]["tool_calls"][0] for c in chunks[1:-2]]
     assert [f["index"] for f in fragments] == [0, 1] * (len(fragments) // 2)  # interleaved
-    assert fragments[0] == {"index": 0, "id": "call_0_0", "type": "function",
-                            "function": {"name": "get_weather", "arguments": ""}}  # fmt: skip
+    assert fragments[0] == {
+        "index": 0,
+        "id": "call_0_0",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": ""},
+    }
     assert all("id" not in f and "name" not in f["function"] for f in fragments[2:])
     assert len(fragments) >= 6  # the arguments arrive in several pieces per call
-    assert chunks[-2]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None,
-                                        "finish_reason": "tool_calls"}  # fmt: skip
+    assert chunks[-2]["choices"][0] == {
+        "index": 0,
+        "delta": {},
+        "logprobs": None,
+        "finish_reason": "tool_calls",
+    }
     assert chunks[-1]["choices"] == []
     assert all(c["usage"] is None for c in chunks[:-1])
     assert chunks[-1]["usage"] == {"prompt_tokens": 20, "completion_tokens": 5, "total_tokens": 25}
 
-    plain = d.session.post(f"{d.server.url}/chat/completions", timeout=5, json={
-        "model": "replay/plain", "messages": user("hi"), "stream": True})  # fmt: skip
+    plain = d.session.post(
+        f"{d.server.url}/chat/completions",
+        timeout=5,
+        json={"model": "replay/plain", "messages": user("hi"), "stream": True},
+    )
     chunks = [json.loads(data) for _, data in sse_events(plain)[:-1]]
     assert all(c["choices"] and "usage" not in c for c in chunks)  # no include_usage
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == "Echo: hi"
@@ -875,28 +927,54 @@ def test_anthropic_json_and_stream_format(drivers: dict[str, Driver]) -> None:
     history = d.start("Weather in Paris")
     reply = d.post("weather", history, False).json()
     assert reply == {
-        "id": reply["id"], "type": "message", "role": "assistant", "model": "replay/weather",
-        "content": [{"type": "tool_use", "id": "toolu_replay_0_0", "name": "get_weather",
-                     "input": {"city": "Paris"}}],
-        "stop_reason": "tool_use", "stop_sequence": None,
-        "usage": {"input_tokens": 10, "cache_creation_input_tokens": 0,
-                  "cache_read_input_tokens": 0, "output_tokens": 5},
-    }  # fmt: skip
+        "id": reply["id"],
+        "type": "message",
+        "role": "assistant",
+        "model": "replay/weather",
+        "content": [
+            {
+                "type": "tool_use",
+                "id": "toolu_replay_0_0",
+                "name": "get_weather",
+                "input": {"city": "Paris"},
+            }
+        ],
+        "stop_reason": "tool_use",
+        "stop_sequence": None,
+        "usage": {
+            "input_tokens": 10,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": 0,
+            "output_tokens": 5,
+        },
+    }
     assert reply["id"].startswith("msg_")
     events = sse_events(d.post("weather", history, True))
     starts = [json.loads(data) for name, data in events if name == "content_block_start"]
-    assert starts == [{"type": "content_block_start", "index": 0, "content_block": {
-        "type": "tool_use", "id": "toolu_replay_0_0", "name": "get_weather", "input": {}}}]  # fmt: skip
-    partials = [json.loads(data)["delta"]["partial_json"] for name, data in events
-                if name == "content_block_delta"]  # fmt: skip
+    assert starts == [
+        {
+            "type": "content_block_start",
+            "index": 0,
+            "content_block": {
+                "type": "tool_use",
+                "id": "toolu_replay_0_0",
+                "name": "get_weather",
+                "input": {},
+            },
+        }
+    ]
+    partials = [
+        json.loads(data)["delta"]["partial_json"]
+        for name, data in events
+        if name == "content_block_delta"
+    ]
     assert partials[0] == "" and len(partials) >= 3 and "".join(partials) == '{"city":"Paris"}'
     final = json.loads(events[-2][1])
-    assert final == {"type": "message_delta", "usage": {"output_tokens": 5},
-                     "delta": {"stop_reason": "tool_use", "stop_sequence": None}}  # fmt: skip
-
-
-def anthropic_thinking(d: Driver, stream: bool) -> dict[str, Any]:
-    return {"thinking": {"type": "enabled", "budget_tokens": 1024}}
+    assert final == {
+        "type": "message_delta",
+        "usage": {"output_tokens": 5},
+        "delta": {"stop_reason": "tool_use", "stop_sequence": None},
+    }
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
@@ -908,9 +986,11 @@ def test_anthropic_thinking_round_trip(drivers: dict[str, Driver], stream: bool)
     head = raw["content"][0]
     assert head["type"] == "thinking" and head["thinking"] and head["signature"]
     if stream:
-        deltas = [json.loads(data)["delta"]["type"] for name, data in
-                  sse_events(d.post("two_rounds", history, True, **thinking))
-                  if name == "content_block_delta"]  # fmt: skip
+        deltas = [
+            json.loads(data)["delta"]["type"]
+            for name, data in sse_events(d.post("two_rounds", history, True, **thinking))
+            if name == "content_block_delta"
+        ]
         assert deltas[:3] == ["thinking_delta"] * 3 and deltas[3] == "signature_delta"
     history = d.follow(history, raw, calls, [{"result": 5}])
     (_, calls), raw = d.turn("two_rounds", history, stream, **thinking)
@@ -924,8 +1004,10 @@ def test_anthropic_thinking_round_trip(drivers: dict[str, Driver], stream: bool)
     rejected = d.post("two_rounds", dropped, stream, **thinking)
     assert rejected.status_code == 400
     assert rejected.json()["error"]["type"] == "invalid_request_error"
-    assert ("messages.1.content.0.type: Expected `thinking` or `redacted_thinking`, but found "
-            "`tool_use`") in rejected.json()["error"]["message"]  # fmt: skip
+    assert (
+        "messages.1.content.0.type: Expected `thinking` or `redacted_thinking`, but found "
+        "`tool_use`"
+    ) in rejected.json()["error"]["message"]
     forged = json.loads(json.dumps(history))
     forged[3]["content"][0]["signature"] = forged[1]["content"][0]["signature"]
     rejected = d.post("two_rounds", forged, stream, **thinking)
@@ -936,30 +1018,53 @@ def test_anthropic_thinking_round_trip(drivers: dict[str, Driver], stream: bool)
 
 ANTHROPIC_REJECTIONS = [
     ("no max_tokens", {"max_tokens": None}, "max_tokens: Field required"),
-    ("assistant first", {"messages": [{"role": "assistant", "content": "hi"}]},
-     'first message must use the "user" role'),
-    ("system role", {"messages": [{"role": "system", "content": "be brief"},
-                                  {"role": "user", "content": "hi"}]},
-     "messages.0.role: Input should be 'user' or 'assistant'"),
-    ("empty text", {"messages": [{"role": "user", "content": [{"type": "text", "text": ""}]}]},
-     "text content blocks must be non-empty"),
-    ("budget", {"thinking": {"type": "enabled", "budget_tokens": 4096}},
-     "`max_tokens` must be greater than `thinking.budget_tokens`"),
-    ("forced tool", {"thinking": {"type": "enabled", "budget_tokens": 1024},
-                     "tool_choice": {"type": "any"}}, "tool_choice forces tool use"),
-]  # fmt: skip
+    (
+        "assistant first",
+        {"messages": [{"role": "assistant", "content": "hi"}]},
+        'first message must use the "user" role',
+    ),
+    (
+        "system role",
+        {
+            "messages": [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": "hi"},
+            ]
+        },
+        "messages.0.role: Input should be 'user' or 'assistant'",
+    ),
+    (
+        "empty text",
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": ""}]}]},
+        "text content blocks must be non-empty",
+    ),
+    (
+        "budget",
+        {"thinking": {"type": "enabled", "budget_tokens": 4096}},
+        "`max_tokens` must be greater than `thinking.budget_tokens`",
+    ),
+    (
+        "forced tool",
+        {"thinking": {"type": "enabled", "budget_tokens": 1024}, "tool_choice": {"type": "any"}},
+        "tool_choice forces tool use",
+    ),
+]
 
 
-@pytest.mark.parametrize(("change", "fragment"), [r[1:] for r in ANTHROPIC_REJECTIONS],
-                         ids=[r[0] for r in ANTHROPIC_REJECTIONS])  # fmt: skip
+@pytest.mark.parametrize(
+    ("change", "fragment"),
+    [r[1:] for r in ANTHROPIC_REJECTIONS],
+    ids=[r[0] for r in ANTHROPIC_REJECTIONS],
+)
 def test_anthropic_request_rejections(
     drivers: dict[str, Driver], change: dict[str, Any], fragment: str
 ) -> None:
     d = drivers["anthropic"]
     body = {"model": "replay/plain", "max_tokens": 2048, "messages": d.start("hi"), **change}
     body = {k: v for k, v in body.items() if v is not None}
-    response = d.session.post(f"{d.server.root}/v1/messages", json=body,
-                              headers=ANTHROPIC_HEADERS, timeout=5)  # fmt: skip
+    response = d.session.post(
+        f"{d.server.root}/v1/messages", json=body, headers=ANTHROPIC_HEADERS, timeout=5
+    )
     assert response.status_code == 400, response.text
     assert response.json()["type"] == "error"
     assert response.json()["error"]["type"] == "invalid_request_error"
@@ -972,8 +1077,12 @@ def test_anthropic_version_header_required(drivers: dict[str, Driver]) -> None:
     response = d.session.post(f"{d.server.root}/v1/messages", json=body, timeout=5)
     assert response.status_code == 400
     assert response.json()["error"]["message"] == "anthropic-version: header is required"
-    ok = d.session.post(f"{d.server.root}/v1/messages", json=body, timeout=5,
-                        headers={"anthropic-version": "2023-06-01"})  # fmt: skip
+    ok = d.session.post(
+        f"{d.server.root}/v1/messages",
+        json=body,
+        timeout=5,
+        headers={"anthropic-version": "2023-06-01"},
+    )
     assert ok.json()["content"] == [{"type": "text", "text": "Echo: hi"}]
     assert d.server.stats()["rejected"] == 1
 
@@ -990,8 +1099,11 @@ def test_anthropic_tool_pairing_rejections(drivers: dict[str, Driver]) -> None:
         assert fragment in response.json()["error"]["message"]
 
     one_result = [*full[:2], {"role": "user", "content": full[2]["content"][:1]}]
-    rejected(one_result, "messages.1: `tool_use` ids were found without `tool_result` blocks "
-             "immediately after: toolu_replay_0_1")  # fmt: skip
+    rejected(
+        one_result,
+        "messages.1: `tool_use` ids were found without `tool_result` blocks "
+        "immediately after: toolu_replay_0_1",
+    )
     rejected(full[:2], "`tool_use` ids were found without `tool_result` blocks")
     stray = {"type": "tool_result", "tool_use_id": "toolu_nope", "content": "x"}
     extra = [*full[:2], {"role": "user", "content": [*full[2]["content"], stray]}]
@@ -999,39 +1111,62 @@ def test_anthropic_tool_pairing_rejections(drivers: dict[str, Driver]) -> None:
     early = [{"role": "user", "content": [stray]}]
     rejected(early, "unexpected `tool_use_id`")
     no_tools = {"model": "replay/parallel", "max_tokens": 64, "messages": full}
-    response = d.session.post(f"{d.server.root}/v1/messages", json=no_tools,
-                              headers=ANTHROPIC_HEADERS, timeout=5)  # fmt: skip
+    response = d.session.post(
+        f"{d.server.root}/v1/messages", json=no_tools, headers=ANTHROPIC_HEADERS, timeout=5
+    )
     assert response.status_code == 400
     assert "`tool_use` or `tool_result` blocks must define tools" in response.text
     assert d.turn("parallel", full, False)[0] == ("sun | rain", [])
     # Valid for the API but not what the script produced: loud 422, not 400.
     reordered = [*full[:2], {"role": "user", "content": full[2]["content"][::-1]}]
     assert d.turn("parallel", reordered, False)[0] == ("sun | rain", [])  # paired by id
-    chatty = [*full[:2], {"role": "user", "content": [*full[2]["content"],
-                                                      {"type": "text", "text": "hurry"}]}]  # fmt: skip
+    chatty = [
+        *full[:2],
+        {"role": "user", "content": [*full[2]["content"], {"type": "text", "text": "hurry"}]},
+    ]
     assert d.post("parallel", chatty, False).status_code == 422
     assert d.server.stats()["rejected"] == 5
 
 
 def gemini_thinking(include: bool = True) -> dict[str, Any]:
-    return {"generationConfig": {"thinkingConfig": {"includeThoughts": include,
-                                                    "thinkingBudget": 1024}}}  # fmt: skip
+    return {
+        "generationConfig": {"thinkingConfig": {"includeThoughts": include, "thinkingBudget": 1024}}
+    }
 
 
 def test_gemini_json_format(drivers: dict[str, Driver]) -> None:
     d = drivers["gemini"]
     reply = d.post("parallel", d.start("Weather in Paris, Rome"), False).json()
     assert reply == {
-        "candidates": [{"content": {"role": "model", "parts": [
-            {"functionCall": {"id": "replay-call-0-0", "name": "get_weather",
-                              "args": {"city": "Paris"}}},
-            {"functionCall": {"id": "replay-call-0-1", "name": "get_weather",
-                              "args": {"city": "Rome"}}}]},
-            "index": 0, "finishReason": "STOP"}],
-        "usageMetadata": {"promptTokenCount": 10, "candidatesTokenCount": 5,
-                          "totalTokenCount": 15},
-        "modelVersion": "replay-parallel", "responseId": reply["responseId"],
-    }  # fmt: skip
+        "candidates": [
+            {
+                "content": {
+                    "role": "model",
+                    "parts": [
+                        {
+                            "functionCall": {
+                                "id": "replay-call-0-0",
+                                "name": "get_weather",
+                                "args": {"city": "Paris"},
+                            }
+                        },
+                        {
+                            "functionCall": {
+                                "id": "replay-call-0-1",
+                                "name": "get_weather",
+                                "args": {"city": "Rome"},
+                            }
+                        },
+                    ],
+                },
+                "index": 0,
+                "finishReason": "STOP",
+            }
+        ],
+        "usageMetadata": {"promptTokenCount": 10, "candidatesTokenCount": 5, "totalTokenCount": 15},
+        "modelVersion": "replay-parallel",
+        "responseId": reply["responseId"],
+    }
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
@@ -1080,8 +1215,10 @@ def test_gemini_request_rejections(drivers: dict[str, Driver]) -> None:
     as_string = json.loads(json.dumps(full))
     as_string[2]["parts"][0]["functionResponse"]["response"] = "18C"
     rejected(as_string, "function_response.response' (type.googleapis.com/google.protobuf.Struct)")
-    rejected([*full[:2], {"role": "user", "parts": full[2]["parts"][:1]}],
-             "number of function response parts is equal to the number of function call parts")  # fmt: skip
+    rejected(
+        [*full[:2], {"role": "user", "parts": full[2]["parts"][:1]}],
+        "number of function response parts is equal to the number of function call parts",
+    )
     rejected([*full[:1], full[2]], "function response turn comes immediately after")
     swapped = [*full[:2], {"role": "user", "parts": full[2]["parts"][::-1]}]
     response = d.post("parallel", swapped, False)  # valid for the API, not for the script
@@ -1109,9 +1246,11 @@ def test_tags_format_and_loud_failures(drivers: dict[str, Driver]) -> None:
     d = drivers["tags"]
     history = d.start("Weather in Paris, Rome")
     reply = d.post("parallel", history, False).json()
-    assert message(reply) == {"role": "assistant", "content":
-        '<tool_call>{"name":"get_weather","arguments":{"city":"Paris"}}</tool_call>\n'
-        '<tool_call>{"name":"get_weather","arguments":{"city":"Rome"}}</tool_call>'}  # fmt: skip
+    assert message(reply) == {
+        "role": "assistant",
+        "content": '<tool_call>{"name":"get_weather","arguments":{"city":"Paris"}}</tool_call>\n'
+        '<tool_call>{"name":"get_weather","arguments":{"city":"Rome"}}</tool_call>',
+    }
     assert reply["choices"][0]["finish_reason"] == "stop"
     (_, calls), raw = d.assemble(d.post("parallel", history, False), False)
     full = d.follow(history, raw, calls, ["sun", "rain"])
@@ -1124,8 +1263,11 @@ def test_tags_format_and_loud_failures(drivers: dict[str, Driver]) -> None:
     assert "no 'tool' role" in d.post("parallel", tool_role, False).text
     wrong = [*full[:3], {**full[3], "content": full[3]["content"].replace("get_weather", "f")}]
     assert "in call order" in d.post("parallel", wrong, False).text
-    split = [*full[:3], {"role": "user", "content": full[3]["content"].split("\n<tool_resp")[0]},
-             {"role": "user", "content": "<tool_resp" + full[3]["content"].split("\n<tool_resp")[1]}]  # fmt: skip
+    split = [
+        *full[:3],
+        {"role": "user", "content": full[3]["content"].split("\n<tool_resp")[0]},
+        {"role": "user", "content": "<tool_resp" + full[3]["content"].split("\n<tool_resp")[1]},
+    ]
     assert d.turn("parallel", split, False)[0] == ("sun | rain", [])  # one message per result
     assert d.server.stats()["unexpected"] == 3
 
@@ -1133,16 +1275,28 @@ def test_tags_format_and_loud_failures(drivers: dict[str, Driver]) -> None:
 # --- faults on every wire -----------------------------------------------------------------
 
 
-FAULT_SHAPES = {
-    "openai": {"rate_limited": (429, "rate_limit_error"), "flaky": (500, None),
-               "bad_request": (400, "invalid_request_error")},
-    "tags": {"rate_limited": (429, "rate_limit_error"), "flaky": (500, None),
-             "bad_request": (400, "invalid_request_error")},
-    "anthropic": {"rate_limited": (429, "rate_limit_error"), "flaky": (529, "overloaded_error"),
-                  "bad_request": (400, "invalid_request_error")},
-    "gemini": {"rate_limited": (429, "RESOURCE_EXHAUSTED"), "flaky": (500, "INTERNAL"),
-               "bad_request": (400, "INVALID_ARGUMENT")},
-}  # fmt: skip
+FAULT_SHAPES: dict[str, dict[str, tuple[int, str | None]]] = {
+    "openai": {
+        "rate_limited": (429, "rate_limit_error"),
+        "flaky": (500, None),
+        "bad_request": (400, "invalid_request_error"),
+    },
+    "tags": {
+        "rate_limited": (429, "rate_limit_error"),
+        "flaky": (500, None),
+        "bad_request": (400, "invalid_request_error"),
+    },
+    "anthropic": {
+        "rate_limited": (429, "rate_limit_error"),
+        "flaky": (529, "overloaded_error"),
+        "bad_request": (400, "invalid_request_error"),
+    },
+    "gemini": {
+        "rate_limited": (429, "RESOURCE_EXHAUSTED"),
+        "flaky": (500, "INTERNAL"),
+        "bad_request": (400, "INVALID_ARGUMENT"),
+    },
+}
 
 
 def error_kind(protocol: str, response: requests.Response) -> str | None:
@@ -1164,8 +1318,9 @@ def test_faults_on_every_wire(drivers: dict[str, Driver], protocol: str, stream:
     assert limited.headers["Retry-After"] == "1"
     if protocol == "gemini":
         details = limited.json()["error"]["details"]
-        assert details == [{"@type": "type.googleapis.com/google.rpc.RetryInfo",
-                            "retryDelay": "1s"}]  # fmt: skip
+        assert details == [
+            {"@type": "type.googleapis.com/google.rpc.RetryInfo", "retryDelay": "1s"}
+        ]
     if protocol == "anthropic":
         assert limited.json()["type"] == "error"
     bad = d.post("bad_request", d.start("x"), stream)
@@ -1173,14 +1328,16 @@ def test_faults_on_every_wire(drivers: dict[str, Driver], protocol: str, stream:
     malformed = d.post("malformed", d.start("x"), stream)
     assert malformed.status_code == 200
     with pytest.raises(ValueError):
-        json.loads(malformed.text) if not stream else [json.loads(v) for _, v in sse_events(malformed)]
+        json.loads(malformed.text) if not stream else [
+            json.loads(v) for _, v in sse_events(malformed)
+        ]
     assert d.turn("empty", d.start("x"), stream)[0][1] == []
     started = time.monotonic()
     assert d.turn("slow", d.start("zz [[latency_ms:200]]"), stream)[0] == ("Echo: zz", [])
     assert time.monotonic() - started >= 0.2
     stats = d.server.stats()
     assert (stats["faults"], stats["unexpected"], stats["rejected"]) == (3, 0, 0)
-    assert stats["by_protocol"] == {protocol: 10}
+    assert stats["by_protocol"] == {protocol: 9}
 
 
 def test_fault_memory_is_per_protocol(drivers: dict[str, Driver]) -> None:
@@ -1193,39 +1350,107 @@ def test_fault_memory_is_per_protocol(drivers: dict[str, Driver]) -> None:
 def test_conversation_turns_are_counted_per_wire_pure() -> None:
     """The adapters parse into the same neutral conversation (no server involved)."""
     from fixtures.replay import wire_anthropic, wire_gemini, wire_tags
-    from fixtures.replay.wire_common import HttpRequest
+    from fixtures.replay.wire_common import HttpRequest, Wire
 
-    anthropic_body = {"model": "replay/weather", "max_tokens": 64, "tools": [
-        {"name": "get_weather", "input_schema": SCHEMA}], "messages": [
-        {"role": "user", "content": "Weather in Paris"},
-        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_replay_0_0",
-                                           "name": "get_weather", "input": {"city": "Paris"}}]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_replay_0_0",
-                                      "content": [{"type": "text", "text": "sunny"}]}]}]}
-    gemini_body = {"contents": [
-        {"role": "user", "parts": [{"text": "Weather in Paris"}]},
-        {"role": "model", "parts": [{"functionCall": {"name": "get_weather",
-                                                      "args": {"city": "Paris"}}}]},
-        {"role": "user", "parts": [{"function_response": {"name": "get_weather",
-                                                          "response": {"result": "sunny"}}}]}]}
-    tags_body = {"model": "replay-tags/weather", "messages": [
-        {"role": "user", "content": "Weather in Paris"},
-        {"role": "assistant", "content": wire_tags.render_calls(
-            (("get_weather", {"city": "Paris"}),))},
-        {"role": "user", "content": '<tool_response>\n{"name":"get_weather","content":"sunny"}'
-                                    "\n</tool_response>"}]}  # fmt: skip
-    cases = [
-        (wire_anthropic.ANTHROPIC, HttpRequest("/v1/messages", json.dumps(anthropic_body).encode(),
-                                               {"anthropic-version": "2023-06-01"})),
-        (wire_gemini.GEMINI, HttpRequest("/v1beta/models/replay-weather:generateContent",
-                                         json.dumps(gemini_body).encode())),
+    anthropic_body = {
+        "model": "replay/weather",
+        "max_tokens": 64,
+        "tools": [{"name": "get_weather", "input_schema": SCHEMA}],
+        "messages": [
+            {"role": "user", "content": "Weather in Paris"},
+            {
+                "role": "assistant",
+                "content": [
+                    {
+                        "type": "tool_use",
+                        "id": "toolu_replay_0_0",
+                        "name": "get_weather",
+                        "input": {"city": "Paris"},
+                    }
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "toolu_replay_0_0",
+                        "content": [{"type": "text", "text": "sunny"}],
+                    }
+                ],
+            },
+        ],
+    }
+    gemini_body = {
+        "contents": [
+            {"role": "user", "parts": [{"text": "Weather in Paris"}]},
+            {
+                "role": "model",
+                "parts": [{"functionCall": {"name": "get_weather", "args": {"city": "Paris"}}}],
+            },
+            {
+                "role": "user",
+                "parts": [
+                    {"function_response": {"name": "get_weather", "response": {"result": "sunny"}}}
+                ],
+            },
+        ]
+    }
+    tags_body = {
+        "model": "replay-tags/weather",
+        "messages": [
+            {"role": "user", "content": "Weather in Paris"},
+            {
+                "role": "assistant",
+                "content": wire_tags.render_calls((("get_weather", {"city": "Paris"}),)),
+            },
+            {
+                "role": "user",
+                "content": '<tool_response>\n{"name":"get_weather","content":"sunny"}'
+                "\n</tool_response>",
+            },
+        ],
+    }
+    cases: list[tuple[Wire, HttpRequest]] = [
+        (
+            wire_anthropic.ANTHROPIC,
+            HttpRequest(
+                "/v1/messages",
+                json.dumps(anthropic_body).encode(),
+                {"anthropic-version": "2023-06-01"},
+            ),
+        ),
+        (
+            wire_gemini.GEMINI,
+            HttpRequest(
+                "/v1beta/models/replay-weather:generateContent", json.dumps(gemini_body).encode()
+            ),
+        ),
         (wire_tags.TAGS, HttpRequest("/v1/chat/completions", json.dumps(tags_body).encode())),
-    ]  # fmt: skip
+    ]
     for wire, request in cases:
         conv = wire.conversation(wire.envelope(request))
         assert (conv.turn, conv.first_user, conv.rounds[0].results) == (
-            1, "Weather in Paris", ("sunny",)
+            1,
+            "Weather in Paris",
+            ("sunny",),
         )
         assert [(c.name, c.arguments) for c in conv.rounds[0].calls] == [
             ("get_weather", {"city": "Paris"})
         ]
+
+
+@pytest.mark.parametrize(
+    ("response", "text"),
+    [
+        ({"result": "18C"}, "18C"),
+        ({"content": "18C"}, "18C"),  # the LiteLLM / worker codec wrapper
+        ({"result": 5}, '{"result":5}'),
+        ({"error": {"code": "tool_exec_failed"}}, '{"error":{"code":"tool_exec_failed"}}'),
+        ({"result": "a", "extra": 1}, '{"result":"a","extra":1}'),
+    ],
+)
+def test_gemini_function_response_to_neutral_text(response: dict[str, Any], text: str) -> None:
+    from fixtures.replay.wire_common import tool_result_text
+
+    assert tool_result_text(response) == text

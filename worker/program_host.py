@@ -2,8 +2,9 @@
 
 Each `cchat_send` becomes a chat session on the same round/tool pipeline as a spec session
 (id `<run id>#send<n>`), with its tools forked from the program's memory at the send. The fd
-table lives here and is mirrored to Redis (`cq:fds:<run>`); response bodies are read from the
-chats' response fds, written by whichever worker finished them.
+table (`program_fds`) is mirrored to Redis (`cq:fds:<run>`); response bodies are read from the
+chats' response fds, written by whichever worker finished them. `spear_fd_ctl` and the
+`spear_epoll_*` calls are in `program_epoll`; this module holds the chat and other hostcalls.
 
 Hostcalls return -errno and never raise, except RunAborted (deadline, cancellation), which
 traps the guest and ends the run.
@@ -17,7 +18,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from schemas import keys
@@ -30,6 +31,9 @@ from worker.edges.store_programs import ProgramStore
 from worker.edges.wasm_fork import ProgramFork
 from worker.edges.wasm_guest import RunAborted
 from worker.errors import StoreError
+from worker.program_epoll import HOSTCALLS as EPOLL_HOSTCALLS
+from worker.program_epoll import EpollCalls
+from worker.program_fds import FdEntry, FdTable, write_with_len
 
 log = logging.getLogger(__name__)
 ROLES = ("system", "user", "assistant", "tool")
@@ -42,42 +46,6 @@ CONSUMED_PARAMS = (
     "strict_unknown_tool",
 )
 WAIT_SLICE_S = 1.0  # blocking waits wake at least this often to check cancellation
-
-
-@dataclass
-class FdEntry:
-    kind: str
-    closed: bool = False
-    flags: set[str] = field(default_factory=set)
-    # a chat session
-    messages: list[dict[str, Any]] = field(default_factory=list)
-    tools: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
-    params: dict[str, Any] = field(default_factory=dict)
-    # a response
-    sk: str = ""
-    session_fd: int = 0
-    auto: bool = False
-    metrics: bool = False
-    body: bytes | None = None
-    record: dict[str, Any] | None = None
-    sent_messages: int = 0
-    # an epoll instance: fd -> interest events
-    watch: dict[int, int] = field(default_factory=dict)
-
-    def summary(self) -> dict[str, Any]:
-        """What the Redis mirror shows (`cchatq status`): no message text."""
-        out: dict[str, Any] = {
-            "kind": self.kind,
-            "closed": self.closed,
-            "flags": sorted(self.flags),
-        }
-        if self.kind == abi.KIND_SESSION:
-            out.update(messages=len(self.messages), tools=[f["name"] for _, f in self.tools])
-        elif self.kind == abi.KIND_RESPONSE:
-            out.update(session=self.sk, ready=self.body is not None)
-        else:
-            out.update(watch=sorted(self.watch))
-        return out
 
 
 @dataclass
@@ -95,16 +63,18 @@ class ProgramHost:
         self.d = defaults
         self.store = store
         self.dispatch = dispatch
-        self.fds: dict[int, FdEntry] = {}
-        self.next_fd = abi.FIRST_FD
+        self.fd_table = FdTable(store, defaults.run_sk)
+        self.fds = self.fd_table.entries
         self.sends = 0
         self.logs: list[tuple[int, str]] = []
         self.responses: list[int] = []  # response fds in send order
         self.exported_globals: list[str] = []
         self.table_name: str | None = None
         self._aborted: RunAborted | None = None
+        epoll = EpollCalls(self.fd_table, self._wait)
         self._calls: dict[str, Callable[..., int | None]] = {
-            name: getattr(self, f"_{name}") for name in _HOSTCALLS
+            **{name: getattr(self, f"_{name}") for name in _HOSTCALLS},
+            **{name: getattr(epoll, name) for name in EPOLL_HOSTCALLS},
         }
 
     # SpearHost -----------------------------------------------------------------------------
@@ -143,42 +113,15 @@ class ProgramHost:
         if self.store.is_cancelled(self.d.run_sk):
             raise self._abort("cancelled", "program run cancelled")
 
-    # fds -----------------------------------------------------------------------------------
-
-    def _new_fd(self, entry: FdEntry) -> int:
-        fd, self.next_fd = self.next_fd, self.next_fd + 1
-        self.fds[fd] = entry
-        self._persist(fd)
-        return fd
-
-    def _persist(self, fd: int) -> None:
-        self.store.save_fd(self.d.run_sk, fd, self.fds[fd].summary())
-
-    def _get(self, fd: int, kind: str, open_only: bool = True) -> FdEntry | None:
-        entry = self.fds.get(fd)
-        if entry is None or entry.kind != kind or (open_only and entry.closed):
-            return None
-        return entry
-
-    def _write_with_len(self, mem: GuestMemory, out_ptr: int, out_len_ptr: int, data: bytes) -> int:
-        capacity = mem.read_u32(out_len_ptr)
-        need, fits = abi.write_with_len_plan(capacity, data)
-        if not fits:
-            mem.write_u32(out_len_ptr, need)
-            return -abi.ENOSPC
-        mem.write(out_ptr, data)
-        mem.write_u32(out_len_ptr, need)
-        return need
-
     # chat hostcalls ------------------------------------------------------------------------
 
     def _cchat_create(self, mem: GuestMemory) -> int:
-        return self._new_fd(FdEntry(kind=abi.KIND_SESSION))
+        return self.fd_table.new(FdEntry(kind=abi.KIND_SESSION))
 
     def _cchat_write_msg(
         self, mem: GuestMemory, fd: int, role_ptr: int, role_len: int, ptr: int, length: int
     ) -> int:
-        entry = self._get(fd, abi.KIND_SESSION)
+        entry = self.fd_table.get(fd, abi.KIND_SESSION)
         if entry is None:
             return -abi.EBADF
         try:
@@ -189,13 +132,13 @@ class ProgramHost:
         if role not in ROLES:
             return -abi.EINVAL
         entry.messages.append({"role": role, "content": content})
-        self._persist(fd)
+        self.fd_table.persist(fd)
         return 0
 
     def _cchat_write_fn(
         self, mem: GuestMemory, fd: int, fn_offset: int, ptr: int, length: int
     ) -> int:
-        entry = self._get(fd, abi.KIND_SESSION)
+        entry = self.fd_table.get(fd, abi.KIND_SESSION)
         if entry is None:
             return -abi.EBADF
         function = abi.parse_tool_json(mem.read(ptr, length))
@@ -205,7 +148,7 @@ class ProgramHost:
             return -abi.EINVAL
         if all(f["name"] != function["name"] for _, f in entry.tools):  # the first one wins
             entry.tools.append((fn_offset, function))
-            self._persist(fd)
+            self.fd_table.persist(fd)
         return 0
 
     def _cchat_ctl(
@@ -215,29 +158,23 @@ class ProgramHost:
         if entry is None:
             return -abi.EBADF
         if cmd == abi.CTL_SET_PARAM:
-            session = self._get(fd, abi.KIND_SESSION)
+            session = self.fd_table.get(fd, abi.KIND_SESSION)
             if session is None:
                 return -abi.EBADF
             parsed = abi.parse_set_param(mem.read(arg_ptr, mem.read_u32(arg_len_ptr)))
             if isinstance(parsed, int):
                 return parsed
             session.params[parsed[0]] = parsed[1]
-            self._persist(fd)
+            self.fd_table.persist(fd)
             return 0
         if cmd == abi.CTL_GET_METRICS:
             if entry.kind != abi.KIND_RESPONSE:
                 return -abi.EBADF
-            return self._metrics(mem, entry, arg_ptr, arg_len_ptr)
+            return self.fd_table.metrics(mem, entry, arg_ptr, arg_len_ptr)
         return -abi.EINVAL
 
-    def _metrics(self, mem: GuestMemory, entry: FdEntry, out_ptr: int, out_len_ptr: int) -> int:
-        if not self._observe(entry):
-            return -abi.EAGAIN
-        metrics = (entry.record or {}).get("metrics", {}) if entry.metrics else {}
-        return self._write_with_len(mem, out_ptr, out_len_ptr, dump_body(metrics))
-
     def _cchat_send(self, mem: GuestMemory, fd: int, flags: int) -> int:
-        session = self._get(fd, abi.KIND_SESSION)
+        session = self.fd_table.get(fd, abi.KIND_SESSION)
         if session is None:
             return -abi.EBADF
         self._check_cancel()
@@ -259,7 +196,7 @@ class ProgramHost:
             # answer is published again, which its round step's guards make harmless.
             if new or not self.store.ready([sk])[0]:
                 self.dispatch.round(sk, 0)
-        resp_fd = self._new_fd(response)
+        resp_fd = self.fd_table.new(response)
         self.responses.append(resp_fd)
         if abi.O_NONBLOCK not in session.flags:
             timeout_ms = session.params.get("timeout_ms")
@@ -268,7 +205,7 @@ class ProgramHost:
                 if isinstance(timeout_ms, int | float)
                 else None
             )
-            self._wait(lambda: self._observe(response), until=limit)
+            self._wait(lambda: self.fd_table.observe(response), until=limit)
         return resp_fd
 
     def _chat_spec(
@@ -316,21 +253,6 @@ class ProgramHost:
             "limits": Limits.resolve(consumed).as_dict(),
         }
 
-    def _observe(self, response: FdEntry) -> bool:
-        """Whether the chat behind a response fd has finished; on the first sight of it, take
-        its body and (auto tool call) append its new messages to the session."""
-        if response.body is not None:
-            return True
-        body, record = self.store.response_and_record(response.sk)
-        if body is None:
-            return False
-        response.body, response.record = body, record
-        session = self.fds.get(response.session_fd)
-        if response.auto and session is not None and record is not None:
-            transcript = record.get("transcript") or []
-            session.messages.extend(transcript[response.sent_messages :])
-        return True
-
     def _wait(self, ready: Callable[[], bool], until: float | None = None) -> bool:
         """Block until `ready()`, the run's deadline (which aborts), or `until`."""
         while not ready():
@@ -344,15 +266,14 @@ class ProgramHost:
         return True
 
     def _cchat_recv(self, mem: GuestMemory, fd: int, out_ptr: int, out_len_ptr: int) -> int:
-        response = self._get(
-            fd, abi.KIND_RESPONSE, open_only=False
-        )  # closed responses stay readable
+        # closed responses stay readable
+        response = self.fd_table.get(fd, abi.KIND_RESPONSE, open_only=False)
         if response is None:
             return -abi.EBADF
-        if not self._observe(response):
+        if not self.fd_table.observe(response):
             return -abi.EAGAIN
         assert response.body is not None
-        return self._write_with_len(mem, out_ptr, out_len_ptr, response.body)
+        return write_with_len(mem, out_ptr, out_len_ptr, response.body)
 
     def _cchat_close(self, mem: GuestMemory, fd: int) -> int:
         entry = self.fds.get(fd)
@@ -360,7 +281,7 @@ class ProgramHost:
             return -abi.EBADF
         if not entry.closed:
             entry.closed = True
-            self._persist(fd)
+            self.fd_table.persist(fd)
         return 0
 
     # other imports -------------------------------------------------------------------------
@@ -388,134 +309,20 @@ class ProgramHost:
             time.sleep(max(0.0, min(until - time.monotonic(), remaining, WAIT_SLICE_S)))
         return None
 
-    def _spear_fd_ctl(
-        self, mem: GuestMemory, fd: int, cmd: int, arg_ptr: int, arg_len_ptr: int
-    ) -> int:
-        entry = self.fds.get(fd)
-        if entry is None:
-            return -abi.EBADF
-        if cmd == abi.FD_SET_FLAGS:
-            change = abi.parse_flag_change(mem.read(arg_ptr, mem.read_u32(arg_len_ptr)))
-            if isinstance(change, int):
-                return change
-            entry.flags = (entry.flags | change[0]) - change[1]
-            self._persist(fd)
-            return 0
-        if cmd == abi.FD_GET_FLAGS:
-            return self._write_with_len(
-                mem, arg_ptr, arg_len_ptr, dump_body({"flags": sorted(entry.flags)})
-            )
-        if cmd == abi.FD_GET_KIND:
-            return self._write_with_len(mem, arg_ptr, arg_len_ptr, dump_body({"kind": entry.kind}))
-        if cmd == abi.FD_GET_STATUS:
-            status = {"closed": entry.closed, "flags": sorted(entry.flags), "kind": entry.kind,
-                      "poll_mask": _event_names(self._poll_mask(entry))}  # fmt: skip
-            return self._write_with_len(mem, arg_ptr, arg_len_ptr, dump_body(status))
-        if cmd == abi.FD_GET_METRICS:
-            if entry.kind != abi.KIND_RESPONSE:
-                return self._write_with_len(mem, arg_ptr, arg_len_ptr, b"{}")
-            return self._metrics(mem, entry, arg_ptr, arg_len_ptr)
-        return -abi.EINVAL
-
-    def _poll_mask(self, entry: FdEntry) -> int:
-        mask = abi.EPOLLHUP if entry.closed else 0
-        if entry.kind == abi.KIND_RESPONSE and self._observe(entry):
-            mask |= abi.EPOLLIN
-        if entry.kind == abi.KIND_SESSION and not entry.closed:
-            mask |= abi.EPOLLOUT
-        return mask
-
-    def _spear_epoll_create(self, mem: GuestMemory) -> int:
-        return self._new_fd(FdEntry(kind=abi.KIND_EPOLL))
-
-    def _spear_epoll_ctl(self, mem: GuestMemory, epfd: int, op: int, fd: int, events: int) -> int:
-        ep = self._get(epfd, abi.KIND_EPOLL)
-        if ep is None or fd not in self.fds or fd == epfd:
-            return -abi.EBADF
-        if op == abi.EPOLL_CTL_ADD:
-            if fd in ep.watch:
-                return -17  # EEXIST
-            ep.watch[fd] = events
-        elif op == abi.EPOLL_CTL_MOD:
-            if fd not in ep.watch:
-                return -abi.ENOENT
-            ep.watch[fd] = events
-        elif op == abi.EPOLL_CTL_DEL:
-            if ep.watch.pop(fd, None) is None:
-                return -abi.ENOENT
-        else:
-            return -abi.EINVAL
-        self._persist(epfd)
-        return 0
-
-    def _spear_epoll_wait(
-        self, mem: GuestMemory, epfd: int, out_ptr: int, out_len_ptr: int, timeout_ms: int
-    ) -> int:
-        ep = self._get(epfd, abi.KIND_EPOLL)
-        if ep is None:
-            return -abi.EBADF
-        capacity = mem.read_u32(out_len_ptr)
-        ready: list[tuple[int, int]] = []
-
-        def scan() -> bool:
-            pending = [self.fds[fd] for fd in ep.watch if self.fds[fd].kind == abi.KIND_RESPONSE]
-            self._observe_many(pending)
-            ready[:] = [
-                (fd, revents)
-                for fd, interest in ep.watch.items()
-                if (
-                    revents := self._poll_mask(self.fds[fd])
-                    & (interest | abi.EPOLLERR | abi.EPOLLHUP)
-                )
-            ]
-            return bool(ready)
-
-        until = None if timeout_ms < 0 else time.monotonic() + timeout_ms / 1000
-        if timeout_ms == 0:
-            scan()
-        else:
-            self._wait(scan, until=until)
-        packed = abi.pack_epoll_records(ready, capacity)
-        if isinstance(packed, int):
-            mem.write_u32(out_len_ptr, abi.EPOLL_RECORD_BYTES)
-            return packed
-        data, count = packed
-        mem.write(out_ptr, data)
-        mem.write_u32(out_len_ptr, len(data))
-        return count
-
-    def _observe_many(self, responses: list[FdEntry]) -> None:
-        """One round trip to learn which of many chats finished (epoll's hot path)."""
-        waiting = [r for r in responses if r.body is None]
-        if not waiting:
-            return
-        for response, done in zip(waiting, self.store.ready([r.sk for r in waiting]), strict=True):
-            if done:
-                self._observe(response)
-
-    def _spear_epoll_close(self, mem: GuestMemory, epfd: int) -> int:
-        ep = self._get(epfd, abi.KIND_EPOLL, open_only=False)
-        if ep is None:
-            return -abi.EBADF
-        ep.closed = True
-        self._persist(epfd)
-        return 0
-
     # the run's result ----------------------------------------------------------------------
 
     def response_bodies(self) -> list[Any]:
         out = []
         for fd in self.responses:
             entry = self.fds[fd]
-            self._observe(entry)
+            self.fd_table.observe(entry)
             out.append(json.loads(entry.body) if entry.body is not None else None)
         return out
 
 
 _HOSTCALLS = (
     "cchat_create", "cchat_write_msg", "cchat_write_fn", "cchat_ctl", "cchat_send", "cchat_recv",
-    "cchat_close", "log", "time_now_ms", "wall_time_s", "random_i64", "sleep_ms", "spear_fd_ctl",
-    "spear_epoll_create", "spear_epoll_ctl", "spear_epoll_wait", "spear_epoll_close",
+    "cchat_close", "log", "time_now_ms", "wall_time_s", "random_i64", "sleep_ms",
 )  # fmt: skip
 
 
@@ -523,13 +330,3 @@ def _int_or_none(value: Any) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         return None
     return int(value)
-
-
-def _event_names(mask: int) -> list[str]:
-    names = {
-        abi.EPOLLIN: "EPOLLIN",
-        abi.EPOLLOUT: "EPOLLOUT",
-        abi.EPOLLERR: "EPOLLERR",
-        abi.EPOLLHUP: "EPOLLHUP",
-    }
-    return [name for bit, name in names.items() if mask & bit]

@@ -119,6 +119,10 @@ def celery_config(settings: Settings) -> dict[str, Any]:
             # default); sweep on every tick, a few times per visibility timeout.
             "unacked_restore_interval": max(1, min(10, settings.visibility_timeout_s // 5)),
             "unacked_restore_throttle": 1,
+            # The sweep's mutex outlives a worker killed while holding it: kombu's 300 s would
+            # stop every restore for five minutes. A sweep takes milliseconds; a longer one only
+            # risks restoring a message twice, which idempotent steps absorb.
+            "unacked_mutex_expire": max(2, min(10, settings.visibility_timeout_s // 2)),
         },
         "task_serializer": "json",
         "accept_content": ["json"],

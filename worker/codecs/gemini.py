@@ -1,6 +1,8 @@
 """Google Gemini generateContent codec (REST v1beta, camelCase JSON): canonical OpenAI
 `chat.completion` <-> Gemini, for JSON replies and `streamGenerateContent?alt=sse` streams.
-Pure: no I/O. Case numbers (B5.n, B10.n) refer to docs/provider-conformance.md.
+Requests are built here; replies are decoded in `gemini_reply` (JSON, errors) and
+`gemini_stream` (SSE). Pure: no I/O. Case numbers (B5.n, B10.n) refer to
+docs/provider-conformance.md.
 
 Decisions where the wire format leaves a choice:
   - Call ids (B5 48): a `functionCall.id` from Gemini is the canonical id and is echoed on
@@ -46,34 +48,35 @@ Decisions where the wire format leaves a choice:
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import logging
-import math
 import mimetypes
 import re
 from typing import Any
 
+from worker.codecs.gemini_reply import (
+    PROTOCOL,
+    SYNTHETIC_ID_PREFIX,
+    decode_completion,
+    error_object,
+    retry_delay,
+)
 from worker.codecs.gemini_schema import gemini_parameters
-from worker.codecs.openai_chat import (
-    NO_OUTPUT,
-    _as_int,
-    decode_arguments,
-    tool_message_content,
-)
-from worker.codecs.protocol import ChatRequest, Delta, SseEvent, WireRequest
-from worker.errors import (
-    ProviderError,
-    ProviderProtocolError,
-    ProviderRequestError,
-    ProviderRetryableError,
-    ToolArgumentsError,
-)
+from worker.codecs.gemini_stream import GeminiStreamAssembler
+from worker.codecs.openai_chat import NO_OUTPUT, decode_arguments, tool_message_content
+from worker.codecs.protocol import ChatRequest, WireRequest
+from worker.errors import ProviderRequestError, ToolArgumentsError
+
+__all__ = [
+    "PROTOCOL",
+    "RESULT_KEY",
+    "SYNTHETIC_ID_PREFIX",
+    "GeminiCodec",
+    "GeminiStreamAssembler",
+]
 
 log = logging.getLogger(__name__)
 
-PROTOCOL = "gemini"
-SYNTHETIC_ID_PREFIX = "gcall_"
 RESULT_KEY = "content"  # a non-object tool result goes back as {"content": text}
 
 _OPENAI_PARAMS = {
@@ -100,26 +103,7 @@ _GENERATION_CONFIG = frozenset(
 )  # fmt: skip
 _TOP_LEVEL = frozenset({"safetySettings", "cachedContent"})
 _CHOICE_MODES = {"auto": "AUTO", "none": "NONE", "required": "ANY"}
-_FILTERED = frozenset(
-    {
-        "SAFETY", "RECITATION", "BLOCKLIST", "PROHIBITED_CONTENT", "SPII", "LANGUAGE",
-        "IMAGE_SAFETY", "IMAGE_PROHIBITED_CONTENT", "IMAGE_RECITATION", "IMAGE_OTHER",
-        "MODEL_ARMOR",
-    }
-)  # fmt: skip
-_LENGTH = frozenset({"MAX_TOKENS", "CONTINUATION"})
-_FAILED_ROUND = frozenset({"MALFORMED_FUNCTION_CALL", "UNEXPECTED_TOOL_CALL", "MALFORMED_RESPONSE"})
-_RETRYABLE_STATUS = frozenset(
-    {"RESOURCE_EXHAUSTED", "UNAVAILABLE", "INTERNAL", "DEADLINE_EXCEEDED", "ABORTED"}
-)
-_RETRY_INFO = "type.googleapis.com/google.rpc.RetryInfo"
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(s|ms)?\s*$")
 _DATA_URL = re.compile(r"^data:([^;,]+)?(?:;[^,]*)?;base64,(.*)$", re.DOTALL)
-_MAX_ERROR_CHARS = 300
-
-
-def _compact(obj: Any) -> str:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
 
 
 def _camel(name: str) -> str:
@@ -158,7 +142,7 @@ class GeminiCodec:
     # Replies
 
     def decode(self, body: Any, request: ChatRequest) -> dict[str, Any]:
-        return _completion(body, request)
+        return decode_completion(body, request)
 
     def assembler(self, request: ChatRequest) -> GeminiStreamAssembler:
         return GeminiStreamAssembler(request)
@@ -166,7 +150,7 @@ class GeminiCodec:
     def retry_after_s(self, status: int, body: Any) -> float | None:
         """B5 55: the `retryDelay` of a `google.rpc.RetryInfo` in `error.details` ("7s",
         "1.5s", also "750ms" or {"seconds", "nanos"}), on whatever status the edge retries."""
-        return _retry_delay(_error_object(body))
+        return retry_delay(error_object(body))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -381,247 +365,3 @@ def _response_format(value: Any) -> dict[str, Any]:
             out["responseJsonSchema"] = schema  # full JSON Schema: no dialect cleaning
         return out
     return {}
-
-
-# ---------------------------------------------------------------------------------------------
-# Replies
-
-
-def _completion(raw: Any, request: ChatRequest) -> dict[str, Any]:
-    if not isinstance(raw, dict):
-        raise ProviderProtocolError("Gemini reply is not a JSON object")
-    if "error" in raw:
-        raise _provider_error(raw)
-    candidates = raw.get("candidates")
-    if not candidates:
-        feedback = raw.get("promptFeedback")
-        reason = feedback.get("blockReason") if isinstance(feedback, dict) else None
-        if reason:
-            raise ProviderRequestError(f"Gemini blocked the prompt: {str(reason)[:60]}")
-        raise ProviderProtocolError("Gemini reply has no candidates")
-    if not isinstance(candidates, list) or not isinstance(candidates[0], dict):
-        raise ProviderProtocolError("Gemini candidates are not a list of objects")
-    candidate = candidates[0]
-    content = candidate.get("content")
-    parts = content.get("parts") if isinstance(content, dict) else None
-    parts = parts or []
-    if not isinstance(parts, list) or not all(isinstance(p, dict) for p in parts):
-        raise ProviderProtocolError("Gemini content parts are not a list of objects")
-
-    anchor = raw.get("responseId") or f"{request.model}#{len(request.messages)}"
-    index = candidate.get("index") if isinstance(candidate.get("index"), int) else 0
-    texts: list[str] = []
-    thoughts: list[str] = []
-    calls: list[dict[str, Any]] = []
-    keep = False
-    for i, part in enumerate(parts):
-        keep = keep or "thoughtSignature" in part
-        if isinstance(part.get("functionCall"), dict):
-            calls.append(_call(part["functionCall"], f"{anchor}\x00{index}\x00{i}"))
-        elif isinstance(part.get("text"), str):
-            (thoughts if part.get("thought") is True else texts).append(part["text"])
-        elif not (part.keys() <= {"thought", "thoughtSignature"}):
-            keep = True  # a part with no canonical form (code execution, inline data...)
-    message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
-    if calls:
-        message["tool_calls"] = calls
-    if "".join(thoughts):
-        message["reasoning_content"] = "".join(thoughts)
-    if keep or calls:
-        message["_provider"] = {PROTOCOL: {"parts": copy.deepcopy(parts)}}
-
-    out: dict[str, Any] = {}
-    if isinstance(raw.get("responseId"), str):
-        out["id"] = raw["responseId"]
-    out["object"] = "chat.completion"
-    out["model"] = raw.get("modelVersion") or request.model
-    reason = _finish_reason(candidate.get("finishReason"), bool(calls))
-    out["choices"] = [{"index": 0, "message": message, "finish_reason": reason}]
-    out["usage"] = _usage(raw.get("usageMetadata"))
-    return out
-
-
-def _call(function_call: dict[str, Any], seed: str) -> dict[str, Any]:
-    name = function_call.get("name")
-    if not isinstance(name, str) or not name:
-        raise ProviderProtocolError("Gemini functionCall has no name")
-    args = function_call.get("args")
-    if args is not None and not isinstance(args, dict):
-        raise ProviderProtocolError("Gemini functionCall args is not an object")
-    call_id = function_call.get("id")
-    if not isinstance(call_id, str) or not call_id:
-        digest = hashlib.sha256(f"{seed}\x00{name}".encode()).hexdigest()[:24]
-        call_id = SYNTHETIC_ID_PREFIX + digest  # B5 48
-    return {
-        "id": call_id,
-        "type": "function",
-        "function": {"name": name, "arguments": _compact(args or {})},  # B5 46
-    }
-
-
-def _finish_reason(raw: Any, has_calls: bool) -> str:
-    if raw in _FAILED_ROUND:
-        raise ProviderRetryableError(f"Gemini round failed: finishReason {raw}")
-    if raw == "MISSING_THOUGHT_SIGNATURE":
-        raise ProviderRequestError("Gemini: a replayed function call lacks its thought signature")
-    if raw in _LENGTH:
-        return "length"
-    if has_calls:
-        return "tool_calls"  # B5 51: STOP even with calls
-    if raw in _FILTERED:
-        return "content_filter"
-    return "stop"
-
-
-def _usage(raw: Any) -> dict[str, Any]:
-    meta = raw if isinstance(raw, dict) else {}
-    prompt = _as_int(meta.get("promptTokenCount")) + _as_int(meta.get("toolUsePromptTokenCount"))
-    candidates = _as_int(meta.get("candidatesTokenCount"))
-    thoughts = _as_int(meta.get("thoughtsTokenCount"))
-    total = _as_int(meta["totalTokenCount"]) if "totalTokenCount" in meta else None
-    # B10 81: thoughts are usually outside candidatesTokenCount; when prompt + candidates already
-    # make the total, the candidates count includes them.
-    included = total is not None and prompt + candidates == total
-    completion = candidates if included else candidates + thoughts
-    usage: dict[str, Any] = {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": total if total is not None else prompt + completion,
-    }
-    if "cachedContentTokenCount" in meta:
-        usage["prompt_tokens_details"] = {"cached_tokens": _as_int(meta["cachedContentTokenCount"])}
-    if "thoughtsTokenCount" in meta:
-        usage["completion_tokens_details"] = {"reasoning_tokens": thoughts}
-    if meta:
-        usage["gemini_details"] = copy.deepcopy(meta)
-    return usage
-
-
-# ---------------------------------------------------------------------------------------------
-# Errors
-
-
-def _error_object(body: Any) -> dict[str, Any] | None:
-    """The `error` object of a Gemini error body (an object, or a one-item list on streams)."""
-    if isinstance(body, bytes | bytearray):
-        body = bytes(body).decode("utf-8", errors="replace")
-    if isinstance(body, str):
-        try:
-            body = json.loads(body)
-        except ValueError:
-            return None
-    if isinstance(body, list) and body:
-        body = body[0]
-    error = body.get("error") if isinstance(body, dict) else None
-    return error if isinstance(error, dict) else None
-
-
-def _retry_delay(error: dict[str, Any] | None) -> float | None:
-    details = error.get("details") if error else None
-    for detail in details if isinstance(details, list) else []:
-        if isinstance(detail, dict) and detail.get("@type") == _RETRY_INFO:
-            return _duration_s(detail.get("retryDelay"))
-    return None
-
-
-def _duration_s(value: Any) -> float | None:
-    if isinstance(value, dict):
-        seconds = _as_int(value.get("seconds")) + _as_int(value.get("nanos")) / 1e9
-        return seconds if math.isfinite(seconds) else None
-    if not isinstance(value, str):
-        return None
-    match = _DURATION.match(value)
-    if not match:
-        return None
-    seconds = float(match.group(1)) / (1000.0 if match.group(2) == "ms" else 1.0)
-    return seconds if math.isfinite(seconds) else None
-
-
-def _provider_error(body: Any) -> ProviderError:
-    error = _error_object(body) or {}
-    code = error.get("code") if isinstance(error.get("code"), int) else None
-    status = error.get("status") if isinstance(error.get("status"), str) else ""
-    text = str(error.get("message") or "")[:_MAX_ERROR_CHARS]
-    message = f"Gemini error {code or '-'} {status}: {text}".strip()
-    if code == 429 or (code is not None and code >= 500) or status in _RETRYABLE_STATUS:
-        return ProviderRetryableError(message, code, _retry_delay(error))
-    return ProviderRequestError(message, code)
-
-
-# ---------------------------------------------------------------------------------------------
-# Streams
-
-
-class GeminiStreamAssembler:
-    """B5 53: every SSE `data:` is a whole GenerateContentResponse. Parts are kept in arrival
-    order (text increments concatenate into the content, each functionCall arrives whole and
-    is appended, a thoughtSignature stays on its part); usage, responseId and modelVersion come
-    from the last chunk that has them, the finish reason from the last chunk with one. Gemini
-    sends no terminator: `finished` means a finishReason (or a prompt block) was seen.
-    `result()` is `decode` of the merged response."""
-
-    def __init__(self, request: ChatRequest) -> None:
-        self._request = request
-        self._parts: list[dict[str, Any]] = []
-        self._top: dict[str, Any] = {}  # responseId, modelVersion, usageMetadata, promptFeedback
-        self._candidate: dict[str, Any] = {}  # finishReason, finishMessage, index
-        self._blocked = False
-
-    def feed(self, event: SseEvent) -> list[Delta]:
-        data = event.data.strip()
-        if not data:
-            return []
-        try:
-            chunk = json.loads(data)
-        except ValueError:
-            raise ProviderProtocolError("Gemini stream event is not JSON") from None
-        deltas: list[Delta] = []
-        for item in chunk if isinstance(chunk, list) else [chunk]:
-            deltas.extend(self._feed_chunk(item))
-        return deltas
-
-    def _feed_chunk(self, chunk: Any) -> list[Delta]:
-        if not isinstance(chunk, dict):
-            raise ProviderProtocolError("Gemini stream chunk is not a JSON object")
-        if "error" in chunk:
-            raise _provider_error(chunk)
-        for key in ("responseId", "modelVersion", "usageMetadata", "promptFeedback"):
-            if key in chunk:
-                self._top[key] = chunk[key]
-        feedback = chunk.get("promptFeedback")
-        if isinstance(feedback, dict) and feedback.get("blockReason"):
-            self._blocked = True
-        candidates = chunk.get("candidates")
-        if not isinstance(candidates, list) or not candidates:
-            return []
-        candidate = candidates[0]
-        if not isinstance(candidate, dict):
-            raise ProviderProtocolError("Gemini stream candidate is not an object")
-        for key in ("finishReason", "finishMessage", "index"):
-            if candidate.get(key) is not None:
-                self._candidate[key] = candidate[key]
-        content = candidate.get("content")
-        parts = content.get("parts") if isinstance(content, dict) else None
-        deltas: list[Delta] = []
-        for part in parts if isinstance(parts, list) else []:
-            if not isinstance(part, dict):
-                raise ProviderProtocolError("Gemini stream part is not an object")
-            self._parts.append(copy.deepcopy(part))
-            text = part.get("text")
-            if isinstance(text, str) and text and "functionCall" not in part:
-                thought = part.get("thought") is True
-                deltas.append(Delta("reasoning" if thought else "content", text))
-        return deltas
-
-    @property
-    def finished(self) -> bool:
-        return "finishReason" in self._candidate or self._blocked
-
-    def result(self) -> dict[str, Any]:
-        if "finishReason" not in self._candidate and not self._blocked:
-            raise ProviderProtocolError("Gemini stream ended without a finishReason (truncated)")
-        merged = dict(self._top)
-        if "finishReason" in self._candidate or self._parts:
-            content = {"role": "model", "parts": self._parts}
-            merged["candidates"] = [{"content": content, **self._candidate}]
-        return _completion(merged, self._request)

@@ -90,7 +90,7 @@ class RedisStore:
                 break
             stored.append(json.loads(raw))
         rounds = self._with_outcomes(sk, stored)
-        return Session(spec=spec, backend=backend, rounds=tuple(rounds))
+        return Session(spec=spec, backend=spec.get("provider") or backend, rounds=tuple(rounds))
 
     def _with_outcomes(self, sk: str, replies: list[dict[str, Any]]) -> list[Round]:
         wanted: list[tuple[int, int]] = []

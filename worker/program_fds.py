@@ -1,0 +1,127 @@
+"""The fd table of one program run: chat sessions, responses and epoll instances, mirrored to
+Redis (`cq:fds:<run>`) on every change.
+
+A response fd learns that its chat finished by reading the chat's response, written by
+whichever worker finished it (`observe`); the poll mask of an fd follows from that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from schemas.bodies import dump_body
+from worker.codecs import spear_abi as abi
+from worker.edges.spear_imports import GuestMemory
+from worker.edges.store_programs import ProgramStore
+
+
+@dataclass
+class FdEntry:
+    kind: str
+    closed: bool = False
+    flags: set[str] = field(default_factory=set)
+    # a chat session
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    tools: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
+    params: dict[str, Any] = field(default_factory=dict)
+    # a response
+    sk: str = ""
+    session_fd: int = 0
+    auto: bool = False
+    metrics: bool = False
+    body: bytes | None = None
+    record: dict[str, Any] | None = None
+    sent_messages: int = 0
+    # an epoll instance: fd -> interest events
+    watch: dict[int, int] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        """What the Redis mirror shows (`cchatq status`): no message text."""
+        out: dict[str, Any] = {
+            "kind": self.kind,
+            "closed": self.closed,
+            "flags": sorted(self.flags),
+        }
+        if self.kind == abi.KIND_SESSION:
+            out.update(messages=len(self.messages), tools=[f["name"] for _, f in self.tools])
+        elif self.kind == abi.KIND_RESPONSE:
+            out.update(session=self.sk, ready=self.body is not None)
+        else:
+            out.update(watch=sorted(self.watch))
+        return out
+
+
+class FdTable:
+    """The fds of one run (`entries`, fd -> FdEntry), numbered from `abi.FIRST_FD`."""
+
+    def __init__(self, store: ProgramStore, run_sk: str) -> None:
+        self.store = store
+        self.run_sk = run_sk
+        self.entries: dict[int, FdEntry] = {}
+        self.next_fd = abi.FIRST_FD
+
+    def new(self, entry: FdEntry) -> int:
+        fd, self.next_fd = self.next_fd, self.next_fd + 1
+        self.entries[fd] = entry
+        self.persist(fd)
+        return fd
+
+    def persist(self, fd: int) -> None:
+        self.store.save_fd(self.run_sk, fd, self.entries[fd].summary())
+
+    def get(self, fd: int, kind: str, open_only: bool = True) -> FdEntry | None:
+        entry = self.entries.get(fd)
+        if entry is None or entry.kind != kind or (open_only and entry.closed):
+            return None
+        return entry
+
+    def observe(self, response: FdEntry) -> bool:
+        """Whether the chat behind a response fd has finished; on the first sight of it, take
+        its body and (auto tool call) append its new messages to the session."""
+        if response.body is not None:
+            return True
+        body, record = self.store.response_and_record(response.sk)
+        if body is None:
+            return False
+        response.body, response.record = body, record
+        session = self.entries.get(response.session_fd)
+        if response.auto and session is not None and record is not None:
+            transcript = record.get("transcript") or []
+            session.messages.extend(transcript[response.sent_messages :])
+        return True
+
+    def observe_many(self, responses: list[FdEntry]) -> None:
+        """One round trip to learn which of many chats finished (epoll's hot path)."""
+        waiting = [r for r in responses if r.body is None]
+        if not waiting:
+            return
+        for response, done in zip(waiting, self.store.ready([r.sk for r in waiting]), strict=True):
+            if done:
+                self.observe(response)
+
+    def poll_mask(self, entry: FdEntry) -> int:
+        mask = abi.EPOLLHUP if entry.closed else 0
+        if entry.kind == abi.KIND_RESPONSE and self.observe(entry):
+            mask |= abi.EPOLLIN
+        if entry.kind == abi.KIND_SESSION and not entry.closed:
+            mask |= abi.EPOLLOUT
+        return mask
+
+    def metrics(self, mem: GuestMemory, entry: FdEntry, out_ptr: int, out_len_ptr: int) -> int:
+        """A response's metrics (`{}` unless its send asked for them) into guest memory."""
+        if not self.observe(entry):
+            return -abi.EAGAIN
+        metrics = (entry.record or {}).get("metrics", {}) if entry.metrics else {}
+        return write_with_len(mem, out_ptr, out_len_ptr, dump_body(metrics))
+
+
+def write_with_len(mem: GuestMemory, out_ptr: int, out_len_ptr: int, data: bytes) -> int:
+    capacity = mem.read_u32(out_len_ptr)
+    need, fits = abi.write_with_len_plan(capacity, data)
+    if not fits:
+        mem.write_u32(out_len_ptr, need)
+        return -abi.ENOSPC
+    mem.write(out_ptr, data)
+    mem.write_u32(out_len_ptr, need)
+    return need
