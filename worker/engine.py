@@ -7,6 +7,7 @@ call the model, run these tools, or finish with this body. Tasks only carry that
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 from dataclasses import dataclass, field
@@ -221,11 +222,39 @@ def _presets(
             presets[i] = ToolOutcome.error(
                 "invalid_arguments", "arguments truncated (finish_reason length), not executed"
             )
+        elif _repeats(session, call) >= REPEAT_LIMIT - 1:
+            # conformance B7 68: the model keeps asking the same thing; tell it, do not rerun
+            presets[i] = ToolOutcome.error(
+                "repeated_call",
+                f"this exact call was made {REPEAT_LIMIT} times in a row; "
+                "use its earlier result or change the arguments",
+            )
         else:
             problem = argument_problem(call["function"]["arguments"], tools[name]["function"])
             if problem:
                 presets[i] = ToolOutcome.error("invalid_arguments", problem)
     return presets
+
+
+REPEAT_LIMIT = 3  # the same name and arguments in this many consecutive rounds
+
+
+def _repeats(session: Session, call: dict[str, Any]) -> int:
+    """In how many rounds right before the last one the same call was made."""
+    key = _call_key(call)
+    count = 0
+    for rnd in reversed(session.rounds[:-1]):
+        if is_error_body(rnd.reply) or key not in {_call_key(c) for c in tool_calls_of(rnd.reply)}:
+            break
+        count += 1
+    return count
+
+
+def _call_key(call: dict[str, Any]) -> tuple[str, str]:
+    arguments = call["function"]["arguments"]
+    with contextlib.suppress(ToolArgumentsError):
+        arguments = canonical_arguments(arguments)
+    return call["function"]["name"], arguments
 
 
 def canonical_arguments(arguments: str) -> str:
