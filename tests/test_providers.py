@@ -4,6 +4,7 @@ replay server: the same sessions give the same outcomes; thinking is replayed ve
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -79,3 +80,35 @@ def test_gemini_thought_signatures_echoed(
         assert any("functionCall" in p and p.get("thoughtSignature") for p in parts), json.dumps(
             parts
         )
+
+
+@pytest.mark.parametrize("protocol", ["openai", "anthropic"])
+def test_status_shows_a_streamed_round_while_it_is_generated(
+    running: Running, tmp_path: Path, fresh_id: str, protocol: str
+) -> None:
+    from tests.test_pipeline import submit_specs
+
+    text = "a long enough message to come back in several pieces, one after another"
+    spec = on_backend(
+        {"id": f"{fresh_id}/live", "model": "replay/plain",
+         "messages": [{"role": "user", "content": f"{text} [[chunk_delay_ms:250]]"}]},
+        replay_backend_name(protocol, True),
+        protocol,
+    )  # fmt: skip
+    sub = submit_specs(running.client, [spec], tmp_path)
+    seen: list[str] = []
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        status = running.client.status(spec["id"]) or {}
+        if status.get("finished"):
+            break
+        if status.get("partial_text"):
+            seen.append(status["partial_text"])
+        time.sleep(0.05)
+    (record,) = dict(running.client.wait(sub, timeout_s=30)).values()
+    final = record["body"]["choices"][0]["message"]["content"]
+    assert final == f"Echo: {text}"
+    partial = [s for s in seen if s != final]
+    assert partial, "no partial text was ever shown"
+    assert all(final.startswith(s) for s in seen)
+    assert "partial_text" not in (running.client.status(spec["id"]) or {})

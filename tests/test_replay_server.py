@@ -118,6 +118,7 @@ def test_health_and_empty_stats(client: Client) -> None:
         "last_unexpected": "",
         "last_rejected": "",
         "max_in_flight": 0,
+        "arrivals": [],
     }
 
 

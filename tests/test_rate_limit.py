@@ -1,0 +1,73 @@
+"""A backend's rate limit is shared by every worker of the fleet (in Redis): with two llm
+worker processes the provider never sees more than N requests in any window, and sessions
+waiting for room hold no worker slot."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fixtures.replay import ReplayServer
+from producer.fleet import Fleet, replay_backends
+from tests.conftest import Running, _workers
+from tests.test_pipeline import submit_specs
+
+pytestmark = pytest.mark.fleet
+
+LIMIT = 4
+WINDOW_S = 2.0
+JITTER_S = 0.1  # between the limiter admitting a call and the server seeing it
+
+
+@pytest.fixture()
+def limited(base_fleet: Fleet) -> Iterator[tuple[Running, ReplayServer]]:
+    replay = ReplayServer().start()
+    backends = {
+        **replay_backends(base_fleet.replay_url),
+        "limited": {
+            "base_url": replay.url,
+            "requests_per_minute": LIMIT,
+            "rate_window_s": WINDOW_S,
+        },
+    }
+    env = {"CCHATQ_BACKENDS": json.dumps({"backends": backends})}
+    fleet = _workers(base_fleet, db=5, extra_env=env)
+    try:
+        running = next(fleet)
+        # a second llm worker process, with few slots: waiting sessions must not fill them
+        running.fleet.start_worker("llm", concurrency=2, extra_env=env)
+        yield running, replay
+    finally:
+        fleet.close()
+        replay.stop()
+
+
+def test_shared_limit_holds_across_two_worker_processes(
+    limited: tuple[Running, ReplayServer], tmp_path: Path, fresh_id: str
+) -> None:
+    running, replay = limited
+    specs = [
+        {"id": f"{fresh_id}/lim/{n}", "provider": "limited", "model": "replay/plain",
+         "messages": [{"role": "user", "content": f"limited {n}"}]}
+        for n in range(14)
+    ]  # fmt: skip
+    free = {"id": f"{fresh_id}/free", "provider": "replay-openai", "model": "replay/plain",
+            "messages": [{"role": "user", "content": "not limited"}]}  # fmt: skip
+    sub = submit_specs(running.client, specs, tmp_path, "limited.jsonl")
+    free_sub = submit_specs(running.client, [free], tmp_path, "free.jsonl")
+    (free_record,) = dict(running.client.wait(free_sub, timeout_s=30)).values()
+    pending = running.client.records(sub.order)
+    records = dict(running.client.wait(sub, timeout_s=60))
+    assert all(r["status"] == "ok" for r in records.values()), records
+    assert free_record["status"] == "ok"
+    # waiting sessions gave their worker slots back: the free one did not queue behind them
+    assert sum(r is None for r in pending) >= len(specs) - 2 * LIMIT
+    arrivals = sorted(replay.stats()["arrivals"])
+    assert len(arrivals) == len(specs)
+    busiest = max(sum(1 for t in arrivals if a <= t < a + WINDOW_S - JITTER_S) for a in arrivals)
+    assert busiest <= LIMIT, arrivals
+    # the limit really bit: 14 calls at 4 per window cannot all fit in the first ones
+    assert arrivals[-1] - arrivals[0] >= 3 * WINDOW_S - JITTER_S
