@@ -1,5 +1,6 @@
 """`python -m bench` (or `make bench`): measured side by side in one run, on a private fleet.
 
+0. per protocol: codec + stream assembly cost of a tool-call round, next to json.loads;
 1. per-step overhead of a session (zero-latency replay; start -> round -> tool -> round ->
    finish) next to a bare Celery no-op trampoline hop with the same settings;
 2. sessions per second for 1,000 such sessions;
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import fixtures
+from bench.codecs import codec_rows
 from fixtures.demo_batch import WEATHER
 from producer.client import Client
 from producer.fleet import WORKER_PROFILES, Fleet, replay_backends
@@ -143,7 +145,7 @@ def fork_micro(rows: list[tuple[str, str]]) -> None:
 
 
 def main() -> int:
-    rows: list[tuple[str, str]] = []
+    rows: list[tuple[str, str]] = codec_rows()
     fork_micro(rows)
     with Fleet() as fleet, Fleet() as slow:
         redis_url = fleet.ensure_redis(private=True)
