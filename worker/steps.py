@@ -63,6 +63,9 @@ class PartialText:
         self.last = 0.0
 
     def __call__(self, delta: Delta) -> None:
+        if delta.kind == "restart":
+            self.text.clear()
+            return
         if delta.kind != "content":
             return
         self.text.append(delta.text)

@@ -59,7 +59,7 @@ class SseEvent:
 class Delta:
     """Text to show while a round runs (`cchatq status`); never needed for the result."""
 
-    kind: Literal["content", "reasoning"]
+    kind: Literal["content", "reasoning", "restart"]  # restart: a retried call starts over
     text: str
 
 

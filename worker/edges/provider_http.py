@@ -114,13 +114,17 @@ class HttpProvider:
         start = time.monotonic()
         attempts = 0
         empty_retried = False
+        spent: dict[str, int] = {}  # usage of attempts whose reply was discarded (B10 82)
         while True:
             attempts += 1
+            if attempts > 1 and on_delta is not None:
+                on_delta(Delta("restart", ""))  # what a failed stream showed is void
             outcome = self._attempt(wire, body, request, attempts, start, on_delta)
             if isinstance(outcome, dict):
                 if not is_empty_reply(outcome):
                     latency_ms = int((time.monotonic() - start) * 1000)
-                    return CompletionResult(outcome, attempts, latency_ms)
+                    return CompletionResult(_with_spent(outcome, spent), attempts, latency_ms)
+                _add_usage(spent, outcome.get("usage"))
                 # B1.12: one retry for an empty reply, with no backoff (it is not a load signal).
                 if (
                     empty_retried
@@ -257,6 +261,21 @@ class HttpProvider:
             return assembler.result()
         except ProviderRetryableError as exc:
             return exc
+
+
+def _add_usage(total: dict[str, int], usage: Any) -> None:
+    for key, value in (usage or {}).items():
+        if isinstance(value, int) and not isinstance(value, bool):
+            total[key] = total.get(key, 0) + value
+
+
+def _with_spent(completion: dict[str, Any], spent: dict[str, int]) -> dict[str, Any]:
+    """The reply with the usage of discarded attempts added: they were billed too."""
+    if not spent:
+        return completion
+    usage = dict(completion.get("usage") or {})
+    _add_usage(usage, spent)
+    return {**completion, "usage": usage}
 
 
 def _json_body(resp: requests.Response) -> Any:
