@@ -21,6 +21,8 @@ from schemas.bodies import dump_body
 CHUNK_SIZE = 256  # sessions admitted by one start task
 PIPELINE_SIZE = 1000  # sessions per Redis round trip at submit
 DEFAULT_TTL_S = 86_400
+STALL_S = 30.0  # no session of a batch finished for this long: nudge the rest
+NUDGE_MAX = 1000
 
 
 @dataclass
@@ -128,15 +130,25 @@ class Client:
     # wait ----------------------------------------------------------------------------------
 
     def wait(
-        self, sub: Submission, timeout_s: float | None = None, poll_s: float = 0.5
+        self,
+        sub: Submission,
+        timeout_s: float | None = None,
+        poll_s: float = 0.5,
+        stall_s: float = STALL_S,
     ) -> Iterator[tuple[str, dict[str, Any]]]:
         """Yield (session key, record) as sessions finish, by blocking reads of the batch's
-        done list. Raises TimeoutError naming how many are still running."""
+        done list. When nothing finishes for `stall_s`, the sessions still running are
+        nudged (their next step published again). Raises TimeoutError naming how many are
+        still running."""
         pending = set(sub.order)
         ready = list(sub.done)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         done_key = keys.done_list(sub.batch)
+        progress = time.monotonic()
         while pending:
+            if time.monotonic() - progress > stall_s:
+                self.nudge(sorted(pending)[:NUDGE_MAX])
+                progress = time.monotonic()
             if not ready:
                 item = self.redis.blpop([done_key], timeout=poll_s)
                 if item is not None:
@@ -149,9 +161,19 @@ class Client:
                 for sk, record in zip(fresh, self.records(fresh), strict=True):
                     if record is not None:
                         pending.discard(sk)
+                        progress = time.monotonic()
                         yield sk, record
             if deadline is not None and time.monotonic() > deadline and pending:
                 raise TimeoutError(f"{len(pending)} of {len(sub.order)} sessions still running")
+
+    def nudge(self, sks: Sequence[str]) -> None:
+        """Ask the fleet to publish the next step of these sessions again (StepRunner.nudge)."""
+        stamp = int(time.time())
+        for sk in sks:
+            self.celery.send_task(
+                task_names.NUDGE, args=[sk], task_id=f"{sk}.nudge.{stamp}",
+                queue=task_names.ROUTES[task_names.NUDGE],
+            )  # fmt: skip
 
     def records(self, sks: Sequence[str]) -> list[dict[str, Any] | None]:
         raw = self.redis.mget([keys.record(sk) for sk in sks])

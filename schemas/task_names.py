@@ -8,6 +8,7 @@ TOOL = "cchatq.tool"
 FINISH = "cchatq.finish"
 CANCEL = "cchatq.cancel"
 PROGRAM = "cchatq.program"
+NUDGE = "cchatq.nudge"
 
 QUEUE_LLM = "llm"
 QUEUE_TOOLS = "tools"
@@ -22,4 +23,5 @@ ROUTES: dict[str, str] = {
     FINISH: QUEUE_CONTROL,
     CANCEL: QUEUE_CONTROL,
     PROGRAM: QUEUE_PROGRAMS,
+    NUDGE: QUEUE_CONTROL,
 }

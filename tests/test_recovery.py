@@ -4,6 +4,7 @@ the killed worker's unacknowledged tasks come back within the test."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,8 +12,10 @@ from pathlib import Path
 import pytest
 
 from fixtures.demo_batch import CITIES, WEATHER, weather_json
+from producer.client import Client
 from producer.fleet import Fleet
-from tests.conftest import Running, _workers
+from producer.specfile import load_spec_file
+from tests.conftest import GUESTS, Running, _workers
 from tests.test_pipeline import assert_tool_messages_paired, submit_specs
 
 pytestmark = pytest.mark.fleet
@@ -108,3 +111,30 @@ def diagnose(running: Running, stuck: list[str]) -> str:
         )
     lines.append(f"unacked: {[v[:160] for v in r.hvals('unacked')]}")
     return "\n".join(lines)
+
+
+def test_a_lost_message_is_recovered_by_the_waiting_producer(
+    running: Running, tmp_path: Path, fresh_id: str
+) -> None:
+    """The start message goes to a broker no worker reads (a message the broker lost): the
+    session's state is in Redis, so a nudge publishes its next step again and it finishes."""
+    lost = Client(running.redis_url)
+    lost.celery.conf.broker_url = running.redis_url.rsplit("/", 1)[0] + "/9"  # a black hole
+    spec = {
+        "id": f"{fresh_id}/lost",
+        "model": "replay/weather",
+        "messages": [{"role": "user", "content": "Weather in Lima?"}],
+        "tools": [dict(WEATHER)],
+    }
+    path = tmp_path / "lost.jsonl"
+    path.write_text(
+        json.dumps({**spec, "tools": [{**WEATHER, "module": str(GUESTS / "weather.wasm")}]}) + "\n"
+    )
+    sub = lost.submit([s.spec for s in load_spec_file(path)])
+    lost.close()
+    (record,) = dict(running.client.wait(sub, timeout_s=30, stall_s=1.0)).values()
+    assert record["status"] == "ok"
+    assert (
+        record["body"]["choices"][0]["message"]["content"]
+        == f"Weather report: {weather_json('Lima')}"
+    )

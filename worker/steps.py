@@ -306,6 +306,30 @@ class StepRunner:
         except GuestError as exc:
             return ToolOutcome.error("tool_exec_failed", exc.message)
 
+    # nudge ------------------------------------------------------------------------------
+
+    def nudge(self, sk: str) -> None:
+        """Re-publish what a stalled session does next, as the engine plans it from the stored
+        state. A broker can lose a message (a worker killed between taking it and recording it
+        as unacknowledged); every step being idempotent, publishing it again is always safe."""
+        if self.store.has_result(sk):
+            self.store.notify(sk, self.store.watcher_batches(sk))
+            return
+        spec = self.store.load_spec(sk)
+        if spec.get("kind") == "program":
+            self.dispatch.program(sk)
+            return
+        step = plan(self.store.load_session(sk, self._default_backend()))
+        if isinstance(step, CallModel):
+            self.dispatch.round(sk, step.round_no)
+        elif isinstance(step, RunTools):
+            for run in step.runs:
+                self.dispatch.tool(sk, step.round_no, run.index)
+            if not step.runs:
+                self.dispatch.round(sk, step.round_no)  # its presets are still to be stored
+        else:
+            self.dispatch.finish(sk)
+
     # finish --------------------------------------------------------------------------------
 
     def finish(self, sk: str) -> None:

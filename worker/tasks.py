@@ -52,6 +52,11 @@ def finish(self: Task, sk: str) -> None:
     _run(self, lambda r: StepRunner.finish(r, sk))
 
 
+@app.task(name=task_names.NUDGE, bind=True, ignore_result=True)
+def nudge(self: Task, sk: str) -> None:
+    runner(app).nudge(sk)
+
+
 @app.task(name=task_names.PROGRAM, **STEP_OPTIONS)
 def program(self: Task, sk: str) -> None:
     try:

@@ -33,6 +33,10 @@
  *         -Wl,--export-table -Wl,--export=get_weather tool.c -o tool.wasm
  *
  * C99, no allocations. All helpers are static inline.
+ *
+ * spear.h (agent programs) includes this header and builds its tool, length
+ * cell and JSON string helpers on the ones below, so there is one copy of
+ * them. Names starting with cchatq__ are internal.
  */
 #ifndef CCHATQ_TOOL_H
 #define CCHATQ_TOOL_H
@@ -63,15 +67,18 @@
 #define CCHATQ_ENOSYS    38
 #define CCHATQ_ETIMEDOUT 110
 
+/* The tool signature (wasm type (i32, i32, i32, i32) -> i32), unexported. */
+#define CCHATQ__TOOL_SIGNATURE(name)                                         \
+    int32_t name(const char *args, int32_t args_len, char *out,             \
+                 uint32_t *out_len)
+
 /*
  * CCHATQ_TOOL(name) { ... } defines and exports the tool `name` with the
  * parameters: const char *args, int32_t args_len, char *out, uint32_t *out_len.
  * (Pointers are 32-bit on wasm32, so this matches the i32 ABI exactly.)
  */
 #define CCHATQ_TOOL(name)                                                    \
-    __attribute__((export_name(#name)))                                      \
-    int32_t name(const char *args, int32_t args_len, char *out,             \
-                 uint32_t *out_len)
+    __attribute__((export_name(#name))) CCHATQ__TOOL_SIGNATURE(name)
 
 /* Read/write *out_len without assuming alignment. */
 static inline uint32_t cchatq_get_capacity(const uint32_t *out_len)
@@ -209,26 +216,44 @@ static inline int cchatq__json_hex4(const char *p, uint32_t *out)
     return 0;
 }
 
-/*
- * Copy the decoded string value of top-level `key` into buf (NUL-terminated).
- * Handles \" \\ \/ \b \f \n \r \t and \uXXXX (incl. surrogate pairs; lone
- * surrogates become U+FFFD). Returns the decoded length (excluding the NUL),
- * or: -CCHATQ_ENOENT if the key is absent, -CCHATQ_EINVAL if the value is
- * not a string or is malformed, -CCHATQ_ENOSPC if buf (cap bytes, including
- * the NUL) is too small. Note: do not pass -CCHATQ_ENOSPC from here back to
- * the host unchanged; to the host it means "give me a bigger output buffer".
- */
-static inline int32_t cchatq_json_get_string(const char *json, const char *key,
-                                             char *buf, uint32_t cap)
+/* Encode code point cp (<= 0x10FFFF) as UTF-8 into enc; returns its length. */
+static inline uint32_t cchatq__utf8_encode(uint32_t cp, char enc[4])
 {
-    const char *p = cchatq__json_find(json, key);
+    if (cp < 0x80) {
+        enc[0] = (char)cp;
+        return 1;
+    }
+    if (cp < 0x800) {
+        enc[0] = (char)(0xC0 | (cp >> 6));
+        enc[1] = (char)(0x80 | (cp & 0x3F));
+        return 2;
+    }
+    if (cp < 0x10000) {
+        enc[0] = (char)(0xE0 | (cp >> 12));
+        enc[1] = (char)(0x80 | ((cp >> 6) & 0x3F));
+        enc[2] = (char)(0x80 | (cp & 0x3F));
+        return 3;
+    }
+    enc[0] = (char)(0xF0 | (cp >> 18));
+    enc[1] = (char)(0x80 | ((cp >> 12) & 0x3F));
+    enc[2] = (char)(0x80 | ((cp >> 6) & 0x3F));
+    enc[3] = (char)(0x80 | (cp & 0x3F));
+    return 4;
+}
+
+/*
+ * Decode the JSON string whose body starts at p (just after the opening '"')
+ * into buf (cap bytes, including the NUL). Handles \" \\ \/ \b \f \n \r \t
+ * and \uXXXX (incl. surrogate pairs; lone surrogates become U+FFFD), and
+ * encodes to UTF-8. Returns the decoded length (excluding the NUL), or
+ * -CCHATQ_EINVAL (malformed or unterminated) or -CCHATQ_ENOSPC (buf too
+ * small; with cap == 0 a malformed escape may still give -CCHATQ_EINVAL).
+ */
+static inline int32_t cchatq__json_decode_string(const char *p, char *buf,
+                                                 uint32_t cap)
+{
     uint32_t n = 0;
 
-    if (!p)
-        return -CCHATQ_ENOENT;
-    if (*p != '"')
-        return -CCHATQ_EINVAL;
-    p++;
     for (;;) {
         unsigned char c = (unsigned char)*p++;
         uint32_t cp;
@@ -274,21 +299,7 @@ static inline int32_t cchatq_json_get_string(const char *json, const char *key,
         default:
             return -CCHATQ_EINVAL;
         }
-        if (cp < 0x80) {
-            enc[0] = (char)cp; elen = 1;
-        } else if (cp < 0x800) {
-            enc[0] = (char)(0xC0 | (cp >> 6));
-            enc[1] = (char)(0x80 | (cp & 0x3F)); elen = 2;
-        } else if (cp < 0x10000) {
-            enc[0] = (char)(0xE0 | (cp >> 12));
-            enc[1] = (char)(0x80 | ((cp >> 6) & 0x3F));
-            enc[2] = (char)(0x80 | (cp & 0x3F)); elen = 3;
-        } else {
-            enc[0] = (char)(0xF0 | (cp >> 18));
-            enc[1] = (char)(0x80 | ((cp >> 12) & 0x3F));
-            enc[2] = (char)(0x80 | ((cp >> 6) & 0x3F));
-            enc[3] = (char)(0x80 | (cp & 0x3F)); elen = 4;
-        }
+        elen = cchatq__utf8_encode(cp, enc);
         if (n + elen >= cap)
             return -CCHATQ_ENOSPC;
         memcpy(buf + n, enc, elen);
@@ -298,6 +309,27 @@ static inline int32_t cchatq_json_get_string(const char *json, const char *key,
         return -CCHATQ_ENOSPC;
     buf[n] = '\0';
     return (int32_t)n;
+}
+
+/*
+ * Copy the decoded string value of top-level `key` into buf (NUL-terminated).
+ * Handles \" \\ \/ \b \f \n \r \t and \uXXXX (incl. surrogate pairs; lone
+ * surrogates become U+FFFD). Returns the decoded length (excluding the NUL),
+ * or: -CCHATQ_ENOENT if the key is absent, -CCHATQ_EINVAL if the value is
+ * not a string or is malformed, -CCHATQ_ENOSPC if buf (cap bytes, including
+ * the NUL) is too small. Note: do not pass -CCHATQ_ENOSPC from here back to
+ * the host unchanged; to the host it means "give me a bigger output buffer".
+ */
+static inline int32_t cchatq_json_get_string(const char *json, const char *key,
+                                             char *buf, uint32_t cap)
+{
+    const char *p = cchatq__json_find(json, key);
+
+    if (!p)
+        return -CCHATQ_ENOENT;
+    if (*p != '"')
+        return -CCHATQ_EINVAL;
+    return cchatq__json_decode_string(p + 1, buf, cap);
 }
 
 /*

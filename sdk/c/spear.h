@@ -46,6 +46,10 @@
  *     clang-14 --target=wasm32-wasi -O2 -Wl,--export-table prog.c -o prog.wasm
  *
  * C99. Helpers are static inline; the *_alloc helpers use malloc.
+ *
+ * Built on cchatq_tool.h (same directory; included below), which holds the
+ * one copy of the tool signature, the u32 length-cell / tool-result helpers
+ * and the JSON string decoding shared by both SDKs.
  */
 #ifndef SPEAR_H
 #define SPEAR_H
@@ -56,26 +60,29 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cchatq_tool.h"
+
 /*
  * Error numbers returned (negated) by the hostcalls, and by tools. These are
- * the LINUX numbers, which is what the host uses. wasi-libc's <errno.h> uses
- * different values (e.g. its EBADF is 8, its ENOSPC is 51): never compare
- * hostcall results with EXXX from <errno.h>, always use these.
+ * the LINUX numbers, which is what the host uses (the same numbers as
+ * CCHATQ_E*). wasi-libc's <errno.h> uses different values (e.g. its EBADF is
+ * 8, its ENOSPC is 51): never compare hostcall results with EXXX from
+ * <errno.h>, always use these.
  */
-#define SPEAR_EPERM      1
-#define SPEAR_ENOENT     2
-#define SPEAR_EIO        5
-#define SPEAR_EBADF      9
-#define SPEAR_EAGAIN    11
-#define SPEAR_ENOMEM    12
-#define SPEAR_EACCES    13
-#define SPEAR_EFAULT    14
-#define SPEAR_EINVAL    22
-#define SPEAR_ENOSPC    28
-#define SPEAR_EPIPE     32
-#define SPEAR_EDOM      33
-#define SPEAR_ENOSYS    38
-#define SPEAR_ETIMEDOUT 110
+#define SPEAR_EPERM     CCHATQ_EPERM     /* 1 */
+#define SPEAR_ENOENT    CCHATQ_ENOENT    /* 2 */
+#define SPEAR_EIO       CCHATQ_EIO       /* 5 */
+#define SPEAR_EBADF     CCHATQ_EBADF     /* 9 */
+#define SPEAR_EAGAIN    CCHATQ_EAGAIN    /* 11 */
+#define SPEAR_ENOMEM    CCHATQ_ENOMEM    /* 12 */
+#define SPEAR_EACCES    CCHATQ_EACCES    /* 13 */
+#define SPEAR_EFAULT    CCHATQ_EFAULT    /* 14 */
+#define SPEAR_EINVAL    CCHATQ_EINVAL    /* 22 */
+#define SPEAR_ENOSPC    CCHATQ_ENOSPC    /* 28 */
+#define SPEAR_EPIPE     CCHATQ_EPIPE     /* 32 */
+#define SPEAR_EDOM      CCHATQ_EDOM      /* 33 */
+#define SPEAR_ENOSYS    CCHATQ_ENOSYS    /* 38 */
+#define SPEAR_ETIMEDOUT CCHATQ_ETIMEDOUT /* 110 */
 
 /* First fd number of a run (fds are shared by all kinds, never reused). */
 #define SPEAR_FIRST_FD 1000
@@ -233,21 +240,17 @@ int32_t spear_epoll_close(int32_t epfd);
  *     the needed length and return -SPEAR_ENOSPC (spear_write_tool_result
  *     does both). Any other negative value is an error.
  */
-#define SPEAR_TOOL_FN(name)                                                  \
-    int32_t name(const char *args, int32_t args_len, char *out,             \
-                 uint32_t *out_len)
+#define SPEAR_TOOL_FN(name) CCHATQ__TOOL_SIGNATURE(name)
 
 /* Read/write a u32 length cell without assuming alignment. */
 static inline uint32_t spear_get_u32(const uint32_t *cell)
 {
-    uint32_t v;
-    memcpy(&v, cell, sizeof v);
-    return v;
+    return cchatq_get_capacity(cell);
 }
 
 static inline void spear_set_u32(uint32_t *cell, uint32_t v)
 {
-    memcpy(cell, &v, sizeof v);
+    cchatq_set_length(cell, v);
 }
 
 /*
@@ -258,14 +261,7 @@ static inline void spear_set_u32(uint32_t *cell, uint32_t v)
 static inline int32_t spear_write_tool_result(char *out, uint32_t *out_len,
                                               const char *data, uint32_t len)
 {
-    if (len > spear_get_u32(out_len)) {
-        spear_set_u32(out_len, len);
-        return -SPEAR_ENOSPC;
-    }
-    if (len > 0)
-        memcpy(out, data, len);
-    spear_set_u32(out_len, len);
-    return 0;
+    return cchatq_write_result(out, out_len, data, len);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -481,13 +477,6 @@ static inline int32_t spear_fd_get_alloc(int32_t fd, int32_t cmd, char **out,
 /* choices[0].message.content.                                               */
 /* ------------------------------------------------------------------------ */
 
-static inline const char *spear__ws(const char *p)
-{
-    while (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')
-        p++;
-    return p;
-}
-
 /* The first character of a value of "key" that starts with a character in
  * `first` (e.g. "\"" or "-0123456789"), or NULL. */
 static inline const char *spear__json_find_value(const char *json,
@@ -517,35 +506,15 @@ static inline const char *spear__json_find_value(const char *json,
                 continue;
         }
         {
-            const char *q = spear__ws(hit + klen + 1);
+            const char *q = cchatq__json_ws(hit + klen + 1);
             if (*q != ':')
                 continue;
-            q = spear__ws(q + 1);
+            q = cchatq__json_ws(q + 1);
             if (*q && strchr(first, *q))
                 return q;
         }
     }
     return NULL;
-}
-
-static inline int spear__hex4(const char *p, uint32_t *out)
-{
-    uint32_t v = 0;
-    int i;
-    for (i = 0; i < 4; i++) {
-        char c = p[i];
-        v <<= 4;
-        if (c >= '0' && c <= '9')
-            v |= (uint32_t)(c - '0');
-        else if (c >= 'a' && c <= 'f')
-            v |= (uint32_t)(c - 'a' + 10);
-        else if (c >= 'A' && c <= 'F')
-            v |= (uint32_t)(c - 'A' + 10);
-        else
-            return -1;
-    }
-    *out = v;
-    return 0;
 }
 
 /*
@@ -560,80 +529,12 @@ static inline int32_t spear_json_find_string(const char *json, const char *key,
                                              char *buf, uint32_t cap)
 {
     const char *p = spear__json_find_value(json, key, "\"");
-    uint32_t n = 0;
 
     if (!p)
         return -SPEAR_ENOENT;
     if (cap == 0)
         return -SPEAR_ENOSPC;
-    p++;
-    for (;;) {
-        unsigned char c = (unsigned char)*p++;
-        uint32_t cp;
-        char enc[4];
-        uint32_t elen;
-
-        if (c == '"')
-            break;
-        if (c == 0)
-            return -SPEAR_EINVAL; /* unterminated */
-        if (c != '\\') {
-            if (n + 1 >= cap)
-                return -SPEAR_ENOSPC;
-            buf[n++] = (char)c;
-            continue;
-        }
-        c = (unsigned char)*p++;
-        switch (c) {
-        case '"': case '\\': case '/': cp = c; break;
-        case 'b': cp = '\b'; break;
-        case 'f': cp = '\f'; break;
-        case 'n': cp = '\n'; break;
-        case 'r': cp = '\r'; break;
-        case 't': cp = '\t'; break;
-        case 'u':
-            if (spear__hex4(p, &cp) < 0)
-                return -SPEAR_EINVAL;
-            p += 4;
-            if (cp >= 0xD800 && cp <= 0xDBFF) {
-                uint32_t lo;
-                if (p[0] == '\\' && p[1] == 'u' &&
-                    spear__hex4(p + 2, &lo) == 0 &&
-                    lo >= 0xDC00 && lo <= 0xDFFF) {
-                    cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
-                    p += 6;
-                } else {
-                    cp = 0xFFFD;
-                }
-            } else if (cp >= 0xDC00 && cp <= 0xDFFF) {
-                cp = 0xFFFD;
-            }
-            break;
-        default:
-            return -SPEAR_EINVAL;
-        }
-        if (cp < 0x80) {
-            enc[0] = (char)cp; elen = 1;
-        } else if (cp < 0x800) {
-            enc[0] = (char)(0xC0 | (cp >> 6));
-            enc[1] = (char)(0x80 | (cp & 0x3F)); elen = 2;
-        } else if (cp < 0x10000) {
-            enc[0] = (char)(0xE0 | (cp >> 12));
-            enc[1] = (char)(0x80 | ((cp >> 6) & 0x3F));
-            enc[2] = (char)(0x80 | (cp & 0x3F)); elen = 3;
-        } else {
-            enc[0] = (char)(0xF0 | (cp >> 18));
-            enc[1] = (char)(0x80 | ((cp >> 12) & 0x3F));
-            enc[2] = (char)(0x80 | ((cp >> 6) & 0x3F));
-            enc[3] = (char)(0x80 | (cp & 0x3F)); elen = 4;
-        }
-        if (n + elen >= cap)
-            return -SPEAR_ENOSPC;
-        memcpy(buf + n, enc, elen);
-        n += elen;
-    }
-    buf[n] = '\0';
-    return (int32_t)n;
+    return cchatq__json_decode_string(p + 1, buf, cap);
 }
 
 /*

@@ -245,6 +245,10 @@ class RedisStore:
         self.notify(sk, (b.decode() for b in batches))
         return bool(wrote)
 
+    @_translated
+    def watcher_batches(self, sk: str) -> list[str]:
+        return [b.decode() for b in self.client.smembers(keys.watchers(sk))]
+
     def notify(self, sk: str, batches: Iterable[str]) -> None:
         pipe = self.client.pipeline(transaction=False)
         for batch in batches:
