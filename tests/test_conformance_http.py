@@ -9,12 +9,10 @@ SSE server here for streams. Backoff sleeps are recorded, never slept.
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from email.utils import formatdate
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
@@ -296,48 +294,6 @@ def test_b9_77_total_deadline_stops_repeated_timeouts(
     assert 2 <= len(server.seen) <= 5
 
 
-@dataclass
-class SseReply:
-    body: bytes
-    content_type: str = "text/event-stream"
-
-
-class SseServer:
-    """Answers POSTs with scripted SSE bodies (the body may end without a terminator)."""
-
-    def __init__(self, *script: SseReply) -> None:
-        self.script = list(script)
-        self.bodies: list[bytes] = []
-        srv = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def do_POST(self) -> None:
-                srv.bodies.append(self.rfile.read(int(self.headers.get("Content-Length", "0"))))
-                reply = srv.script.pop(0) if srv.script else SseReply(b"unscripted", "text/plain")
-                self.send_response(200 if reply.content_type == "text/event-stream" else 599)
-                self.send_header("Content-Type", reply.content_type)
-                self.send_header("Content-Length", str(len(reply.body)))
-                self.end_headers()
-                self.wfile.write(reply.body)
-
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(
-            target=self.httpd.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True
-        )
-        self.thread.start()
-        self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self.thread.join(timeout=5)
-
-
 def sse(*events: Any, done: bool = True) -> bytes:
     lines = [f"data: {json.dumps(e)}\n\n" for e in events]
     return "".join([*lines, "data: [DONE]\n\n" if done else ""]).encode()
@@ -364,7 +320,8 @@ def test_b9_77_truncated_stream_is_retried_whole_and_partial_output_discarded() 
         chunk({"content": " world"}),
         chunk({}, finish="stop"),
     )
-    srv = SseServer(SseReply(truncated), SseReply(whole))
+    srv = ScriptedServer()
+    srv.script = [Reply(body=body, content_type="text/event-stream") for body in (truncated, whole)]
     sleeps: list[float] = []
     provider = HttpProvider(
         BackendConfig(name="sse", base_url=srv.base_url), OpenAICodec(), sleeps.append, {}
@@ -376,8 +333,9 @@ def test_b9_77_truncated_stream_is_retried_whole_and_partial_output_discarded() 
         srv.close()
     assert result.attempts == 2
     assert len(sleeps) == 1
-    assert len(srv.bodies) == 2 and srv.bodies[0] == srv.bodies[1]  # the same call, again
-    assert json.loads(srv.bodies[0])["stream"] is True
+    bodies = [seen.body for seen in srv.seen]
+    assert len(bodies) == 2 and bodies[0] == bodies[1]  # the same call, again
+    assert json.loads(bodies[0])["stream"] is True
     message = result.completion["choices"][0]["message"]
     assert message["content"] == "Hello world"  # nothing of the cut-off attempt
     assert "tool_calls" not in message  # the half-built call is gone

@@ -914,37 +914,14 @@ def test_transcript_with_cancelled_never_leaves_a_call_unanswered(s: Session) ->
     assert msgs[0] == USER
 
 
-FINISHED_SESSIONS = [
-    pytest.param(
-        session(
-            make_spec(), Round(reply=THREE_CALLS, outcomes=THREE_OUTCOMES), Round(reply=ANSWER)
-        ),
-        id="answered",
-    ),
-    pytest.param(
-        session(
-            make_spec(),
-            Round(reply=THREE_CALLS, outcomes=THREE_OUTCOMES),
-            Round(reply=PROVIDER_ERROR),
-        ),
-        id="error-after-tools",
-    ),
-    pytest.param(
-        session(make_spec(limits={"max_iterations": 1}), Round(reply=THREE_CALLS)),
-        id="iteration-limit",
-    ),
-    pytest.param(
-        session(make_spec(limits={"max_total_tool_calls": 2}), Round(reply=THREE_CALLS)),
-        id="total-limit",
-    ),
-    pytest.param(
-        session(
-            make_spec(flags={"strict_unknown_tool": True}),
-            Round(reply=completion(call("c1", "nope"))),
-        ),
-        id="strict-unknown-only",
-    ),
-]
+FINISHED = {
+    "answered",
+    "error-after-tools",
+    "iteration-limit",
+    "total-limit",
+    "strict-unknown-only",
+}
+FINISHED_SESSIONS = [p for p in TRANSCRIPT_SESSIONS if p.id in FINISHED]
 
 
 @pytest.mark.parametrize("s", FINISHED_SESSIONS)

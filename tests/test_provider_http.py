@@ -47,6 +47,7 @@ class Reply:
     body: Any = field(default_factory=completion)  # dict/list -> JSON, bytes as is
     headers: dict[str, str] = field(default_factory=dict)
     delay_s: float = 0.0
+    content_type: str = "application/json"  # text/event-stream for a scripted SSE body
 
 
 @dataclass
@@ -81,7 +82,7 @@ class ScriptedServer:
                     self.send_response(reply.status)
                     for name, value in reply.headers.items():
                         self.send_header(name, value)
-                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Type", reply.content_type)
                     self.send_header("Content-Length", str(len(raw)))
                     self.end_headers()
                     self.wfile.write(raw)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -40,24 +41,27 @@ def test_demo_sessions_same_outcomes_on_every_protocol(
             assert "_provider" not in record["body"]["choices"][0]["message"]
 
 
-def _two_round_session(spec_id: str, backend: str, protocol: str) -> dict[str, object]:
+def _thinking_tool_turns(
+    running: Running, tmp_path: Path, spec_id: str, protocol: str, stream: bool
+) -> list[dict[str, Any]]:
+    """Run a two-tool-round session on the protocol's thinking backend; its tool-call turns.
+    The replay server answers 400 unless each earlier turn's signed thinking comes back."""
     spec, _ = KINDS["two_rounds"](7)
-    return on_backend({**spec, "id": spec_id}, backend, protocol)
+    backend = replay_backend_name(protocol, stream) + "-thinking"
+    spec = on_backend({**spec, "id": spec_id}, backend, protocol)
+    record = run_specs(running.client, [spec], tmp_path)[spec_id]
+    assert record["status"] == "ok", record["body"]
+    assert record["body"]["choices"][0]["message"]["content"] == "Result: 100"
+    turns = [m for m in record["transcript"] if m["role"] == "assistant" and m.get("tool_calls")]
+    assert len(turns) == 2
+    return turns
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
 def test_anthropic_thinking_blocks_replayed_verbatim(
     running: Running, tmp_path: Path, fresh_id: str, stream: bool
 ) -> None:
-    backend = replay_backend_name("anthropic", stream) + "-thinking"
-    spec = _two_round_session(f"{fresh_id}/think", backend, "anthropic")
-    record = run_specs(running.client, [spec], tmp_path)[str(spec["id"])]
-    # the replay server answers 400 unless every earlier tool_use turn starts with its signed block
-    assert record["status"] == "ok", record["body"]
-    assert record["body"]["choices"][0]["message"]["content"] == "Result: 100"
-    turns = [m for m in record["transcript"] if m["role"] == "assistant" and m.get("tool_calls")]
-    assert len(turns) == 2
-    for turn in turns:
+    for turn in _thinking_tool_turns(running, tmp_path, f"{fresh_id}/think", "anthropic", stream):
         blocks = turn["_provider"]["anthropic"]["content"]
         assert blocks[0]["type"] == "thinking" and blocks[0]["signature"]
         assert turn["reasoning_content"] == blocks[0]["thinking"]
@@ -67,19 +71,10 @@ def test_anthropic_thinking_blocks_replayed_verbatim(
 def test_gemini_thought_signatures_echoed(
     running: Running, tmp_path: Path, fresh_id: str, stream: bool
 ) -> None:
-    backend = replay_backend_name("gemini", stream) + "-thinking"
-    spec = _two_round_session(f"{fresh_id}/sig", backend, "gemini")
-    record = run_specs(running.client, [spec], tmp_path)[str(spec["id"])]
-    # the replay server answers 400 when a functionCall part comes back without its signature
-    assert record["status"] == "ok", record["body"]
-    assert record["body"]["choices"][0]["message"]["content"] == "Result: 100"
-    turns = [m for m in record["transcript"] if m["role"] == "assistant" and m.get("tool_calls")]
-    assert len(turns) == 2
-    for turn in turns:
+    for turn in _thinking_tool_turns(running, tmp_path, f"{fresh_id}/sig", "gemini", stream):
         parts = turn["_provider"]["gemini"]["parts"]
-        assert any("functionCall" in p and p.get("thoughtSignature") for p in parts), json.dumps(
-            parts
-        )
+        signed = [p for p in parts if "functionCall" in p and p.get("thoughtSignature")]
+        assert signed, json.dumps(parts)
 
 
 @pytest.mark.parametrize("protocol", ["openai", "anthropic"])
