@@ -53,7 +53,7 @@ class ProgramSteps:
             self.runner.store.write_result(sk, dump_body(record["body"]), record)
 
         lease_ms = timeout_ms + LEASE_MARGIN_MS
-        self.runner._guarded(
+        self.runner.guarded(
             keys.program_step(sk), sk, lease_ms, body, stop_if_cancelled=False, state="running"
         )
 

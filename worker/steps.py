@@ -107,15 +107,19 @@ class StepRunner:
 
     # guards --------------------------------------------------------------------------------
 
-    def _guarded(
+    def guarded(
         self,
         step: str,
         sk: str,
         lease_ms: int,
         body: Callable[[], None],
         stop_if_cancelled: bool = True,
+        targets: Callable[[], list[str]] | None = None,
         **meta: str | int,
     ) -> None:
+        """Run one delivery of a step under its guards. A step that keeps failing ends the
+        sessions `targets()` names (its own session by default)."""
+        sessions = targets or (lambda: [sk])
         start = self.store.begin_step(step, lease_ms, dict(meta), sk)
         if start.published:
             return
@@ -127,7 +131,7 @@ class StepRunner:
             self.store.end_step(step)
             return
         if start.tries > self.settings.max_step_attempts:
-            self.poison(step, [sk], f"delivered {start.tries} times")
+            self.poison(step, sessions(), f"delivered {start.tries} times")
             return
         try:
             body()
@@ -140,7 +144,7 @@ class StepRunner:
         except Exception as exc:
             self._release_quietly(step)
             if start.tries >= self.settings.max_step_attempts:
-                self.poison(step, [sk], f"{type(exc).__name__}: {exc}")
+                self.poison(step, sessions(), f"{type(exc).__name__}: {exc}")
                 return
             log.warning("step %s failed (try %d): %s", step, start.tries, type(exc).__name__)
             raise RetryLater(
@@ -166,24 +170,21 @@ class StepRunner:
     # start ---------------------------------------------------------------------------------
 
     def start(self, batch: str, chunk_no: int) -> None:
-        step = keys.start_step(batch, chunk_no)
-        start = self.store.begin_step(step, START_LEASE_MS)
-        if start.published:
-            return
-        if not start.leased:
-            raise RetryLater(self.store.lease_left_ms(step) / 1000 + 0.05, f"step {step} is leased")
-        members = self.store.chunk_members(batch, chunk_no)
-        if start.tries > self.settings.max_step_attempts:
-            self.poison(
-                step, [m.removeprefix("p:") for m in members], f"delivered {start.tries} times"
-            )
-            return
-        for member in members:
-            if member.startswith("p:"):
-                self.dispatch.program(member[2:])
-            else:
-                self.dispatch.round(member, 0)
-        self.store.end_step(step)
+        def members() -> list[str]:
+            return self.store.chunk_members(batch, chunk_no)
+
+        def body() -> None:
+            for member in members():
+                if member.startswith("p:"):  # a program run
+                    self.dispatch.program(member[2:])
+                else:
+                    self.dispatch.round(member, 0)
+
+        def sessions() -> list[str]:
+            return [m.removeprefix("p:") for m in members()]
+
+        # sk "": a chunk is no session (no cancel flag, no meta); its poison ends them all
+        self.guarded(keys.start_step(batch, chunk_no), "", START_LEASE_MS, body, targets=sessions)
 
     # round ---------------------------------------------------------------------------------
 
@@ -202,7 +203,7 @@ class StepRunner:
                 session = replace(session, rounds=(*session.rounds, Round(reply=winner)))
             self._continue(sk, session)
 
-        self._guarded(keys.round_step(sk, round_no), sk, lease_ms, body, state=f"round {round_no}")
+        self.guarded(keys.round_step(sk, round_no), sk, lease_ms, body, state=f"round {round_no}")
 
     def _backend(self, spec: dict[str, Any]) -> BackendConfig | None:
         try:
@@ -268,11 +269,10 @@ class StepRunner:
         limits = Session(spec=spec, backend="").limits
 
         def body() -> None:
-            reply = self.store.model_reply(sk, round_no)
+            reply, outcome = self.store.tool_inputs(sk, round_no, index)
             if reply is None or is_error_body(reply):
                 raise StoreError(f"round {round_no} reply missing for tool step")
             calls = tool_calls_of(reply)
-            outcome = self.store.tool_outcome(sk, round_no, index)
             if outcome is None:
                 outcome = self._execute(spec, calls[index], limits.as_dict())
             done = self.store.store_tool_outcomes(sk, round_no, {index: outcome})
@@ -280,7 +280,7 @@ class StepRunner:
                 self.dispatch.round(sk, round_no + 1)
 
         lease_ms = limits.tool_timeout_ms + 5_000  # the deadline covers an ENOSPC retry too
-        self._guarded(keys.tool_step(sk, round_no, index), sk, lease_ms, body)
+        self.guarded(keys.tool_step(sk, round_no, index), sk, lease_ms, body)
 
     def _execute(
         self, spec: dict[str, Any], call: dict[str, Any], limits: dict[str, int]
@@ -370,7 +370,7 @@ class StepRunner:
             }
             self.store.write_result(sk, dump_body(result), record)
 
-        self._guarded(keys.finish_step(sk), sk, FINISH_LEASE_MS, body, stop_if_cancelled=False)
+        self.guarded(keys.finish_step(sk), sk, FINISH_LEASE_MS, body, stop_if_cancelled=False)
 
 
 def failed_program_record(spec: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:

@@ -105,14 +105,17 @@ class RedisStore:
         return [Round(reply=reply, outcomes=outcomes[r]) for r, reply in enumerate(replies)]
 
     @_translated
-    def model_reply(self, sk: str, round_no: int) -> dict[str, Any] | None:
-        value = _loads(self.client.get(keys.model_out(sk, round_no)))
-        return None if value is None else dict(value)
-
-    @_translated
-    def tool_outcome(self, sk: str, round_no: int, index: int) -> ToolOutcome | None:
-        value = _loads(self.client.get(keys.tool_out(sk, round_no, index)))
-        return None if value is None else ToolOutcome.from_json(value)
+    def tool_inputs(
+        self, sk: str, round_no: int, index: int
+    ) -> tuple[dict[str, Any] | None, ToolOutcome | None]:
+        """A tool step's round reply and its own stored outcome, in one round trip."""
+        reply, outcome = self.client.mget(
+            [keys.model_out(sk, round_no), keys.tool_out(sk, round_no, index)]
+        )
+        return (
+            None if reply is None else dict(json.loads(reply)),
+            None if outcome is None else ToolOutcome.from_json(json.loads(outcome)),
+        )
 
     # writing outputs (first writer wins) ---------------------------------------------------
 
