@@ -91,8 +91,8 @@ def fork_micro(rows: list[tuple[str, str]]) -> None:
     import hashlib
     import tempfile
 
-    from worker.edges.wasm_fork import ProgramFork
     from worker.edges.wasm_runtime import ToolInvocation, WasmToolRuntime
+    from worker.guest.fork import ProgramFork
 
     blobs = {n: (GUESTS / n).read_bytes() for n in ("weather.wasm", "prog_spear_style.wasm")}
     by_sha = {hashlib.sha256(b).hexdigest(): b for b in blobs.values()}

@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import jsonschema
 from marshmallow import (
     Schema,
     ValidationError,
@@ -23,6 +22,7 @@ from marshmallow import (
 )
 
 from schemas.limits import LIMIT_ALIASES, LIMIT_BOUNDS, Limits
+from schemas.tool_schema import schema_problem
 
 ROLES = ("system", "user", "assistant", "tool")
 # Patterns end in \Z, not $: marshmallow's Regexp uses re.match, and "$" accepts a
@@ -33,7 +33,6 @@ FUNCTION_NAME_PATTERN = r"[A-Za-z0-9_-]{1,64}\Z"
 # bypass validation (model, messages, tools) or break response assembly (stream).
 RESERVED_PARAMS = ("model", "messages", "tools", "stream")
 LEGACY_FUNCTION_KEYS = ("name", "description", "parameters")
-MAX_SCHEMA_ERROR_CHARS = 200
 
 
 def default_parameters() -> dict[str, Any]:
@@ -128,13 +127,9 @@ class FunctionSchema(Schema):
 
     @validates("parameters")
     def _check_parameters(self, value: dict[str, Any], **kwargs: Any) -> None:
-        try:
-            jsonschema.Draft202012Validator.check_schema(value)
-        except jsonschema.SchemaError as exc:
-            message = f"Not a valid JSON Schema at {exc.json_path}: {exc.message}"
-            if len(message) > MAX_SCHEMA_ERROR_CHARS:
-                message = message[: MAX_SCHEMA_ERROR_CHARS - 3] + "..."
-            raise ValidationError(message) from None
+        problem = schema_problem(value)
+        if problem is not None:
+            raise ValidationError(problem[0].upper() + problem[1:])
 
 
 class ToolSpecSchema(Schema):

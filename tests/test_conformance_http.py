@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from schemas import keys
 from tests.test_engine import (
     USER,
     call,
@@ -32,11 +33,10 @@ from worker.codecs.openai_codec import OpenAICodec
 from worker.codecs.protocol import ChatRequest, Codec
 from worker.config import BackendConfig, Settings
 from worker.edges.provider_http import CompletionResult, HttpProvider
-from worker.edges.rate_limit import RateLimiter
-from worker.edges.store import StepStart
-from worker.engine import CallModel, Round, RunTools, Session, ToolOutcome, metrics, plan
 from worker.errors import ProviderRequestError, ProviderRetryableError
-from worker.steps import StepRunner
+from worker.session.engine import CallModel, Round, RunTools, ToolOutcome, metrics, plan
+from worker.session.steps import StepRunner
+from worker.session.twins import MemoryStore, NoTools, OpenRateLimiter, StepQueue
 
 # Fixtures ---------------------------------------------------------------------------------------
 
@@ -388,56 +388,6 @@ def test_b9_78_a_stored_round_reply_is_never_requested_again(
         assert [m["role"] for m in step.messages[-2:]] == ["tool", "tool"]
 
 
-class FakeStore:
-    """The parts of RedisStore the round step uses, in memory (first writer wins)."""
-
-    def __init__(self, spec: dict[str, Any]) -> None:
-        self.spec = spec
-        self.replies: list[dict[str, Any]] = []
-        self.outcomes: dict[int, dict[int, ToolOutcome]] = {}
-
-    def load_spec(self, sk: str) -> dict[str, Any]:
-        return self.spec
-
-    def begin_step(self, step: str, lease_ms: int, meta: Any = None, sk: Any = None) -> StepStart:
-        return StepStart(published=False, leased=True, tries=1, cancelled=False)
-
-    def end_step(self, step: str) -> None:
-        pass
-
-    def load_session(self, sk: str, backend: str, upto_round: int | None = None) -> Session:
-        replies = self.replies if upto_round is None else self.replies[: upto_round + 1]
-        rounds = tuple(
-            Round(reply=r, outcomes=dict(self.outcomes.get(n, {}))) for n, r in enumerate(replies)
-        )
-        return Session(spec=self.spec, backend=backend, rounds=rounds)
-
-    def store_model_reply(self, sk: str, round_no: int, reply: dict[str, Any]) -> dict[str, Any]:
-        if len(self.replies) == round_no:
-            self.replies.append(reply)
-        return self.replies[round_no]
-
-    def store_tool_outcomes(self, sk: str, round_no: int, outcomes: dict[int, ToolOutcome]) -> int:
-        stored = self.outcomes.setdefault(round_no, {})
-        for index, outcome in outcomes.items():
-            stored.setdefault(index, outcome)
-        return len(stored)
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.sent: list[tuple[Any, ...]] = []
-
-    def round(self, sk: str, round_no: int) -> None:
-        self.sent.append(("round", round_no))
-
-    def tool(self, sk: str, round_no: int, index: int) -> None:
-        self.sent.append(("tool", round_no, index))
-
-    def finish(self, sk: str) -> None:
-        self.sent.append(("finish",))
-
-
 class ScriptedProvider:
     def __init__(self, *replies: dict[str, Any]) -> None:
         self.replies = list(replies)
@@ -448,43 +398,45 @@ class ScriptedProvider:
         return CompletionResult(self.replies.pop(0), attempts=1, latency_ms=1)
 
 
-class _NoRedis:
-    def register_script(self, script: str) -> None:
-        return None
+def redeliver(store: MemoryStore, sk: str, round_no: int) -> None:
+    """As if the step's last delivery died after its work, before marking it published."""
+    store.published.discard(keys.round_step(sk, round_no))
 
 
 def test_b9_78_round_step_calls_the_model_only_before_its_tools_run() -> None:
-    store = FakeStore(make_spec())
-    dispatch = Recorder()
+    store = MemoryStore()
+    store.submit("s1", make_spec())
+    dispatch = StepQueue()
     provider = ScriptedProvider(TWO_CALLS, canonical_completion(content="done"))
     backend = BackendConfig(name="replay")
     runner = StepRunner(
-        store=store,  # type: ignore[arg-type]
-        dispatch=dispatch,  # type: ignore[arg-type]
+        store=store,
+        dispatch=dispatch,
         provider_for=lambda _: provider,
-        runtime=None,  # type: ignore[arg-type]
+        tools=NoTools,
         settings=Settings(backends={"replay": backend}),
-        fork_blob=None,  # type: ignore[arg-type]
-        rate_limiter=RateLimiter(_NoRedis()),  # type: ignore[arg-type]
+        rate_limiter=OpenRateLimiter(),
     )
     runner.round("s1", 0)  # the round's model call, before any tool is planned
     assert len(provider.requests) == 1
-    assert dispatch.sent == [("tool", 0, 0), ("tool", 0, 1)]
+    assert dispatch.sent == [("tool", "s1", 0, 0), ("tool", "s1", 0, 1)]
 
     store.store_tool_outcomes("s1", 0, {0: ok("sunny")})  # one tool ran
+    redeliver(store, "s1", 0)
     runner.round("s1", 0)  # a redelivered round step: plans the rest, no second model call
     assert len(provider.requests) == 1
-    assert dispatch.sent[-1] == ("tool", 0, 1)
+    assert dispatch.sent[-1] == ("tool", "s1", 0, 1)
 
     store.store_tool_outcomes("s1", 0, {1: ok("12:00")})  # every tool ran
+    redeliver(store, "s1", 0)
     runner.round("s1", 0)
     assert len(provider.requests) == 1
-    assert dispatch.sent[-1] == ("round", 1)
+    assert dispatch.sent[-1] == ("round", "s1", 1)
 
     runner.round("s1", 1)  # the next model call is a new call, carrying the tool results
     assert len(provider.requests) == 2
     assert [m["role"] for m in provider.requests[1].messages[-2:]] == ["tool", "tool"]
-    assert dispatch.sent[-1] == ("finish",)
+    assert dispatch.sent[-1] == ("finish", "s1")
 
 
 # B10 82: retried attempts that returned usage --------------------------------------------------

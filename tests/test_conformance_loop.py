@@ -1,7 +1,7 @@
 """Conformance cases of docs/provider-conformance.md section B that are session-engine
 behaviour (B1 8, B1 15, B7 65-68, B10 82), one test name per case number.
 
-Sessions are driven through the real `plan` / `transcript` / `metrics` of worker.engine;
+Sessions are driven through the real `plan` / `transcript` / `metrics` of worker.session.engine;
 tools that time out or trap are real WASM guests (fixtures/guests) run by WasmToolRuntime and
 turned into outcomes by `StepRunner._execute`, the code a tools worker runs.
 """
@@ -42,7 +42,8 @@ from worker.codecs.openai_chat import normalize_usage, tool_calls_of
 from worker.codecs.protocol import ChatRequest
 from worker.config import Settings
 from worker.edges.wasm_runtime import ToolInvocation, WasmToolRuntime
-from worker.engine import (
+from worker.errors import ToolCallLimitError, ToolExecError
+from worker.session.engine import (
     REPEAT_LIMIT,
     CallModel,
     Finish,
@@ -54,8 +55,8 @@ from worker.engine import (
     plan,
     transcript,
 )
-from worker.errors import ToolCallLimitError, ToolExecError
-from worker.steps import StepRunner
+from worker.session.steps import StepRunner
+from worker.session.twins import MemoryStore, NoProvider, OpenRateLimiter, StepQueue
 
 GUESTS = Path(__file__).resolve().parents[1] / "fixtures" / "guests"
 
@@ -135,15 +136,14 @@ def make_runner(tmp_path: Path, guests: Guests) -> Iterator[Callable[[], StepRun
     def factory() -> StepRunner:
         rt = WasmToolRuntime(tmp_path / f"cache{len(runtimes)}", guests)
         runtimes.append(rt)
-        # _execute uses only `runtime` (and `fork_blob` for a program's tools, not here)
+        # _execute uses only `tools` (and a fork loader for a program's tools, not here)
         return StepRunner(
-            store=None,  # type: ignore[arg-type]
-            dispatch=None,  # type: ignore[arg-type]
-            provider_for=None,  # type: ignore[arg-type]
-            runtime=lambda: rt,
+            store=MemoryStore(),
+            dispatch=StepQueue(),
+            provider_for=NoProvider,
+            tools=lambda: rt,
             settings=Settings(),
-            fork_blob=None,  # type: ignore[arg-type]
-            rate_limiter=None,  # type: ignore[arg-type]
+            rate_limiter=OpenRateLimiter(),
         )
 
     yield factory
@@ -166,7 +166,7 @@ NO_ARGS_FN = {"name": "", "parameters": {"type": "object"}}
 def execute(runner: StepRunner, s: Session, index: int) -> ToolOutcome:
     """What a tools worker does for call `index` of the last round (StepRunner.tool)."""
     calls = tool_calls_of(s.rounds[-1].reply)
-    return runner._execute(s.spec, calls[index], s.limits.as_dict())
+    return runner._execute(s.spec, calls[index])
 
 
 # B1 8: unknown tool name -----------------------------------------------------------------------
@@ -363,7 +363,8 @@ def test_b7_65_max_turns_ends_with_typed_error_and_answered_transcript(
 def test_b7_66_tool_that_never_returns_times_out(
     make_runner: Callable[[], StepRunner], guests: Guests
 ) -> None:
-    rt = make_runner().runtime()
+    rt = make_runner().tools()
+    assert isinstance(rt, WasmToolRuntime)
     invocation = ToolInvocation(guests.sha("spin"), "spin", None, b"{}", timeout_ms=200)
     with pytest.raises(ToolExecError, match=r"^tool timed out after 200 ms$"):
         rt.call_tool(invocation)

@@ -15,7 +15,8 @@ import pytest
 
 from schemas.limits import Limits
 from worker.codecs.openai_chat import normalize_completion
-from worker.engine import (
+from worker.errors import UnknownToolError
+from worker.session.engine import (
     CANCELLED,
     CallModel,
     Finish,
@@ -469,7 +470,7 @@ def test_unknown_tool_error_text_is_compact_and_sorted() -> None:
     assert err_text("unknown_tool", "unknown tool: get_wether") == (
         '{"error":{"code":"unknown_tool","message":"unknown tool: get_wether"}}'
     )
-    assert ToolOutcome.error("unknown_tool", "unknown tool: get_wether") == ToolOutcome(
+    assert ToolOutcome.error(UnknownToolError("unknown tool: get_wether")) == ToolOutcome(
         content='{"error":{"code":"unknown_tool","message":"unknown tool: get_wether"}}', ok=False
     )
 
@@ -926,7 +927,7 @@ FINISHED_SESSIONS = [p for p in TRANSCRIPT_SESSIONS if p.id in FINISHED]
 
 @pytest.mark.parametrize("s", FINISHED_SESSIONS)
 def test_finished_transcript_answers_every_call(s: Session) -> None:
-    # worker.steps.finish calls transcript(session, None) when plan says Finish
+    # worker.session.steps.finish calls transcript(session, None) when plan says Finish
     assert isinstance(plan(s), Finish)
     assert unanswered_calls(transcript(s)) == []
 

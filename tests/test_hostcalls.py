@@ -25,9 +25,9 @@ from worker.config import load_settings
 from worker.edges.dispatch import Dispatcher
 from worker.edges.store import RedisStore
 from worker.edges.store_programs import ProgramStore
-from worker.edges.wasm_guest import ProgramOutcome, ProgramRun, run_program
 from worker.edges.wasm_runtime import WasmToolRuntime
-from worker.program_host import ChatDefaults, ProgramHost
+from worker.guest.host import ChatDefaults, ProgramHost
+from worker.guest.runner import ProgramOutcome, ProgramRun, run_program
 from worker.wiring import celery_config
 
 pytestmark = pytest.mark.fleet

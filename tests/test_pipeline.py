@@ -308,3 +308,61 @@ def test_every_key_written_has_a_ttl(running: Running, tmp_path: Path, fresh_id:
         if running.client.redis.ttl(k) < 0
     ]
     assert without_ttl == []
+
+
+DANGLING_REF_TOOL = {
+    "module": "weather.wasm",
+    "export": "get_weather",
+    "name": "get_weather",
+    "parameters": {"type": "object", "properties": {"city": {"$ref": "#/$defs/city"}}},
+}
+
+
+def test_a_dangling_ref_schema_is_rejected_at_submit_with_line_and_field(
+    running: Running, tmp_path: Path, fresh_id: str
+) -> None:
+    spec = {
+        "id": f"{fresh_id}/dangling",
+        "model": "replay/call",
+        "messages": [{"role": "user", "content": '[[call:get_weather {"city":"Paris"}]]'}],
+        "tools": [dict(DANGLING_REF_TOOL, module=str(GUESTS / "weather.wasm"))],
+    }
+    path = tmp_path / "dangling.jsonl"
+    path.write_text(json.dumps(spec) + "\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "producer.cli", "submit", str(path), "--out", str(tmp_path / "r")],
+        env={"REDIS_URL": running.redis_url, "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert (
+        f"{path}:1: tools.0.function.parameters: Unresolvable $ref '#/$defs/city' "
+        "at $.properties.city"
+    ) in proc.stderr
+    assert not running.client.redis.exists(keys.spec(keys.session_key(spec["id"])))
+
+
+def test_a_schema_failing_only_at_call_time_is_a_validation_error_to_the_model(
+    running: Running, tmp_path: Path, fresh_id: str
+) -> None:
+    # every $ref resolves (submit accepts it), but validating arguments recurses forever
+    looping = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#"}}}
+    spec = {
+        "id": f"{fresh_id}/looping",
+        "model": "replay/call",
+        "messages": [{"role": "user", "content": '[[call:get_weather {"city":"Paris"}]]'}],
+        "tools": [dict(DANGLING_REF_TOOL, parameters=looping)],
+    }
+    record = run_specs(running.client, [spec], tmp_path, timeout_s=30)[spec["id"]]
+    said = json.loads(
+        record["body"]["choices"][0]["message"]["content"].removeprefix("Tool said: ")
+    )
+    assert said == {
+        "error": {
+            "code": "invalid_arguments",
+            "message": "the tool's parameters schema cannot be checked: RecursionError",
+        }
+    }
+    assert record["metrics"]["tool_calls"] == 1 and record["metrics"]["tool_failures"] == 1

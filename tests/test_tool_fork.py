@@ -14,10 +14,10 @@ import pytest
 from wasmtime import Global, Linker, Module, Store, WasiConfig
 
 from tests.test_wasm_runtime import SIG, Modules
-from worker.edges.spear_imports import define_spear
-from worker.edges.wasm_fork import ProgramFork, ToolModeHost, restore_fork
 from worker.edges.wasm_runtime import ToolInvocation, WasmToolRuntime
 from worker.errors import GuestError, ToolExecError
+from worker.guest.fork import ProgramFork, ToolModeHost, restore_fork
+from worker.guest.imports import define_spear
 
 PAGE = 65_536
 VALUE_ADDR = 1024  # the program's initial data holds 7 here

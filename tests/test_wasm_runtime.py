@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from wasmtime import wat2wasm
 
-from worker.edges.wasm_fork import ToolModeHost
-from worker.edges.wasm_memory import as_i32, plan_arena, plan_scratch
 from worker.edges.wasm_runtime import WASMTIME_VERSION, ToolInvocation, WasmToolRuntime
 from worker.errors import GuestError, ToolExecError
+from worker.guest.fork import ToolModeHost
+from worker.guest.memory import as_i32, plan_arena, plan_scratch
 
 GUESTS = Path(__file__).resolve().parents[1] / "fixtures" / "guests"
 

@@ -1,69 +1,131 @@
-"""One error tree for the worker. Foreign exceptions are translated once, at their edge.
+"""One error tree for the worker, the source of every error code. Foreign exceptions are
+translated once, at their edge. A code that can reach a response body or a tool message is
+defined here once (`code`), with the line that says when it is raised; the README's error
+table lists them all (tests/test_errors.py keeps the two in step).
 
 CchatqError                      root; `code` is the error-body code, `errno` the hostcall errno
-├── SessionError                 ends a session with an error body (model, guest or user at fault)
-│   ├── ToolCallLimitError       code tool_call_limit
-│   ├── UnknownToolError         code unknown_tool (strict_unknown_tool only)
-│   ├── CancelledError           code cancelled
-│   └── StepFailedError          code step_failed (poison step sent to the dead-letter stream)
-├── ToolError                    a tool call failed; becomes an error tool message, loop goes on
-│   ├── ToolExecError            code tool_exec_failed (rc < 0, trap, timeout, bad UTF-8, too big)
-│   └── ToolArgumentsError       code invalid_arguments (bad JSON or schema violation)
-├── ProviderError                the model call failed
-│   ├── ProviderRetryableError   429 / 5xx / 408 / 409 / timeouts: retried with backoff
-│   ├── ProviderRequestError     other 4xx: ends the session (code provider_error)
-│   └── ProviderProtocolError    a reply we cannot read (code provider_protocol_error)
-├── StoreError                   Redis failed; the step is retried
-└── GuestError                   a WASM module could not load or instantiate (code guest_error)
+├── SessionError                 ends a session with an error body
+│   ├── ToolCallLimitError       tool_call_limit
+│   ├── UnknownToolError         unknown_tool
+│   ├── CancelledError           cancelled
+│   ├── StepFailedError          step_failed
+│   ├── InvalidRequestError      invalid_request
+│   ├── DeadlineExceededError    deadline_exceeded
+│   └── InternalError            internal_error
+├── ToolError                    a tool call failed: an error tool message, the loop goes on
+│   ├── ToolExecError            tool_exec_failed
+│   ├── ToolArgumentsError       invalid_arguments
+│   └── RepeatedCallError        repeated_call
+├── ProviderError                provider_error (the model call failed)
+│   ├── ProviderRetryableError   provider_unavailable
+│   ├── ProviderRequestError     provider_error
+│   └── ProviderProtocolError    provider_protocol_error
+├── GuestError                   guest_error
+│   └── GuestTrapError           guest_trap
+├── StoreError                   store_error (never in a body: the step is retried)
+└── StepControl                  not failures: how a step or a guest run changes course
+    ├── RetryLater               run this delivery again later (Celery's retry)
+    ├── RateLimited              no room under the backend's rate limit yet
+    ├── RunAborted               a program run ends now (deadline, cancellation)
+    └── GuestFault               a guest pointer out of bounds: the hostcall returns -EFAULT
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+from schemas.bodies import error_obj
+
 
 class CchatqError(Exception):
     code: str = "internal_error"
+    raised_when: str = "a bug or an inconsistent stored state"
     errno: int = 5  # EIO
 
     def __init__(self, message: str = "") -> None:
         super().__init__(message)
         self.message = message or self.code
 
+    def body(self) -> dict[str, Any]:
+        """The error body (or tool message) this error ends in."""
+        return error_obj(self.code, self.message)
+
+
+# Ending a session ---------------------------------------------------------------------------
+
 
 class SessionError(CchatqError):
     code = "session_error"
+    raised_when = "(abstract) a session ends with an error body"
 
 
 class ToolCallLimitError(SessionError):
     code = "tool_call_limit"
+    raised_when = "max_iterations or max_total_tool_calls would be exceeded by the next round"
 
 
 class UnknownToolError(SessionError):
     code = "unknown_tool"
+    raised_when = "the model called a tool the spec does not define (ends the session only "
+    "with strict_unknown_tool; otherwise that call's tool message)"
 
 
 class CancelledError(SessionError):
     code = "cancelled"
+    raised_when = "`cchatq cancel` (or a program's cancel) took effect at a step boundary"
 
 
 class StepFailedError(SessionError):
     code = "step_failed"
+    raised_when = "a step failed on every try (CCHATQ_MAX_STEP_ATTEMPTS); it is dead-lettered"
+
+
+class InvalidRequestError(SessionError):
+    code = "invalid_request"
+    raised_when = "a program's chat cannot be routed (no model, a non-string backend)"
+
+
+class DeadlineExceededError(SessionError):
+    code = "deadline_exceeded"
+    raised_when = "a program run passed its run_timeout_ms"
+
+
+class InternalError(SessionError):
+    code = "internal_error"
+    raised_when = "a bug or an inconsistent stored state: the session still gets this body"
+
+
+# A tool call's error message ----------------------------------------------------------------
 
 
 class ToolError(CchatqError):
     code = "tool_exec_failed"
+    raised_when = "(abstract) a tool call failed; the model gets an error tool message"
 
 
 class ToolExecError(ToolError):
     code = "tool_exec_failed"
+    raised_when = "the tool trapped, timed out, returned rc < 0, wrote bad UTF-8 or too much"
 
 
 class ToolArgumentsError(ToolError):
     code = "invalid_arguments"
+    raised_when = "the call's arguments are not JSON, break the tool's schema, were cut off by "
+    "the token limit, or the schema itself cannot be checked"
     errno = 22  # EINVAL
+
+
+class RepeatedCallError(ToolError):
+    code = "repeated_call"
+    raised_when = "the same call (name and arguments) came in 3 consecutive rounds"
+
+
+# The model call -----------------------------------------------------------------------------
 
 
 class ProviderError(CchatqError):
     code = "provider_error"
+    raised_when = "the backend answered a 4xx other than 408/409/429, or is not configured"
 
     def __init__(self, message: str = "", status: int | None = None) -> None:
         super().__init__(message)
@@ -72,6 +134,7 @@ class ProviderError(CchatqError):
 
 class ProviderRetryableError(ProviderError):
     code = "provider_unavailable"
+    raised_when = "429/5xx/408/409/529 or timeouts still failed after the backend's retries"
 
     def __init__(
         self, message: str = "", status: int | None = None, retry_after_s: float | None = None
@@ -86,11 +149,67 @@ class ProviderRequestError(ProviderError):
 
 class ProviderProtocolError(ProviderError):
     code = "provider_protocol_error"
+    raised_when = "the backend's reply could not be read (not JSON, wrong shape, bad stream)"
 
 
-class StoreError(CchatqError):
-    code = "store_error"
+# Guests, the store --------------------------------------------------------------------------
 
 
 class GuestError(CchatqError):
     code = "guest_error"
+    raised_when = "a WASM module could not compile, link or start (no _start, bad import)"
+
+
+class GuestTrapError(GuestError):
+    code = "guest_trap"
+    raised_when = "an agent program trapped (unreachable, out-of-bounds access, ...)"
+
+
+class StoreError(CchatqError):
+    code = "store_error"
+    raised_when = "Redis failed; never in a body: the step is retried"
+
+
+# Control flow -------------------------------------------------------------------------------
+
+
+class StepControl(CchatqError):
+    """Not a failure: how a step or a guest run changes course. Carries no code of its own."""
+
+
+class RetryLater(StepControl):
+    def __init__(self, countdown_s: float, reason: str) -> None:
+        super().__init__(reason)
+        self.countdown_s = countdown_s
+
+
+class RateLimited(StepControl):
+    def __init__(self, wait_s: float) -> None:
+        super().__init__(f"rate limited for {wait_s:.2f} s")
+        self.wait_s = wait_s
+
+
+class RunAborted(StepControl):
+    """A program run ends at once; `ending` is the session error it ends with."""
+
+    def __init__(self, ending: SessionError) -> None:
+        super().__init__(ending.message)
+        self.ending = ending
+        self.code = ending.code
+
+
+class GuestFault(StepControl):
+    errno = 14  # EFAULT
+
+
+def body_codes() -> dict[str, str]:
+    """Every code that can reach a body or a tool message -> when it is raised."""
+    out: dict[str, str] = {}
+    stack: list[type[CchatqError]] = [CchatqError]
+    while stack:
+        cls = stack.pop()
+        stack.extend(cls.__subclasses__())
+        if issubclass(cls, StepControl | StoreError) or cls.raised_when.startswith("(abstract)"):
+            continue
+        out.setdefault(cls.code, cls.raised_when)
+    return dict(sorted(out.items()))

@@ -12,7 +12,8 @@ from celery import Celery, Task
 
 from schemas import task_names
 from worker.config import load_settings
-from worker.steps import RetryLater, StepRunner
+from worker.errors import RetryLater
+from worker.session.steps import StepRunner
 from worker.wiring import celery_config, program_steps, runner
 
 app = Celery("cchatq")

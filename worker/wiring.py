@@ -22,8 +22,8 @@ from worker.edges.rate_limit import RateLimiter
 from worker.edges.store import RedisStore
 from worker.edges.store_programs import ProgramStore
 from worker.edges.wasm_runtime import WasmToolRuntime
-from worker.program_step import ProgramSteps
-from worker.steps import StepRunner
+from worker.guest.step import ProgramSteps
+from worker.session.steps import StepRunner
 
 CODECS: dict[str, Callable[[], Codec]] = {
     "openai": OpenAICodec,
@@ -45,9 +45,8 @@ class Wiring:
             store=self.store,
             dispatch=Dispatcher(app),
             provider_for=self.provider_for,
-            runtime=self.runtime,
+            tools=self.runtime,
             settings=settings,
-            fork_blob=self.programs.fork_blob,
             rate_limiter=RateLimiter(self.store.client),
         )
         self.program_steps = ProgramSteps(
@@ -68,6 +67,7 @@ class Wiring:
                 self._runtime = WasmToolRuntime(
                     cache_dir=self.settings.module_cache_dir,
                     load_module_bytes=self.store.module_bytes,
+                    load_fork_blob=self.programs.fork_blob,
                 )
             return self._runtime
 

@@ -9,7 +9,6 @@ from an estimate before the call and corrected to the real usage after it.
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -17,6 +16,7 @@ import redis
 from schemas import keys
 from worker.config import BackendConfig
 from worker.errors import StoreError
+from worker.session.ports import Permit
 
 # KEYS: requests zset (member -> time), tokens hash (member -> tokens)
 # ARGV: window, max_requests (0 = none), max_tokens (0 = none), member, tokens, ttl
@@ -50,12 +50,6 @@ redis.call('EXPIRE', KEYS[1], ttl)
 redis.call('EXPIRE', KEYS[2], ttl)
 return 'ok'
 """
-
-
-@dataclass(frozen=True)
-class Permit:
-    backend: str
-    member: str
 
 
 class RateLimiter:

@@ -10,15 +10,15 @@ import functools
 import json
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
 import redis
 
 from schemas import keys
 from schemas.bodies import dump_body
-from worker.engine import Round, Session, ToolOutcome
 from worker.errors import StoreError
+from worker.session.engine import Round, Session, ToolOutcome
+from worker.session.ports import StepStart
 
 P = ParamSpec("P")
 SPEC_CACHE_SIZE = 4096
@@ -34,14 +34,6 @@ def _translated(fn: Callable[P, T]) -> Callable[P, T]:
             raise StoreError(f"redis: {type(exc).__name__}: {exc}") from exc
 
     return wrapper
-
-
-@dataclass(frozen=True)
-class StepStart:
-    published: bool  # its continuation was already sent: nothing to do
-    leased: bool  # this delivery holds the lease
-    tries: int  # deliveries so far, this one included
-    cancelled: bool
 
 
 def _loads(raw: bytes | None) -> Any:

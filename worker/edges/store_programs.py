@@ -57,9 +57,8 @@ class ProgramStore:
         more = self.client.lpop(keys.done_list(batch), 1000) or []
         return [item[1].decode(), *(m.decode() for m in more)]
 
-    @_translated
     def is_cancelled(self, sk: str) -> bool:
-        return bool(self.client.exists(keys.cancel(sk)))
+        return self.store.is_cancelled(sk)
 
     @_translated
     def put_fork(self, blob: bytes) -> str:

@@ -40,24 +40,23 @@ from wasmtime import (
     WasmtimeError,
 )
 
-from worker.edges.spear_imports import define_spear
-from worker.edges.wasm_fork import (
+from worker.errors import CchatqError, GuestError, ToolExecError
+from worker.guest.fork import (
     HostSwitch,
     ProgramFork,
     ToolModeHost,
     place_buffers,
     restore_fork,
 )
-from worker.edges.wasm_memory import as_i32, pack_u32, unpack_u32
-from worker.errors import CchatqError, GuestError, ToolExecError
+from worker.guest.imports import define_spear, function_table, wasmtime_reason
+from worker.guest.memory import as_i32, pack_u32, unpack_u32
+from worker.session.ports import ToolCall
 
 log = logging.getLogger(__name__)
 
 WASMTIME_VERSION = importlib.metadata.version("wasmtime")
 ENOSPC = -28
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
-_TABLE_NAMES = ("__indirect_function_table", "table")
-_REASON_MAX_CHARS = 200
 
 
 @dataclass(frozen=True)
@@ -96,16 +95,6 @@ def _tick(engine: Engine, stop: threading.Event, tick_s: float) -> None:
         engine.increment_epoch()
 
 
-def _short_reason(message: str) -> str:
-    """The cause line of a wasmtime message ("wasm trap: ..."), not its backtrace header."""
-    lines = [line.strip() for line in message.splitlines() if line.strip()]
-    if "Caused by:" in lines and lines.index("Caused by:") + 1 < len(lines):
-        reason = lines[lines.index("Caused by:") + 1]
-    else:
-        reason = lines[0] if lines else "unknown error"
-    return re.sub(r"^\d+: ", "", reason)[:_REASON_MAX_CHARS]  # drop the "0: " of a cause chain
-
-
 def _is_memory_limit(err: WasmtimeError) -> bool:
     return "exceeds memory limits" in str(err)
 
@@ -123,11 +112,13 @@ class WasmToolRuntime:
         load_module_bytes: Callable[[str], bytes],
         initial_output_bytes: int = 4096,
         epoch_tick_ms: int = 10,
+        load_fork_blob: Callable[[str], bytes] | None = None,
     ) -> None:
         if epoch_tick_ms <= 0 or initial_output_bytes < 0:
             raise ValueError("epoch_tick_ms must be > 0 and initial_output_bytes >= 0")
         self._cache_dir = Path(cache_dir)
         self._load_module_bytes = load_module_bytes
+        self._load_fork_blob = load_fork_blob
         self._initial_output_bytes = initial_output_bytes
         self._epoch_tick_ms = epoch_tick_ms
         self._lock = threading.Lock()
@@ -135,6 +126,26 @@ class WasmToolRuntime:
         self._state: _EngineState | None = None
 
     # -- public -------------------------------------------------------------------------------
+
+    def run(self, call: ToolCall) -> str:
+        """The session's ToolRuntime port: a stored call, its program fork loaded by sha."""
+        fork = None
+        if call.fork_sha256 is not None:
+            if self._load_fork_blob is None:
+                raise GuestError("this runtime cannot load program forks")
+            fork = ProgramFork.from_blob(self._load_fork_blob(call.fork_sha256))
+        return self.call_tool(
+            ToolInvocation(
+                module_sha256=call.module_sha256,
+                export=call.export,
+                table_index=call.table_index,
+                arguments=call.arguments,
+                timeout_ms=call.timeout_ms,
+                memory_bytes=call.memory_bytes,
+                max_output_bytes=call.max_output_bytes,
+                fork=fork,
+            )
+        )
 
     def call_tool(self, inv: ToolInvocation, host: ToolModeHost | None = None) -> str:
         """Run the tool once (twice after -ENOSPC) and return its output text.
@@ -177,7 +188,7 @@ class WasmToolRuntime:
             state.stop.set()
             state.ticker.join(timeout=1.0)
 
-    # -- for program runs (worker.edges.wasm_guest.ModuleSource) -------------------------------
+    # -- for program runs (worker.guest.runner.ModuleSource) -------------------------------
 
     def compiled(self, sha256: str) -> tuple[Engine, Module]:
         """The engine and a compiled module, sharing this runtime's caches and epoch ticker."""
@@ -234,7 +245,7 @@ class WasmToolRuntime:
             except GuestError as err:
                 raise GuestError(f"module {sha} cannot be linked: {err.message}") from None
             except WasmtimeError as err:
-                reason = _short_reason(str(err))
+                reason = wasmtime_reason(str(err))
                 raise GuestError(f"module {sha} cannot be linked: {reason}") from None
             state.prepared[sha] = pre
         return pre
@@ -247,7 +258,7 @@ class WasmToolRuntime:
             try:
                 return Module.deserialize_file(engine, str(path))
             except WasmtimeError as err:
-                log.warning("dropping unreadable cache %s: %s", path, _short_reason(str(err)))
+                log.warning("dropping unreadable cache %s: %s", path, wasmtime_reason(str(err)))
                 path.unlink(missing_ok=True)
         wasm = self._load_module_bytes(sha)
         if hashlib.sha256(wasm).hexdigest() != sha:
@@ -257,7 +268,9 @@ class WasmToolRuntime:
         try:
             module = Module(engine, wasm)
         except WasmtimeError as err:
-            raise GuestError(f"module {sha} does not compile: {_short_reason(str(err))}") from None
+            raise GuestError(
+                f"module {sha} does not compile: {wasmtime_reason(str(err))}"
+            ) from None
         self._write_cache(path, module.serialize())
         return module
 
@@ -368,10 +381,8 @@ class WasmToolRuntime:
 
     @staticmethod
     def _function_table(exports: Mapping[str, Any]) -> Table | None:
-        for name in _TABLE_NAMES:
-            if isinstance(exports.get(name), Table):
-                return exports[name]  # type: ignore[no-any-return]
-        return next((e for e in exports.values() if isinstance(e, Table)), None)
+        table = function_table(exports.get)
+        return table or next((e for e in exports.values() if isinstance(e, Table)), None)
 
     @staticmethod
     def _translate(
@@ -380,13 +391,13 @@ class WasmToolRuntime:
         if isinstance(err, Trap):
             if err.trap_code == TrapCode.INTERRUPT:
                 return ToolExecError(f"tool timed out after {inv.timeout_ms} ms")
-            return ToolExecError(f"tool trapped: {_short_reason(str(err))}")
+            return ToolExecError(f"tool trapped: {wasmtime_reason(str(err))}")
         if isinstance(err, ExitTrap):
             return ToolExecError(f"tool called proc_exit({err.code})")
         if _is_memory_limit(err):  # e.g. a module whose initial memory exceeds memory_bytes
             return ToolExecError("tool memory limit reached")
         if instantiating:
-            return GuestError(f"module {inv.module_sha256}: {_short_reason(str(err))}")
+            return GuestError(f"module {inv.module_sha256}: {wasmtime_reason(str(err))}")
         # A host-function error while the tool runs (e.g. a WASI call with invalid arguments)
         # aborts the call like a trap, and the tool is at fault.
-        return ToolExecError(f"tool trapped: {_short_reason(str(err))}")
+        return ToolExecError(f"tool trapped: {wasmtime_reason(str(err))}")

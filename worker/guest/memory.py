@@ -16,8 +16,8 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-from worker.codecs.spear_abi import arena_layout
 from worker.errors import ToolExecError
+from worker.guest.abi import arena_layout
 
 WASM_PAGE_BYTES = 65_536
 _U32 = struct.Struct("<I")

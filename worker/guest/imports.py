@@ -7,14 +7,15 @@ Unserved SPEAR families (mic_*, rtasr_*, user_stream_*) link and return -ENOSYS.
 
 from __future__ import annotations
 
+import re
 import struct
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import wasmtime
 
-from worker.codecs.spear_abi import EFAULT, ENOSYS, UNSERVED_PREFIXES
-from worker.errors import GuestError
+from worker.errors import GuestError, GuestFault
+from worker.guest.abi import EFAULT, ENOSYS, UNSERVED_PREFIXES
 
 I32, I64 = wasmtime.ValType.i32(), wasmtime.ValType.i64()
 
@@ -38,10 +39,6 @@ SPEAR_IMPORTS: dict[str, tuple[tuple[wasmtime.ValType, ...], tuple[wasmtime.ValT
     "spear_epoll_wait": ((I32, I32, I32, I32), (I32,)),
     "spear_epoll_close": ((I32,), (I32,)),
 }
-
-
-class GuestFault(Exception):
-    """A guest pointer or length outside its memory: the hostcall returns -EFAULT."""
 
 
 class GuestMemory:
@@ -109,13 +106,32 @@ class GuestMemory:
         ]
 
     def _function_table(self, fallback: str | None) -> wasmtime.Table | None:
-        for name in ("__indirect_function_table", "table", fallback):
-            if name is None:
-                continue
-            table = self._caller.get(name)
+        return function_table(self._caller.get, fallback)
+
+
+TABLE_NAMES = ("__indirect_function_table", "table")
+
+
+def function_table(
+    lookup: Callable[[str], object], fallback: str | None = None
+) -> wasmtime.Table | None:
+    """The module's function table: `__indirect_function_table`, else `table`, else
+    `fallback` (one copy for program hosts and the tool runtime)."""
+    for name in (*TABLE_NAMES, fallback):
+        if name is not None:
+            table = lookup(name)
             if isinstance(table, wasmtime.Table):
                 return table
-        return None
+    return None
+
+
+def wasmtime_reason(message: str, max_chars: int = 200) -> str:
+    """The cause line of a wasmtime message ("wasm trap: ..."), not its backtrace header."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    for n, line in enumerate(lines):
+        if line.startswith("Caused by:") and n + 1 < len(lines):
+            return re.sub(r"^\d+: ", "", lines[n + 1])[:max_chars]  # the "0: " of a cause chain
+    return (lines[0] if lines else "unknown error")[:max_chars]
 
 
 class SpearHost(Protocol):

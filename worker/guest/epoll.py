@@ -11,9 +11,9 @@ import time
 from collections.abc import Callable
 
 from schemas.bodies import dump_body
-from worker.codecs import spear_abi as abi
-from worker.edges.spear_imports import GuestMemory
-from worker.program_fds import FdEntry, FdTable, write_with_len
+from worker.guest import abi
+from worker.guest.fds import FdEntry, FdTable, write_with_len
+from worker.guest.imports import GuestMemory
 
 HOSTCALLS = (
     "spear_fd_ctl", "spear_epoll_create", "spear_epoll_ctl", "spear_epoll_wait",

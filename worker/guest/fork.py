@@ -23,10 +23,10 @@ from typing import Any
 
 from wasmtime import Global, Instance, Memory, Store, Val, WasmtimeError
 
-from worker.codecs.spear_abi import EINVAL, ENOSYS, EPERM, LOG_MAX_BYTES
-from worker.edges.spear_imports import GuestMemory, SpearHost
-from worker.edges.wasm_memory import ToolBuffers, as_i32, plan_arena, plan_scratch
 from worker.errors import ToolExecError
+from worker.guest.abi import EINVAL, ENOSYS, EPERM, LOG_MAX_BYTES
+from worker.guest.imports import GuestMemory, SpearHost
+from worker.guest.memory import ToolBuffers, as_i32, plan_arena, plan_scratch
 
 _BLOB_MAGIC = b"CQF1"
 _BLOB_HEAD = struct.Struct("<4sI")  # magic, length of the JSON header that follows

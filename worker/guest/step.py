@@ -10,10 +10,11 @@ from typing import Any
 
 from schemas import keys
 from schemas.bodies import dump_body, error_obj
-from worker.edges.store_programs import ProgramStore
-from worker.edges.wasm_guest import ModuleSource, ProgramOutcome, ProgramRun, run_program
-from worker.program_host import ChatDefaults, ProgramHost
-from worker.steps import StepRunner, failed_program_record
+from worker.errors import CancelledError
+from worker.guest.host import ChatDefaults, ProgramHost
+from worker.guest.ports import ProgramStore
+from worker.guest.runner import ModuleSource, ProgramOutcome, ProgramRun, run_program
+from worker.session.steps import StepRunner, failed_program_record
 
 LEASE_MARGIN_MS = 15_000
 LOG_LEVELS = ("trace", "debug", "info", "warn", "error")
@@ -26,10 +27,12 @@ class ProgramSteps:
     source: ModuleSource
 
     def program(self, sk: str) -> None:
-        spec = self.runner.store.load_spec(sk)
-        timeout_ms = int(spec["limits"]["run_timeout_ms"])
+        def lease_ms() -> int:
+            return _timeout_ms(self.runner.store.load_spec(sk)) + LEASE_MARGIN_MS
 
         def body() -> None:
+            spec = self.runner.store.load_spec(sk)
+            timeout_ms = _timeout_ms(spec)
             started = time.monotonic()
             if self.programs.is_cancelled(sk):
                 record = cancelled_record(spec)
@@ -52,10 +55,18 @@ class ProgramSteps:
                 )
             self.runner.store.write_result(sk, dump_body(record["body"]), record)
 
-        lease_ms = timeout_ms + LEASE_MARGIN_MS
         self.runner.guarded(
-            keys.program_step(sk), sk, lease_ms, body, stop_if_cancelled=False, state="running"
+            keys.program_step(sk),
+            sk,
+            lease_ms,
+            body,
+            stop_if_cancelled=False,
+            state="running",
         )
+
+
+def _timeout_ms(spec: dict[str, Any]) -> int:
+    return int(spec["limits"]["run_timeout_ms"])
 
 
 def _run_of(spec: dict[str, Any]) -> ProgramRun:
@@ -94,4 +105,4 @@ def program_record(
 
 
 def cancelled_record(spec: dict[str, Any]) -> dict[str, Any]:
-    return failed_program_record(spec, error_obj("cancelled", "program run cancelled"))
+    return failed_program_record(spec, CancelledError("program run cancelled").body())

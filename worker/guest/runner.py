@@ -14,17 +14,8 @@ from typing import Protocol
 
 import wasmtime
 
-from worker.edges.spear_imports import SpearHost, define_spear
-from worker.errors import GuestError
-
-
-class RunAborted(Exception):
-    """Raised by a hostcall to end the run (deadline, cancellation): it traps the guest."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
+from worker.errors import DeadlineExceededError, GuestError, GuestTrapError, RunAborted
+from worker.guest.imports import SpearHost, define_spear, wasmtime_reason
 
 
 class ModuleSource(Protocol):
@@ -112,7 +103,7 @@ def _execute(
         instance = linker.instantiate(store, module)
         start = instance.exports(store).get("_start")
         if not isinstance(start, wasmtime.Func):
-            return None, "guest_error", "the program exports no _start function"
+            return None, GuestError.code, "the program exports no _start function"
         start(store)
         return 0, None, None
     except wasmtime.ExitTrap as exc:
@@ -124,24 +115,19 @@ def _execute(
         if aborted is not None:
             return None, aborted.code, aborted.message
         if exc.trap_code == wasmtime.TrapCode.INTERRUPT:
-            return None, "deadline_exceeded", f"program exceeded its deadline of {timeout_ms} ms"
-        return None, "guest_trap", f"program trapped: {_reason(str(exc))}"
+            return (
+                None,
+                DeadlineExceededError.code,
+                f"program exceeded its deadline of {timeout_ms} ms",
+            )
+        return None, GuestTrapError.code, f"program trapped: {wasmtime_reason(str(exc))}"
     except GuestError as exc:
-        return None, "guest_error", exc.message
+        return None, exc.code, exc.message
     except wasmtime.WasmtimeError as exc:
         aborted = host.abort_reason()
         if aborted is not None:
             return None, aborted.code, aborted.message
-        return None, "guest_error", f"program failed: {_reason(str(exc))}"
-
-
-def _reason(message: str) -> str:
-    """The line after wasmtime's backtrace header, or the first line."""
-    lines = [line.strip() for line in message.splitlines() if line.strip()]
-    for n, line in enumerate(lines):
-        if line.startswith("Caused by:") and n + 1 < len(lines):
-            return lines[n + 1].removeprefix("0: ")[:200]
-    return (lines[0] if lines else "unknown")[:200]
+        return None, GuestError.code, f"program failed: {wasmtime_reason(str(exc))}"
 
 
 def _capped(path: Path, limit: int) -> bytes:

@@ -14,19 +14,27 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any
 
 from schemas import keys
-from schemas.bodies import dump_body, error_obj, is_error_body
+from schemas.bodies import dump_body, is_error_body
+from schemas.limits import Limits
 from worker.codecs.openai_chat import tool_calls_of
 from worker.codecs.protocol import ChatRequest, Delta
 from worker.config import BackendConfig, Settings
-from worker.edges.dispatch import Dispatcher
-from worker.edges.rate_limit import Permit, RateLimiter
-from worker.edges.store import RedisStore
-from worker.edges.wasm_fork import ProgramFork
-from worker.edges.wasm_runtime import ToolInvocation, WasmToolRuntime
-from worker.engine import (
+from worker.errors import (
+    CancelledError,
+    GuestError,
+    InternalError,
+    ProviderError,
+    RateLimited,
+    RetryLater,
+    StepFailedError,
+    StoreError,
+    ToolError,
+    ToolExecError,
+)
+from worker.session.engine import (
     CANCELLED,
     CallModel,
     Finish,
@@ -39,25 +47,29 @@ from worker.engine import (
     plan,
     transcript,
 )
-from worker.errors import GuestError, ProviderError, StoreError, ToolError
+from worker.session.ports import (
+    CompletionProvider,
+    Dispatcher,
+    Permit,
+    RateLimiter,
+    SessionStore,
+    ToolCall,
+    ToolRuntime,
+)
 
 log = logging.getLogger(__name__)
 
 START_LEASE_MS = 60_000
+DEFAULT_LEASE_MS = 130_000  # when a step's own lease cannot be read: the longest model call
+GUARD_RETRY_S = 1.0
 FINISH_LEASE_MS = 30_000
 PARTIAL_EVERY_S = 0.25
-
-
-class RateLimited(Exception):
-    def __init__(self, wait_s: float) -> None:
-        super().__init__(f"rate limited for {wait_s:.2f} s")
-        self.wait_s = wait_s
 
 
 class PartialText:
     """The text of a streamed round, published every PARTIAL_EVERY_S for `cchatq status`."""
 
-    def __init__(self, store: RedisStore, sk: str) -> None:
+    def __init__(self, store: SessionStore, sk: str) -> None:
         self.store, self.sk = store, sk
         self.text: list[str] = []
         self.last = 0.0
@@ -83,26 +95,13 @@ def estimate_tokens(chat: ChatRequest) -> int:
     return len(json.dumps(chat.messages, ensure_ascii=False)) // 4 + 1
 
 
-class RetryLater(Exception):
-    def __init__(self, countdown_s: float, reason: str) -> None:
-        super().__init__(reason)
-        self.countdown_s = countdown_s
-
-
-class CompletionProvider(Protocol):
-    def complete(
-        self, request: ChatRequest, on_delta: Callable[[Delta], None] | None = None
-    ) -> Any: ...
-
-
 @dataclass
 class StepRunner:
-    store: RedisStore
+    store: SessionStore
     dispatch: Dispatcher
     provider_for: Callable[[BackendConfig], CompletionProvider]
-    runtime: Callable[[], WasmToolRuntime]
+    tools: Callable[[], ToolRuntime]  # lazy: a prefork child builds its own wasmtime engine
     settings: Settings
-    fork_blob: Callable[[str], bytes]  # a program's memory snapshot, for its tools' forks
     rate_limiter: RateLimiter
 
     # guards --------------------------------------------------------------------------------
@@ -111,16 +110,40 @@ class StepRunner:
         self,
         step: str,
         sk: str,
-        lease_ms: int,
+        lease_ms: Callable[[], int],
         body: Callable[[], None],
         stop_if_cancelled: bool = True,
         targets: Callable[[], list[str]] | None = None,
         **meta: str | int,
     ) -> None:
         """Run one delivery of a step under its guards. A step that keeps failing ends the
-        sessions `targets()` names (its own session by default)."""
+        sessions `targets()` names (its own session by default). Nothing escapes but
+        RetryLater: a failure of the guard's own Redis calls retries the delivery, so a
+        message is never acknowledged with its work undone."""
+        try:
+            self._guarded(step, sk, lease_ms, body, stop_if_cancelled, targets, dict(meta))
+        except RetryLater:
+            raise
+        except Exception as exc:
+            log.warning("step %s: guard failed: %s", step, type(exc).__name__)
+            raise RetryLater(GUARD_RETRY_S, f"guard: {type(exc).__name__}") from exc
+
+    def _guarded(
+        self,
+        step: str,
+        sk: str,
+        lease_ms: Callable[[], int],
+        body: Callable[[], None],
+        stop_if_cancelled: bool,
+        targets: Callable[[], list[str]] | None,
+        meta: dict[str, str | int],
+    ) -> None:
         sessions = targets or (lambda: [sk])
-        start = self.store.begin_step(step, lease_ms, dict(meta), sk)
+        try:
+            lease = lease_ms()
+        except Exception:  # the lease is advisory: the body reads again, under the guard
+            lease = DEFAULT_LEASE_MS
+        start = self.store.begin_step(step, lease, meta, sk)
         if start.published:
             return
         if not start.leased:
@@ -157,12 +180,23 @@ class StepRunner:
             self.store.release_lease(step)
 
     def poison(self, step: str, sks: list[str], reason: str) -> None:
-        """A step that keeps failing ends its sessions: dead-letter it, finish with an error."""
-        body = error_obj("step_failed", f"step {step} failed for good: {reason}"[:500])
+        """A step that keeps failing ends its sessions: dead-letter it, finish with an error.
+        A failing finish step is not run again: its body is written here, bare."""
+        failed = StepFailedError(f"step {step} failed for good: {reason}"[:500])
         for sk in sks:
-            self.store.dead_letter(step, sk, body, reason)
+            self.store.dead_letter(step, sk, failed.body(), reason)
+            if step == keys.finish_step(sk):
+                record = bare_record(self._spec_id(sk), failed.body())
+                self.store.write_result(sk, dump_body(failed.body()), record)
+                continue
             self.dispatch.finish(sk)
         self.store.end_step(step)
+
+    def _spec_id(self, sk: str) -> str:
+        try:
+            return str(self.store.load_spec(sk)["id"])
+        except Exception:  # what failed may be this very read: the key still names it
+            return sk
 
     def _default_backend(self) -> str:
         return self.settings.default_backend
@@ -184,13 +218,15 @@ class StepRunner:
             return [m.removeprefix("p:") for m in members()]
 
         # sk "": a chunk is no session (no cancel flag, no meta); its poison ends them all
-        self.guarded(keys.start_step(batch, chunk_no), "", START_LEASE_MS, body, targets=sessions)
+        step = keys.start_step(batch, chunk_no)
+        self.guarded(step, "", lambda: START_LEASE_MS, body, targets=sessions)
 
     # round ---------------------------------------------------------------------------------
 
     def round(self, sk: str, round_no: int) -> None:
-        backend = self._backend(self.store.load_spec(sk))
-        lease_ms = int((backend.total_timeout_s if backend else 60) * 1000) + 10_000
+        def lease_ms() -> int:
+            backend = self._backend(self.store.load_spec(sk))
+            return int((backend.total_timeout_s if backend else 60) * 1000) + 10_000
 
         def body() -> None:
             session = self.store.load_session(sk, self._default_backend(), upto_round=round_no)
@@ -198,12 +234,13 @@ class StepRunner:
                 step = plan(session)
                 if not isinstance(step, CallModel) or step.round_no != round_no:
                     return  # a stale duplicate: the session is past this round
-                reply = self._call_model(sk, session, backend, step)
+                reply = self._call_model(sk, session, step)
                 winner = self.store.store_model_reply(sk, round_no, reply)
                 session = replace(session, rounds=(*session.rounds, Round(reply=winner)))
             self._continue(sk, session)
 
-        self.guarded(keys.round_step(sk, round_no), sk, lease_ms, body, state=f"round {round_no}")
+        step = keys.round_step(sk, round_no)
+        self.guarded(step, sk, lease_ms, body, state=f"round {round_no}")
 
     def _backend(self, spec: dict[str, Any]) -> BackendConfig | None:
         try:
@@ -211,15 +248,13 @@ class StepRunner:
         except (KeyError, TypeError):  # unknown, or not a name at all: the round ends it
             return None
 
-    def _call_model(
-        self, sk: str, session: Session, backend: BackendConfig | None, step: CallModel
-    ) -> dict[str, Any]:
+    def _call_model(self, sk: str, session: Session, step: CallModel) -> dict[str, Any]:
+        backend = self._backend(session.spec)
         if backend is None:
             name = session.spec.get("provider")
-            return error_obj(
-                "provider_error",
-                f"unknown backend {name!r}; configured: {sorted(self.settings.backends)}",
-            )
+            return ProviderError(
+                f"unknown backend {name!r}; configured: {sorted(self.settings.backends)}"
+            ).body()
         chat = ChatRequest(
             model=step.model,
             messages=step.messages,
@@ -237,7 +272,7 @@ class StepRunner:
         try:
             reply = dict(self.provider_for(backend).complete(chat, partial).completion)
         except ProviderError as exc:
-            return error_obj(exc.code, exc.message)
+            return exc.body()
         finally:
             if partial is not None:
                 partial.close()
@@ -245,7 +280,8 @@ class StepRunner:
         return reply
 
     def _continue(self, sk: str, session: Session) -> None:
-        """Publish what follows a stored model reply."""
+        """Publish what follows the stored state, as the engine plans it: the one place a
+        plan becomes stored presets and published steps (round, nudge)."""
         step = plan(session)
         if isinstance(step, Finish):
             self.dispatch.finish(sk)
@@ -265,46 +301,44 @@ class StepRunner:
     # tool ----------------------------------------------------------------------------------
 
     def tool(self, sk: str, round_no: int, index: int) -> None:
-        spec = self.store.load_spec(sk)
-        limits = Session(spec=spec, backend="").limits
+        def lease_ms() -> int:
+            limits = Limits.resolve(self.store.load_spec(sk).get("limits"))
+            return limits.tool_timeout_ms + 5_000  # the deadline covers an ENOSPC retry too
 
         def body() -> None:
+            spec = self.store.load_spec(sk)
             reply, outcome = self.store.tool_inputs(sk, round_no, index)
             if reply is None or is_error_body(reply):
                 raise StoreError(f"round {round_no} reply missing for tool step")
             calls = tool_calls_of(reply)
             if outcome is None:
-                outcome = self._execute(spec, calls[index], limits.as_dict())
+                outcome = self._execute(spec, calls[index])
             done = self.store.store_tool_outcomes(sk, round_no, {index: outcome})
             if done >= len(calls):
                 self.dispatch.round(sk, round_no + 1)
 
-        lease_ms = limits.tool_timeout_ms + 5_000  # the deadline covers an ENOSPC retry too
         self.guarded(keys.tool_step(sk, round_no, index), sk, lease_ms, body)
 
-    def _execute(
-        self, spec: dict[str, Any], call: dict[str, Any], limits: dict[str, int]
-    ) -> ToolOutcome:
+    def _execute(self, spec: dict[str, Any], call: dict[str, Any]) -> ToolOutcome:
         name = call["function"]["name"]
         tool = next(t for t in spec["tools"] if t["function"]["name"] == name)
+        limits = Limits.resolve(spec.get("limits"))
         try:
-            fork_sha = tool.get("fork_sha256")
-            fork = ProgramFork.from_blob(self.fork_blob(fork_sha)) if fork_sha else None
-            invocation = ToolInvocation(
+            invocation = ToolCall(
                 module_sha256=tool["module_sha256"],
                 export=tool.get("export"),
                 table_index=tool.get("table_index"),
+                fork_sha256=tool.get("fork_sha256"),
                 arguments=canonical_arguments(call["function"]["arguments"]).encode(),
-                timeout_ms=limits["tool_timeout_ms"],
-                memory_bytes=limits["tool_memory_bytes"],
-                max_output_bytes=limits["max_tool_output_bytes"],
-                fork=fork,
+                timeout_ms=limits.tool_timeout_ms,
+                memory_bytes=limits.tool_memory_bytes,
+                max_output_bytes=limits.max_tool_output_bytes,
             )
-            return ToolOutcome(content=self.runtime().call_tool(invocation), ok=True)
+            return ToolOutcome(content=self.tools().run(invocation), ok=True)
         except ToolError as exc:
-            return ToolOutcome.error(exc.code, exc.message)
+            return ToolOutcome.error(exc)
         except GuestError as exc:
-            return ToolOutcome.error("tool_exec_failed", exc.message)
+            return ToolOutcome.error(ToolExecError(exc.message))
 
     # nudge ------------------------------------------------------------------------------
 
@@ -319,15 +353,12 @@ class StepRunner:
         if spec.get("kind") == "program":
             self.dispatch.program(sk)
             return
-        step = plan(self.store.load_session(sk, self._default_backend()))
-        if isinstance(step, CallModel):
-            self.dispatch.round(sk, step.round_no)
-        elif isinstance(step, RunTools):
-            for run in step.runs:
-                self.dispatch.tool(sk, step.round_no, run.index)
-            if not step.runs:
-                self.dispatch.round(sk, step.round_no)  # its presets are still to be stored
-        else:
+        try:
+            self._continue(sk, self.store.load_session(sk, self._default_backend()))
+        except StoreError:
+            raise
+        except Exception:  # a plan that cannot be made: the finish step ends the session
+            log.warning("nudge %s: no plan, finishing", sk)
             self.dispatch.finish(sk)
 
     # finish --------------------------------------------------------------------------------
@@ -337,40 +368,59 @@ class StepRunner:
             spec = self.store.load_spec(sk)
             failure = self.store.failure(sk)
             if spec.get("kind") == "program":  # only a failed run is finished here
-                body = failure or error_obj("cancelled", "program run cancelled")
-                self.store.write_result(sk, dump_body(body), failed_program_record(spec, body))
+                ending = failure or CancelledError("program run cancelled").body()
+                self.store.write_result(sk, dump_body(ending), failed_program_record(spec, ending))
                 return
             session = self.store.load_session(sk, self._default_backend())
-            missing: ToolOutcome | None = None
-            if failure is not None:
-                result, missing = (
-                    failure,
-                    ToolOutcome.error("step_failed", "session failed before this call ran"),
-                )
-            elif self.store.is_cancelled(sk):
-                result, missing = error_obj("cancelled", "session cancelled"), CANCELLED
-            else:
-                step = plan(session)
-                if isinstance(step, Finish):
-                    result = step.body
-                else:
-                    result, missing = (
-                        error_obj("internal_error", "finish before the session ended"),
-                        CANCELLED,
-                    )
+            cancelled = self.store.is_cancelled(sk)
             meta = self.store.meta(sk)
             latency_ms = int(time.time() * 1000) - int(meta.get("submitted_ms", "0") or 0)
-            want_metrics = session.flags.get("metrics", True)
-            record = {
-                "id": session.spec["id"],
-                "status": "error" if is_error_body(result) else "ok",
-                "body": result,
-                "transcript": transcript(session, missing),
-                "metrics": metrics(session, latency_ms) if want_metrics else {},
-            }
+            result, record = session_ending(session, failure, cancelled, latency_ms)
             self.store.write_result(sk, dump_body(result), record)
 
-        self.guarded(keys.finish_step(sk), sk, FINISH_LEASE_MS, body, stop_if_cancelled=False)
+        step = keys.finish_step(sk)
+        self.guarded(step, sk, lambda: FINISH_LEASE_MS, body, stop_if_cancelled=False)
+
+
+def session_ending(
+    session: Session, failure: dict[str, Any] | None, cancelled: bool, latency_ms: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The ending rules: a session's final body and its record. A dead-lettered step wins,
+    then a cancel, then what the engine plans. Never raises: an engine that fails on this
+    session (a bug, a state it cannot read) still ends it, with an internal_error body."""
+    missing: ToolOutcome | None = None
+    try:
+        if failure is not None:
+            result = failure
+            missing = ToolOutcome.error(StepFailedError("session failed before this call ran"))
+        elif cancelled:
+            result, missing = CancelledError("session cancelled").body(), CANCELLED
+        else:
+            step = plan(session)
+            if isinstance(step, Finish):
+                result = step.body
+            else:
+                result = InternalError("finish before the session ended").body()
+                missing = CANCELLED
+        want_metrics = session.flags.get("metrics", True)
+        record = {
+            "id": session.spec["id"],
+            "status": "error" if is_error_body(result) else "ok",
+            "body": result,
+            "transcript": transcript(session, missing),
+            "metrics": metrics(session, latency_ms) if want_metrics else {},
+        }
+        return result, record
+    except Exception as exc:
+        log.exception("session %s: ending rules failed", session.spec.get("id"))
+        error = InternalError(f"the session could not be ended normally: {type(exc).__name__}")
+        body = failure or error.body()
+        return body, bare_record(str(session.spec.get("id", "")), body)
+
+
+def bare_record(spec_id: str, body: dict[str, Any]) -> dict[str, Any]:
+    """The record of a session whose transcript could not be built."""
+    return {"id": spec_id, "status": "error", "body": body, "transcript": [], "metrics": {}}
 
 
 def failed_program_record(spec: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from schemas.bodies import dump_body
-from worker.codecs import spear_abi as abi
-from worker.edges.spear_imports import GuestMemory
-from worker.edges.store_programs import ProgramStore
+from worker.guest import abi
+from worker.guest.imports import GuestMemory
+from worker.guest.ports import ProgramStore
 
 
 @dataclass

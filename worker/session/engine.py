@@ -8,18 +8,25 @@ call the model, run these tools, or finish with this body. Tasks only carry that
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 from dataclasses import dataclass, field
 from typing import Any
 
 import jsonschema
 
-from schemas.bodies import dump_text, error_obj, is_error_body
+from schemas import tool_schema
+from schemas.bodies import dump_text, is_error_body
 from schemas.limits import Limits
 from worker.codecs.openai_chat import decode_arguments, tool_calls_of, tool_message_content
 from worker.codecs.protocol import ToolChoice
-from worker.errors import ToolArgumentsError
+from worker.errors import (
+    CancelledError,
+    CchatqError,
+    RepeatedCallError,
+    ToolArgumentsError,
+    ToolCallLimitError,
+    UnknownToolError,
+)
 
 
 @dataclass(frozen=True)
@@ -30,8 +37,8 @@ class ToolOutcome:
     ok: bool
 
     @classmethod
-    def error(cls, code: str, message: str) -> ToolOutcome:
-        return cls(content=dump_text(error_obj(code, message)), ok=False)
+    def error(cls, error: CchatqError) -> ToolOutcome:
+        return cls(content=dump_text(error.body()), ok=False)
 
     @property
     def code(self) -> str | None:
@@ -136,13 +143,13 @@ def plan(session: Session) -> Step:
         return Finish(success_body(session, last.reply))
     limit = _limit_hit(session, len(calls))
     if limit:
-        return Finish(error_obj("tool_call_limit", f"exceeded {limit}"))
+        return Finish(ToolCallLimitError(f"exceeded {limit}").body())
     presets = _presets(session, last.reply, calls)
     if session.flags.get("strict_unknown_tool"):
         unknown = [c for c in calls if c["function"]["name"] not in session.tools_by_name()]
         if unknown:
             return Finish(
-                error_obj("unknown_tool", f"unknown tool: {unknown[0]['function']['name']}")
+                UnknownToolError(f"unknown tool: {unknown[0]['function']['name']}").body()
             )
     if all(i in last.outcomes for i in range(len(calls))):
         return _call_model(session, round_no + 1)
@@ -216,23 +223,24 @@ def _presets(
     for i, call in enumerate(calls):
         name = call["function"]["name"]
         if name not in tools:
-            presets[i] = ToolOutcome.error("unknown_tool", f"unknown tool: {name}")
+            presets[i] = ToolOutcome.error(UnknownToolError(f"unknown tool: {name}"))
         elif truncated:
             # conformance B1 #13: never execute a call cut off by the token limit
             presets[i] = ToolOutcome.error(
-                "invalid_arguments", "arguments truncated (finish_reason length), not executed"
+                ToolArgumentsError("arguments truncated (finish_reason length), not executed")
             )
         elif _repeats(session, call) >= REPEAT_LIMIT - 1:
             # conformance B7 68: the model keeps asking the same thing; tell it, do not rerun
             presets[i] = ToolOutcome.error(
-                "repeated_call",
-                f"this exact call was made {REPEAT_LIMIT} times in a row; "
-                "use its earlier result or change the arguments",
+                RepeatedCallError(
+                    f"this exact call was made {REPEAT_LIMIT} times in a row; "
+                    "use its earlier result or change the arguments"
+                )
             )
         else:
             problem = argument_problem(call["function"]["arguments"], tools[name]["function"])
             if problem:
-                presets[i] = ToolOutcome.error("invalid_arguments", problem)
+                presets[i] = ToolOutcome.error(ToolArgumentsError(problem))
     return presets
 
 
@@ -270,20 +278,14 @@ def argument_problem(arguments: str, function: dict[str, Any]) -> str | None:
     except ToolArgumentsError as exc:
         return exc.message
     schema = function.get("parameters") or {"type": "object"}
-    error = jsonschema.exceptions.best_match(
-        _validator(json.dumps(schema, sort_keys=True)).iter_errors(decoded)
-    )
+    try:
+        error = jsonschema.exceptions.best_match(tool_schema.validator(schema).iter_errors(decoded))
+    except Exception as exc:  # a schema that passed the submit check but still cannot validate
+        return f"the tool's parameters schema cannot be checked: {type(exc).__name__}"[:500]
     if error is None:
         return None
     where = "/".join(str(p) for p in error.absolute_path) or "arguments"
     return f"{where}: {error.message}"[:500]
-
-
-@functools.lru_cache(maxsize=512)
-def _validator(schema_json: str) -> jsonschema.protocols.Validator:
-    schema = json.loads(schema_json)
-    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-    return cls(schema)
 
 
 def _finish_reason(reply: dict[str, Any]) -> str | None:
@@ -346,17 +348,19 @@ def _fill_for_round(
     limit = _limit_hit(upto, len(calls))
     if limit:
         return {
-            i: ToolOutcome.error("tool_call_limit", f"skipped: exceeded {limit}")
+            i: ToolOutcome.error(ToolCallLimitError(f"skipped: exceeded {limit}"))
             for i in range(len(calls))
         }
     fill = _presets(upto, session.rounds[round_no].reply, calls)
     if session.flags.get("strict_unknown_tool") and any(
-        o.code == "unknown_tool" for o in fill.values()
+        o.code == UnknownToolError.code for o in fill.values()
     ):
         for i in range(len(calls)):
             fill.setdefault(
                 i,
-                ToolOutcome.error("unknown_tool", "skipped: the session ended on an unknown tool"),
+                ToolOutcome.error(
+                    UnknownToolError("skipped: the session ended on an unknown tool")
+                ),
             )
     if missing is not None:
         for i in range(len(calls)):
@@ -401,4 +405,4 @@ def metrics(session: Session, latency_ms: int) -> dict[str, Any]:
     }
 
 
-CANCELLED = ToolOutcome.error("cancelled", "session cancelled before this call ran")
+CANCELLED = ToolOutcome.error(CancelledError("session cancelled before this call ran"))

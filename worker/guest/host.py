@@ -22,18 +22,26 @@ from dataclasses import dataclass
 from typing import Any
 
 from schemas import keys
-from schemas.bodies import dump_body, error_obj
+from schemas.bodies import dump_body
 from schemas.limits import LIMIT_ALIASES, LIMIT_BOUNDS, Limits
-from worker.codecs import spear_abi as abi
-from worker.edges.dispatch import Dispatcher
-from worker.edges.spear_imports import GuestFault, GuestMemory
-from worker.edges.store_programs import ProgramStore
-from worker.edges.wasm_fork import ProgramFork
-from worker.edges.wasm_guest import RunAborted
-from worker.errors import StoreError
-from worker.program_epoll import HOSTCALLS as EPOLL_HOSTCALLS
-from worker.program_epoll import EpollCalls
-from worker.program_fds import FdEntry, FdTable, write_with_len
+from schemas.tool_schema import schema_problem
+from worker.errors import (
+    CancelledError,
+    DeadlineExceededError,
+    GuestFault,
+    InvalidRequestError,
+    RunAborted,
+    SessionError,
+    StoreError,
+)
+from worker.guest import abi
+from worker.guest.epoll import HOSTCALLS as EPOLL_HOSTCALLS
+from worker.guest.epoll import EpollCalls
+from worker.guest.fds import FdEntry, FdTable, write_with_len
+from worker.guest.fork import ProgramFork
+from worker.guest.imports import GuestMemory
+from worker.guest.ports import ProgramStore
+from worker.session.ports import Dispatcher
 
 log = logging.getLogger(__name__)
 ROLES = ("system", "user", "assistant", "tool")
@@ -99,19 +107,19 @@ class ProgramHost:
             log.exception("hostcall %s failed in run %s", name, self.d.run_sk)
             return -abi.EIO
 
-    def _abort(self, code: str, message: str) -> RunAborted:
-        self._aborted = RunAborted(code, message)
+    def _abort(self, ending: SessionError) -> RunAborted:
+        self._aborted = RunAborted(ending)
         return self._aborted
 
     def _check_time(self) -> float:
         remaining = self.d.deadline - time.monotonic()
         if remaining <= 0:
-            raise self._abort("deadline_exceeded", "program exceeded its deadline")
+            raise self._abort(DeadlineExceededError("program exceeded its deadline"))
         return remaining
 
     def _check_cancel(self) -> None:
         if self.store.is_cancelled(self.d.run_sk):
-            raise self._abort("cancelled", "program run cancelled")
+            raise self._abort(CancelledError("program run cancelled"))
 
     # chat hostcalls ------------------------------------------------------------------------
 
@@ -144,6 +152,8 @@ class ProgramHost:
         function = abi.parse_tool_json(mem.read(ptr, length))
         if isinstance(function, int):
             return function
+        if schema_problem(function["parameters"]) is not None:  # checked as at submit
+            return -abi.EINVAL
         if not mem.is_tool_function(fn_offset, self.table_name):
             return -abi.EINVAL
         if all(f["name"] != function["name"] for _, f in entry.tools):  # the first one wins
@@ -219,10 +229,10 @@ class ProgramHost:
         }
         model = consumed.get("model") or self.d.model
         if not isinstance(model, str) or not model:
-            return dump_body(error_obj("invalid_request", "no model: set the `model` param"))
+            return dump_body(InvalidRequestError("no model: set the `model` param").body())
         backend = consumed.get("backend") or self.d.backend
         if backend is not None and not isinstance(backend, str):
-            return dump_body(error_obj("invalid_request", "the `backend` param must be a string"))
+            return dump_body(InvalidRequestError("the `backend` param must be a string").body())
         tools = []
         fork_sha: str | None = None
         if session.tools and auto:  # only an auto tool-call loop runs the tools

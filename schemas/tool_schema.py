@@ -1,0 +1,76 @@
+"""The one JSON-Schema check of a tool's `parameters`, used at submit (spec files), by
+`cchat_write_fn` (programs) and by the engine before a call runs, so a schema accepted at
+the door is one the engine can validate arguments against.
+
+A schema is usable when it is a valid schema of its draft (2020-12 unless `$schema` says
+otherwise) and every `$ref` in it resolves without network access.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import jsonschema
+import referencing.exceptions
+
+MAX_PROBLEM_CHARS = 200
+# Keywords whose values are data, not subschemas: a "$ref" inside them is not a reference.
+_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
+
+
+def schema_problem(schema: Any) -> str | None:
+    """Why `schema` cannot check a tool's arguments, or None when it can."""
+    if not isinstance(schema, dict):
+        return "parameters must be a JSON object"
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    try:
+        cls.check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        return _capped(f"not a valid JSON Schema at {exc.json_path}: {exc.message}")
+    # jsonschema's own resolver, so a reference resolves here exactly when it will at call time
+    root = cls(schema)._resolver
+    for path, ref, resolver in _refs(schema, "$", root, root=True):
+        try:
+            resolver.lookup(ref)
+        except referencing.exceptions.Unresolvable:
+            return _capped(f"unresolvable $ref {ref!r} at {path}")
+    return None
+
+
+@functools.lru_cache(maxsize=512)
+def _validator_of(schema_json: str) -> jsonschema.protocols.Validator:
+    schema = json.loads(schema_json)
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    return cls(schema)
+
+
+def validator(schema: dict[str, Any]) -> jsonschema.protocols.Validator:
+    """A cached validator for a tool's parameters."""
+    return _validator_of(json.dumps(schema, sort_keys=True))
+
+
+def _refs(
+    node: Any, path: str, resolver: Any, root: bool = False
+) -> Iterator[tuple[str, str, Any]]:
+    """Each `$ref` with its path and the resolver of its base URI (a nested `$id` moves it)."""
+    if isinstance(node, dict):
+        if not root and isinstance(node.get("$id"), str):
+            resolver = resolver.lookup(node["$id"]).resolver
+        ref = node.get("$ref")
+        if isinstance(ref, str):
+            yield path, ref, resolver
+        for key, value in node.items():
+            if key not in _DATA_KEYWORDS:
+                yield from _refs(value, f"{path}.{key}", resolver)
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _refs(value, f"{path}[{i}]", resolver)
+
+
+def _capped(message: str) -> str:
+    if len(message) > MAX_PROBLEM_CHARS:
+        return message[: MAX_PROBLEM_CHARS - 3] + "..."
+    return message

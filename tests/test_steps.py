@@ -1,0 +1,303 @@
+"""The steps driven through the in-memory twins (worker/session/twins.py): no Redis, no
+workers. Each test runs whole sessions step by step, as Celery would, and asserts the body
+and transcript they end with, including when the store fails or the engine cannot go on."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from schemas import keys
+from worker.config import BackendConfig, Settings
+from worker.errors import ProviderRequestError
+from worker.session.steps import StepRunner
+from worker.session.twins import (
+    FailingStore,
+    MemoryStore,
+    OpenRateLimiter,
+    Published,
+    PythonTools,
+    ScriptedProvider,
+    StepQueue,
+)
+
+SK = "sk1"
+WEATHER_FN = {
+    "name": "get_weather",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+    },
+}
+
+
+def reply(content: str | None = None, *calls: tuple[str, str, str]) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [
+            {"id": cid, "type": "function", "function": {"name": name, "arguments": args}}
+            for cid, name, args in calls
+        ]
+    return {
+        "id": "c",
+        "object": "chat.completion",
+        "model": "m",
+        "choices": [
+            {"index": 0, "message": message, "finish_reason": "tool_calls" if calls else "stop"}
+        ],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+    }
+
+
+def spec(*functions: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return {
+        "id": "t/1",
+        "provider": "replay",
+        "model": "m",
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "tools": [
+            {"module_sha256": "0" * 64, "export": f["name"], "table_index": None, "function": f}
+            for f in functions
+        ],
+        "params": {},
+        "flags": {"auto_tool_call": True, "metrics": True, "strict_unknown_tool": False},
+        "limits": {},
+        **extra,
+    }
+
+
+def answer_with_tool_result(request: Any) -> dict[str, Any]:
+    return reply(f"Tool said: {request.messages[-1]['content']}")
+
+
+def weather_model(request: Any) -> dict[str, Any]:
+    """Asks for the weather, then repeats what the tool said: the same reply to the same
+    request, so a model call that is repeated (its reply was never stored) changes nothing."""
+    if request.messages[-1]["role"] == "tool":
+        return answer_with_tool_result(request)
+    return reply(None, ("call_1", "get_weather", '{"city":"Paris"}'))
+
+
+@dataclass
+class Pipeline:
+    store: MemoryStore
+    queue: StepQueue
+    runner: StepRunner
+    provider: ScriptedProvider
+    tools: PythonTools
+
+    def run(self, step: Published) -> None:
+        kind, sk, *rest = step
+        if kind == "round":
+            self.runner.round(sk, rest[0])
+        elif kind == "tool":
+            self.runner.tool(sk, rest[0], rest[1])
+        elif kind == "finish":
+            self.runner.finish(sk)
+        elif kind == "start":
+            self.runner.start(sk, rest[0])
+        else:
+            raise AssertionError(f"unexpected step {step}")
+
+    def drain(self) -> int:
+        return self.queue.drain(self.run)
+
+    def body(self) -> dict[str, Any]:
+        body = self.store.result(SK)
+        assert body is not None, "the session has no result"
+        return body
+
+    def transcript(self) -> list[dict[str, Any]]:
+        record = self.store.record(SK)
+        assert record is not None
+        return list(record["transcript"])
+
+
+def pipeline(script: list[Any], store: Any = None, tools: dict[str, Any] | None = None) -> Pipeline:
+    memory = MemoryStore()
+    queue = StepQueue()
+    provider = ScriptedProvider(list(script))
+    python_tools = PythonTools(tools or {"get_weather": lambda args: "sunny"})
+    runner = StepRunner(
+        store=store(memory) if store else memory,
+        dispatch=queue,
+        provider_for=provider,
+        tools=lambda: python_tools,
+        settings=Settings(
+            backends={"replay": BackendConfig(name="replay")},
+            default_backend="replay",
+            max_step_attempts=3,
+        ),
+        rate_limiter=OpenRateLimiter(),
+    )
+    return Pipeline(memory, queue, runner, provider, python_tools)
+
+
+def submit(p: Pipeline, session_spec: dict[str, Any]) -> None:
+    p.store.submit(SK, session_spec, batch="b")
+    p.queue.round(SK, 0)
+
+
+WEATHER_SCRIPT = [weather_model] * 4
+
+
+def test_a_session_runs_its_tool_and_finishes() -> None:
+    p = pipeline(WEATHER_SCRIPT)
+    submit(p, spec(WEATHER_FN))
+    p.drain()
+    assert p.body()["choices"][0]["message"]["content"] == "Tool said: sunny"
+    assert [m["role"] for m in p.transcript()] == ["user", "assistant", "tool", "assistant"]
+    assert [c.arguments for c in p.tools.calls] == [b'{"city":"Paris"}']
+    assert list(p.store.done["b"]) == [SK]  # the waiting batch is told
+    assert p.queue.retries == 0
+
+
+@pytest.mark.parametrize(
+    "method",
+    ["load_spec", "load_session", "begin_step", "store_model_reply", "tool_inputs", "meta"],
+)
+def test_a_store_failing_on_a_steps_read_retries_the_step_and_the_session_finishes(
+    method: str,
+) -> None:
+    failing: list[FailingStore] = []
+
+    def once(memory: MemoryStore) -> FailingStore:
+        failing.append(FailingStore(memory, **{method: 1}))
+        return failing[0]
+
+    p = pipeline(WEATHER_SCRIPT, store=once)
+    submit(p, spec(WEATHER_FN))
+    p.drain()  # no producer, no nudge: the step's own retry finishes the session
+    assert failing[0].raised == [method]
+    assert p.body()["choices"][0]["message"]["content"] == "Tool said: sunny"
+    assert p.store.deadletters == []
+    # the model was called once per round, once more only when its reply was never stored
+    assert len(p.provider.requests) == (3 if method == "store_model_reply" else 2)
+    if method != "load_spec":  # the spec read for the lease is advisory: no retry needed
+        assert p.queue.retries >= 1
+
+
+def test_a_schema_that_fails_only_at_call_time_is_a_validation_error_to_the_model() -> None:
+    # infinitely self-referencing: a valid schema whose every $ref resolves, which passes
+    # the submit check and raises (RecursionError) only when arguments are validated
+    looping = {"name": "loop", "parameters": {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#"}}}}
+    p = pipeline([reply(None, ("call_1", "loop", '{"x":1}')), answer_with_tool_result])
+    submit(p, spec(looping))
+    p.drain()
+    said = json.loads(p.body()["choices"][0]["message"]["content"].removeprefix("Tool said: "))
+    assert said["error"]["code"] == "invalid_arguments"
+    assert "schema cannot be checked" in said["error"]["message"]
+    assert p.tools.calls == []  # never ran
+
+
+def test_a_dangling_ref_that_reached_the_store_ends_with_a_validation_error_not_a_hang() -> None:
+    # what submit rejects; a spec stored by an older producer still must not hang
+    dangling = {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"$ref": "#/$defs/city"}}},
+    }
+    p = pipeline(WEATHER_SCRIPT)
+    submit(p, spec(dangling))
+    p.drain()
+    said = json.loads(p.body()["choices"][0]["message"]["content"].removeprefix("Tool said: "))
+    assert said["error"]["code"] == "invalid_arguments"
+    assert p.store.deadletters == []
+
+
+def test_a_step_failing_every_try_is_dead_lettered_and_the_session_ends() -> None:
+    p = pipeline(WEATHER_SCRIPT, store=lambda m: FailingStore(m, tool_inputs=99))
+    submit(p, spec(WEATHER_FN))
+    p.drain()
+    body = p.body()
+    assert body["error"]["code"] == "step_failed"
+    assert keys.tool_step(SK, 0, 0) in body["error"]["message"]
+    assert [step for step, _ in p.store.deadletters] == [keys.tool_step(SK, 0, 0)]
+    tool_message = p.transcript()[-1]
+    assert tool_message["role"] == "tool"
+    assert json.loads(tool_message["content"])["error"]["code"] == "step_failed"
+
+
+def test_a_finish_step_failing_every_try_still_writes_the_body_without_rerunning() -> None:
+    p = pipeline([reply("hello")], store=lambda m: FailingStore(m, meta=99))
+    submit(p, spec())
+    p.drain()
+    assert p.body()["error"]["code"] == "step_failed"
+    record = p.store.record(SK)
+    assert record is not None and record["id"] == "t/1" and record["transcript"] == []
+    assert [step for step, _ in p.store.deadletters] == [keys.finish_step(SK)]
+
+
+def test_an_engine_that_cannot_build_the_transcript_ends_with_internal_error() -> None:
+    p = pipeline([reply("hello")])
+    broken = spec()
+    submit(p, broken)
+    p.drain()  # the round ran; now break what the finish step reads
+    p.store.responses.clear()
+    p.store.records.clear()
+    del p.store.specs[SK]["messages"]
+    p.store.published.discard(keys.finish_step(SK))
+    p.queue.finish(SK)
+    p.drain()
+    assert p.body()["error"]["code"] == "internal_error"
+    assert "KeyError" in p.body()["error"]["message"]
+
+
+def test_a_provider_error_ends_the_session_with_its_body() -> None:
+    p = pipeline([ProviderRequestError("HTTP 400: bad request", status=400)])
+    submit(p, spec())
+    p.drain()
+    assert p.body() == {"error": {"code": "provider_error", "message": "HTTP 400: bad request"}}
+
+
+def test_an_unknown_backend_ends_the_session_with_provider_error() -> None:
+    p = pipeline([])
+    submit(p, spec(provider="nowhere"))
+    p.drain()
+    assert p.body()["error"]["code"] == "provider_error"
+    assert "nowhere" in p.body()["error"]["message"]
+
+
+def test_cancel_ends_the_session_at_the_next_step() -> None:
+    p = pipeline(WEATHER_SCRIPT)
+    submit(p, spec(WEATHER_FN))
+    p.queue.run_next(p.run)  # the first round ran
+    p.store.cancel(SK)
+    p.drain()
+    assert p.body()["error"]["code"] == "cancelled"
+    assert p.tools.calls == []
+
+
+def test_a_rate_limited_round_waits_without_spending_a_try() -> None:
+    p = pipeline([reply("hello")])
+    p.runner.rate_limiter = OpenRateLimiter(wait_s=[0.5, 0.5, 0.5, 0.5])
+    submit(p, spec())
+    p.drain()
+    assert p.body()["choices"][0]["message"]["content"] == "hello"
+    assert p.queue.retries == 4  # more waits than max_step_attempts: none was a failure
+
+
+def test_a_lost_message_is_recovered_by_a_nudge() -> None:
+    p = pipeline(WEATHER_SCRIPT)
+    submit(p, spec(WEATHER_FN))
+    p.queue.run_next(p.run)  # the round ran and published its tool step ...
+    assert list(p.queue.pending) == [("tool", SK, 0, 0)]
+    p.queue.pending.clear()  # ... which the broker lost
+    p.runner.nudge(SK)
+    assert list(p.queue.pending) == [("tool", SK, 0, 0)]
+    p.drain()
+    assert p.body()["choices"][0]["message"]["content"] == "Tool said: sunny"
+
+
+def test_a_redelivered_step_never_calls_the_model_twice() -> None:
+    p = pipeline(WEATHER_SCRIPT)
+    submit(p, spec(WEATHER_FN))
+    p.drain()
+    for step in list(p.queue.sent):  # every step delivered once more
+        p.queue.pending.append(step)
+    p.drain()
+    assert len(p.provider.requests) == 2
+    assert len(p.tools.calls) == 1

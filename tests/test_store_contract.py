@@ -1,0 +1,193 @@
+"""One contract for the session store port, run against the in-memory twin and against
+Redis (as dramatiq runs its result backends over ["redis", "stub"]): what the steps rely on
+(first writer wins, leases, published markers, try counts, the fan-in set, results written
+once and announced) holds on both. The Redis half needs the private Redis (fleet marker)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import redis
+
+from producer.fleet import Fleet
+from schemas import keys
+from schemas.bodies import dump_body
+from worker.edges.store import RedisStore
+from worker.errors import StoreError
+from worker.session.engine import ToolOutcome
+from worker.session.ports import SessionStore
+from worker.session.twins import MemoryStore
+
+REDIS_DB = 9
+
+
+@dataclass
+class Backend:
+    """A store under test, with what a producer does to it (submit, cancel, chunk)."""
+
+    store: SessionStore
+    submit: Any
+    cancel: Any
+    chunk: Any
+
+
+def _memory() -> Backend:
+    store = MemoryStore()
+
+    def chunk(batch: str, n: int, members: list[str]) -> None:
+        store.chunks[(batch, n)] = list(members)
+
+    return Backend(
+        store, lambda sk, spec, batch: store.submit(sk, spec, batch), store.cancel, chunk
+    )
+
+
+def _redis(base_fleet: Fleet) -> Backend:
+    url = base_fleet.redis_url.rsplit("/", 1)[0] + f"/{REDIS_DB}"
+    client = redis.Redis.from_url(url)
+    store = RedisStore(client, ttl_s=600)
+
+    def submit(sk: str, spec: dict[str, Any], batch: str) -> None:
+        client.set(keys.spec(sk), dump_body(spec), ex=600)
+        client.hset(keys.meta(sk), mapping={"id": spec["id"], "submitted_ms": 1})
+        if batch:
+            client.sadd(keys.watchers(sk), batch)
+
+    def chunk(batch: str, n: int, members: list[str]) -> None:
+        client.rpush(keys.chunk(batch, n), *members)
+
+    return Backend(store, submit, lambda sk: client.set(keys.cancel(sk), 1), chunk)
+
+
+@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.fleet)])
+def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
+    if request.param == "memory":
+        yield _memory()
+    else:
+        yield _redis(request.getfixturevalue("base_fleet"))
+
+
+@pytest.fixture
+def sk() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def spec(sk: str) -> dict[str, Any]:
+    return {"id": f"contract/{sk}", "model": "m", "messages": [], "limits": {"max_iterations": 3}}
+
+
+def completion(*call_ids: str) -> dict[str, Any]:
+    calls = [
+        {"id": c, "type": "function", "function": {"name": "f", "arguments": "{}"}}
+        for c in call_ids
+    ]
+    message: dict[str, Any] = {"role": "assistant", "content": None if calls else "done"}
+    if calls:
+        message["tool_calls"] = calls
+    return {"choices": [{"index": 0, "message": message, "finish_reason": "stop"}]}
+
+
+def test_a_missing_spec_is_a_store_error(backend: Backend, sk: str) -> None:
+    with pytest.raises(StoreError, match="spec not found"):
+        backend.store.load_spec(sk)
+
+
+def test_the_first_model_reply_wins(backend: Backend, sk: str) -> None:
+    backend.submit(sk, spec(sk), "")
+    first = backend.store.store_model_reply(sk, 0, completion("a"))
+    second = backend.store.store_model_reply(sk, 0, completion())
+    assert first == second == completion("a")
+
+
+def test_tool_outcomes_first_writer_wins_and_fan_in_counts_each_call_once(
+    backend: Backend, sk: str
+) -> None:
+    backend.submit(sk, spec(sk), "")
+    backend.store.store_model_reply(sk, 0, completion("a", "b"))
+    store = backend.store
+    assert store.store_tool_outcomes(sk, 0, {1: ToolOutcome("one", True)}) == 1
+    assert store.store_tool_outcomes(sk, 0, {1: ToolOutcome("again", False)}) == 1
+    assert store.store_tool_outcomes(sk, 0, {0: ToolOutcome("zero", True)}) == 2
+    reply, outcome = store.tool_inputs(sk, 0, 1)
+    assert reply == completion("a", "b") and outcome == ToolOutcome("one", True)
+    assert store.tool_inputs(sk, 1, 0) == (None, None)
+    session = store.load_session(sk, "replay")
+    assert session.backend == "replay"
+    assert [r.outcomes for r in session.rounds] == [
+        {0: ToolOutcome("zero", True), 1: ToolOutcome("one", True)}
+    ]
+
+
+def test_load_session_reads_rounds_up_to_the_one_asked(backend: Backend, sk: str) -> None:
+    backend.submit(sk, spec(sk), "")
+    backend.store.store_model_reply(sk, 0, completion("a"))
+    backend.store.store_tool_outcomes(sk, 0, {0: ToolOutcome("x", True)})
+    backend.store.store_model_reply(sk, 1, completion())
+    assert len(backend.store.load_session(sk, "r").rounds) == 2
+    assert len(backend.store.load_session(sk, "r", upto_round=0).rounds) == 1
+
+
+def test_a_step_lease_is_held_once_and_its_tries_counted(backend: Backend, sk: str) -> None:
+    store, step = backend.store, keys.round_step(sk, 0)
+    first = store.begin_step(step, 60_000, {"state": "round 0"}, sk)
+    assert (first.published, first.leased, first.tries, first.cancelled) == (
+        False,
+        True,
+        1,
+        False,
+    )
+    second = store.begin_step(step, 60_000, None, sk)
+    assert (second.leased, second.tries) == (False, 2)
+    assert 0 < store.lease_left_ms(step) <= 60_000
+    store.uncount_try(step)
+    store.release_lease(step)
+    third = store.begin_step(step, 60_000, None, sk)
+    assert (third.leased, third.tries) == (True, 2)
+    store.end_step(step)
+    assert store.begin_step(step, 60_000, None, sk).published
+    assert store.lease_left_ms(step) == 0
+    assert store.meta(sk)["state"] == "round 0"
+
+
+def test_cancel_is_seen_at_the_step_boundary(backend: Backend, sk: str) -> None:
+    backend.cancel(sk)
+    assert backend.store.is_cancelled(sk)
+    assert backend.store.begin_step(keys.finish_step(sk), 1000, None, sk).cancelled
+
+
+def test_a_dead_letter_keeps_the_first_failure(backend: Backend, sk: str) -> None:
+    store = backend.store
+    assert store.failure(sk) is None
+    store.dead_letter("s1", sk, {"error": {"code": "step_failed", "message": "one"}}, "why")
+    store.dead_letter("s2", sk, {"error": {"code": "step_failed", "message": "two"}}, "why")
+    assert store.failure(sk) == {"error": {"code": "step_failed", "message": "one"}}
+
+
+def test_a_result_is_written_once_and_announced(backend: Backend, sk: str) -> None:
+    backend.submit(sk, spec(sk), "batch-" + sk)
+    store = backend.store
+    assert not store.has_result(sk)
+    assert store.write_result(sk, b'{"ok":1}', {"id": "x"})
+    assert not store.write_result(sk, b'{"ok":2}', {"id": "y"})
+    assert store.has_result(sk)
+    assert store.watcher_batches(sk) == ["batch-" + sk]
+    assert store.meta(sk)["state"] == "done"
+    store.set_partial(sk, "half")
+    store.set_partial(sk, None)
+
+
+def test_chunk_members_in_order(backend: Backend, sk: str) -> None:
+    backend.chunk("b" + sk, 0, ["x", "p:y", "z"])
+    assert backend.store.chunk_members("b" + sk, 0) == ["x", "p:y", "z"]
+    assert backend.store.chunk_members("b" + sk, 1) == []
+
+
+def test_specs_round_trip_as_json(backend: Backend, sk: str) -> None:
+    original = spec(sk) | {"params": {"temperature": 0.5, "stop": ["\n"]}}
+    backend.submit(sk, original, "")
+    assert json.loads(json.dumps(backend.store.load_spec(sk))) == original

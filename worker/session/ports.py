@@ -1,0 +1,115 @@
+"""What a step needs from the outside world, as Protocols. The edges (Redis, Celery, HTTP,
+wasmtime) implement them; `worker.session.twins` implements them in memory, so the steps run
+and are tested with no Redis and no workers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from worker.codecs.protocol import ChatRequest, Delta
+from worker.config import BackendConfig
+from worker.session.engine import Session, ToolOutcome
+
+
+@dataclass(frozen=True)
+class StepStart:
+    """What one delivery of a step learns before it works."""
+
+    published: bool  # its continuation was already sent: nothing to do
+    leased: bool  # this delivery holds the lease
+    tries: int  # deliveries so far, this one included
+    cancelled: bool
+
+
+@dataclass(frozen=True)
+class Permit:
+    """Room for one model call under a backend's rate limit."""
+
+    backend: str
+    member: str
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One tool call as the tool runtime runs it: what to run and its bounds."""
+
+    module_sha256: str
+    export: str | None  # by export name ...
+    table_index: int | None  # ... or by index into the function table
+    fork_sha256: str | None  # a program's tool: run in this snapshot of the program
+    arguments: bytes  # canonical JSON, already validated
+    timeout_ms: int
+    memory_bytes: int
+    max_output_bytes: int
+
+
+class SessionStore(Protocol):
+    """Session state: specs, stored outputs (first writer wins), step guards, results."""
+
+    def load_spec(self, sk: str) -> dict[str, Any]: ...
+    def load_session(self, sk: str, backend: str, upto_round: int | None = None) -> Session: ...
+    def tool_inputs(
+        self, sk: str, round_no: int, index: int
+    ) -> tuple[dict[str, Any] | None, ToolOutcome | None]: ...
+    def store_model_reply(
+        self, sk: str, round_no: int, reply: dict[str, Any]
+    ) -> dict[str, Any]: ...
+    def store_tool_outcomes(
+        self, sk: str, round_no: int, outcomes: dict[int, ToolOutcome]
+    ) -> int: ...
+    def begin_step(
+        self, step: str, lease_ms: int, meta: dict[str, str | int] | None = None, sk: str = ""
+    ) -> StepStart: ...
+    def uncount_try(self, step: str) -> None: ...
+    def set_partial(self, sk: str, text: str | None) -> None: ...
+    def lease_left_ms(self, step: str) -> int: ...
+    def end_step(self, step: str) -> None: ...
+    def release_lease(self, step: str) -> None: ...
+    def is_cancelled(self, sk: str) -> bool: ...
+    def failure(self, sk: str) -> dict[str, Any] | None: ...
+    def dead_letter(self, step: str, sk: str, body: dict[str, Any], reason: str) -> None: ...
+    def meta(self, sk: str) -> dict[str, str]: ...
+    def has_result(self, sk: str) -> bool: ...
+    def write_result(self, sk: str, body: bytes, record: dict[str, Any]) -> bool: ...
+    def watcher_batches(self, sk: str) -> list[str]: ...
+    def notify(self, sk: str, batches: Iterable[str]) -> None: ...
+    def chunk_members(self, batch: str, chunk_no: int) -> list[str]: ...
+
+
+class Dispatcher(Protocol):
+    """Publishes the next step of a session (at least once; steps absorb duplicates)."""
+
+    def round(self, sk: str, round_no: int) -> None: ...
+    def tool(self, sk: str, round_no: int, index: int) -> None: ...
+    def finish(self, sk: str) -> None: ...
+    def program(self, sk: str) -> None: ...
+
+
+class RateLimiter(Protocol):
+    def acquire(self, backend: BackendConfig, estimated_tokens: int) -> Permit | float:
+        """A permit, or the seconds to wait before there may be room."""
+        ...
+
+    def settle(self, permit: Permit, used_tokens: int) -> None: ...
+
+
+class Completion(Protocol):
+    @property
+    def completion(self) -> dict[str, Any]: ...
+
+
+class CompletionProvider(Protocol):
+    """One model call: a canonical chat.completion, or a raised ProviderError."""
+
+    def complete(
+        self, request: ChatRequest, on_delta: Callable[[Delta], None] | None = None
+    ) -> Completion: ...
+
+
+class ToolRuntime(Protocol):
+    """Runs one tool call: its output text, or a raised ToolError / GuestError."""
+
+    def run(self, call: ToolCall) -> str: ...

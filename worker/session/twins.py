@@ -1,0 +1,397 @@
+"""In-memory twins of the session ports (as dramatiq ships its StubBroker and httpx its
+MockTransport): the steps run on them exactly as on Redis and Celery, in one process.
+
+`MemoryStore` keeps the same rules as the Redis store (first writer wins, leases, published
+markers, try counters, the fan-in set); `tests/test_store_contract.py` runs one contract
+over both. Keys never expire here. `StepQueue` is the dispatcher: it records what was
+published and runs it (`drain`), turning `RetryLater` into a requeue, as Celery's retry does.
+It also serves the guest's ProgramStore port, so program runs use the same twin.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from schemas.bodies import dump_body
+from worker.codecs.protocol import ChatRequest, Delta
+from worker.config import BackendConfig
+from worker.errors import ProviderRequestError, RetryLater, StoreError, ToolExecError
+from worker.session.engine import Round, Session, ToolOutcome
+from worker.session.ports import Permit, StepStart, ToolCall
+
+
+@dataclass
+class MemoryStore:
+    """SessionStore (and the guest's ProgramStore) in memory."""
+
+    specs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    meta_of: dict[str, dict[str, str]] = field(default_factory=dict)
+    replies: dict[tuple[str, int], bytes] = field(default_factory=dict)
+    outcomes: dict[tuple[str, int, int], bytes] = field(default_factory=dict)
+    fanins: dict[tuple[str, int], set[int]] = field(default_factory=dict)
+    leases: dict[str, float] = field(default_factory=dict)  # step -> monotonic expiry
+    published: set[str] = field(default_factory=set)
+    tries: dict[str, int] = field(default_factory=dict)
+    failures: dict[str, bytes] = field(default_factory=dict)
+    cancelled: set[str] = field(default_factory=set)
+    responses: dict[str, bytes] = field(default_factory=dict)
+    records: dict[str, bytes] = field(default_factory=dict)
+    watchers: dict[str, set[str]] = field(default_factory=dict)
+    done: dict[str, deque[str]] = field(default_factory=dict)
+    chunks: dict[tuple[str, int], list[str]] = field(default_factory=dict)
+    partials: dict[str, str] = field(default_factory=dict)
+    deadletters: list[tuple[str, str]] = field(default_factory=list)
+    forks: dict[str, bytes] = field(default_factory=dict)
+    fd_mirror: dict[str, dict[int, bytes]] = field(default_factory=dict)
+    # Called by a blocking wait that finds nothing (a program waiting on its chats): runs the
+    # queued steps in the same thread, so one-threaded tests need no workers.
+    pump: Callable[[], None] | None = None
+    _cond: threading.Condition = field(default_factory=threading.Condition)
+
+    # seeding (what a producer does) --------------------------------------------------------
+
+    def submit(self, sk: str, spec: dict[str, Any], batch: str = "") -> bool:
+        with self._cond:
+            if sk in self.specs:
+                return False
+            self.specs[sk] = json.loads(dump_body(spec))
+            self.meta_of.setdefault(sk, {})["submitted_ms"] = str(int(time.time() * 1000))
+            self.meta_of[sk].update(id=str(spec["id"]), batch=batch)
+            if batch:
+                self.watchers.setdefault(sk, set()).add(batch)
+            return True
+
+    def cancel(self, sk: str) -> None:
+        with self._cond:
+            self.cancelled.add(sk)
+
+    def result(self, sk: str) -> dict[str, Any] | None:
+        raw = self.responses.get(sk)
+        return None if raw is None else dict(json.loads(raw))
+
+    def record(self, sk: str) -> dict[str, Any] | None:
+        raw = self.records.get(sk)
+        return None if raw is None else dict(json.loads(raw))
+
+    # SessionStore --------------------------------------------------------------------------
+
+    def load_spec(self, sk: str) -> dict[str, Any]:
+        spec = self.specs.get(sk)
+        if spec is None:
+            raise StoreError(f"session {sk}: spec not found (expired or never submitted)")
+        return spec
+
+    def load_session(self, sk: str, backend: str, upto_round: int | None = None) -> Session:
+        spec = self.load_spec(sk)
+        last = int(spec.get("limits", {}).get("max_iterations", 8)) - 1
+        last = last if upto_round is None else upto_round
+        rounds: list[Round] = []
+        with self._cond:
+            for r in range(last + 1):
+                raw = self.replies.get((sk, r))
+                if raw is None:
+                    break
+                reply = json.loads(raw)
+                calls = ((reply.get("choices") or [{}])[0].get("message") or {}).get(
+                    "tool_calls"
+                ) or []
+                outcomes = {
+                    i: ToolOutcome.from_json(json.loads(self.outcomes[(sk, r, i)]))
+                    for i in range(len(calls))
+                    if (sk, r, i) in self.outcomes
+                }
+                rounds.append(Round(reply=reply, outcomes=outcomes))
+        return Session(spec=spec, backend=spec.get("provider") or backend, rounds=tuple(rounds))
+
+    def tool_inputs(
+        self, sk: str, round_no: int, index: int
+    ) -> tuple[dict[str, Any] | None, ToolOutcome | None]:
+        reply = self.replies.get((sk, round_no))
+        outcome = self.outcomes.get((sk, round_no, index))
+        return (
+            None if reply is None else dict(json.loads(reply)),
+            None if outcome is None else ToolOutcome.from_json(json.loads(outcome)),
+        )
+
+    def store_model_reply(self, sk: str, round_no: int, reply: dict[str, Any]) -> dict[str, Any]:
+        with self._cond:
+            winner = self.replies.setdefault((sk, round_no), dump_body(reply))
+        return dict(json.loads(winner))
+
+    def store_tool_outcomes(self, sk: str, round_no: int, outcomes: dict[int, ToolOutcome]) -> int:
+        with self._cond:
+            fanin = self.fanins.setdefault((sk, round_no), set())
+            for index, outcome in outcomes.items():
+                self.outcomes.setdefault((sk, round_no, index), dump_body(outcome.to_json()))
+                fanin.add(index)
+            return len(fanin)
+
+    def begin_step(
+        self, step: str, lease_ms: int, meta: dict[str, str | int] | None = None, sk: str = ""
+    ) -> StepStart:
+        with self._cond:
+            now = time.monotonic()
+            published = step in self.published
+            leased = self.leases.get(step, 0.0) <= now
+            if leased and not published:
+                self.leases[step] = now + lease_ms / 1000
+            self.tries[step] = self.tries.get(step, 0) + 1
+            if sk and meta:
+                self.meta_of.setdefault(sk, {}).update({k: str(v) for k, v in meta.items()})
+            cancelled = bool(sk) and sk in self.cancelled
+            return StepStart(published, leased, self.tries[step], cancelled)
+
+    def uncount_try(self, step: str) -> None:
+        with self._cond:
+            self.tries[step] = self.tries.get(step, 0) - 1
+
+    def set_partial(self, sk: str, text: str | None) -> None:
+        with self._cond:
+            if text is None:
+                self.partials.pop(sk, None)
+            else:
+                self.partials[sk] = text
+
+    def lease_left_ms(self, step: str) -> int:
+        return max(int((self.leases.get(step, 0.0) - time.monotonic()) * 1000), 0)
+
+    def end_step(self, step: str) -> None:
+        with self._cond:
+            self.published.add(step)
+            self.leases.pop(step, None)
+
+    def release_lease(self, step: str) -> None:
+        with self._cond:
+            self.leases.pop(step, None)
+
+    def is_cancelled(self, sk: str) -> bool:
+        return sk in self.cancelled
+
+    def failure(self, sk: str) -> dict[str, Any] | None:
+        raw = self.failures.get(sk)
+        return None if raw is None else dict(json.loads(raw))
+
+    def dead_letter(self, step: str, sk: str, body: dict[str, Any], reason: str) -> None:
+        with self._cond:
+            self.failures.setdefault(sk, dump_body(body))
+            self.deadletters.append((step, reason[:500]))
+
+    def meta(self, sk: str) -> dict[str, str]:
+        return dict(self.meta_of.get(sk, {}))
+
+    def has_result(self, sk: str) -> bool:
+        return sk in self.responses
+
+    def write_result(self, sk: str, body: bytes, record: dict[str, Any]) -> bool:
+        with self._cond:
+            wrote = sk not in self.responses
+            self.responses.setdefault(sk, bytes(body))
+            self.records.setdefault(sk, dump_body(record))
+            self.meta_of.setdefault(sk, {}).update(
+                state="done", finished_ms=str(int(time.time() * 1000))
+            )
+            batches = list(self.watchers.get(sk, ()))
+        self.notify(sk, batches)
+        return wrote
+
+    def watcher_batches(self, sk: str) -> list[str]:
+        return sorted(self.watchers.get(sk, ()))
+
+    def notify(self, sk: str, batches: Iterable[str]) -> None:
+        with self._cond:
+            for batch in batches:
+                self.done.setdefault(batch, deque()).append(sk)
+            self._cond.notify_all()
+
+    def chunk_members(self, batch: str, chunk_no: int) -> list[str]:
+        return list(self.chunks.get((batch, chunk_no), []))
+
+    # the guest's ProgramStore --------------------------------------------------------------
+
+    def submit_chat(self, sk: str, spec: dict[str, Any], batch: str) -> bool:
+        return self.submit(sk, spec, batch)
+
+    def ready(self, sks: list[str]) -> list[bool]:
+        return [sk in self.responses for sk in sks]
+
+    def response_and_record(self, sk: str) -> tuple[bytes | None, dict[str, Any] | None]:
+        return self.responses.get(sk), self.record(sk)
+
+    def wait_done(self, batch: str, timeout_s: float) -> list[str]:
+        if self.pump is not None and not self.done.get(batch):
+            self.pump()
+        with self._cond:
+            queue = self.done.setdefault(batch, deque())
+            if not queue:
+                self._cond.wait(timeout=max(timeout_s, 0.0) if self.pump is None else 0)
+            out = list(queue)
+            queue.clear()
+            return out
+
+    def put_fork(self, blob: bytes) -> str:
+        sha = hashlib.sha256(blob).hexdigest()
+        self.forks.setdefault(sha, bytes(blob))
+        return sha
+
+    def fork_blob(self, sha: str) -> bytes:
+        blob = self.forks.get(sha)
+        if blob is None:
+            raise StoreError(f"fork {sha[:12]} not stored (expired)")
+        return blob
+
+    def save_fd(self, run_sk: str, fd: int, entry: dict[str, Any]) -> None:
+        self.fd_mirror.setdefault(run_sk, {})[fd] = dump_body(entry)
+
+
+class FailingStore:
+    """A store whose named methods raise StoreError on their first N calls each (a Redis
+    blip, or an outage), then behave like the store they wrap."""
+
+    def __init__(self, store: MemoryStore, **failures: int) -> None:
+        self._store = store
+        self._left = dict(failures)
+        self.raised: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._store, name)
+        if name not in self._left:
+            return attr
+
+        def failing(*args: Any, **kwargs: Any) -> Any:
+            if self._left[name] > 0:
+                self._left[name] -= 1
+                self.raised.append(name)
+                raise StoreError(f"twin: {name} failed")
+            return attr(*args, **kwargs)
+
+        return failing
+
+
+Published = tuple[Any, ...]  # ("round", sk, r) | ("tool", sk, r, i) | ("finish", sk) | ...
+
+
+@dataclass
+class StepQueue:
+    """The Dispatcher port: published steps wait here until `drain` runs them."""
+
+    pending: deque[Published] = field(default_factory=deque)
+    sent: list[Published] = field(default_factory=list)
+    retries: int = 0
+
+    def round(self, sk: str, round_no: int) -> None:
+        self._put(("round", sk, round_no))
+
+    def tool(self, sk: str, round_no: int, index: int) -> None:
+        self._put(("tool", sk, round_no, index))
+
+    def finish(self, sk: str) -> None:
+        self._put(("finish", sk))
+
+    def program(self, sk: str) -> None:
+        self._put(("program", sk))
+
+    def start(self, batch: str, chunk_no: int) -> None:
+        self._put(("start", batch, chunk_no))
+
+    def _put(self, step: Published) -> None:
+        self.sent.append(step)
+        self.pending.append(step)
+
+    def drain(self, run: Callable[[Published], None], max_steps: int = 10_000) -> int:
+        """Run published steps until none is left; a step that asks to be retried (its
+        task's `retry`) goes to the back of the queue. Returns how many ran."""
+        ran = 0
+        while self.pending:
+            if ran >= max_steps:
+                raise RuntimeError(f"more than {max_steps} steps: a loop?")
+            self.run_next(run)
+            ran += 1
+        return ran
+
+    def run_next(self, run: Callable[[Published], None]) -> Published:
+        """Run the oldest published step once (a retry requeues it)."""
+        step = self.pending.popleft()
+        try:
+            run(step)
+        except RetryLater:
+            self.retries += 1
+            self.pending.append(step)
+        return step
+
+
+@dataclass(frozen=True)
+class Completed:
+    completion: dict[str, Any]
+
+
+@dataclass
+class ScriptedProvider:
+    """The CompletionProvider port answering from a script: each entry a canonical
+    chat.completion, a ProviderError to raise, or a function of the request."""
+
+    script: list[dict[str, Any] | Exception | Callable[[ChatRequest], dict[str, Any]]]
+    requests: list[ChatRequest] = field(default_factory=list)
+
+    def __call__(self, backend: BackendConfig) -> ScriptedProvider:  # as `provider_for`
+        return self
+
+    def complete(
+        self, request: ChatRequest, on_delta: Callable[[Delta], None] | None = None
+    ) -> Completed:
+        self.requests.append(request)
+        if not self.script:
+            raise ProviderRequestError("the scripted provider has no more replies")
+        entry = self.script.pop(0)
+        if isinstance(entry, Exception):
+            raise entry
+        return Completed(entry(request) if callable(entry) else entry)
+
+
+def NoProvider(backend: BackendConfig) -> ScriptedProvider:
+    """`provider_for` of a process that calls no model."""
+    return ScriptedProvider([])
+
+
+class NoTools:
+    """The ToolRuntime port of a process that runs no tools."""
+
+    def run(self, call: ToolCall) -> str:
+        raise ToolExecError("this twin runs no tools")
+
+
+@dataclass
+class PythonTools:
+    """The ToolRuntime port running Python functions by export name: text in, text out."""
+
+    functions: dict[str, Callable[[str], str]]
+    calls: list[ToolCall] = field(default_factory=list)
+
+    def run(self, call: ToolCall) -> str:
+        self.calls.append(call)
+        function = self.functions.get(call.export or "")
+        if function is None:
+            raise ToolExecError(f"no function {call.export!r} in this twin")
+        return function(call.arguments.decode())
+
+
+@dataclass
+class OpenRateLimiter:
+    """The RateLimiter port with room for every call (or a fixed wait, to test waiting)."""
+
+    wait_s: list[float] = field(default_factory=list)  # waits to answer first, in order
+    settled: list[tuple[Permit, int]] = field(default_factory=list)
+
+    def acquire(self, backend: BackendConfig, estimated_tokens: int) -> Permit | float:
+        if self.wait_s:
+            return self.wait_s.pop(0)
+        return Permit(backend.name, "")
+
+    def settle(self, permit: Permit, used_tokens: int) -> None:
+        self.settled.append((permit, used_tokens))
