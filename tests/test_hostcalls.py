@@ -1,6 +1,8 @@
 """Every `spear` hostcall and every error path, at the WAT level (guest-abi.md sections 1-3, 5
-and 6). Programs run in this process (real wasmtime, `run_program` with a real ProgramHost on
-the private Redis); their chats run on the real Celery workers against the replay server. Each
+and 6). Programs run in this process (real wasmtime, `run_program` with a real ProgramHost);
+their chats run on the in-memory twins (tests/twin_pipeline.py: a MemoryStore, a StepQueue
+pumped by the program's own blocking waits, the real StepRunner, the replay scenarios in
+process and the real WasmToolRuntime for the programs' tools). No Redis, no workers. Each
 program is a straight list of calls built by tests/wat_program.py; it dumps every return value
 and the memory the host wrote into to stdout, and the tests check them exactly."""
 
@@ -12,25 +14,19 @@ import struct
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
-from celery import Celery
 from wasmtime import Engine, Module, wat2wasm
 
 from schemas import keys
-from tests.conftest import Running
+from tests.twin_pipeline import Pipeline, pipeline
 from tests.wat_program import FILL, OOB, PAGE, Arg, Dump, Program, Ref
-from worker.config import load_settings
-from worker.edges.dispatch import Dispatcher
-from worker.edges.store import RedisStore
-from worker.edges.store_programs import ProgramStore
 from worker.edges.wasm_runtime import WasmToolRuntime
 from worker.guest.host import ChatDefaults, ProgramHost
 from worker.guest.runner import ProgramOutcome, ProgramRun, run_program
-from worker.wiring import celery_config
-
-pytestmark = pytest.mark.fleet
+from worker.session.twins import MemoryStore, StepQueue
 
 # errno (Linux numbers) and ABI constants, spelled out here rather than imported from the host
 EPERM, ENOENT, EIO, EBADF, EAGAIN, EFAULT, EEXIST = 1, 2, 5, 9, 11, 14, 17
@@ -97,28 +93,31 @@ class _Source:
 
 @dataclass
 class Shared:
-    store: RedisStore
-    programs: ProgramStore
-    dispatcher: Dispatcher
+    store: MemoryStore
+    programs: MemoryStore  # the same store, as the guest's ProgramStore port
+    dispatcher: StepQueue
     source: _Source
     blobs: dict[str, bytes]
+    pipe: Pipeline
 
 
 @pytest.fixture(scope="module")
-def shared(running: Running, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shared]:
-    store = RedisStore.from_url(running.redis_url, ttl_s=3600)
-    app = Celery("hostcall-tests", broker=running.redis_url)
-    app.conf.update(celery_config(load_settings({"REDIS_URL": running.redis_url})))
+def module_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("module-cache")
+
+
+@pytest.fixture
+def shared(module_cache: Path) -> Iterator[Shared]:
+    """A fresh pipeline per test; the compiled modules are cached across the file."""
     blobs: dict[str, bytes] = {}
-    runtime = WasmToolRuntime(
-        cache_dir=tmp_path_factory.mktemp("module-cache"), load_module_bytes=blobs.__getitem__
-    )
+    pipe = pipeline(blobs, module_cache)
     try:
-        yield Shared(store, ProgramStore(store), Dispatcher(app), _Source(runtime), blobs)
+        yield Shared(pipe.store, pipe.store, pipe.queue, _Source(pipe.runtime), blobs, pipe)
+        # a step that raised (not a retry) would have reached the program as -EIO
+        assert pipe.crashed == []
+        assert (pipe.replay.unexpected, pipe.replay.rejected) == ([], [])
     finally:
-        runtime.close()
-        app.close()
-        store.client.close()
+        pipe.close()
 
 
 @dataclass
@@ -162,9 +161,8 @@ class Harness:
         wat = prog if isinstance(prog, str) else prog.wat()
         blob = bytes(wat2wasm(wat))
         sha = hashlib.sha256(blob).hexdigest()
+        # the program and the forks its chats' tools run in load it from here
         self.shared.blobs[sha] = blob
-        # chats with tools fork the program on the tools workers, which load it from Redis
-        self.shared.store.client.set(keys.module(sha), blob, ex=3600)
         self.runs += 1
         run_id = f"{self.fresh_id}/hostcalls{self.runs}"
         run_sk = keys.session_key(run_id)
@@ -264,13 +262,14 @@ def test_fd_numbers_start_at_1000_are_shared_and_never_reused(h: Harness) -> Non
     ran = h.run(p)
     assert [ran.r(c) for c in calls] == [1000, 1001, 1002, 0, 1003, 0, 1004, 0, 1005]
     assert sorted(ran.host.fds) == [1000, 1001, 1002, 1003, 1004, 1005]
-    # the Redis mirror of the fd table (cq:fds:<run>) holds every fd, closed ones included
-    mirror = h.shared.store.client.hgetall(keys.fds(ran.run_sk))
+    # the store's mirror of the fd table (cq:fds:<run> on Redis) holds every fd, closed ones
+    # included
+    mirror = h.shared.store.fd_mirror[ran.run_sk]
     assert sorted(int(k) for k in mirror) == [1000, 1001, 1002, 1003, 1004, 1005]
-    assert mirror[b"1000"] == jb(
+    assert mirror[1000] == jb(
         {"closed": True, "flags": [], "kind": "ChatSession", "messages": 0, "tools": []}
     )
-    assert mirror[b"1002"] == jb({"closed": True, "flags": [], "kind": "Epoll", "watch": []})
+    assert mirror[1002] == jb({"closed": True, "flags": [], "kind": "Epoll", "watch": []})
 
 
 # cchat_write_msg -------------------------------------------------------------------------------
@@ -381,6 +380,27 @@ def test_write_fn_ok_and_every_error(h: Harness) -> None:
         (tool, WEATHER_TOOL["function"]),
         (tool, {"name": "legacy", "parameters": {"type": "object"}}),
     ]
+
+
+def test_write_fn_rejects_a_schema_the_engine_could_not_check(h: Harness) -> None:
+    """The same check as at submit: a dangling $ref or an invalid schema is -EINVAL, and
+    nothing is registered (a chat calling it would otherwise fail at call time)."""
+    p = Program()
+    tool = p.tool("first")
+    s = p.call("cchat_create")
+
+    def fn(parameters: dict[str, Any]) -> int:
+        span = p.data(json.dumps({"name": "f", "parameters": parameters}).encode())
+        return p.call("cchat_write_fn", Ref(s), tool, span.ptr, span.len)
+
+    dangling = fn({"type": "object", "properties": {"city": {"$ref": "#/$defs/city"}}})
+    remote = fn({"$ref": "https://example.invalid/schema.json"})
+    invalid = fn({"type": "objectx"})
+    resolvable = fn({"properties": {"c": {"$ref": "#/$defs/c"}}, "$defs": {"c": {}}})
+    ran = h.run(p)
+    assert [ran.r(c) for c in (dangling, remote, invalid)] == [-EINVAL] * 3
+    assert ran.r(resolvable) == 0
+    assert [f["name"] for _, f in ran.host.fds[1000].tools] == ["f"]
 
 
 def test_write_fn_on_response_epoll_and_closed_fds_is_ebadf(h: Harness) -> None:
@@ -788,7 +808,7 @@ def test_a_blocking_send_past_the_deadline_ends_the_run(h: Harness) -> None:
 
 def test_a_cancelled_run_traps_in_sleep_and_send(h: Harness) -> None:
     def cancel(run_sk: str) -> None:
-        h.shared.store.client.set(keys.cancel(run_sk), b"1", ex=600)
+        h.shared.store.cancel(run_sk)
 
     p = Program()
     p.call("cchat_create")
