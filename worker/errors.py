@@ -66,8 +66,10 @@ class ToolCallLimitError(SessionError):
 
 class UnknownToolError(SessionError):
     code = "unknown_tool"
-    raised_when = "the model called a tool the spec does not define (ends the session only "
-    "with strict_unknown_tool; otherwise that call's tool message)"
+    raised_when = (
+        "the model called a tool the spec does not define (ends the session only with "
+        "strict_unknown_tool; otherwise that call's tool message)"
+    )
 
 
 class CancelledError(SessionError):
@@ -110,8 +112,10 @@ class ToolExecError(ToolError):
 
 class ToolArgumentsError(ToolError):
     code = "invalid_arguments"
-    raised_when = "the call's arguments are not JSON, break the tool's schema, were cut off by "
-    "the token limit, or the schema itself cannot be checked"
+    raised_when = (
+        "the call's arguments are not JSON, break the tool's schema, were cut off by the "
+        "token limit, or the schema itself cannot be checked"
+    )
     errno = 22  # EINVAL
 
 
