@@ -7,7 +7,7 @@ import hashlib
 import json
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -237,6 +237,3 @@ def _stored_spec(spec: dict[str, Any], shas: dict[str, str]) -> dict[str, Any]:
         tools.append(entry)
     stored["tools"] = tools
     return stored
-
-
-ProgressFn = Callable[[int, int, int], None]

@@ -22,9 +22,5 @@ def error_obj(code: str | None, message: str) -> dict[str, Any]:
     return {"error": err}
 
 
-def error_body(code: str | None, message: str) -> bytes:
-    return dump_body(error_obj(code, message))
-
-
 def is_error_body(obj: Any) -> bool:
     return isinstance(obj, dict) and isinstance(obj.get("error"), dict)

@@ -6,7 +6,6 @@ START = "cchatq.start"
 ROUND = "cchatq.round"
 TOOL = "cchatq.tool"
 FINISH = "cchatq.finish"
-CANCEL = "cchatq.cancel"
 PROGRAM = "cchatq.program"
 NUDGE = "cchatq.nudge"
 
@@ -21,7 +20,6 @@ ROUTES: dict[str, str] = {
     ROUND: QUEUE_LLM,
     TOOL: QUEUE_TOOLS,
     FINISH: QUEUE_CONTROL,
-    CANCEL: QUEUE_CONTROL,
     PROGRAM: QUEUE_PROGRAMS,
     NUDGE: QUEUE_CONTROL,
 }

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,7 +55,9 @@ def base_fleet() -> Iterator[Fleet]:
         fleet.stop()
 
 
-def _workers(base: Fleet, db: int, extra_env: dict[str, str] | None = None) -> Iterator[Running]:
+def _workers(
+    base: Fleet, db: int, extra_env: dict[str, str] | None = None
+) -> Generator[Running, None, None]:
     url = base.redis_url.rsplit("/", 1)[0] + f"/{db}"
     fleet = Fleet(
         redis_url=url,

@@ -19,6 +19,7 @@ from worker.codecs.openai_stream import OpenAIStreamAssembler
 from worker.codecs.protocol import ChatRequest, Delta, SseEvent
 from worker.codecs.sse import SseParser
 from worker.errors import (
+    ProviderError,
     ProviderProtocolError,
     ProviderRequestError,
     ProviderRetryableError,
@@ -360,7 +361,9 @@ def test_b2_25_reasoning_then_tool_call() -> None:
         ({"message": "too long", "code": "context_length_exceeded"}, ProviderRequestError, None),
     ],
 )
-def test_b2_26_error_object_inside_the_stream(error: Any, kind: type, status: int | None) -> None:
+def test_b2_26_error_object_inside_the_stream(
+    error: Any, kind: type[ProviderError], status: int | None
+) -> None:
     asm = OpenAIStreamAssembler()
     body = sse(chunk({"content": "par"}), {"error": error})
     with pytest.raises(kind) as info:

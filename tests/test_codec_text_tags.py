@@ -23,7 +23,7 @@ from worker.codecs.text_tags import (
 from worker.errors import ToolArgumentsError
 
 CALL_ID = re.compile(r"^call_[0-9a-f]{24}$")
-WEATHER = {
+WEATHER: dict[str, Any] = {
     "type": "function",
     "function": {
         "name": "get_weather",
@@ -35,8 +35,11 @@ WEATHER = {
         },
     },
 }
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
-USER = {"role": "user", "content": "Weather and time in Paris?"}
+TIME: dict[str, Any] = {
+    "type": "function",
+    "function": {"name": "get_time", "parameters": {"type": "object"}},
+}
+USER: dict[str, Any] = {"role": "user", "content": "Weather and time in Paris?"}
 REQUEST = ChatRequest(model="qwen2.5-7b-instruct", messages=[USER], tools=[WEATHER, TIME])
 CODEC = TextTagCodec()
 
@@ -407,7 +410,7 @@ def test_encode_tool_choice_none_drops_the_instructions() -> None:
     assert CODEC.encode(ChatRequest(model="m", messages=[USER])).body["messages"] == [USER]
 
 
-ASSISTANT = {
+ASSISTANT: dict[str, Any] = {
     "role": "assistant",
     "content": "Checking.",
     "reasoning_content": "weather first",
@@ -420,7 +423,7 @@ ASSISTANT = {
         {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": ""}},
     ],
 }
-RESULTS = [
+RESULTS: list[dict[str, Any]] = [
     {"role": "tool", "tool_call_id": "call_1", "content": "18C, sunny"},
     {"role": "tool", "tool_call_id": "call_2", "content": {"time": "12:00"}},
 ]

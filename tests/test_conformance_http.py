@@ -36,7 +36,7 @@ from worker.edges.provider_http import CompletionResult, HttpProvider
 from worker.errors import ProviderRequestError, ProviderRetryableError
 from worker.session.engine import CallModel, Round, RunTools, ToolOutcome, metrics, plan
 from worker.session.steps import StepRunner
-from worker.session.twins import MemoryStore, NoTools, OpenRateLimiter, StepQueue
+from worker.session.twins import MemoryStore, NoTools, OpenRateLimiter, Published, StepQueue
 
 # Fixtures ---------------------------------------------------------------------------------------
 
@@ -403,6 +403,11 @@ def redeliver(store: MemoryStore, sk: str, round_no: int) -> None:
     store.published.discard(keys.round_step(sk, round_no))
 
 
+def last_sent(dispatch: StepQueue) -> Published:
+    """The step published last, read afresh (each step run may publish more)."""
+    return dispatch.sent[-1]
+
+
 def test_b9_78_round_step_calls_the_model_only_before_its_tools_run() -> None:
     store = MemoryStore()
     store.submit("s1", make_spec())
@@ -425,18 +430,18 @@ def test_b9_78_round_step_calls_the_model_only_before_its_tools_run() -> None:
     redeliver(store, "s1", 0)
     runner.round("s1", 0)  # a redelivered round step: plans the rest, no second model call
     assert len(provider.requests) == 1
-    assert dispatch.sent[-1] == ("tool", "s1", 0, 1)
+    assert last_sent(dispatch) == ("tool", "s1", 0, 1)
 
     store.store_tool_outcomes("s1", 0, {1: ok("12:00")})  # every tool ran
     redeliver(store, "s1", 0)
     runner.round("s1", 0)
     assert len(provider.requests) == 1
-    assert dispatch.sent[-1] == ("round", "s1", 1)
+    assert last_sent(dispatch) == ("round", "s1", 1)
 
     runner.round("s1", 1)  # the next model call is a new call, carrying the tool results
     assert len(provider.requests) == 2
     assert [m["role"] for m in provider.requests[1].messages[-2:]] == ["tool", "tool"]
-    assert dispatch.sent[-1] == ("finish", "s1")
+    assert last_sent(dispatch) == ("finish", "s1")
 
 
 # B10 82: retried attempts that returned usage --------------------------------------------------

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
@@ -60,7 +61,7 @@ def test_flower_lists_every_step_with_ids_only(
             )
         assert seen, "Flower never received task events"
         secret = f"Nowhere{fresh_id}"
-        spec = {
+        spec: dict[str, Any] = {
             "id": f"{fresh_id}/flower",
             "model": "replay/weather",
             "messages": [{"role": "user", "content": f"Weather in {secret}?"}],

@@ -140,7 +140,7 @@ def test_cchatq_run_and_program_lines_in_a_batch(
     assert trapped.returncode == 1 and "program failed: guest_trap" in trapped.stderr
 
     # one program, many inputs, next to a spec session, in one JSONL file
-    lines = [
+    lines: list[dict[str, Any]] = [
         {
             "id": f"{fresh_id}/in/{n}",
             "program": {"module": str(GUESTS / "prog_chat.wasm"), "stdin": f"input {n}\n"},
@@ -185,7 +185,10 @@ def test_cancelled_program_ends_at_its_next_hostcall_wait(
     deadline = time.monotonic() + 10
     while running.client.status(spec_id).get("state") != "running" and time.monotonic() < deadline:  # type: ignore[union-attr]
         time.sleep(0.05)
-    time.sleep(0.3)  # inside its blocking cchat_send
+    fds = keys.fds(keys.session_key(spec_id))
+    while b'"ChatResponse"' not in b"".join(running.client.redis.hvals(fds)):  # it sent
+        assert time.monotonic() < deadline, "the program never sent its chat"
+        time.sleep(0.02)
     assert running.client.cancel(spec_id)
     record = dict(running.client.wait(sub, timeout_s=30))[keys.session_key(spec_id)]
     assert record["body"] == {"error": {"code": "cancelled", "message": "program run cancelled"}}
@@ -215,7 +218,7 @@ def test_memory_growth_beyond_the_cap_is_refused(
 
     module = tmp_path / "grow.wasm"
     module.write_bytes(wasmtime.wat2wasm(GROW_FOREVER))
-    spec = {
+    spec: dict[str, Any] = {
         "id": f"{fresh_id}/grow",
         "program": {"module": str(module)},
         "limits": {"memory_bytes": 8 << 20},

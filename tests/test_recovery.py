@@ -8,6 +8,7 @@ import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -39,7 +40,7 @@ def test_tools_worker_sigkilled_mid_batch_loses_nothing(
         "name": "spin",
         "parameters": {"type": "object"},
     }
-    specs = []
+    specs: list[dict[str, Any]] = []
     for n in range(30):
         cities = [CITIES[(n + j) % len(CITIES)] for j in range(3)]
         specs.append({

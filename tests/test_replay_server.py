@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
@@ -454,8 +455,8 @@ def test_keep_alive_without_nagle() -> None:
 
     handlers = [
         v for v in vars(replay_server).values()
-        if isinstance(v, type) and issubclass(v, replay_server.BaseHTTPRequestHandler)
-        and v is not replay_server.BaseHTTPRequestHandler
+        if isinstance(v, type) and issubclass(v, BaseHTTPRequestHandler)
+        and v is not BaseHTTPRequestHandler
     ]  # fmt: skip
     assert handlers and all(h.disable_nagle_algorithm for h in handlers)
     assert all(h.protocol_version == "HTTP/1.1" for h in handlers)

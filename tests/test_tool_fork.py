@@ -9,11 +9,12 @@ import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Unpack
 
 import pytest
 from wasmtime import Global, Linker, Module, Store, WasiConfig
 
-from tests.test_wasm_runtime import SIG, Modules
+from tests.test_wasm_runtime import SIG, Limits, Modules
 from worker.edges.wasm_runtime import ToolInvocation, WasmToolRuntime
 from worker.errors import GuestError, ToolExecError
 from worker.guest.fork import ProgramFork, ToolModeHost, restore_fork
@@ -244,7 +245,7 @@ def fork_call(
     fork: ProgramFork,
     args: bytes = b"{}",
     host: ToolModeHost | None = None,
-    **kw: int,
+    **kw: Unpack[Limits],
 ) -> str:
     return rt.call_tool(ToolInvocation(sha, None, index, args, fork=fork, **kw), host)
 
@@ -410,7 +411,7 @@ def call(
     export: str,
     args: bytes = b"{}",
     host: ToolModeHost | None = None,
-    **kw: int,
+    **kw: Unpack[Limits],
 ) -> str:
     return rt.call_tool(ToolInvocation(sha, export, None, args, **kw), host)
 

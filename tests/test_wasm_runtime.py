@@ -11,6 +11,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TypedDict, Unpack
 
 import pytest
 from wasmtime import wat2wasm
@@ -246,7 +247,17 @@ def tools(modules: Modules) -> str:
     return modules.add(TOOLS_WAT)
 
 
-def call(rt: WasmToolRuntime, sha: str, export: str | None, args: bytes = b"{}", **kw: int) -> str:
+class Limits(TypedDict, total=False):
+    """The per-call limits of a `ToolInvocation`, as keyword arguments."""
+
+    timeout_ms: int
+    memory_bytes: int
+    max_output_bytes: int
+
+
+def call(
+    rt: WasmToolRuntime, sha: str, export: str | None, args: bytes = b"{}", **kw: Unpack[Limits]
+) -> str:
     return rt.call_tool(ToolInvocation(sha, export, None, args, **kw))
 
 

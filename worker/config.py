@@ -34,7 +34,6 @@ class BackendConfig:
     protocol: str = "openai"
     base_url: str = DEFAULT_REPLAY_URL
     api_key_env: str | None = None
-    default_model: str | None = None
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 60.0
     total_timeout_s: float = 120.0

@@ -211,13 +211,6 @@ class RedisStore:
     # meta ----------------------------------------------------------------------------------
 
     @_translated
-    def set_meta(self, sk: str, **fields: str | int) -> None:
-        pipe = self.client.pipeline(transaction=False)
-        pipe.hset(keys.meta(sk), mapping=dict(fields))
-        pipe.expire(keys.meta(sk), self.ttl_s)
-        pipe.execute()
-
-    @_translated
     def meta(self, sk: str) -> dict[str, str]:
         raw = self.client.hgetall(keys.meta(sk))
         return {k.decode(): v.decode() for k, v in raw.items()}
