@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from schemas import keys
+from tests.test_engine import WEATHER_FN
 from worker.config import BackendConfig, Settings
 from worker.errors import ProviderRequestError
 from worker.session.steps import StepRunner
@@ -25,14 +26,6 @@ from worker.session.twins import (
 )
 
 SK = "sk1"
-WEATHER_FN = {
-    "name": "get_weather",
-    "parameters": {
-        "type": "object",
-        "properties": {"city": {"type": "string"}},
-        "required": ["city"],
-    },
-}
 
 
 def reply(content: str | None = None, *calls: tuple[str, str, str]) -> dict[str, Any]:

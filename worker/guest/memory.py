@@ -17,14 +17,10 @@ import struct
 from dataclasses import dataclass
 
 from worker.errors import ToolExecError
-from worker.guest.abi import arena_layout
+from worker.guest.abi import align8, arena_layout
 
 WASM_PAGE_BYTES = 65_536
 _U32 = struct.Struct("<I")
-
-
-def align8(n: int) -> int:
-    return (n + 7) & ~7
 
 
 @dataclass(frozen=True)
