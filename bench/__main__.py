@@ -16,6 +16,7 @@ import statistics
 import sys
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,15 +25,16 @@ from bench.codecs import codec_rows
 from fixtures.demo_batch import WEATHER
 from producer.client import Client
 from producer.fleet import WORKER_PROFILES, Fleet, replay_backends
-from producer.specfile import LoadedSpec, load_spec_from_objects
+from producer.specfile import load_spec_from_objects
 from schemas.spec import SessionSpecSchema
+from schemas.spec_types import SessionSpec, Spec
 
 GUESTS = Path(fixtures.__file__).parent / "guests"
 
 STEPS_PER_SESSION = 5  # start, round 0, tool, round 1, finish
 
 
-def weather_spec(spec_id: str, latency_ms: int = 0) -> dict[str, Any]:
+def weather_spec(spec_id: str, latency_ms: int = 0) -> SessionSpec:
     marker = f" [[latency_ms:{latency_ms}]]" if latency_ms else ""
     tool = {**WEATHER, "module": str(GUESTS / "weather.wasm")}
     raw = {
@@ -41,10 +43,12 @@ def weather_spec(spec_id: str, latency_ms: int = 0) -> dict[str, Any]:
         "messages": [{"role": "user", "content": f"Weather in Paris?{marker}"}],
         "tools": [tool],
     }
-    return dict(LoadedSpec(line=0, spec=SessionSpecSchema().load(raw)).spec)
+    spec = SessionSpecSchema().load(raw)
+    assert isinstance(spec, SessionSpec)
+    return spec
 
 
-def run(client: Client, specs: list[dict[str, Any]], timeout_s: float = 600) -> float:
+def run(client: Client, specs: list[Spec], timeout_s: float = 600) -> float:
     started = time.perf_counter()
     sub = client.submit(specs)
     for _ in client.wait(sub, timeout_s=timeout_s, poll_s=0.05):
@@ -75,7 +79,7 @@ def trampoline_ms_per_hop(fleet: Fleet, hops: int = 300) -> float:
     return statistics.median(samples[1:])
 
 
-def program_spec(spec_id: str, module: str, provider: str | None = None) -> dict[str, Any]:
+def program_spec(spec_id: str, module: str, provider: str | None = None) -> Spec:
     raw: dict[str, Any] = {"id": spec_id, "program": {"module": str(GUESTS / module)}}
     if provider:
         raw["provider"] = provider
@@ -183,7 +187,7 @@ def main() -> int:
         )  # fmt: skip
         # the tool round of a chat, end to end: spec session vs program session
         plain = median_ms(
-            client, lambda i: {**weather_spec(f"pl/{i}"), "tools": [], "model": "replay/plain"}, 20
+            client, lambda i: replace(weather_spec(f"pl/{i}"), tools=(), model="replay/plain"), 20
         )
         tool = median_ms(client, lambda i: weather_spec(f"wt/{i}"), 20)
         run(

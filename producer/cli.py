@@ -18,6 +18,7 @@ from producer.fleet import REPLAY_PROTOCOL_PATHS, Fleet, replay_backend_name, wo
 from producer.report import Progress, summary
 from producer.specfile import SpecFileError, load_spec_file, load_spec_from_objects
 from schemas.bodies import dump_text
+from schemas.spec_types import Spec, spec_from_json, spec_to_json
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEMO_FILE = Path(fixtures.__file__).parent / "demo" / "sessions.jsonl"
@@ -49,7 +50,7 @@ def result_line(record: dict[str, Any]) -> dict[str, Any]:
 
 def run_batch(
     client: Client,
-    specs: list[dict[str, Any]],
+    specs: list[Spec],
     out: Path,
     timeout_s: float | None,
     stream: TextIO = sys.stderr,
@@ -202,7 +203,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     run = uuid.uuid4().hex[:8]  # fresh ids, so a shared Redis never answers from an earlier run
     backend = replay_backend_name(args.provider, args.stream)
     specs = [
-        on_backend({**s.spec, "id": f"{run}:{s.spec['id']}"}, backend, args.provider)
+        spec_from_json(
+            on_backend({**spec_to_json(s.spec), "id": f"{run}:{s.spec.id}"}, backend, args.provider)
+        )
         for s in loaded
     ]
     with Fleet() as fleet:

@@ -17,6 +17,7 @@ from celery import Celery
 
 from schemas import keys, task_names
 from schemas.bodies import dump_body
+from schemas.spec_types import ProgramSpec, SessionSpec, Spec, spec_from_json, spec_to_json, stored
 
 CHUNK_SIZE = 256  # sessions admitted by one start task
 PIPELINE_SIZE = 1000  # sessions per Redis round trip at submit
@@ -50,11 +51,11 @@ class Client:
 
     # submit --------------------------------------------------------------------------------
 
-    def upload_modules(self, specs: Sequence[dict[str, Any]]) -> dict[str, str]:
+    def upload_modules(self, specs: Sequence[Spec]) -> dict[str, str]:
         """Each referenced module once, content-addressed: path -> sha256."""
         paths = sorted(
-            {t["module"] for s in specs for t in s.get("tools", [])}
-            | {s["program"]["module"] for s in specs if "program" in s}
+            {t.module for s in specs if isinstance(s, SessionSpec) for t in s.tools}
+            | {s.program.module for s in specs if isinstance(s, ProgramSpec)}
         )
         shas: dict[str, str] = {}
         pipe = self.redis.pipeline(transaction=False)
@@ -66,7 +67,7 @@ class Client:
         pipe.execute()
         return shas
 
-    def submit(self, specs: Sequence[dict[str, Any]], batch: str | None = None) -> Submission:
+    def submit(self, specs: Sequence[Spec], batch: str | None = None) -> Submission:
         """Enqueue validated canonical specs. Idempotent by spec id: an id already submitted is
         not run again; this batch waits for (or reads) its stored result instead."""
         shas = self.upload_modules(specs)
@@ -76,22 +77,23 @@ class Client:
             part = specs[start : start + PIPELINE_SIZE]
             pipe = self.redis.pipeline(transaction=False)
             for spec in part:
-                sk = keys.session_key(spec["id"])
+                sk = keys.session_key(spec.id)
                 sub.order.append(sk)
-                sub.ids[sk] = spec["id"]
-                if "program" in spec:
+                sub.ids[sk] = spec.id
+                if isinstance(spec, ProgramSpec):
                     sub.programs.add(sk)
-                pipe.set(keys.spec(sk), dump_body(_stored_spec(spec, shas)), nx=True, ex=self.ttl_s)
+                body = dump_body(spec_to_json(stored(spec, shas)))
+                pipe.set(keys.spec(sk), body, nx=True, ex=self.ttl_s)
                 pipe.sadd(keys.watchers(sk), sub.batch)
                 pipe.expire(keys.watchers(sk), self.ttl_s)
             claimed = pipe.execute()[0::3]
             pipe = self.redis.pipeline(transaction=False)
             for spec, won in zip(part, claimed, strict=True):
-                sk = keys.session_key(spec["id"])
+                sk = keys.session_key(spec.id)
                 if won:
                     sub.new.add(sk)
                     meta = {
-                        "id": spec["id"],
+                        "id": spec.id,
                         "batch": sub.batch,
                         "submitted_ms": now_ms,
                         "state": "queued",
@@ -102,7 +104,7 @@ class Client:
                     pipe.exists(keys.response(sk))
             results = iter(pipe.execute())
             for spec, won in zip(part, claimed, strict=True):
-                sk = keys.session_key(spec["id"])
+                sk = keys.session_key(spec.id)
                 if won:
                     next(results), next(results)
                 elif next(results):
@@ -111,8 +113,11 @@ class Client:
         return sub
 
     def _admit(self, sub: Submission) -> None:
-        # a program run is admitted as "p:<sk>" (its task runs on the programs queue)
-        fresh = [("p:" if sk in sub.programs else "") + sk for sk in sub.order if sk in sub.new]
+        fresh = [
+            keys.ChunkMember(sk, program=sk in sub.programs).encode()
+            for sk in sub.order
+            if sk in sub.new
+        ]
         chunks = [fresh[i : i + CHUNK_SIZE] for i in range(0, len(fresh), CHUNK_SIZE)]
         pipe = self.redis.pipeline(transaction=False)
         for n, members in enumerate(chunks):
@@ -210,7 +215,7 @@ class Client:
         if not self.redis.exists(keys.spec(sk)):
             return False
         self.redis.set(keys.cancel(sk), "1", ex=self.ttl_s)
-        if json.loads(self.redis.get(keys.spec(sk)) or b"{}").get("kind") == "program":
+        if isinstance(spec_from_json(json.loads(self.redis.get(keys.spec(sk)))), ProgramSpec):
             return True  # a program run checks the flag at its hostcalls and waits
         self.celery.send_task(
             task_names.FINISH,
@@ -219,21 +224,3 @@ class Client:
             queue=task_names.ROUTES[task_names.FINISH],
         )
         return True
-
-
-def _stored_spec(spec: dict[str, Any], shas: dict[str, str]) -> dict[str, Any]:
-    """The spec as workers see it: tool modules named by content hash, not by local path."""
-    stored = dict(spec)
-    if "program" in spec:
-        program = {k: v for k, v in spec["program"].items() if k != "module"}
-        program["module_sha256"] = shas[spec["program"]["module"]]
-        program["module_name"] = Path(spec["program"]["module"]).name
-        stored["program"] = program
-    tools = []
-    for tool in spec.get("tools", []):
-        entry = {k: v for k, v in tool.items() if k != "module"}
-        entry["module_sha256"] = shas[tool["module"]]
-        entry["module_name"] = Path(tool["module"]).name
-        tools.append(entry)
-    stored["tools"] = tools
-    return stored

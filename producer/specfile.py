@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,7 @@ from marshmallow import ValidationError
 
 from schemas.program_spec import ProgramSpecSchema, is_program
 from schemas.spec import SessionSpecSchema
+from schemas.spec_types import ProgramSpec, Spec
 
 WASM_MAGIC = b"\0asm"
 MAX_LISTED_ISSUES = 20
@@ -48,7 +49,7 @@ class SpecFileError(Exception):
 @dataclass(frozen=True)
 class LoadedSpec:
     line: int
-    spec: dict[str, Any]
+    spec: Spec
 
 
 def load_spec_file(path: str | Path) -> list[LoadedSpec]:
@@ -71,9 +72,7 @@ def load_spec_file(path: str | Path) -> list[LoadedSpec]:
     return _validate(entries, shown, file_path.resolve().parent, issues)
 
 
-def load_spec_from_objects(
-    objs: Sequence[Any], base_dir: Path | None = None
-) -> list[dict[str, Any]]:
+def load_spec_from_objects(objs: Sequence[Any], base_dir: Path | None = None) -> list[Spec]:
     """Specs built in memory (`cchatq run`), through the same validation as a file's."""
     entries = [(n + 1, obj) for n, obj in enumerate(objs)]
     loaded = _validate(entries, "<arguments>", base_dir or Path.cwd(), [])
@@ -122,24 +121,32 @@ def _validate(
                 issues.append(SpecIssue(shown, line, "program.module", problem))
         schema = program_schema if is_program(obj) else session_schema
         try:
-            spec: dict[str, Any] = schema.load(obj)
+            spec: Spec = schema.load(obj)
         except ValidationError as exc:
             issues.extend(
                 SpecIssue(shown, line, field, message)
                 for field, message in flatten_errors(exc.messages)
             )
             continue
-        if program_module is not None:
-            spec["program"]["module"] = program_module
-        for index, tool in enumerate(spec.get("tools", [])):
-            tool["module"] = module_paths[index]
-        loaded.append(LoadedSpec(line, spec))
+        loaded.append(LoadedSpec(line, _with_module_paths(spec, program_module, module_paths)))
 
     if not entries and not issues:
         issues.append(SpecIssue(shown, 0, "", "no specs in file"))
     if issues:
         raise SpecFileError(issues)
     return loaded
+
+
+def _with_module_paths(
+    spec: Spec, program_module: str | None, tool_modules: dict[int, str]
+) -> Spec:
+    """The spec with its modules as resolved paths (relative to the spec file)."""
+    if isinstance(spec, ProgramSpec):
+        if program_module is None:
+            return spec
+        return replace(spec, program=replace(spec.program, module=program_module))
+    tools = tuple(replace(t, module=tool_modules[i]) for i, t in enumerate(spec.tools))
+    return replace(spec, tools=tools)
 
 
 def flatten_errors(messages: Any, prefix: str = "") -> list[tuple[str, str]]:

@@ -30,6 +30,7 @@ which would make task ids and Flower URLs awkward). Round r, tool call i:
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 
 PREFIX = "cq"
 DEADLETTER = f"{PREFIX}:deadletter"
@@ -93,6 +94,22 @@ def watchers(sk: str) -> str:
 
 def done_list(batch: str) -> str:
     return f"{PREFIX}:done:{batch}"
+
+
+@dataclass(frozen=True)
+class ChunkMember:
+    """A session admitted by a start task, and whether it is a program run (its task runs on
+    the programs queue). Stored as "<sk>" or "p:<sk>" in the chunk list."""
+
+    sk: str
+    program: bool = False
+
+    def encode(self) -> str:
+        return f"p:{self.sk}" if self.program else self.sk
+
+    @classmethod
+    def decode(cls, raw: str) -> ChunkMember:
+        return cls(raw[2:], program=True) if raw.startswith("p:") else cls(raw)
 
 
 def chunk(batch: str, chunk_no: int) -> str:

@@ -1,4 +1,5 @@
-"""Session limits: defaults and caps in one value object (guest-abi.md section 3)."""
+"""Session and program-run limits: each default and cap written once, here (guest-abi.md
+section 3). The schemas validate against the caps; the values resolve defaults from them."""
 
 from __future__ import annotations
 
@@ -17,14 +18,30 @@ LIMIT_BOUNDS: dict[str, tuple[int, int]] = {
 }
 LIMIT_ALIASES = {"max_tool_calls": "max_total_tool_calls"}
 
+# a program run's limits: name -> (default, cap); the run's deadline stays below the default
+# visibility timeout (300 s)
+RUN_LIMIT_BOUNDS: dict[str, tuple[int, int]] = {
+    "run_timeout_ms": (60_000, 280_000),
+    "memory_bytes": (256 << 20, 4 << 30),
+    "max_output_bytes": (1 << 20, 16 << 20),
+}
+
+
+def _default(name: str) -> int:
+    return LIMIT_BOUNDS[name][0]
+
+
+def _run_default(name: str) -> int:
+    return RUN_LIMIT_BOUNDS[name][0]
+
 
 @dataclass(frozen=True)
 class Limits:
-    max_iterations: int = 8
-    max_total_tool_calls: int = 32
-    max_tool_output_bytes: int = 65_536
-    tool_timeout_ms: int = 10_000
-    tool_memory_bytes: int = 256 << 20
+    max_iterations: int = _default("max_iterations")
+    max_total_tool_calls: int = _default("max_total_tool_calls")
+    max_tool_output_bytes: int = _default("max_tool_output_bytes")
+    tool_timeout_ms: int = _default("tool_timeout_ms")
+    tool_memory_bytes: int = _default("tool_memory_bytes")
 
     @classmethod
     def resolve(cls, raw: Mapping[str, Any] | None) -> Limits:
@@ -41,6 +58,22 @@ class Limits:
             default, cap = LIMIT_BOUNDS[name]
             values[name] = min(number, cap) if number >= 1 else default
         return cls(**values)
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class RunLimits:
+    run_timeout_ms: int = _run_default("run_timeout_ms")
+    memory_bytes: int = _run_default("memory_bytes")
+    max_output_bytes: int = _run_default("max_output_bytes")
+
+    @classmethod
+    def resolve(cls, raw: Mapping[str, Any] | None) -> RunLimits:
+        """Stored values as they are (validated at submit); missing ones get the default."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: int(v) for k, v in (raw or {}).items() if k in names})
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

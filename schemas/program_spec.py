@@ -14,14 +14,9 @@ from typing import Any
 
 from marshmallow import RAISE, Schema, fields, post_load, validate
 
+from schemas.limits import RUN_LIMIT_BOUNDS, RunLimits
 from schemas.spec import ID_PATTERN
-
-# name -> (default, cap); the run's deadline stays below the default visibility timeout (300 s)
-RUN_LIMIT_BOUNDS: dict[str, tuple[int, int]] = {
-    "run_timeout_ms": (60_000, 280_000),
-    "memory_bytes": (256 << 20, 4 << 30),
-    "max_output_bytes": (1 << 20, 16 << 20),
-}
+from schemas.spec_types import ProgramDef, ProgramSpec
 
 
 class ProgramSchema(Schema):
@@ -71,12 +66,21 @@ class ProgramSpecSchema(Schema):
     metadata = fields.Dict(keys=fields.String(), load_default=dict)
 
     @post_load
-    def _canonical(self, data: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
-        limits = {name: default for name, (default, _) in RUN_LIMIT_BOUNDS.items()}
-        limits.update(data.get("limits") or {})
-        data["limits"] = limits
-        data["kind"] = "program"
-        return data
+    def _typed(self, data: dict[str, Any], **kwargs: Any) -> ProgramSpec:
+        program = data["program"]
+        return ProgramSpec(
+            id=data["id"],
+            program=ProgramDef(
+                module=program["module"],
+                args=tuple(program["args"]),
+                stdin=program["stdin"],
+                env=dict(program["env"]),
+            ),
+            provider=data.get("provider"),
+            model=data.get("model"),
+            limits=RunLimits(**(data.get("limits") or {})),
+            metadata=data["metadata"],
+        )
 
 
 def is_program(obj: Any) -> bool:

@@ -22,6 +22,7 @@ from marshmallow import (
 )
 
 from schemas.limits import LIMIT_ALIASES, LIMIT_BOUNDS, Limits
+from schemas.spec_types import Flags, FunctionSpec, SessionSpec, ToolSpec
 from schemas.tool_schema import schema_problem
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -160,17 +161,22 @@ class ToolSpecSchema(Schema):
             raise ValidationError("One of export or table_index is required.", "export")
 
     @post_load
-    def _canonical(self, data: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+    def _typed(self, data: dict[str, Any], **kwargs: Any) -> ToolSpec:
         # "type" is dropped: it can only be "function".
-        return {
-            "module": data["module"],
-            "export": data["export"],
-            "table_index": data["table_index"],
-            "function": data["function"],
-        }
+        function = data["function"]
+        return ToolSpec(
+            function=FunctionSpec(
+                name=function["name"],
+                parameters=function["parameters"],
+                description=function.get("description"),
+            ),
+            module=data["module"],
+            export=data["export"],
+            table_index=data["table_index"],
+        )
 
 
-class ToolListField(fields.List[dict[str, Any]]):
+class ToolListField(fields.List[ToolSpec]):
     """List of tools whose function names are unique.
 
     The check sits here, after every tool loaded: marshmallow hands field and schema
@@ -182,12 +188,12 @@ class ToolListField(fields.List[dict[str, Any]]):
 
     def _deserialize(
         self, value: Any, attr: str | None, data: Mapping[str, Any] | None, **kwargs: Any
-    ) -> list[dict[str, Any] | None]:
+    ) -> list[ToolSpec | None]:
         tools = super()._deserialize(value, attr, data, **kwargs)
         first_index: dict[str, int] = {}
         errors: dict[int, Any] = {}
         for index, tool in enumerate(tools):
-            name = tool["function"]["name"] if tool else None
+            name = tool.name if tool else None
             if name in first_index:
                 message = f"Duplicate of tools.{first_index[name]}.function.name."
                 errors[index] = {"function": {"name": [message]}}
@@ -259,7 +265,15 @@ class SessionSpecSchema(Schema):
             raise ValidationError(reserved)
 
     @post_load
-    def _canonical(self, data: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
-        data["flags"] = {**FlagsSchema().load({}), **data.get("flags", {})}
-        data["limits"] = Limits.resolve(data.get("limits")).as_dict()
-        return data
+    def _typed(self, data: dict[str, Any], **kwargs: Any) -> SessionSpec:
+        return SessionSpec(
+            id=data["id"],
+            model=data["model"],
+            messages=tuple(data["messages"]),
+            tools=tuple(data["tools"]),
+            params=data["params"],
+            flags=Flags(**data.get("flags", {})),
+            limits=Limits.resolve(data.get("limits")),
+            provider=data.get("provider"),
+            metadata=data["metadata"],
+        )

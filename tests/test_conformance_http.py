@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from schemas import keys
+from schemas.spec_types import spec_from_json
 from tests.test_engine import (
     USER,
     call,
@@ -34,7 +35,8 @@ from worker.codecs.protocol import ChatRequest, Codec
 from worker.config import BackendConfig, Settings
 from worker.edges.provider_http import CompletionResult, HttpProvider
 from worker.errors import ProviderRequestError, ProviderRetryableError
-from worker.session.engine import CallModel, Round, RunTools, ToolOutcome, metrics, plan
+from worker.session.engine import CallModel, Round, RunTools, ToolOutcome, plan
+from worker.session.records import metrics
 from worker.session.steps import StepRunner
 from worker.session.twins import MemoryStore, NoTools, OpenRateLimiter, Published, StepQueue
 
@@ -410,7 +412,7 @@ def last_sent(dispatch: StepQueue) -> Published:
 
 def test_b9_78_round_step_calls_the_model_only_before_its_tools_run() -> None:
     store = MemoryStore()
-    store.submit("s1", make_spec())
+    store.submit("s1", spec_from_json(make_spec()))
     dispatch = StepQueue()
     provider = ScriptedProvider(TWO_CALLS, canonical_completion(content="done"))
     backend = BackendConfig(name="replay")

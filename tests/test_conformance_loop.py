@@ -38,7 +38,7 @@ from tests.test_engine import (
 )
 from worker.codecs.anthropic import AnthropicCodec
 from worker.codecs.gemini import GeminiCodec
-from worker.codecs.openai_chat import normalize_usage, tool_calls_of
+from worker.codecs.openai_chat import normalize_usage
 from worker.codecs.protocol import ChatRequest
 from worker.config import Settings
 from worker.edges.wasm_runtime import ToolInvocation, WasmToolRuntime
@@ -51,10 +51,11 @@ from worker.session.engine import (
     RunTools,
     Session,
     ToolOutcome,
-    metrics,
     plan,
+    tool_run,
     transcript,
 )
+from worker.session.records import metrics
 from worker.session.steps import StepRunner
 from worker.session.twins import MemoryStore, NoProvider, OpenRateLimiter, StepQueue
 
@@ -165,8 +166,9 @@ NO_ARGS_FN = {"name": "", "parameters": {"type": "object"}}
 
 def execute(runner: StepRunner, s: Session, index: int) -> ToolOutcome:
     """What a tools worker does for call `index` of the last round (StepRunner.tool)."""
-    calls = tool_calls_of(s.rounds[-1].reply)
-    return runner._execute(s.spec, calls[index])
+    run = tool_run(s.spec, s.rounds[-1].reply, index)
+    assert run is not None
+    return runner._execute(s.spec, run)
 
 
 # B1 8: unknown tool name -----------------------------------------------------------------------

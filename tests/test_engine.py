@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from schemas.limits import Limits
+from schemas.spec_types import SessionSpec, spec_from_json, tool_from_json
 from worker.codecs.openai_chat import normalize_completion
 from worker.errors import UnknownToolError
 from worker.session.engine import (
@@ -26,11 +27,11 @@ from worker.session.engine import (
     ToolOutcome,
     ToolRun,
     argument_problem,
-    metrics,
     plan,
     success_body,
     transcript,
 )
+from worker.session.records import metrics
 
 # Fixtures as plain data --------------------------------------------------------------------
 
@@ -114,7 +115,9 @@ def completion(
 
 
 def session(spec: dict[str, Any], *rounds: Round) -> Session:
-    return Session(spec=spec, backend="replay", rounds=tuple(rounds))
+    typed = spec_from_json(spec)
+    assert isinstance(typed, SessionSpec)
+    return Session(spec=typed, backend="replay", rounds=tuple(rounds))
 
 
 def ok(content: str) -> ToolOutcome:
@@ -146,12 +149,17 @@ def tool_msg(call_id: str, content: str) -> dict[str, Any]:
 
 def weather_run(index: int, call_id: str, arguments: str) -> ToolRun:
     return ToolRun(
-        index=index, call_id=call_id, name="get_weather", tool=WEATHER, arguments=arguments
+        index=index,
+        call_id=call_id,
+        name="get_weather",
+        tool=tool_from_json(WEATHER),
+        arguments=arguments,
     )
 
 
 def time_run(index: int, call_id: str, arguments: str) -> ToolRun:
-    return ToolRun(index=index, call_id=call_id, name="get_time", tool=TIME, arguments=arguments)
+    tool = tool_from_json(TIME)
+    return ToolRun(index=index, call_id=call_id, name="get_time", tool=tool, arguments=arguments)
 
 
 def unanswered_calls(messages: list[dict[str, Any]]) -> list[str]:
@@ -1125,18 +1133,12 @@ LIST_FN = {
     ],
 )
 def test_argument_problem(arguments: str, function: dict[str, Any], expected: str | None) -> None:
-    assert argument_problem(arguments, function) == expected
+    assert argument_problem(arguments, function.get("parameters")) == expected
 
 
 def test_argument_problem_is_capped_at_500_chars() -> None:
-    fn = {
-        "name": "f",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 1}},
-        },
-    }
-    problem = argument_problem(json.dumps({"city": "x" * 600}), fn)
+    parameters = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 1}}}
+    problem = argument_problem(json.dumps({"city": "x" * 600}), parameters)
     assert problem is not None
     assert problem.startswith("city: 'xxx")
     assert len(problem) == 500

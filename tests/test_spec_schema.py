@@ -18,6 +18,7 @@ from producer.specfile import (
 )
 from schemas.limits import LIMIT_ALIASES, LIMIT_BOUNDS
 from schemas.spec import LimitsSchema, SessionSpecSchema
+from schemas.spec_types import spec_to_json
 
 WASM = b"\0asm\x01\0\0\0"
 
@@ -89,7 +90,7 @@ def test_architecture_example_loads_and_canonicalises(tmp_path: Path) -> None:
     [loaded] = load_spec_file(path)
 
     assert loaded.line == 2
-    assert loaded.spec == {
+    assert spec_to_json(loaded.spec) == {
         "id": "eval-17/0042",
         "provider": "openai",
         "model": "gpt-4o-mini",
@@ -117,7 +118,7 @@ def test_architecture_example_loads_and_canonicalises(tmp_path: Path) -> None:
 
 
 def test_minimal_spec_gets_defaults() -> None:
-    out = SessionSpecSchema().load(spec())
+    out = spec_to_json(SessionSpecSchema().load(spec()))
     assert out["tools"] == [] and out["params"] == {} and out["provider"] is None
     assert out["flags"] == {"auto_tool_call": True, "metrics": True, "strict_unknown_tool": False}
     assert out["limits"] == DEFAULT_LIMITS
@@ -125,7 +126,7 @@ def test_minimal_spec_gets_defaults() -> None:
 
 def test_legacy_tool_form_is_wrapped_and_parameters_defaulted() -> None:
     legacy = {"module": "t.wasm", "export": "f", "name": "f", "description": "does f"}
-    out = SessionSpecSchema().load(spec(tools=[legacy]))
+    out = spec_to_json(SessionSpecSchema().load(spec(tools=[legacy])))
     assert out["tools"] == [
         {
             "module": "t.wasm",
@@ -145,7 +146,7 @@ def test_table_index_form() -> None:
     entry = tool(type="function")
     del entry["export"]
     entry["table_index"] = 3
-    [out] = SessionSpecSchema().load(spec(tools=[entry]))["tools"]
+    [out] = spec_to_json(SessionSpecSchema().load(spec(tools=[entry])))["tools"]
     assert out["export"] is None and out["table_index"] == 3 and "type" not in out
 
 
@@ -210,7 +211,7 @@ def test_message_shapes() -> None:
         },
         {"role": "tool", "tool_call_id": "c1", "content": "{}"},
     ]
-    out = SessionSpecSchema().load(spec(messages=messages))
+    out = spec_to_json(SessionSpecSchema().load(spec(messages=messages)))
     assert out["messages"][2]["tool_calls"][0]["type"] == "function"
     assert out["messages"][0]["content"] == [{"type": "text", "text": "be brief"}]
 
@@ -255,7 +256,9 @@ def test_limits_over_cap_and_alias() -> None:
         "limits.max_iterations": ["Must be between 1 and 128."],
         "limits.max_tool_calls": ["Must be between 1 and 10000."],
     }
-    out = SessionSpecSchema().load(spec(limits={"max_tool_calls": 5, "max_iterations": 128}))
+    out = spec_to_json(
+        SessionSpecSchema().load(spec(limits={"max_tool_calls": 5, "max_iterations": 128}))
+    )
     assert out["limits"] == DEFAULT_LIMITS | {"max_total_tool_calls": 5, "max_iterations": 128}
 
 
@@ -280,7 +283,7 @@ def test_limits_schema_matches_limit_bounds() -> None:
 def test_flags_are_strict_booleans() -> None:
     errs = errors_of(spec(flags={"metrics": 1, "verbose": True}))
     assert set(errs) == {"flags.metrics", "flags.verbose"}
-    out = SessionSpecSchema().load(spec(flags={"strict_unknown_tool": True}))
+    out = spec_to_json(SessionSpecSchema().load(spec(flags={"strict_unknown_tool": True})))
     assert out["flags"] == {"auto_tool_call": True, "metrics": True, "strict_unknown_tool": True}
 
 
@@ -295,7 +298,7 @@ def test_params_reserved_keys(key: str) -> None:
 
 def test_params_and_metadata_pass_through() -> None:
     params = {"temperature": 0.2, "response_format": {"type": "json_object"}}
-    out = SessionSpecSchema().load(spec(params=params, metadata={"row": 7}))
+    out = spec_to_json(SessionSpecSchema().load(spec(params=params, metadata={"row": 7})))
     assert out["params"] == params and out["metadata"] == {"row": 7}
 
 
@@ -370,7 +373,9 @@ def test_module_paths_resolved_against_spec_file_dir(wasm_dir: Path, tmp_path: P
     absolute = str(wasm_dir / "t.wasm")
     lines = [json.dumps(spec(tools=[tool(module="../t.wasm"), tool("g", module=absolute)]))]
     [loaded] = load_spec_file(write_jsonl(sub / "f.jsonl", lines))
-    assert [t["module"] for t in loaded.spec["tools"]] == [str(Path(absolute).resolve())] * 2
+    assert [t["module"] for t in spec_to_json(loaded.spec)["tools"]] == [
+        str(Path(absolute).resolve())
+    ] * 2
 
 
 def test_blank_and_comment_lines_keep_physical_numbers(wasm_dir: Path) -> None:
@@ -384,7 +389,7 @@ def test_blank_and_comment_lines_keep_physical_numbers(wasm_dir: Path) -> None:
         "",
     ]
     loaded = load_spec_file(write_jsonl(wasm_dir / "f.txt", lines))
-    assert [(s.line, s.spec["id"]) for s in loaded] == [(3, "a"), (6, "b")]
+    assert [(s.line, s.spec.id) for s in loaded] == [(3, "a"), (6, "b")]
     assert all(isinstance(s, LoadedSpec) for s in loaded)
 
 

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from schemas import keys
+from schemas.spec_types import spec_from_json
 from tests.test_engine import WEATHER_FN
 from worker.config import BackendConfig, Settings
 from worker.errors import ProviderRequestError
@@ -131,7 +132,7 @@ def pipeline(script: list[Any], store: Any = None, tools: dict[str, Any] | None 
 
 
 def submit(p: Pipeline, session_spec: dict[str, Any]) -> None:
-    p.store.submit(SK, session_spec, batch="b")
+    p.store.submit(SK, spec_from_json(session_spec), batch="b")
     p.queue.round(SK, 0)
 
 
@@ -228,10 +229,11 @@ def test_an_engine_that_cannot_build_the_transcript_ends_with_internal_error() -
     p = pipeline([reply("hello")])
     broken = spec()
     submit(p, broken)
-    p.drain()  # the round ran; now break what the finish step reads
+    p.drain()  # the round ran; now break what the finish step reads: a reply it cannot plan on
     p.store.responses.clear()
     p.store.records.clear()
-    del p.store.specs[SK]["messages"]
+    unreadable = {"choices": [{"message": {"role": "assistant", "tool_calls": [{"id": "x"}]}}]}
+    p.store.replies[(SK, 0)] = json.dumps(unreadable).encode()
     p.store.published.discard(keys.finish_step(SK))
     p.queue.finish(SK)
     p.drain()

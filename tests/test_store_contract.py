@@ -5,7 +5,6 @@ once and announced) holds on both. The Redis half needs the private Redis (fleet
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ import redis
 from producer.fleet import Fleet
 from schemas import keys
 from schemas.bodies import dump_body
+from schemas.spec_types import spec_from_json, spec_to_json
 from worker.edges.store import RedisStore
 from worker.errors import StoreError
 from worker.session.engine import ToolOutcome
@@ -40,11 +40,12 @@ def _memory() -> Backend:
     store = MemoryStore()
 
     def chunk(batch: str, n: int, members: list[str]) -> None:
-        store.chunks[(batch, n)] = list(members)
+        store.chunks[(batch, n)] = [keys.ChunkMember.decode(m) for m in members]
 
-    return Backend(
-        store, lambda sk, spec, batch: store.submit(sk, spec, batch), store.cancel, chunk
-    )
+    def submit(sk: str, spec: dict[str, Any], batch: str) -> None:
+        store.submit(sk, spec_from_json(spec), batch)
+
+    return Backend(store, submit, store.cancel, chunk)
 
 
 def _redis(base_fleet: Fleet) -> Backend:
@@ -183,11 +184,15 @@ def test_a_result_is_written_once_and_announced(backend: Backend, sk: str) -> No
 
 def test_chunk_members_in_order(backend: Backend, sk: str) -> None:
     backend.chunk("b" + sk, 0, ["x", "p:y", "z"])
-    assert backend.store.chunk_members("b" + sk, 0) == ["x", "p:y", "z"]
+    assert backend.store.chunk_members("b" + sk, 0) == [
+        keys.ChunkMember("x"),
+        keys.ChunkMember("y", program=True),
+        keys.ChunkMember("z"),
+    ]
     assert backend.store.chunk_members("b" + sk, 1) == []
 
 
 def test_specs_round_trip_as_json(backend: Backend, sk: str) -> None:
     original = spec(sk) | {"params": {"temperature": 0.5, "stop": ["\n"]}}
     backend.submit(sk, original, "")
-    assert json.loads(json.dumps(backend.store.load_spec(sk))) == original
+    assert spec_to_json(backend.store.load_spec(sk)) == spec_to_json(spec_from_json(original))

@@ -16,6 +16,7 @@ import redis
 
 from schemas import keys
 from schemas.bodies import dump_body
+from schemas.spec_types import SessionSpec, Spec, spec_from_json
 from worker.errors import StoreError
 from worker.session.engine import Round, Session, ToolOutcome
 from worker.session.ports import StepStart
@@ -46,7 +47,7 @@ class RedisStore:
         # this client never decodes, so replies are bytes.
         self.client: Any = client
         self.ttl_s = ttl_s
-        self._specs: dict[str, dict[str, Any]] = {}
+        self._specs: dict[str, Spec] = {}
 
     @classmethod
     def from_url(cls, url: str, ttl_s: int) -> RedisStore:
@@ -55,26 +56,27 @@ class RedisStore:
     # reading a session ---------------------------------------------------------------------
 
     @_translated
-    def load_spec(self, sk: str) -> dict[str, Any]:
+    def load_spec(self, sk: str) -> Spec:
         """A session's spec. Specs never change after submit, so each process keeps the
         recent ones and saves a round trip on every later step."""
         cached = self._specs.get(sk)
         if cached is not None:
             return cached
-        spec = _loads(self.client.get(keys.spec(sk)))
-        if spec is None:
+        raw = _loads(self.client.get(keys.spec(sk)))
+        if raw is None:
             raise StoreError(f"session {sk}: spec not found (expired or never submitted)")
         if len(self._specs) >= SPEC_CACHE_SIZE:
             self._specs.pop(next(iter(self._specs)))
-        self._specs[sk] = dict(spec)
-        return self._specs[sk]
+        spec = self._specs[sk] = spec_from_json(raw)
+        return spec
 
     @_translated
     def load_session(self, sk: str, backend: str, upto_round: int | None = None) -> Session:
         """The spec and every stored round (up to `upto_round` inclusive), in two round trips."""
         spec = self.load_spec(sk)
-        limits_cap = int(spec.get("limits", {}).get("max_iterations", 8))
-        last = limits_cap - 1 if upto_round is None else upto_round
+        if not isinstance(spec, SessionSpec):
+            raise StoreError(f"session {sk} is a program run, not a chat")
+        last = spec.limits.max_iterations - 1 if upto_round is None else upto_round
         replies = self.client.mget([keys.model_out(sk, r) for r in range(last + 1)])
         stored: list[dict[str, Any]] = []
         for raw in replies:
@@ -82,7 +84,7 @@ class RedisStore:
                 break
             stored.append(json.loads(raw))
         rounds = self._with_outcomes(sk, stored)
-        return Session(spec=spec, backend=spec.get("provider") or backend, rounds=tuple(rounds))
+        return Session(spec=spec, backend=spec.provider or backend, rounds=tuple(rounds))
 
     def _with_outcomes(self, sk: str, replies: list[dict[str, Any]]) -> list[Round]:
         wanted: list[tuple[int, int]] = []
@@ -245,8 +247,9 @@ class RedisStore:
         pipe.execute()
 
     @_translated
-    def chunk_members(self, batch: str, chunk_no: int) -> list[str]:
-        return [m.decode() for m in self.client.lrange(keys.chunk(batch, chunk_no), 0, -1)]
+    def chunk_members(self, batch: str, chunk_no: int) -> list[keys.ChunkMember]:
+        raw = self.client.lrange(keys.chunk(batch, chunk_no), 0, -1)
+        return [keys.ChunkMember.decode(m.decode()) for m in raw]
 
     @_translated
     def module_bytes(self, sha256: str) -> bytes:

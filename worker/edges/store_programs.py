@@ -10,6 +10,7 @@ from typing import Any
 
 from schemas import keys
 from schemas.bodies import dump_body
+from schemas.spec_types import SessionSpec, spec_to_json
 from worker.edges.store import RedisStore, _translated
 from worker.errors import StoreError
 
@@ -22,13 +23,13 @@ class ProgramStore:
         self._forks: dict[str, bytes] = {}
 
     @_translated
-    def submit_chat(self, sk: str, spec: dict[str, Any], batch: str) -> bool:
+    def submit_chat(self, sk: str, spec: SessionSpec, batch: str) -> bool:
         """Store a chat's spec and watch it from the run's batch. False if it already exists
         (a redelivered program replaying its chats): then it is not started again."""
         pipe = self.client.pipeline(transaction=True)
-        pipe.set(keys.spec(sk), dump_body(spec), nx=True, ex=self.ttl_s)
+        pipe.set(keys.spec(sk), dump_body(spec_to_json(spec)), nx=True, ex=self.ttl_s)
         pipe.hsetnx(keys.meta(sk), "submitted_ms", int(time.time() * 1000))
-        pipe.hset(keys.meta(sk), mapping={"id": spec["id"], "batch": batch})
+        pipe.hset(keys.meta(sk), mapping={"id": spec.id, "batch": batch})
         pipe.expire(keys.meta(sk), self.ttl_s)
         pipe.sadd(keys.watchers(sk), batch)
         pipe.expire(keys.watchers(sk), self.ttl_s)

@@ -24,6 +24,7 @@ from typing import Any
 from schemas import keys
 from schemas.bodies import dump_body
 from schemas.limits import LIMIT_ALIASES, LIMIT_BOUNDS, Limits
+from schemas.spec_types import Flags, FunctionSpec, SessionSpec, ToolSpec
 from schemas.tool_schema import schema_problem
 from worker.errors import (
     CancelledError,
@@ -220,7 +221,7 @@ class ProgramHost:
 
     def _chat_spec(
         self, mem: GuestMemory, session: FdEntry, chat_id: str, auto: bool, metrics: bool
-    ) -> dict[str, Any] | bytes:
+    ) -> SessionSpec | bytes:
         params = dict(session.params)
         consumed = {
             k: params.pop(k)
@@ -233,7 +234,6 @@ class ProgramHost:
         backend = consumed.get("backend") or self.d.backend
         if backend is not None and not isinstance(backend, str):
             return dump_body(InvalidRequestError("the `backend` param must be a string").body())
-        tools = []
         fork_sha: str | None = None
         if session.tools and auto:  # only an auto tool-call loop runs the tools
             fork = ProgramFork(
@@ -243,25 +243,34 @@ class ProgramHost:
                 arena_len=_int_or_none(consumed.get("tool_arena_len")),
             )
             fork_sha = self.store.put_fork(fork.to_blob())
-        for fn_offset, function in session.tools:
-            tools.append(
-                {"module_sha256": self.d.module_sha256, "export": None, "table_index": fn_offset,
-                 "fork_sha256": fork_sha, "module_name": "program", "function": function}
-            )  # fmt: skip
-        return {
-            "id": chat_id,
-            "provider": backend,
-            "model": model,
-            "messages": list(session.messages),
-            "tools": tools,
-            "params": params,
-            "flags": {
-                "auto_tool_call": auto,
-                "metrics": metrics,
-                "strict_unknown_tool": bool(consumed.get("strict_unknown_tool", False)),
-            },
-            "limits": Limits.resolve(consumed).as_dict(),
-        }
+        tools = tuple(
+            ToolSpec(
+                function=FunctionSpec(
+                    name=function["name"],
+                    parameters=function["parameters"],
+                    description=function.get("description"),
+                ),
+                module="program",
+                table_index=fn_offset,
+                module_sha256=self.d.module_sha256,
+                fork_sha256=fork_sha,
+            )
+            for fn_offset, function in session.tools
+        )
+        return SessionSpec(
+            id=chat_id,
+            provider=backend,
+            model=model,
+            messages=tuple(session.messages),
+            tools=tools,
+            params=params,
+            flags=Flags(
+                auto_tool_call=auto,
+                metrics=metrics,
+                strict_unknown_tool=bool(consumed.get("strict_unknown_tool", False)),
+            ),
+            limits=Limits.resolve(consumed),
+        )
 
     def _wait(self, ready: Callable[[], bool], until: float | None = None) -> bool:
         """Block until `ready()`, the run's deadline (which aborts), or `until`."""

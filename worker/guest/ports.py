@@ -6,9 +6,11 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from schemas.spec_types import SessionSpec
+
 
 class ProgramStore(Protocol):
-    def submit_chat(self, sk: str, spec: dict[str, Any], batch: str) -> bool:
+    def submit_chat(self, sk: str, spec: SessionSpec, batch: str) -> bool:
         """Store a chat's spec, watched from the run's batch; False if it already exists."""
         ...
 

@@ -9,12 +9,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from schemas import keys
-from schemas.bodies import dump_body, error_obj
-from worker.errors import CancelledError
+from schemas.bodies import error_obj
+from schemas.spec_types import ProgramSpec
+from worker.errors import CancelledError, InternalError
 from worker.guest.host import ChatDefaults, ProgramHost
 from worker.guest.ports import ProgramStore
 from worker.guest.runner import ModuleSource, ProgramOutcome, ProgramRun, run_program
-from worker.session.steps import StepRunner, failed_program_record
+from worker.session.decisions import Decision, Ending
+from worker.session.records import failed_program_record
+from worker.session.steps import StepRunner
 
 LEASE_MARGIN_MS = 15_000
 LOG_LEVELS = ("trace", "debug", "info", "warn", "error")
@@ -28,23 +31,22 @@ class ProgramSteps:
 
     def program(self, sk: str) -> None:
         def lease_ms() -> int:
-            return _timeout_ms(self.runner.store.load_spec(sk)) + LEASE_MARGIN_MS
+            return self._spec(sk).limits.run_timeout_ms + LEASE_MARGIN_MS
 
         def body() -> None:
-            spec = self.runner.store.load_spec(sk)
-            timeout_ms = _timeout_ms(spec)
+            spec = self._spec(sk)
             started = time.monotonic()
             if self.programs.is_cancelled(sk):
                 record = cancelled_record(spec)
             else:
                 host = ProgramHost(
                     ChatDefaults(
-                        run_id=spec["id"],
+                        run_id=spec.id,
                         run_sk=sk,
-                        module_sha256=spec["program"]["module_sha256"],
-                        backend=spec.get("provider"),
-                        model=spec.get("model"),
-                        deadline=started + timeout_ms / 1000,
+                        module_sha256=spec.program.module_sha256,
+                        backend=spec.provider,
+                        model=spec.model,
+                        deadline=started + spec.limits.run_timeout_ms / 1000,
                     ),
                     self.programs,
                     self.runner.dispatch,
@@ -53,37 +55,33 @@ class ProgramSteps:
                 record = program_record(
                     spec, outcome, host, int((time.monotonic() - started) * 1000)
                 )
-            self.runner.store.write_result(sk, dump_body(record["body"]), record)
+            self.runner.apply(sk, Decision(ending=Ending(record["body"], record)))
 
         self.runner.guarded(
-            keys.program_step(sk),
-            sk,
-            lease_ms,
-            body,
-            stop_if_cancelled=False,
-            state="running",
+            keys.program_step(sk), sk, lease_ms, body, stop_if_cancelled=False, state="running"
         )
 
+    def _spec(self, sk: str) -> ProgramSpec:
+        spec = self.runner.store.load_spec(sk)
+        if not isinstance(spec, ProgramSpec):
+            raise InternalError(f"session {sk} is a chat, not a program run")
+        return spec
 
-def _timeout_ms(spec: dict[str, Any]) -> int:
-    return int(spec["limits"]["run_timeout_ms"])
 
-
-def _run_of(spec: dict[str, Any]) -> ProgramRun:
-    program, limits = spec["program"], spec["limits"]
+def _run_of(spec: ProgramSpec) -> ProgramRun:
     return ProgramRun(
-        module_sha256=program["module_sha256"],
-        args=list(program.get("args", [])),
-        stdin=str(program.get("stdin", "")).encode(),
-        env=dict(program.get("env", {})),
-        timeout_ms=int(limits["run_timeout_ms"]),
-        memory_bytes=int(limits["memory_bytes"]),
-        max_output_bytes=int(limits["max_output_bytes"]),
+        module_sha256=spec.program.module_sha256,
+        args=list(spec.program.args),
+        stdin=spec.program.stdin.encode(),
+        env=dict(spec.program.env),
+        timeout_ms=spec.limits.run_timeout_ms,
+        memory_bytes=spec.limits.memory_bytes,
+        max_output_bytes=spec.limits.max_output_bytes,
     )
 
 
 def program_record(
-    spec: dict[str, Any], outcome: ProgramOutcome, host: ProgramHost, latency_ms: int
+    spec: ProgramSpec, outcome: ProgramOutcome, host: ProgramHost, latency_ms: int
 ) -> dict[str, Any]:
     if outcome.error_code is not None:
         body = error_obj(outcome.error_code, outcome.error or outcome.error_code)
@@ -91,7 +89,7 @@ def program_record(
         body = {"exit_code": outcome.exit_code}
     ok = outcome.error_code is None and outcome.exit_code == 0
     return {
-        "id": spec["id"],
+        "id": spec.id,
         "kind": "program",
         "status": "ok" if ok else "error",
         "body": body,
@@ -104,5 +102,5 @@ def program_record(
     }
 
 
-def cancelled_record(spec: dict[str, Any]) -> dict[str, Any]:
+def cancelled_record(spec: ProgramSpec) -> dict[str, Any]:
     return failed_program_record(spec, CancelledError("program run cancelled").body())

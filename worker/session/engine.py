@@ -17,6 +17,7 @@ import jsonschema
 from schemas import tool_schema
 from schemas.bodies import dump_text, is_error_body
 from schemas.limits import Limits
+from schemas.spec_types import Flags, SessionSpec, ToolSpec
 from worker.codecs.openai_chat import decode_arguments, tool_calls_of, tool_message_content
 from worker.codecs.protocol import ToolChoice
 from worker.errors import (
@@ -68,20 +69,20 @@ class Round:
 
 @dataclass(frozen=True)
 class Session:
-    spec: dict[str, Any]
+    spec: SessionSpec
     backend: str
     rounds: tuple[Round, ...] = ()
 
     @property
     def limits(self) -> Limits:
-        return Limits.resolve(self.spec.get("limits"))
+        return self.spec.limits
 
     @property
-    def flags(self) -> dict[str, bool]:
-        return dict(self.spec.get("flags") or {})
+    def flags(self) -> Flags:
+        return self.spec.flags
 
-    def tools_by_name(self) -> dict[str, dict[str, Any]]:
-        return {t["function"]["name"]: t for t in self.spec.get("tools", [])}
+    def tools_by_name(self) -> dict[str, ToolSpec]:
+        return {t.name: t for t in self.spec.tools}
 
 
 # What happens next -------------------------------------------------------------------------
@@ -105,8 +106,8 @@ class ToolRun:
     index: int
     call_id: str
     name: str
-    tool: dict[str, Any]
-    arguments: str
+    tool: ToolSpec
+    arguments: str  # canonical JSON, validated against the tool's parameters
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,31 @@ class Finish:
 Step = CallModel | RunTools | Finish
 
 
+def next_call(session: Session) -> CallModel:
+    """The model call of the next round (the round step's request). The round was published
+    only once the previous one was complete, so the plan need not run again to build it."""
+    return _call_model(session, len(session.rounds))
+
+
+def tool_run(spec: SessionSpec, reply: dict[str, Any], index: int) -> ToolRun | None:
+    """The run of call `index` of a round, as `plan` built it for the tool step that runs it;
+    None when the call is not one to run (a redelivery after the spec's tools changed)."""
+    calls = tool_calls_of(reply)
+    if index >= len(calls):
+        return None
+    call = calls[index]
+    tool = spec.tool(call["function"]["name"])
+    if tool is None:
+        return None
+    return ToolRun(
+        index=index,
+        call_id=call["id"],
+        name=tool.name,
+        tool=tool,
+        arguments=canonical_arguments(call["function"]["arguments"]),
+    )
+
+
 def plan(session: Session) -> Step:
     """Decide the next step from the stored state alone (so a redelivered step decides alike)."""
     if not session.rounds:
@@ -139,13 +165,13 @@ def plan(session: Session) -> Step:
     if is_error_body(last.reply):
         return Finish(last.reply)
     calls = tool_calls_of(last.reply)
-    if not calls or not session.flags.get("auto_tool_call", True):
+    if not calls or not session.flags.auto_tool_call:
         return Finish(success_body(session, last.reply))
     limit = _limit_hit(session, len(calls))
     if limit:
         return Finish(ToolCallLimitError(f"exceeded {limit}").body())
     presets = _presets(session, last.reply, calls)
-    if session.flags.get("strict_unknown_tool"):
+    if session.flags.strict_unknown_tool:
         unknown = [c for c in calls if c["function"]["name"] not in session.tools_by_name()]
         if unknown:
             return Finish(
@@ -154,23 +180,13 @@ def plan(session: Session) -> Step:
     if all(i in last.outcomes for i in range(len(calls))):
         return _call_model(session, round_no + 1)
     pending = [i for i in range(len(calls)) if i not in last.outcomes and i not in presets]
-    tools = session.tools_by_name()
-    runs = tuple(
-        ToolRun(
-            index=i,
-            call_id=calls[i]["id"],
-            name=calls[i]["function"]["name"],
-            tool=tools[calls[i]["function"]["name"]],
-            arguments=canonical_arguments(calls[i]["function"]["arguments"]),
-        )
-        for i in pending
-    )
+    runs = tuple(run for i in pending if (run := tool_run(session.spec, last.reply, i)) is not None)
     unstored = {i: o for i, o in presets.items() if i not in last.outcomes}
     return RunTools(round_no=round_no, call_count=len(calls), runs=runs, presets=unstored)
 
 
 def _call_model(session: Session, round_no: int) -> CallModel:
-    params = dict(session.spec.get("params") or {})
+    params = dict(session.spec.params)
     choice = neutral_tool_choice(params.pop("tool_choice", None))
     parallel = params.pop("parallel_tool_calls", None)
     if choice not in (None, "auto", "none") and any(tool_calls_of(r.reply) for r in session.rounds):
@@ -178,11 +194,9 @@ def _call_model(session: Session, round_no: int) -> CallModel:
         choice = "auto"
     return CallModel(
         round_no=round_no,
-        model=session.spec["model"],
+        model=session.spec.model,
         messages=transcript(session),
-        tools=[
-            {"type": "function", "function": t["function"]} for t in session.spec.get("tools", [])
-        ],
+        tools=[{"type": "function", "function": t.function.to_json()} for t in session.spec.tools],
         params=params,
         tool_choice=choice,
         parallel_tool_calls=parallel if isinstance(parallel, bool) else None,
@@ -238,7 +252,9 @@ def _presets(
                 )
             )
         else:
-            problem = argument_problem(call["function"]["arguments"], tools[name]["function"])
+            problem = argument_problem(
+                call["function"]["arguments"], tools[name].function.parameters
+            )
             if problem:
                 presets[i] = ToolOutcome.error(ToolArgumentsError(problem))
     return presets
@@ -271,13 +287,13 @@ def canonical_arguments(arguments: str) -> str:
     return json.dumps(decode_arguments(arguments), separators=(",", ":"), ensure_ascii=False)
 
 
-def argument_problem(arguments: str, function: dict[str, Any]) -> str | None:
+def argument_problem(arguments: str, parameters: dict[str, Any] | None) -> str | None:
     """Why these arguments cannot be passed to the tool, or None when they can."""
     try:
         decoded = decode_arguments(arguments)
     except ToolArgumentsError as exc:
         return exc.message
-    schema = function.get("parameters") or {"type": "object"}
+    schema = parameters or {"type": "object"}
     try:
         error = jsonschema.exceptions.best_match(tool_schema.validator(schema).iter_errors(decoded))
     except Exception as exc:  # a schema that passed the submit check but still cannot validate
@@ -313,8 +329,8 @@ def transcript(session: Session, missing: ToolOutcome | None = None) -> list[dic
     """Spec messages, then per round the assistant message and one tool message per call, in
     call order. A call with no stored outcome gets `missing` (or the plan's verdict), so the
     transcript never holds a tool call without its answer."""
-    messages: list[dict[str, Any]] = [dict(m) for m in session.spec["messages"]]
-    auto = session.flags.get("auto_tool_call", True)
+    messages: list[dict[str, Any]] = [dict(m) for m in session.spec.messages]
+    auto = session.flags.auto_tool_call
     for round_no, rnd in enumerate(session.rounds):
         if is_error_body(rnd.reply):
             break
@@ -352,7 +368,7 @@ def _fill_for_round(
             for i in range(len(calls))
         }
     fill = _presets(upto, session.rounds[round_no].reply, calls)
-    if session.flags.get("strict_unknown_tool") and any(
+    if session.flags.strict_unknown_tool and any(
         o.code == UnknownToolError.code for o in fill.values()
     ):
         for i in range(len(calls)):
@@ -379,30 +395,9 @@ def success_body(session: Session, reply: dict[str, Any]) -> dict[str, Any]:
         body["choices"] = choices
     body["_spear"] = {
         "backend": session.backend,
-        "model": reply.get("model") or session.spec["model"],
+        "model": reply.get("model") or session.spec.model,
     }
     return body
-
-
-def metrics(session: Session, latency_ms: int) -> dict[str, Any]:
-    usage: dict[str, int] = {}
-    tool_calls = tool_failures = output_bytes = 0
-    for rnd in session.rounds:
-        for key, value in (rnd.reply.get("usage") or {}).items():
-            if isinstance(value, int) and not isinstance(value, bool):
-                usage[key] = usage.get(key, 0) + value
-        for outcome in rnd.outcomes.values():
-            tool_calls += 1
-            tool_failures += 0 if outcome.ok else 1
-            output_bytes += len(outcome.content.encode())
-    return {
-        "iterations": sum(1 for r in session.rounds if not is_error_body(r.reply)),
-        "latency_ms": latency_ms,
-        "tool_calls": tool_calls,
-        "tool_failures": tool_failures,
-        "tool_output_bytes": output_bytes,
-        "usage": usage,
-    }
 
 
 CANCELLED = ToolOutcome.error(CancelledError("session cancelled before this call ran"))

@@ -9,6 +9,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from schemas.keys import ChunkMember
+from schemas.spec_types import Spec
 from worker.codecs.protocol import ChatRequest, Delta
 from worker.config import BackendConfig
 from worker.session.engine import Session, ToolOutcome
@@ -49,7 +51,7 @@ class ToolCall:
 class SessionStore(Protocol):
     """Session state: specs, stored outputs (first writer wins), step guards, results."""
 
-    def load_spec(self, sk: str) -> dict[str, Any]: ...
+    def load_spec(self, sk: str) -> Spec: ...
     def load_session(self, sk: str, backend: str, upto_round: int | None = None) -> Session: ...
     def tool_inputs(
         self, sk: str, round_no: int, index: int
@@ -76,7 +78,7 @@ class SessionStore(Protocol):
     def write_result(self, sk: str, body: bytes, record: dict[str, Any]) -> bool: ...
     def watcher_batches(self, sk: str) -> list[str]: ...
     def notify(self, sk: str, batches: Iterable[str]) -> None: ...
-    def chunk_members(self, batch: str, chunk_no: int) -> list[str]: ...
+    def chunk_members(self, batch: str, chunk_no: int) -> list[ChunkMember]: ...
 
 
 class Dispatcher(Protocol):

@@ -18,7 +18,7 @@ from typing import Any
 
 from schemas import keys
 from schemas.bodies import dump_body, is_error_body
-from schemas.limits import Limits
+from schemas.spec_types import ProgramSpec, SessionSpec
 from worker.codecs.openai_chat import tool_calls_of
 from worker.codecs.protocol import ChatRequest, Delta
 from worker.config import BackendConfig, Settings
@@ -34,18 +34,15 @@ from worker.errors import (
     ToolError,
     ToolExecError,
 )
+from worker.session.decisions import Decision, Ending, after_tool, decide
 from worker.session.engine import (
-    CANCELLED,
     CallModel,
-    Finish,
     Round,
-    RunTools,
     Session,
     ToolOutcome,
-    canonical_arguments,
-    metrics,
-    plan,
-    transcript,
+    ToolRun,
+    next_call,
+    tool_run,
 )
 from worker.session.ports import (
     CompletionProvider,
@@ -56,6 +53,7 @@ from worker.session.ports import (
     ToolCall,
     ToolRuntime,
 )
+from worker.session.records import bare_record, ending, failed_program_record
 
 log = logging.getLogger(__name__)
 
@@ -194,28 +192,50 @@ class StepRunner:
 
     def _spec_id(self, sk: str) -> str:
         try:
-            return str(self.store.load_spec(sk)["id"])
+            return self.store.load_spec(sk).id
         except Exception:  # what failed may be this very read: the key still names it
             return sk
 
     def _default_backend(self) -> str:
         return self.settings.default_backend
 
+    # applying a decision -------------------------------------------------------------------
+
+    def apply(self, sk: str, decision: Decision) -> None:
+        """Carry out what the engine decided: store tool messages, publish the next steps,
+        write the ending. The one place a decision becomes Redis writes and messages."""
+        done = (
+            self.store.store_tool_outcomes(sk, decision.round_no, decision.store)
+            if decision.store
+            else 0
+        )
+        for index in decision.tools:
+            self.dispatch.tool(sk, decision.round_no, index)
+        if decision.fan_in is not None and done >= decision.fan_in:
+            self.dispatch.round(sk, decision.round_no + 1)
+        if decision.next_round is not None:
+            self.dispatch.round(sk, decision.next_round)
+        if decision.finish:
+            self.dispatch.finish(sk)
+        if decision.ending is not None:
+            body, record = decision.ending.body, decision.ending.record
+            self.store.write_result(sk, dump_body(body), record)
+
     # start ---------------------------------------------------------------------------------
 
     def start(self, batch: str, chunk_no: int) -> None:
-        def members() -> list[str]:
+        def members() -> list[keys.ChunkMember]:
             return self.store.chunk_members(batch, chunk_no)
 
         def body() -> None:
             for member in members():
-                if member.startswith("p:"):  # a program run
-                    self.dispatch.program(member[2:])
+                if member.program:
+                    self.dispatch.program(member.sk)
                 else:
-                    self.dispatch.round(member, 0)
+                    self.dispatch.round(member.sk, 0)
 
         def sessions() -> list[str]:
-            return [m.removeprefix("p:") for m in members()]
+            return [m.sk for m in members()]
 
         # sk "": a chunk is no session (no cancel flag, no meta); its poison ends them all
         step = keys.start_step(batch, chunk_no)
@@ -225,33 +245,33 @@ class StepRunner:
 
     def round(self, sk: str, round_no: int) -> None:
         def lease_ms() -> int:
-            backend = self._backend(self.store.load_spec(sk))
+            backend = self._backend(self.store.load_spec(sk).provider)
             return int((backend.total_timeout_s if backend else 60) * 1000) + 10_000
 
         def body() -> None:
             session = self.store.load_session(sk, self._default_backend(), upto_round=round_no)
-            if len(session.rounds) <= round_no:
-                step = plan(session)
-                if not isinstance(step, CallModel) or step.round_no != round_no:
-                    return  # a stale duplicate: the session is past this round
-                reply = self._call_model(sk, session, step)
+            if len(session.rounds) < round_no:
+                return  # out of order: published before its round could be (never by us)
+            if len(session.rounds) == round_no:
+                reply = self._call_model(sk, session, next_call(session))
                 winner = self.store.store_model_reply(sk, round_no, reply)
                 session = replace(session, rounds=(*session.rounds, Round(reply=winner)))
-            self._continue(sk, session)
+            # the plan runs once per round, here, on the stored reply (a redelivery too)
+            self.apply(sk, decide(session))
 
         step = keys.round_step(sk, round_no)
         self.guarded(step, sk, lease_ms, body, state=f"round {round_no}")
 
-    def _backend(self, spec: dict[str, Any]) -> BackendConfig | None:
+    def _backend(self, provider: str | None) -> BackendConfig | None:
         try:
-            return self.settings.backend(spec.get("provider"))
+            return self.settings.backend(provider)
         except (KeyError, TypeError):  # unknown, or not a name at all: the round ends it
             return None
 
     def _call_model(self, sk: str, session: Session, step: CallModel) -> dict[str, Any]:
-        backend = self._backend(session.spec)
+        backend = self._backend(session.spec.provider)
         if backend is None:
-            name = session.spec.get("provider")
+            name = session.spec.provider
             return ProviderError(
                 f"unknown backend {name!r}; configured: {sorted(self.settings.backends)}"
             ).body()
@@ -279,66 +299,52 @@ class StepRunner:
         self.rate_limiter.settle(permit, int((reply.get("usage") or {}).get("total_tokens", 0)))
         return reply
 
-    def _continue(self, sk: str, session: Session) -> None:
-        """Publish what follows the stored state, as the engine plans it: the one place a
-        plan becomes stored presets and published steps (round, nudge)."""
-        step = plan(session)
-        if isinstance(step, Finish):
-            self.dispatch.finish(sk)
-        elif isinstance(step, CallModel):
-            self.dispatch.round(sk, step.round_no)
-        elif isinstance(step, RunTools):
-            done = (
-                self.store.store_tool_outcomes(sk, step.round_no, step.presets)
-                if step.presets
-                else 0
-            )
-            for run in step.runs:
-                self.dispatch.tool(sk, step.round_no, run.index)
-            if not step.runs and done >= step.call_count:
-                self.dispatch.round(sk, step.round_no + 1)
-
     # tool ----------------------------------------------------------------------------------
 
     def tool(self, sk: str, round_no: int, index: int) -> None:
         def lease_ms() -> int:
-            limits = Limits.resolve(self.store.load_spec(sk).get("limits"))
-            return limits.tool_timeout_ms + 5_000  # the deadline covers an ENOSPC retry too
+            spec = self.store.load_spec(sk)
+            timeout_ms = spec.limits.tool_timeout_ms if isinstance(spec, SessionSpec) else 0
+            return timeout_ms + 5_000  # the deadline covers an ENOSPC retry too
 
         def body() -> None:
-            spec = self.store.load_spec(sk)
+            spec = self._session_spec(sk)
             reply, outcome = self.store.tool_inputs(sk, round_no, index)
             if reply is None or is_error_body(reply):
                 raise StoreError(f"round {round_no} reply missing for tool step")
-            calls = tool_calls_of(reply)
             if outcome is None:
-                outcome = self._execute(spec, calls[index])
-            done = self.store.store_tool_outcomes(sk, round_no, {index: outcome})
-            if done >= len(calls):
-                self.dispatch.round(sk, round_no + 1)
+                run = tool_run(spec, reply, index)
+                if run is None:
+                    raise InternalError(f"call {index} of round {round_no} is not a tool run")
+                outcome = self._execute(spec, run)
+            self.apply(sk, after_tool(round_no, index, outcome, len(tool_calls_of(reply))))
 
         self.guarded(keys.tool_step(sk, round_no, index), sk, lease_ms, body)
 
-    def _execute(self, spec: dict[str, Any], call: dict[str, Any]) -> ToolOutcome:
-        name = call["function"]["name"]
-        tool = next(t for t in spec["tools"] if t["function"]["name"] == name)
-        limits = Limits.resolve(spec.get("limits"))
+    def _execute(self, spec: SessionSpec, run: ToolRun) -> ToolOutcome:
+        tool, limits = run.tool, spec.limits
         try:
-            invocation = ToolCall(
-                module_sha256=tool["module_sha256"],
-                export=tool.get("export"),
-                table_index=tool.get("table_index"),
-                fork_sha256=tool.get("fork_sha256"),
-                arguments=canonical_arguments(call["function"]["arguments"]).encode(),
+            call = ToolCall(
+                module_sha256=tool.module_sha256,
+                export=tool.export,
+                table_index=tool.table_index,
+                fork_sha256=tool.fork_sha256,
+                arguments=run.arguments.encode(),
                 timeout_ms=limits.tool_timeout_ms,
                 memory_bytes=limits.tool_memory_bytes,
                 max_output_bytes=limits.max_tool_output_bytes,
             )
-            return ToolOutcome(content=self.tools().run(invocation), ok=True)
+            return ToolOutcome(content=self.tools().run(call), ok=True)
         except ToolError as exc:
             return ToolOutcome.error(exc)
         except GuestError as exc:
             return ToolOutcome.error(ToolExecError(exc.message))
+
+    def _session_spec(self, sk: str) -> SessionSpec:
+        spec = self.store.load_spec(sk)
+        if not isinstance(spec, SessionSpec):
+            raise InternalError(f"session {sk} is a program run, not a chat")
+        return spec
 
     # nudge ------------------------------------------------------------------------------
 
@@ -349,17 +355,17 @@ class StepRunner:
         if self.store.has_result(sk):
             self.store.notify(sk, self.store.watcher_batches(sk))
             return
-        spec = self.store.load_spec(sk)
-        if spec.get("kind") == "program":
+        if isinstance(self.store.load_spec(sk), ProgramSpec):
             self.dispatch.program(sk)
             return
         try:
-            self._continue(sk, self.store.load_session(sk, self._default_backend()))
+            decision = decide(self.store.load_session(sk, self._default_backend()))
         except StoreError:
             raise
         except Exception:  # a plan that cannot be made: the finish step ends the session
             log.warning("nudge %s: no plan, finishing", sk)
-            self.dispatch.finish(sk)
+            decision = Decision(finish=True)
+        self.apply(sk, decision)
 
     # finish --------------------------------------------------------------------------------
 
@@ -367,65 +373,16 @@ class StepRunner:
         def body() -> None:
             spec = self.store.load_spec(sk)
             failure = self.store.failure(sk)
-            if spec.get("kind") == "program":  # only a failed run is finished here
-                ending = failure or CancelledError("program run cancelled").body()
-                self.store.write_result(sk, dump_body(ending), failed_program_record(spec, ending))
+            if isinstance(spec, ProgramSpec):  # only a failed run is finished here
+                result = failure or CancelledError("program run cancelled").body()
+                record = failed_program_record(spec, result)
+                self.apply(sk, Decision(ending=Ending(result, record)))
                 return
             session = self.store.load_session(sk, self._default_backend())
             cancelled = self.store.is_cancelled(sk)
             meta = self.store.meta(sk)
             latency_ms = int(time.time() * 1000) - int(meta.get("submitted_ms", "0") or 0)
-            result, record = session_ending(session, failure, cancelled, latency_ms)
-            self.store.write_result(sk, dump_body(result), record)
+            self.apply(sk, ending(session, failure, cancelled, latency_ms))
 
         step = keys.finish_step(sk)
         self.guarded(step, sk, lambda: FINISH_LEASE_MS, body, stop_if_cancelled=False)
-
-
-def session_ending(
-    session: Session, failure: dict[str, Any] | None, cancelled: bool, latency_ms: int
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The ending rules: a session's final body and its record. A dead-lettered step wins,
-    then a cancel, then what the engine plans. Never raises: an engine that fails on this
-    session (a bug, a state it cannot read) still ends it, with an internal_error body."""
-    missing: ToolOutcome | None = None
-    try:
-        if failure is not None:
-            result = failure
-            missing = ToolOutcome.error(StepFailedError("session failed before this call ran"))
-        elif cancelled:
-            result, missing = CancelledError("session cancelled").body(), CANCELLED
-        else:
-            step = plan(session)
-            if isinstance(step, Finish):
-                result = step.body
-            else:
-                result = InternalError("finish before the session ended").body()
-                missing = CANCELLED
-        want_metrics = session.flags.get("metrics", True)
-        record = {
-            "id": session.spec["id"],
-            "status": "error" if is_error_body(result) else "ok",
-            "body": result,
-            "transcript": transcript(session, missing),
-            "metrics": metrics(session, latency_ms) if want_metrics else {},
-        }
-        return result, record
-    except Exception as exc:
-        log.exception("session %s: ending rules failed", session.spec.get("id"))
-        error = InternalError(f"the session could not be ended normally: {type(exc).__name__}")
-        body = failure or error.body()
-        return body, bare_record(str(session.spec.get("id", "")), body)
-
-
-def bare_record(spec_id: str, body: dict[str, Any]) -> dict[str, Any]:
-    """The record of a session whose transcript could not be built."""
-    return {"id": spec_id, "status": "error", "body": body, "transcript": [], "metrics": {}}
-
-
-def failed_program_record(spec: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
-    """A program run that ended without running to its end (dead-lettered or cancelled)."""
-    return {
-        "id": spec["id"], "kind": "program", "status": "error", "body": body, "exit_code": None,
-        "stdout": "", "stderr": "", "logs": [], "responses": [], "metrics": {},
-    }  # fmt: skip

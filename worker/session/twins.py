@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from schemas.bodies import dump_body
+from schemas.keys import ChunkMember
+from schemas.spec_types import SessionSpec, Spec, spec_from_json, spec_to_json
 from worker.codecs.protocol import ChatRequest, Delta
 from worker.config import BackendConfig
 from worker.errors import ProviderRequestError, RetryLater, StoreError, ToolExecError
@@ -31,7 +33,7 @@ from worker.session.ports import Permit, StepStart, ToolCall
 class MemoryStore:
     """SessionStore (and the guest's ProgramStore) in memory."""
 
-    specs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    specs: dict[str, dict[str, Any]] = field(default_factory=dict)  # the stored JSON form
     meta_of: dict[str, dict[str, str]] = field(default_factory=dict)
     replies: dict[tuple[str, int], bytes] = field(default_factory=dict)
     outcomes: dict[tuple[str, int, int], bytes] = field(default_factory=dict)
@@ -45,7 +47,7 @@ class MemoryStore:
     records: dict[str, bytes] = field(default_factory=dict)
     watchers: dict[str, set[str]] = field(default_factory=dict)
     done: dict[str, deque[str]] = field(default_factory=dict)
-    chunks: dict[tuple[str, int], list[str]] = field(default_factory=dict)
+    chunks: dict[tuple[str, int], list[ChunkMember]] = field(default_factory=dict)
     partials: dict[str, str] = field(default_factory=dict)
     deadletters: list[tuple[str, str]] = field(default_factory=list)
     forks: dict[str, bytes] = field(default_factory=dict)
@@ -57,13 +59,13 @@ class MemoryStore:
 
     # seeding (what a producer does) --------------------------------------------------------
 
-    def submit(self, sk: str, spec: dict[str, Any], batch: str = "") -> bool:
+    def submit(self, sk: str, spec: Spec, batch: str = "") -> bool:
         with self._cond:
             if sk in self.specs:
                 return False
-            self.specs[sk] = json.loads(dump_body(spec))
+            self.specs[sk] = json.loads(dump_body(spec_to_json(spec)))
             self.meta_of.setdefault(sk, {})["submitted_ms"] = str(int(time.time() * 1000))
-            self.meta_of[sk].update(id=str(spec["id"]), batch=batch)
+            self.meta_of[sk].update(id=spec.id, batch=batch)
             if batch:
                 self.watchers.setdefault(sk, set()).add(batch)
             return True
@@ -82,16 +84,17 @@ class MemoryStore:
 
     # SessionStore --------------------------------------------------------------------------
 
-    def load_spec(self, sk: str) -> dict[str, Any]:
-        spec = self.specs.get(sk)
-        if spec is None:
+    def load_spec(self, sk: str) -> Spec:
+        raw = self.specs.get(sk)
+        if raw is None:
             raise StoreError(f"session {sk}: spec not found (expired or never submitted)")
-        return spec
+        return spec_from_json(raw)
 
     def load_session(self, sk: str, backend: str, upto_round: int | None = None) -> Session:
         spec = self.load_spec(sk)
-        last = int(spec.get("limits", {}).get("max_iterations", 8)) - 1
-        last = last if upto_round is None else upto_round
+        if not isinstance(spec, SessionSpec):
+            raise StoreError(f"session {sk} is a program run, not a chat")
+        last = spec.limits.max_iterations - 1 if upto_round is None else upto_round
         rounds: list[Round] = []
         with self._cond:
             for r in range(last + 1):
@@ -108,7 +111,7 @@ class MemoryStore:
                     if (sk, r, i) in self.outcomes
                 }
                 rounds.append(Round(reply=reply, outcomes=outcomes))
-        return Session(spec=spec, backend=spec.get("provider") or backend, rounds=tuple(rounds))
+        return Session(spec=spec, backend=spec.provider or backend, rounds=tuple(rounds))
 
     def tool_inputs(
         self, sk: str, round_no: int, index: int
@@ -210,12 +213,12 @@ class MemoryStore:
                 self.done.setdefault(batch, deque()).append(sk)
             self._cond.notify_all()
 
-    def chunk_members(self, batch: str, chunk_no: int) -> list[str]:
+    def chunk_members(self, batch: str, chunk_no: int) -> list[ChunkMember]:
         return list(self.chunks.get((batch, chunk_no), []))
 
     # the guest's ProgramStore --------------------------------------------------------------
 
-    def submit_chat(self, sk: str, spec: dict[str, Any], batch: str) -> bool:
+    def submit_chat(self, sk: str, spec: SessionSpec, batch: str) -> bool:
         return self.submit(sk, spec, batch)
 
     def ready(self, sks: list[str]) -> list[bool]:

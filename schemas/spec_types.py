@@ -1,0 +1,216 @@
+"""Typed specs: what the marshmallow schemas (`schemas/spec.py`, `schemas/program_spec.py`)
+load into and what every layer passes around. The kind of a session is its type: a
+`SessionSpec` (a chat with tools) or a `ProgramSpec` (a WASM agent program run).
+
+`spec_to_json` / `spec_from_json` are the stored form (Redis), compact and already
+validated: reading it back builds the same values without validating again (a worker reads a
+spec once per process). tests/test_spec_types.py checks the round trip.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, overload
+
+from schemas.limits import Limits, RunLimits
+
+PROGRAM_KIND = "program"  # the stored form's discriminator; code asks isinstance(spec, ...)
+
+
+@dataclass(frozen=True)
+class Flags:
+    auto_tool_call: bool = True
+    metrics: bool = True
+    strict_unknown_tool: bool = False
+
+
+@dataclass(frozen=True)
+class FunctionSpec:
+    """An OpenAI function: what the model sees of a tool."""
+
+    name: str
+    parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
+    description: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name}
+        if self.description is not None:
+            out["description"] = self.description
+        out["parameters"] = self.parameters
+        return out
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """A tool: its function, and the WASM function that runs it."""
+
+    function: FunctionSpec
+    module: str  # the module file: a path at submit, its file name once stored
+    export: str | None = None  # called by export name ...
+    table_index: int | None = None  # ... or by index into the function table
+    module_sha256: str = ""  # set when the module is uploaded
+    fork_sha256: str | None = None  # a program's tool: runs in this snapshot of the program
+
+    @property
+    def name(self) -> str:
+        return self.function.name
+
+
+@dataclass(frozen=True)
+class SessionSpec:
+    """A chat session: messages, model, tools, and how the tool loop runs."""
+
+    id: str
+    model: str
+    messages: tuple[dict[str, Any], ...]
+    tools: tuple[ToolSpec, ...] = ()
+    params: dict[str, Any] = field(default_factory=dict)
+    flags: Flags = field(default_factory=Flags)
+    limits: Limits = field(default_factory=Limits)
+    provider: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def tool(self, name: str) -> ToolSpec | None:
+        return next((t for t in self.tools if t.name == name), None)
+
+
+@dataclass(frozen=True)
+class ProgramDef:
+    module: str  # a path at submit, its file name once stored
+    args: tuple[str, ...] = ()
+    stdin: str = ""
+    env: dict[str, str] = field(default_factory=dict)
+    module_sha256: str = ""
+
+
+@dataclass(frozen=True)
+class ProgramSpec:
+    """One WASM agent program run; `provider` and `model` default its chats' routing."""
+
+    id: str
+    program: ProgramDef
+    provider: str | None = None
+    model: str | None = None
+    limits: RunLimits = field(default_factory=RunLimits)
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+Spec = SessionSpec | ProgramSpec
+
+
+def spec_to_json(spec: Spec) -> dict[str, Any]:
+    """The stored (and canonical) form: plain JSON, empty optional fields left out."""
+    if isinstance(spec, ProgramSpec):
+        program = _plain(spec.program)
+        program["args"] = list(spec.program.args)
+        return {
+            "id": spec.id,
+            "kind": PROGRAM_KIND,
+            "program": program,
+            "provider": spec.provider,
+            "model": spec.model,
+            "limits": spec.limits.as_dict(),
+            "metadata": spec.metadata,
+        }
+    return {
+        "id": spec.id,
+        "provider": spec.provider,
+        "model": spec.model,
+        "messages": list(spec.messages),
+        "tools": [_tool_to_json(t) for t in spec.tools],
+        "params": spec.params,
+        "flags": _plain(spec.flags),
+        "limits": spec.limits.as_dict(),
+        "metadata": spec.metadata,
+    }
+
+
+def spec_from_json(obj: dict[str, Any]) -> Spec:
+    """A stored spec back as its value (trusted: it was validated at submit)."""
+    if obj.get("kind") == PROGRAM_KIND:
+        raw = dict(obj["program"])
+        raw["args"] = tuple(raw.get("args", ()))
+        return ProgramSpec(
+            id=obj["id"],
+            program=ProgramDef(**_known(ProgramDef, raw)),
+            provider=obj.get("provider"),
+            model=obj.get("model"),
+            limits=RunLimits.resolve(obj.get("limits")),
+            metadata=dict(obj.get("metadata") or {}),
+        )
+    return SessionSpec(
+        id=obj["id"],
+        model=obj["model"],
+        messages=tuple(obj["messages"]),
+        tools=tuple(tool_from_json(t) for t in obj.get("tools") or ()),
+        params=dict(obj.get("params") or {}),
+        flags=Flags(**_known(Flags, obj.get("flags") or {})),
+        limits=Limits.resolve(obj.get("limits")),
+        provider=obj.get("provider"),
+        metadata=dict(obj.get("metadata") or {}),
+    )
+
+
+@overload
+def stored(spec: SessionSpec, shas: dict[str, str]) -> SessionSpec: ...
+@overload
+def stored(spec: ProgramSpec, shas: dict[str, str]) -> ProgramSpec: ...
+@overload
+def stored(spec: Spec, shas: dict[str, str]) -> Spec: ...
+
+
+def stored(spec: Spec, shas: dict[str, str]) -> Spec:
+    """The spec as workers see it: modules named by content hash and file name, not path."""
+    if isinstance(spec, ProgramSpec):
+        program = spec.program
+        named = replace(
+            program, module=_file_name(program.module), module_sha256=shas[program.module]
+        )
+        return replace(spec, program=named)
+    tools = tuple(
+        replace(t, module=_file_name(t.module), module_sha256=shas[t.module]) for t in spec.tools
+    )
+    return replace(spec, tools=tools)
+
+
+def _tool_to_json(tool: ToolSpec) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "module": tool.module,
+        "export": tool.export,
+        "table_index": tool.table_index,
+        "function": tool.function.to_json(),
+    }
+    if tool.module_sha256:
+        out["module_sha256"] = tool.module_sha256
+    if tool.fork_sha256 is not None:
+        out["fork_sha256"] = tool.fork_sha256
+    return out
+
+
+def tool_from_json(raw: dict[str, Any]) -> ToolSpec:
+    function = raw["function"]
+    return ToolSpec(
+        function=FunctionSpec(
+            name=function["name"],
+            parameters=function.get("parameters") or {"type": "object", "properties": {}},
+            description=function.get("description"),
+        ),
+        module=raw.get("module", ""),
+        export=raw.get("export"),
+        table_index=raw.get("table_index"),
+        module_sha256=raw.get("module_sha256", ""),
+        fork_sha256=raw.get("fork_sha256"),
+    )
+
+
+def _plain(value: Any) -> dict[str, Any]:
+    return {f.name: getattr(value, f.name) for f in fields(value)}
+
+
+def _known(cls: Any, raw: dict[str, Any]) -> dict[str, Any]:
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in raw.items() if k in names}
+
+
+def _file_name(path: str) -> str:
+    return path.rsplit("/", 1)[-1]

@@ -1,0 +1,51 @@
+"""One decision per step: what the engine says a step must do, as a value. The steps apply it
+(`StepRunner.apply`), the same way for the round, tool, nudge, finish and program steps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from worker.session.engine import CallModel, Finish, Session, ToolOutcome, plan
+
+
+@dataclass(frozen=True)
+class Ending:
+    """How a session ends: its response body and its result record."""
+
+    body: dict[str, Any]
+    record: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Everything one step must do, as the engine decided it; `steps.StepRunner.apply` carries
+    it out, the same way for the round, tool, nudge and finish steps."""
+
+    round_no: int = 0
+    store: dict[int, ToolOutcome] = field(default_factory=dict)  # tool messages of round_no
+    tools: tuple[int, ...] = ()  # tool steps of round_no to publish
+    fan_in: int | None = None  # publish round_no + 1 once this many calls are answered
+    next_round: int | None = None  # publish this round step
+    finish: bool = False  # publish the finish step
+    ending: Ending | None = None  # write this result (the finish step)
+
+
+def decide(session: Session) -> Decision:
+    """What follows the stored state: the plan as a decision (round and nudge steps)."""
+    step = plan(session)
+    if isinstance(step, Finish):
+        return Decision(finish=True)
+    if isinstance(step, CallModel):
+        return Decision(next_round=step.round_no)
+    return Decision(
+        round_no=step.round_no,
+        store=step.presets,
+        tools=tuple(run.index for run in step.runs),
+        fan_in=step.call_count,
+    )
+
+
+def after_tool(round_no: int, index: int, outcome: ToolOutcome, call_count: int) -> Decision:
+    """A tool step's outcome: stored, and the next round once every call is answered."""
+    return Decision(round_no=round_no, store={index: outcome}, fan_in=call_count)

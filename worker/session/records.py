@@ -1,0 +1,84 @@
+"""What a session ends with: the ending rules, its result record and its metrics. Pure, like
+the engine: the finish step applies the Ending it returns."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from schemas.bodies import is_error_body
+from schemas.spec_types import ProgramSpec
+from worker.errors import CancelledError, InternalError, StepFailedError
+from worker.session.decisions import Decision, Ending
+from worker.session.engine import CANCELLED, Finish, Session, ToolOutcome, plan, transcript
+
+log = logging.getLogger(__name__)
+
+
+def ending(
+    session: Session, failure: dict[str, Any] | None, cancelled: bool, latency_ms: int
+) -> Decision:
+    """The ending rules: a dead-lettered step wins, then a cancel, then what the engine plans.
+    Never raises: an engine that fails on this session (a bug, a state it cannot read) still
+    ends it, with the dead-lettered body or internal_error, and a bare record."""
+    missing: ToolOutcome | None = None
+    try:
+        if failure is not None:
+            result = failure
+            missing = ToolOutcome.error(StepFailedError("session failed before this call ran"))
+        elif cancelled:
+            result, missing = CancelledError("session cancelled").body(), CANCELLED
+        else:
+            step = plan(session)
+            if isinstance(step, Finish):
+                result = step.body
+            else:
+                result = InternalError("finish before the session ended").body()
+                missing = CANCELLED
+        record = {
+            "id": session.spec.id,
+            "status": "error" if is_error_body(result) else "ok",
+            "body": result,
+            "transcript": transcript(session, missing),
+            "metrics": metrics(session, latency_ms) if session.flags.metrics else {},
+        }
+        return Decision(ending=Ending(result, record))
+    except Exception as exc:
+        log.exception("session %s: ending rules failed", session.spec.id)
+        error = InternalError(f"the session could not be ended normally: {type(exc).__name__}")
+        body = failure or error.body()
+        return Decision(ending=Ending(body, bare_record(session.spec.id, body)))
+
+
+def bare_record(spec_id: str, body: dict[str, Any]) -> dict[str, Any]:
+    """The record of a session whose transcript could not be built."""
+    return {"id": spec_id, "status": "error", "body": body, "transcript": [], "metrics": {}}
+
+
+def failed_program_record(spec: ProgramSpec, body: dict[str, Any]) -> dict[str, Any]:
+    """A program run that ended without running to its end (dead-lettered or cancelled)."""
+    return {
+        "id": spec.id, "kind": "program", "status": "error", "body": body, "exit_code": None,
+        "stdout": "", "stderr": "", "logs": [], "responses": [], "metrics": {},
+    }  # fmt: skip
+
+
+def metrics(session: Session, latency_ms: int) -> dict[str, Any]:
+    usage: dict[str, int] = {}
+    tool_calls = tool_failures = output_bytes = 0
+    for rnd in session.rounds:
+        for key, value in (rnd.reply.get("usage") or {}).items():
+            if isinstance(value, int) and not isinstance(value, bool):
+                usage[key] = usage.get(key, 0) + value
+        for outcome in rnd.outcomes.values():
+            tool_calls += 1
+            tool_failures += 0 if outcome.ok else 1
+            output_bytes += len(outcome.content.encode())
+    return {
+        "iterations": sum(1 for r in session.rounds if not is_error_body(r.reply)),
+        "latency_ms": latency_ms,
+        "tool_calls": tool_calls,
+        "tool_failures": tool_failures,
+        "tool_output_bytes": output_bytes,
+        "usage": usage,
+    }
