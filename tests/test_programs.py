@@ -229,3 +229,35 @@ def test_memory_growth_beyond_the_cap_is_refused(
         and record["status"] == "error"
         and record["body"] == {"exit_code": 7}
     )
+
+
+def test_a_program_registering_a_dangling_ref_schema_runs_on_without_it(
+    running: Running, tmp_path: Path, fresh_id: str
+) -> None:
+    """On the fleet: cchat_write_fn checks a schema as submit does, so nothing is registered
+    (the hostcall's -EINVAL is asserted in tests/test_hostcalls.py, where the program's memory
+    dump is readable), and the program goes on to a chat that answers, with no tool."""
+    from wasmtime import wat2wasm
+
+    from tests.wat_program import Program, Ref
+
+    p = Program()
+    tool = p.tool("first")
+    s = p.call("cchat_create")
+    dangling = {"name": "f", "parameters": {"properties": {"c": {"$ref": "#/$defs/c"}}}}
+    span = p.data(json.dumps(dangling).encode())
+    p.call("cchat_write_fn", Ref(s), tool, span.ptr, span.len)
+    role, text = p.data(b"user"), p.data(b"hi")
+    p.call("cchat_write_msg", Ref(s), role.ptr, role.len, text.ptr, text.len)
+    p.call("cchat_send", Ref(s), 0)
+    module = tmp_path / "dangling.wasm"
+    module.write_bytes(bytes(wat2wasm(p.wat())))
+    spec_id = f"{fresh_id}/dangling"
+    spec = {"id": spec_id, "program": {"module": str(module)}, "model": "replay/plain"}
+    record = run_specs(running.client, [spec], tmp_path, timeout_s=60)[spec_id]
+    assert record["status"] == "ok", record
+    assert [r["choices"][0]["message"]["content"] for r in record["responses"]] == ["Echo: hi"]
+    fds = running.client.redis.hgetall(keys.fds(keys.session_key(spec_id)))
+    assert json.loads(fds[b"1000"])["tools"] == []  # the session fd registered no tool
+    chat = json.loads(running.client.redis.get(keys.spec(keys.session_key(f"{spec_id}#send0"))))
+    assert chat["tools"] == []
