@@ -16,6 +16,7 @@ from fixtures.demo_batch import CITIES, WEATHER, check, demo_specs, weather_json
 from producer.client import Client
 from producer.specfile import load_spec_file
 from schemas import keys
+from schemas.task_names import ALL_QUEUES
 from tests.conftest import GUESTS, Running
 
 pytestmark = pytest.mark.fleet
@@ -109,7 +110,9 @@ def test_resubmitted_id_does_not_run_twice(running: Running, tmp_path: Path, fre
     assert sub.new == set() and sub.done == {keys.session_key(spec["id"])}
     again = dict(running.client.wait(sub, timeout_s=10))
     assert list(again.values()) == [first]
-    time.sleep(0.5)
+    redis = running.client.redis
+    # nothing queued or running anywhere: whatever the resubmission could have started is done
+    wait_for(lambda: not any(redis.llen(q) for q in ALL_QUEUES) and not redis.hlen("unacked"))
     assert running.replay_stats()["requests"] == requests_before
 
 
