@@ -9,15 +9,23 @@ from __future__ import annotations
 from typing import Any
 
 from celery import Celery, Task
+from celery.signals import celeryd_init
 
 from schemas import task_names
 from worker.config import load_settings
 from worker.errors import RetryLater
 from worker.session.steps import StepRunner
-from worker.wiring import celery_config, program_steps, runner
+from worker.wiring import celery_config, program_steps, runner, set_worker_concurrency
 
 app = Celery("cchatq")
 app.conf.update(celery_config(load_settings()))
+
+
+@celeryd_init.connect
+def _record_concurrency(conf: Any = None, options: Any = None, **_: Any) -> None:
+    """Size the worker's Redis pool to its concurrency (`-c`) before any task runs."""
+    configured = conf.worker_concurrency if conf is not None else None
+    set_worker_concurrency((options or {}).get("concurrency") or configured)
 
 
 # Unbounded here: a step's deliveries are counted in Redis (StepRunner) and a step that keeps

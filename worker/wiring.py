@@ -36,7 +36,9 @@ CODECS: dict[str, Callable[[], Codec]] = {
 class Wiring:
     def __init__(self, app: Celery, settings: Settings) -> None:
         self.settings = settings
-        self.store = RedisStore.from_url(settings.redis_url, settings.result_ttl_s)
+        # one connection per worker thread, plus a few for the blocking waits and publishes
+        pool_size = max(worker_concurrency, 1) + POOL_HEADROOM
+        self.store = RedisStore.from_url(settings.redis_url, settings.result_ttl_s, pool_size)
         self._providers: dict[str, HttpProvider] = {}
         self._runtime: WasmToolRuntime | None = None
         self._lock = threading.Lock()
@@ -83,6 +85,18 @@ class _LazySource:
 
     def deadline_ticks(self, budget_ms: float) -> int:
         return self.wiring.runtime().deadline_ticks(budget_ms)
+
+
+POOL_HEADROOM = 8
+# The worker's concurrency (`-c`), recorded by the celeryd_init signal (worker.tasks) before
+# any task runs; the Redis pool is sized to it.
+worker_concurrency = 8
+
+
+def set_worker_concurrency(concurrency: int | None) -> None:
+    global worker_concurrency
+    if concurrency:
+        worker_concurrency = int(concurrency)
 
 
 _wiring: tuple[int, Wiring] | None = None

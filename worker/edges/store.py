@@ -23,6 +23,7 @@ from worker.session.ports import StepStart
 
 P = ParamSpec("P")
 SPEC_CACHE_SIZE = 4096
+POOL_WAIT_S = 30  # longest wait for a free connection before the step fails (and is retried)
 T = TypeVar("T")
 
 
@@ -50,8 +51,14 @@ class RedisStore:
         self._specs: dict[str, Spec] = {}
 
     @classmethod
-    def from_url(cls, url: str, ttl_s: int) -> RedisStore:
-        return cls(redis.Redis.from_url(url, health_check_interval=30), ttl_s)
+    def from_url(cls, url: str, ttl_s: int, max_connections: int = 100) -> RedisStore:
+        """A client whose pool holds `max_connections` (size it to the worker's concurrency):
+        a thread finding none free waits for one instead of failing (redis-py's default
+        pool raises MaxConnectionsError past 100)."""
+        pool = redis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=POOL_WAIT_S, health_check_interval=30
+        )
+        return cls(redis.Redis(connection_pool=pool), ttl_s)
 
     # reading a session ---------------------------------------------------------------------
 
