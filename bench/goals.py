@@ -1,0 +1,133 @@
+"""Issue 8's goals, measured side by side in one run: the same 1,000 sessions (3 model calls +
+2 WASM tool calls each, replay/two_rounds) through cchatq and through the asyncio script a user
+would write; Redis commands and CPU per session by process kind; 1,000 model calls in flight
+from one llm worker at 10 s model latency."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+from typing import Any
+
+import fixtures
+from bench.asyncio_script import run_script
+from bench.cost import Cost, measured
+from fixtures.demo_batch import CALCULATE
+from producer.client import Client
+from producer.fleet import Fleet, replay_backends
+from producer.specfile import load_spec_from_objects
+from schemas.spec_types import Spec
+
+GUESTS = Path(fixtures.__file__).parent / "guests"
+SESSIONS = 1000
+SCRIPT_CONCURRENCY = 64
+IN_FLIGHT = 1000
+IN_FLIGHT_LATENCY_MS = 10_000
+CALLS_PER_SESSION = 3
+
+Row = tuple[str, str]
+
+
+def workload(run: str, n: int, latency_ms: int = 0, provider: str | None = None) -> list[Spec]:
+    marker = f" [[latency_ms:{latency_ms}]]" if latency_ms else ""
+    tool = {**CALCULATE, "module": str(GUESTS / "calculator.wasm")}
+    raw: list[dict[str, Any]] = []
+    for k in range(n):
+        spec: dict[str, Any] = {
+            "id": f"{run}/{k}",
+            "model": "replay/two_rounds",
+            "messages": [
+                {"role": "user", "content": f"Add {k} and 3, then multiply by 10{marker}"}
+            ],
+            "tools": [tool],
+        }
+        if provider:
+            spec["provider"] = provider
+        raw.append(spec)
+    return load_spec_from_objects(raw)
+
+
+def run_batch(client: Client, specs: list[Spec], timeout_s: float = 900) -> int:
+    """Submit and wait; how many sessions ended ok."""
+    sub = client.submit(specs)
+    return sum(
+        1 for _, r in client.wait(sub, timeout_s=timeout_s, poll_s=0.05) if r["status"] == "ok"
+    )
+
+
+def _pids(fleet: Fleet) -> dict[str, list[int]]:
+    kinds: dict[str, list[int]] = {}
+    for name, proc in fleet.workers.items():
+        kinds.setdefault(name.split("-")[0], []).append(proc.pid)
+    for proc in fleet.procs:
+        args = (
+            " ".join(str(a) for a in proc.args) if isinstance(proc.args, list) else str(proc.args)
+        )
+        if "redis-server" in args:
+            kinds["redis"] = [proc.pid]
+        elif "fixtures.replay" in args:
+            kinds["replay"] = [proc.pid]
+    return kinds
+
+
+def _per_session_ms(cost: Cost, n: int) -> str:
+    parts = ", ".join(f"{k} {v * 1000 / n:.1f}" for k, v in sorted(cost.cpu_s.items()) if v > 0)
+    return f"{cost.cpu_total_s * 1000 / n:.1f} ms ({parts})"
+
+
+def throughput_goals(fleet: Fleet, client: Client, rows: list[Row]) -> None:
+    """Goals 1-3 on a running fleet (llm, tools, control workers)."""
+    assert fleet.replay_url
+    run_batch(client, workload(f"warm-{uuid.uuid4().hex[:6]}", 50))  # compile, connect
+    kinds = {**_pids(fleet), "producer": [0]}
+    kinds.pop("programs", None)
+    with measured(kinds, client.redis) as ours:
+        ok = run_batch(client, workload(f"tp-{uuid.uuid4().hex[:6]}", SESSIONS))
+    script_kinds = {"script": [0], "replay": kinds["replay"]}
+    with measured(script_kinds, None) as theirs:
+        script_ok = run_script(
+            fleet.replay_url,
+            CALCULATE["function"],  # type: ignore[arg-type]
+            GUESTS / "calculator.wasm",
+            SESSIONS,
+            SCRIPT_CONCURRENCY,
+        )
+    ours_rate, their_rate = SESSIONS / ours.wall_s, SESSIONS / theirs.wall_s
+    rows.append(("goal 1: Redis commands per session (<= 40; was ~173)",
+                 f"{ours.redis_commands / SESSIONS:.0f}"))  # fmt: skip
+    rows.append(("goal 2: CPU per session, all processes (<= 15 ms; was ~36-45)",
+                 _per_session_ms(ours, SESSIONS)))  # fmt: skip
+    rows.append(("  the asyncio script, same sessions", _per_session_ms(theirs, SESSIONS)))
+    rows.append(
+        ("goal 3: sessions/s at latency 0 vs the script (>= 1.0x; was 0.55x)",
+         f"{ours_rate:.1f}/s vs {their_rate:.1f}/s = {ours_rate / their_rate:.2f}x "
+         f"({ok} and {script_ok} of {SESSIONS} ok)")
+    )  # fmt: skip
+
+
+def in_flight_goal(base: Fleet, rows: list[Row]) -> None:
+    """Goal 4: one llm worker at --concurrency 1000 from cold, model latency 10 s."""
+    with Fleet(workdir=base.workdir / "inflight") as fleet:
+        fleet.workdir.mkdir(exist_ok=True)
+        fleet.redis_url = base.redis_url.rsplit("/", 1)[0] + "/7"
+        slow_url = fleet.start_replay(latency_ms=IN_FLIGHT_LATENCY_MS)
+        backends = {**replay_backends(base.replay_url), "ten": {"base_url": slow_url}}
+        fleet.env = {**base.env, "CCHATQ_BACKENDS": json.dumps({"backends": backends})}
+        client = Client(fleet.redis_url)
+        client.redis.flushdb()
+        fleet.start_worker("llm", concurrency=IN_FLIGHT)
+        fleet.start_worker("tools")
+        fleet.start_worker("control")
+        kinds = _pids(fleet)
+        specs = workload(f"if-{uuid.uuid4().hex[:6]}", IN_FLIGHT, provider="ten")
+        with measured(kinds, None) as cost:
+            ok = run_batch(client, specs)
+        ideal_s = CALLS_PER_SESSION * IN_FLIGHT_LATENCY_MS / 1000
+        replay_share = cost.cpu_s.get("replay", 0.0) / max(cost.cpu_total_s, 1e-9)
+        rows.append(
+            (f"goal 4: {IN_FLIGHT} sessions x 3 calls at 10 s, llm -c {IN_FLIGHT} (<= 1.15x)",
+             f"{cost.wall_s:.1f} s vs ideal {ideal_s:.0f} s = {cost.wall_s / ideal_s:.2f}x, "
+             f"{IN_FLIGHT - ok} failed, replay server {replay_share:.0%} of CPU")
+        )  # fmt: skip
+        client.close()
