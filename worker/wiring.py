@@ -16,6 +16,7 @@ from worker.codecs.openai_codec import OpenAICodec
 from worker.codecs.protocol import Codec
 from worker.codecs.text_tags import TextTagCodec
 from worker.config import BackendConfig, Settings, load_settings
+from worker.edges import broker
 from worker.edges.dispatch import Dispatcher
 from worker.edges.provider_http import HttpProvider
 from worker.edges.rate_limit import RateLimiter
@@ -126,6 +127,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
 
     return {
         "broker_url": settings.redis_url,
+        "broker_transport": broker.TRANSPORT,  # kombu's Redis transport, one client a channel
         "broker_connection_retry_on_startup": True,
         "broker_transport_options": {
             "visibility_timeout": settings.visibility_timeout_s,
