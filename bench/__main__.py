@@ -32,7 +32,7 @@ from schemas.spec_types import SessionSpec, Spec
 
 GUESTS = Path(fixtures.__file__).parent / "guests"
 
-STEPS_PER_SESSION = 5  # start, round 0, tool, round 1, finish
+STEPS_PER_SESSION = 4  # start, round 0, tool, round 1 (which ends the session)
 
 
 def weather_spec(spec_id: str, latency_ms: int = 0) -> SessionSpec:

@@ -8,8 +8,8 @@ which would make task ids and Flower URLs awkward). Round r, tool call i:
     cq:out:{sk}:{r}:m       the model reply of round r (or its error), first writer wins
     cq:out:{sk}:{r}:t{i}    tool outcome {"content","ok"} of call i of round r, first writer wins
     cq:fanin:{sk}:{r}       set of finished call indexes of round r (fan-in counter)
-    cq:lease:{step}         held while a step runs (PX = the step's longest run)
-    cq:pub:{step}           the step published its continuation (set after publishing)
+    cq:step:{step}          "lease" while a step runs (PX = its longest run), then "done" once
+                            its continuation is published (EX = the TTL): one key, one SET
     cq:tries:{step}         deliveries of a step (poison-step detection)
     cq:fail:{sk}            error body of a step that failed for good (dead-lettered)
     cq:cancel:{sk}          cancellation requested
@@ -60,12 +60,12 @@ def fanin(sk: str, round_no: int) -> str:
     return f"{PREFIX}:fanin:{sk}:{round_no}"
 
 
-def lease(step: str) -> str:
-    return f"{PREFIX}:lease:{step}"
+def step_state(step: str) -> str:
+    return f"{PREFIX}:step:{step}"
 
 
-def published(step: str) -> str:
-    return f"{PREFIX}:pub:{step}"
+STEP_LEASED = b"lease"  # step_state while a delivery runs the step (PX = its longest run)
+STEP_DONE = b"done"  # step_state once its continuation is published (EX = the TTL)
 
 
 def tries(step: str) -> str:

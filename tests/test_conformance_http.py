@@ -443,7 +443,9 @@ def test_b9_78_round_step_calls_the_model_only_before_its_tools_run() -> None:
     runner.round("s1", 1)  # the next model call is a new call, carrying the tool results
     assert len(provider.requests) == 2
     assert [m["role"] for m in provider.requests[1].messages[-2:]] == ["tool", "tool"]
-    assert last_sent(dispatch) == ("finish", "s1")
+    assert last_sent(dispatch) == ("round", "s1", 1)  # the last round ends the session itself
+    body = store.result("s1")
+    assert body is not None and body["choices"][0]["message"]["content"] == "done"
 
 
 # B10 82: retried attempts that returned usage --------------------------------------------------

@@ -152,7 +152,14 @@ def test_a_session_runs_its_tool_and_finishes() -> None:
 
 @pytest.mark.parametrize(
     "method",
-    ["load_spec", "load_session", "begin_step", "store_model_reply", "tool_inputs", "meta"],
+    [
+        "load_spec",
+        "load_session",
+        "begin_step",
+        "store_model_reply",
+        "tool_inputs",
+        "ending_inputs",
+    ],
 )
 def test_a_store_failing_on_a_steps_read_retries_the_step_and_the_session_finishes(
     method: str,
@@ -216,13 +223,17 @@ def test_a_step_failing_every_try_is_dead_lettered_and_the_session_ends() -> Non
 
 
 def test_a_finish_step_failing_every_try_still_writes_the_body_without_rerunning() -> None:
-    p = pipeline([reply("hello")], store=lambda m: FailingStore(m, meta=99))
+    # the last round cannot end the session (it is dead-lettered), nor can the finish step
+    p = pipeline([reply("hello")], store=lambda m: FailingStore(m, ending_inputs=99))
     submit(p, spec())
     p.drain()
     assert p.body()["error"]["code"] == "step_failed"
     record = p.store.record(SK)
     assert record is not None and record["id"] == "t/1" and record["transcript"] == []
-    assert [step for step, _ in p.store.deadletters] == [keys.finish_step(SK)]
+    assert [step for step, _ in p.store.deadletters] == [
+        keys.round_step(SK, 0),
+        keys.finish_step(SK),
+    ]
 
 
 def test_an_engine_that_cannot_build_the_transcript_ends_with_internal_error() -> None:

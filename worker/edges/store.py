@@ -122,19 +122,20 @@ class RedisStore:
 
     @_translated
     def store_model_reply(self, sk: str, round_no: int, reply: dict[str, Any]) -> dict[str, Any]:
-        key = keys.model_out(sk, round_no)
-        pipe = self.client.pipeline(transaction=True)
-        pipe.set(key, dump_body(reply), nx=True, ex=self.ttl_s)
-        pipe.get(key)
-        _, winner = pipe.execute()
-        return dict(json.loads(winner))
+        body = dump_body(reply)
+        earlier = self.client.set(
+            keys.model_out(sk, round_no), body, nx=True, ex=self.ttl_s, get=True
+        )
+        return dict(json.loads(body if earlier is None else earlier))
 
     @_translated
     def store_tool_outcomes(self, sk: str, round_no: int, outcomes: dict[int, ToolOutcome]) -> int:
-        """Store outcomes and add their indexes to the round's fan-in set, atomically.
-        Returns how many calls of the round are finished."""
+        """Store outcomes and add their indexes to the round's fan-in set; how many calls of
+        the round are finished. No MULTI: whichever step adds the last index counts it after
+        its own SADD, so at least one of them sees the round complete (a second sight only
+        publishes the next round twice, which its guard absorbs)."""
         fanin = keys.fanin(sk, round_no)
-        pipe = self.client.pipeline(transaction=True)
+        pipe = self.client.pipeline(transaction=False)
         for index, outcome in outcomes.items():
             pipe.set(
                 keys.tool_out(sk, round_no, index),
@@ -155,9 +156,10 @@ class RedisStore:
     ) -> StepStart:
         """Everything one delivery of a step needs to know before it works, in one round
         trip that also records the session's state for `cchatq status`."""
-        pipe = self.client.pipeline(transaction=True)
-        pipe.exists(keys.published(step))
-        pipe.set(keys.lease(step), "1", nx=True, px=lease_ms)
+        # No MULTI: each command is atomic on its own, and the lease is one SET ... NX GET
+        # (Redis >= 7.0) whose old value says published ("done"), leased elsewhere, or free.
+        pipe = self.client.pipeline(transaction=False)
+        pipe.set(keys.step_state(step), keys.STEP_LEASED, nx=True, px=lease_ms, get=True)
         pipe.incr(keys.tries(step))
         pipe.expire(keys.tries(step), self.ttl_s)
         if sk:
@@ -165,11 +167,9 @@ class RedisStore:
             if meta:
                 pipe.hset(keys.meta(sk), mapping=dict(meta))
         replies = pipe.execute()
-        published, leased, tries = replies[:3]
-        if published and leased:
-            self.client.delete(keys.lease(step))
-        cancelled = bool(replies[4]) if sk else False
-        return StepStart(bool(published), bool(leased), int(tries), cancelled)
+        before, tries = replies[0], int(replies[1])
+        cancelled = bool(replies[3]) if sk else False
+        return StepStart(before == keys.STEP_DONE, before is None, tries, cancelled)
 
     @_translated
     def uncount_try(self, step: str) -> None:
@@ -184,19 +184,20 @@ class RedisStore:
 
     @_translated
     def lease_left_ms(self, step: str) -> int:
-        return max(int(self.client.pttl(keys.lease(step))), 0)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.get(keys.step_state(step))
+        pipe.pttl(keys.step_state(step))
+        state, left_ms = pipe.execute()
+        return max(int(left_ms), 0) if state == keys.STEP_LEASED else 0
 
     @_translated
     def end_step(self, step: str) -> None:
         """Mark the continuation published (after publishing it) and drop the lease."""
-        pipe = self.client.pipeline(transaction=False)
-        pipe.set(keys.published(step), "1", ex=self.ttl_s)
-        pipe.delete(keys.lease(step))
-        pipe.execute()
+        self.client.set(keys.step_state(step), keys.STEP_DONE, ex=self.ttl_s)
 
     @_translated
     def release_lease(self, step: str) -> None:
-        self.client.delete(keys.lease(step))
+        self.client.delete(keys.step_state(step))
 
     # cancellation and failure --------------------------------------------------------------
 
@@ -208,6 +209,16 @@ class RedisStore:
     def failure(self, sk: str) -> dict[str, Any] | None:
         value = _loads(self.client.get(keys.failure(sk)))
         return None if value is None else dict(value)
+
+    @_translated
+    def ending_inputs(self, sk: str) -> tuple[dict[str, Any] | None, bool, int]:
+        pipe = self.client.pipeline(transaction=False)
+        pipe.get(keys.failure(sk))
+        pipe.exists(keys.cancel(sk))
+        pipe.hget(keys.meta(sk), "submitted_ms")
+        failure, cancelled, submitted = pipe.execute()
+        failed = _loads(failure)
+        return (None if failed is None else dict(failed)), bool(cancelled), int(submitted or 0)
 
     @_translated
     def dead_letter(self, step: str, sk: str, body: dict[str, Any], reason: str) -> None:
@@ -233,12 +244,14 @@ class RedisStore:
     @_translated
     def write_result(self, sk: str, body: bytes, record: dict[str, Any]) -> bool:
         """Write the response fd once, then tell every waiting batch. True if this call wrote it."""
-        pipe = self.client.pipeline(transaction=True)
-        pipe.set(keys.response(sk), body, nx=True, ex=self.ttl_s)
+        # No MULTI: the record is written before the response, so whoever sees the response
+        # finds the record too; each SET NX keeps the first outcome.
+        pipe = self.client.pipeline(transaction=False)
         pipe.set(keys.record(sk), dump_body(record), nx=True, ex=self.ttl_s)
+        pipe.set(keys.response(sk), body, nx=True, ex=self.ttl_s)
         pipe.hset(keys.meta(sk), mapping={"state": "done", "finished_ms": int(time.time() * 1000)})
         pipe.smembers(keys.watchers(sk))
-        wrote, _, _, batches = pipe.execute()
+        _, wrote, _, batches = pipe.execute()
         self.notify(sk, (b.decode() for b in batches))
         return bool(wrote)
 

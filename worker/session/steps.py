@@ -201,9 +201,11 @@ class StepRunner:
 
     # applying a decision -------------------------------------------------------------------
 
-    def apply(self, sk: str, decision: Decision) -> None:
+    def apply(self, sk: str, decision: Decision, session: Session | None = None) -> None:
         """Carry out what the engine decided: store tool messages, publish the next steps,
-        write the ending. The one place a decision becomes Redis writes and messages."""
+        write the ending. The one place a decision becomes Redis writes and messages.
+        Given the session (a round step), a finish is done here rather than published as a
+        task of its own: one hop less per session, under the same ending rules."""
         done = (
             self.store.store_tool_outcomes(sk, decision.round_no, decision.store)
             if decision.store
@@ -215,7 +217,9 @@ class StepRunner:
             self.dispatch.round(sk, decision.round_no + 1)
         if decision.next_round is not None:
             self.dispatch.round(sk, decision.next_round)
-        if decision.finish:
+        if decision.finish and session is not None:
+            self._end(sk, session)
+        elif decision.finish:
             self.dispatch.finish(sk)
         if decision.ending is not None:
             body, record = decision.ending.body, decision.ending.record
@@ -257,7 +261,7 @@ class StepRunner:
                 winner = self.store.store_model_reply(sk, round_no, reply)
                 session = replace(session, rounds=(*session.rounds, Round(reply=winner)))
             # the plan runs once per round, here, on the stored reply (a redelivery too)
-            self.apply(sk, decide(session))
+            self.apply(sk, decide(session), session)
 
         step = keys.round_step(sk, round_no)
         self.guarded(step, sk, lease_ms, body, state=f"round {round_no}")
@@ -378,11 +382,13 @@ class StepRunner:
                 record = failed_program_record(spec, result)
                 self.apply(sk, Decision(ending=Ending(result, record)))
                 return
-            session = self.store.load_session(sk, self._default_backend())
-            cancelled = self.store.is_cancelled(sk)
-            meta = self.store.meta(sk)
-            latency_ms = int(time.time() * 1000) - int(meta.get("submitted_ms", "0") or 0)
-            self.apply(sk, ending(session, failure, cancelled, latency_ms))
+            self._end(sk, self.store.load_session(sk, self._default_backend()))
 
         step = keys.finish_step(sk)
         self.guarded(step, sk, lambda: FINISH_LEASE_MS, body, stop_if_cancelled=False)
+
+    def _end(self, sk: str, session: Session) -> None:
+        """Write a chat session's ending (the ending rules read its failure, cancel, meta)."""
+        failure, cancelled, submitted_ms = self.store.ending_inputs(sk)
+        latency_ms = int(time.time() * 1000) - submitted_ms
+        self.apply(sk, ending(session, failure, cancelled, latency_ms))

@@ -181,6 +181,10 @@ class MemoryStore:
         raw = self.failures.get(sk)
         return None if raw is None else dict(json.loads(raw))
 
+    def ending_inputs(self, sk: str) -> tuple[dict[str, Any] | None, bool, int]:
+        submitted = self.meta_of.get(sk, {}).get("submitted_ms", "0")
+        return self.failure(sk), self.is_cancelled(sk), int(submitted or 0)
+
     def dead_letter(self, step: str, sk: str, body: dict[str, Any], reason: str) -> None:
         with self._cond:
             self.failures.setdefault(sk, dump_body(body))
