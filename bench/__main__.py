@@ -170,7 +170,7 @@ def main() -> int:
         hop_ms = trampoline_ms_per_hop(fleet)
         step_ms = session_ms / STEPS_PER_SESSION
         rows.append(("bare Celery trampoline hop (no-op)", f"{hop_ms:.2f} ms/hop"))
-        rows.append(("one session, 5 steps, zero-latency model", f"{session_ms:.1f} ms"))
+        rows.append(("one session, 4 steps, zero-latency model", f"{session_ms:.1f} ms"))
         rows.append(
             ("goal 5: per step vs a bare hop (<= 1.3x; was 1.8-2.9x)",
              f"{step_ms:.2f} ms/step ({step_ms / hop_ms:.1f}x a bare hop)")
