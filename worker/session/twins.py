@@ -5,7 +5,7 @@ MockTransport): the steps run on them exactly as on Redis and Celery, in one pro
 markers, try counters, the fan-in set); `tests/test_store_contract.py` runs one contract
 over both. Keys never expire here. `StepQueue` is the dispatcher: it records what was
 published and runs it (`drain`), turning `RetryLater` into a requeue, as Celery's retry does.
-It also serves the guest's ProgramStore port, so program runs use the same twin.
+`MemoryStore` also serves the guest's ProgramStore port, so program runs use the same twin.
 """
 
 from __future__ import annotations
