@@ -196,3 +196,13 @@ def test_specs_round_trip_as_json(backend: Backend, sk: str) -> None:
     original = spec(sk) | {"params": {"temperature": 0.5, "stop": ["\n"]}}
     backend.submit(sk, original, "")
     assert spec_to_json(backend.store.load_spec(sk)) == spec_to_json(spec_from_json(original))
+
+
+def test_a_round_with_many_calls_reads_every_outcome(backend: Backend, sk: str) -> None:
+    """More calls than the store reads speculatively with the replies (a second read)."""
+    backend.submit(sk, spec(sk), "")
+    ids = [f"c{i}" for i in range(9)]
+    backend.store.store_model_reply(sk, 0, completion(*ids))
+    backend.store.store_tool_outcomes(sk, 0, {i: ToolOutcome(f"out{i}", True) for i in (0, 7, 8)})
+    [round_0] = backend.store.load_session(sk, "r").rounds
+    assert round_0.outcomes == {i: ToolOutcome(f"out{i}", True) for i in (0, 7, 8)}

@@ -23,6 +23,7 @@ from worker.session.ports import StepStart
 
 P = ParamSpec("P")
 SPEC_CACHE_SIZE = 4096
+GUESSED_CALLS = 4  # outcome keys read with the replies, per round
 POOL_WAIT_S = 30  # longest wait for a free connection before the step fails (and is retried)
 T = TypeVar("T")
 
@@ -79,28 +80,44 @@ class RedisStore:
 
     @_translated
     def load_session(self, sk: str, backend: str, upto_round: int | None = None) -> Session:
-        """The spec and every stored round (up to `upto_round` inclusive), in two round trips."""
+        """The spec and every stored round (up to `upto_round` inclusive), usually in one
+        round trip: one MGET reads the replies with the outcome keys of their first
+        GUESSED_CALLS calls; only a round with more calls needs a second read."""
         spec = self.load_spec(sk)
         if not isinstance(spec, SessionSpec):
             raise StoreError(f"session {sk} is a program run, not a chat")
         last = spec.limits.max_iterations - 1 if upto_round is None else upto_round
-        replies = self.client.mget([keys.model_out(sk, r) for r in range(last + 1)])
-        stored: list[dict[str, Any]] = []
-        for raw in replies:
-            if raw is None:
+        guessed = [(r, i) for r in range(last + 1) for i in range(GUESSED_CALLS)]
+        raw = self.client.mget(
+            [keys.model_out(sk, r) for r in range(last + 1)]
+            + [keys.tool_out(sk, r, i) for r, i in guessed]
+        )
+        known = dict(zip(guessed, raw[last + 1 :], strict=True))
+        replies: list[dict[str, Any]] = []
+        for value in raw[: last + 1]:
+            if value is None:
                 break
-            stored.append(json.loads(raw))
-        rounds = self._with_outcomes(sk, stored)
+            replies.append(json.loads(value))
+        rounds = self._with_outcomes(sk, replies, known)
         return Session(spec=spec, backend=spec.provider or backend, rounds=tuple(rounds))
 
-    def _with_outcomes(self, sk: str, replies: list[dict[str, Any]]) -> list[Round]:
+    def _with_outcomes(
+        self,
+        sk: str,
+        replies: list[dict[str, Any]],
+        known: dict[tuple[int, int], bytes | None],
+    ) -> list[Round]:
         wanted: list[tuple[int, int]] = []
         for r, reply in enumerate(replies):
             calls = ((reply.get("choices") or [{}])[0].get("message") or {}).get("tool_calls") or []
             wanted.extend((r, i) for i in range(len(calls)))
-        raw = self.client.mget([keys.tool_out(sk, r, i) for r, i in wanted]) if wanted else []
+        missing = [key for key in wanted if key not in known]
+        if missing:  # a round with more calls than guessed
+            fetched = self.client.mget([keys.tool_out(sk, r, i) for r, i in missing])
+            known = {**known, **dict(zip(missing, fetched, strict=True))}
         outcomes: list[dict[int, ToolOutcome]] = [{} for _ in replies]
-        for (r, i), value in zip(wanted, raw, strict=True):
+        for r, i in wanted:
+            value = known[(r, i)]
             if value is not None:
                 outcomes[r][i] = ToolOutcome.from_json(json.loads(value))
         return [Round(reply=reply, outcomes=outcomes[r]) for r, reply in enumerate(replies)]
