@@ -338,7 +338,9 @@ def transcript(session: Session, missing: ToolOutcome | None = None) -> list[dic
         calls = tool_calls_of(rnd.reply)
         if not calls or not auto:
             continue
-        fill = _fill_for_round(session, round_no, calls, missing)
+        answered = all(i in rnd.outcomes for i in range(len(calls)))
+        # a round whose calls are all answered needs no fill (and no schema validation)
+        fill = {} if answered else _fill_for_round(session, round_no, calls, missing)
         for i, call in enumerate(calls):
             outcome = rnd.outcomes.get(i) or fill.get(i)
             if outcome is None:
