@@ -14,9 +14,9 @@ from typing import Any
 
 from marshmallow import RAISE, Schema, fields, post_load, validate
 
-from schemas.limits import RUN_LIMIT_BOUNDS, RunLimits
+from schemas.limits import RUN_LIMIT_BOUNDS
 from schemas.spec import ID_PATTERN
-from schemas.spec_types import ProgramDef, ProgramSpec
+from schemas.spec_types import PROGRAM_KIND, ProgramSpec, spec_from_json
 
 
 class ProgramSchema(Schema):
@@ -67,20 +67,10 @@ class ProgramSpecSchema(Schema):
 
     @post_load
     def _typed(self, data: dict[str, Any], **kwargs: Any) -> ProgramSpec:
-        program = data["program"]
-        return ProgramSpec(
-            id=data["id"],
-            program=ProgramDef(
-                module=program["module"],
-                args=tuple(program["args"]),
-                stdin=program["stdin"],
-                env=dict(program["env"]),
-            ),
-            provider=data.get("provider"),
-            model=data.get("model"),
-            limits=RunLimits(**(data.get("limits") or {})),
-            metadata=data["metadata"],
-        )
+        # built as a stored spec is: one way to make a ProgramSpec
+        spec = spec_from_json({**data, "kind": PROGRAM_KIND})
+        assert isinstance(spec, ProgramSpec)
+        return spec
 
 
 def is_program(obj: Any) -> bool:

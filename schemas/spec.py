@@ -21,8 +21,8 @@ from marshmallow import (
     validates_schema,
 )
 
-from schemas.limits import LIMIT_ALIASES, LIMIT_BOUNDS, Limits
-from schemas.spec_types import Flags, FunctionSpec, SessionSpec, ToolSpec
+from schemas.limits import LIMIT_ALIASES, LIMIT_BOUNDS
+from schemas.spec_types import SessionSpec, default_parameters, spec_from_json
 from schemas.tool_schema import schema_problem
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -34,10 +34,6 @@ FUNCTION_NAME_PATTERN = r"[A-Za-z0-9_-]{1,64}\Z"
 # bypass validation (model, messages, tools) or break response assembly (stream).
 RESERVED_PARAMS = ("model", "messages", "tools", "stream")
 LEGACY_FUNCTION_KEYS = ("name", "description", "parameters")
-
-
-def default_parameters() -> dict[str, Any]:
-    return {"type": "object", "properties": {}}
 
 
 Content = str | list[dict[str, Any]] | None
@@ -161,22 +157,12 @@ class ToolSpecSchema(Schema):
             raise ValidationError("One of export or table_index is required.", "export")
 
     @post_load
-    def _typed(self, data: dict[str, Any], **kwargs: Any) -> ToolSpec:
+    def _canonical(self, data: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
         # "type" is dropped: it can only be "function".
-        function = data["function"]
-        return ToolSpec(
-            function=FunctionSpec(
-                name=function["name"],
-                parameters=function["parameters"],
-                description=function.get("description"),
-            ),
-            module=data["module"],
-            export=data["export"],
-            table_index=data["table_index"],
-        )
+        return {k: data[k] for k in ("module", "export", "table_index", "function")}
 
 
-class ToolListField(fields.List[ToolSpec]):
+class ToolListField(fields.List[dict[str, Any]]):
     """List of tools whose function names are unique.
 
     The check sits here, after every tool loaded: marshmallow hands field and schema
@@ -188,12 +174,12 @@ class ToolListField(fields.List[ToolSpec]):
 
     def _deserialize(
         self, value: Any, attr: str | None, data: Mapping[str, Any] | None, **kwargs: Any
-    ) -> list[ToolSpec | None]:
+    ) -> list[dict[str, Any] | None]:
         tools = super()._deserialize(value, attr, data, **kwargs)
         first_index: dict[str, int] = {}
         errors: dict[int, Any] = {}
         for index, tool in enumerate(tools):
-            name = tool.name if tool else None
+            name = tool["function"]["name"] if tool else None
             if name in first_index:
                 message = f"Duplicate of tools.{first_index[name]}.function.name."
                 errors[index] = {"function": {"name": [message]}}
@@ -266,14 +252,6 @@ class SessionSpecSchema(Schema):
 
     @post_load
     def _typed(self, data: dict[str, Any], **kwargs: Any) -> SessionSpec:
-        return SessionSpec(
-            id=data["id"],
-            model=data["model"],
-            messages=tuple(data["messages"]),
-            tools=tuple(data["tools"]),
-            params=data["params"],
-            flags=Flags(**data.get("flags", {})),
-            limits=Limits.resolve(data.get("limits")),
-            provider=data.get("provider"),
-            metadata=data["metadata"],
-        )
+        spec = spec_from_json(data)  # built as a stored spec is: one way to make a SessionSpec
+        assert isinstance(spec, SessionSpec)
+        return spec

@@ -24,13 +24,26 @@ class Flags:
     strict_unknown_tool: bool = False
 
 
+def default_parameters() -> dict[str, Any]:
+    """A function's parameters when its spec gives none."""
+    return {"type": "object", "properties": {}}
+
+
 @dataclass(frozen=True)
 class FunctionSpec:
     """An OpenAI function: what the model sees of a tool."""
 
     name: str
-    parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
+    parameters: dict[str, Any] = field(default_factory=default_parameters)
     description: str | None = None
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> FunctionSpec:
+        return cls(
+            name=raw["name"],
+            parameters=raw.get("parameters") or default_parameters(),
+            description=raw.get("description"),
+        )
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"name": self.name}
@@ -126,7 +139,8 @@ def spec_to_json(spec: Spec) -> dict[str, Any]:
 
 
 def spec_from_json(obj: dict[str, Any]) -> Spec:
-    """A stored spec back as its value (trusted: it was validated at submit)."""
+    """A spec's value from its JSON form: the stored form (trusted: it was validated at
+    submit), and the schemas' validated data, so both build specs the same way."""
     if obj.get("kind") == PROGRAM_KIND:
         raw = dict(obj["program"])
         raw["args"] = tuple(raw.get("args", ()))
@@ -188,13 +202,8 @@ def _tool_to_json(tool: ToolSpec) -> dict[str, Any]:
 
 
 def tool_from_json(raw: dict[str, Any]) -> ToolSpec:
-    function = raw["function"]
     return ToolSpec(
-        function=FunctionSpec(
-            name=function["name"],
-            parameters=function.get("parameters") or {"type": "object", "properties": {}},
-            description=function.get("description"),
-        ),
+        function=FunctionSpec.from_json(raw["function"]),
         module=raw.get("module", ""),
         export=raw.get("export"),
         table_index=raw.get("table_index"),

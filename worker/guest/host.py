@@ -245,11 +245,7 @@ class ProgramHost:
             fork_sha = self.store.put_fork(fork.to_blob())
         tools = tuple(
             ToolSpec(
-                function=FunctionSpec(
-                    name=function["name"],
-                    parameters=function["parameters"],
-                    description=function.get("description"),
-                ),
+                function=FunctionSpec.from_json(function),
                 module="program",
                 table_index=fn_offset,
                 module_sha256=self.d.module_sha256,
