@@ -27,6 +27,10 @@ RUN_LIMIT_BOUNDS: dict[str, tuple[int, int]] = {
 }
 
 
+def _as_dict(values: Any) -> dict[str, int]:
+    return {f.name: getattr(values, f.name) for f in fields(values)}
+
+
 def _default(name: str) -> int:
     return LIMIT_BOUNDS[name][0]
 
@@ -60,7 +64,7 @@ class Limits:
         return cls(**values)
 
     def as_dict(self) -> dict[str, int]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return _as_dict(self)
 
 
 @dataclass(frozen=True)
@@ -76,4 +80,4 @@ class RunLimits:
         return cls(**{k: int(v) for k, v in (raw or {}).items() if k in names})
 
     def as_dict(self) -> dict[str, int]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return _as_dict(self)

@@ -1,6 +1,6 @@
 """What a program run needs from the outside world besides the session ports: its chats'
 state, its fd mirror and its memory snapshots. `edges.store_programs` implements it on Redis,
-`worker.guest.twins` in memory."""
+`worker.session.twins.MemoryStore` in memory."""
 
 from __future__ import annotations
 

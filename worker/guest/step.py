@@ -11,7 +11,7 @@ from typing import Any
 from schemas import keys
 from schemas.bodies import error_obj
 from schemas.spec_types import ProgramSpec
-from worker.errors import CancelledError, InternalError
+from worker.errors import CancelledError
 from worker.guest.host import ChatDefaults, ProgramHost
 from worker.guest.ports import ProgramStore
 from worker.guest.runner import ModuleSource, ProgramOutcome, ProgramRun, run_program
@@ -31,10 +31,10 @@ class ProgramSteps:
 
     def program(self, sk: str) -> None:
         def lease_ms() -> int:
-            return self._spec(sk).limits.run_timeout_ms + LEASE_MARGIN_MS
+            return self.runner.spec_of(sk, ProgramSpec).limits.run_timeout_ms + LEASE_MARGIN_MS
 
         def body() -> None:
-            spec = self._spec(sk)
+            spec = self.runner.spec_of(sk, ProgramSpec)
             started = time.monotonic()
             if self.programs.is_cancelled(sk):
                 record = cancelled_record(spec)
@@ -60,12 +60,6 @@ class ProgramSteps:
         self.runner.guarded(
             keys.program_step(sk), sk, lease_ms, body, stop_if_cancelled=False, state="running"
         )
-
-    def _spec(self, sk: str) -> ProgramSpec:
-        spec = self.runner.store.load_spec(sk)
-        if not isinstance(spec, ProgramSpec):
-            raise InternalError(f"session {sk} is a chat, not a program run")
-        return spec
 
 
 def _run_of(spec: ProgramSpec) -> ProgramRun:

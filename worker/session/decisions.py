@@ -27,8 +27,8 @@ class Decision:
     tools: tuple[int, ...] = ()  # tool steps of round_no to publish
     fan_in: int | None = None  # publish round_no + 1 once this many calls are answered
     next_round: int | None = None  # publish this round step
-    finish: bool = False  # publish the finish step
-    ending: Ending | None = None  # write this result (the finish step)
+    finish: bool = False  # the session ends: in place from a round step, else a finish step
+    ending: Ending | None = None  # write this result
 
 
 def decide(session: Session) -> Decision:

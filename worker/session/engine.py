@@ -138,8 +138,8 @@ def next_call(session: Session) -> CallModel:
 
 
 def tool_run(spec: SessionSpec, reply: dict[str, Any], index: int) -> ToolRun | None:
-    """The run of call `index` of a round, as `plan` built it for the tool step that runs it;
-    None when the call is not one to run (a redelivery after the spec's tools changed)."""
+    """The run of call `index` of a round, as `plan` builds it and the tool step runs it; None
+    when the call names no tool of the spec (plan answers such a call without a run)."""
     calls = tool_calls_of(reply)
     if index >= len(calls):
         return None

@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from schemas import keys
 from schemas.bodies import dump_body, is_error_body
@@ -56,6 +56,7 @@ from worker.session.ports import (
 from worker.session.records import bare_record, ending, failed_program_record
 
 log = logging.getLogger(__name__)
+SpecT = TypeVar("SpecT", SessionSpec, ProgramSpec)
 
 START_LEASE_MS = 60_000
 DEFAULT_LEASE_MS = 130_000  # when a step's own lease cannot be read: the longest model call
@@ -307,12 +308,11 @@ class StepRunner:
 
     def tool(self, sk: str, round_no: int, index: int) -> None:
         def lease_ms() -> int:
-            spec = self.store.load_spec(sk)
-            timeout_ms = spec.limits.tool_timeout_ms if isinstance(spec, SessionSpec) else 0
-            return timeout_ms + 5_000  # the deadline covers an ENOSPC retry too
+            # the deadline covers an ENOSPC retry too
+            return self.spec_of(sk, SessionSpec).limits.tool_timeout_ms + 5_000
 
         def body() -> None:
-            spec = self._session_spec(sk)
+            spec = self.spec_of(sk, SessionSpec)
             reply, outcome = self.store.tool_inputs(sk, round_no, index)
             if reply is None or is_error_body(reply):
                 raise StoreError(f"round {round_no} reply missing for tool step")
@@ -344,10 +344,11 @@ class StepRunner:
         except GuestError as exc:
             return ToolOutcome.error(ToolExecError(exc.message))
 
-    def _session_spec(self, sk: str) -> SessionSpec:
+    def spec_of(self, sk: str, kind: type[SpecT]) -> SpecT:
+        """A session's spec, of the kind its step expects (a chat or a program run)."""
         spec = self.store.load_spec(sk)
-        if not isinstance(spec, SessionSpec):
-            raise InternalError(f"session {sk} is a program run, not a chat")
+        if not isinstance(spec, kind):
+            raise InternalError(f"session {sk} is not a {kind.__name__}")
         return spec
 
     # nudge ------------------------------------------------------------------------------
