@@ -14,11 +14,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
+import urllib3
 
 from worker.codecs.openai_codec import OpenAICodec
 from worker.codecs.protocol import ChatRequest
 from worker.config import BackendConfig
-from worker.edges.provider_http import CompletionResult, HttpProvider
+from worker.edges.provider_http import CompletionResult, HttpProvider, _pool_for
 from worker.errors import ProviderProtocolError, ProviderRequestError, ProviderRetryableError
 
 REQUEST = ChatRequest(model="m", messages=[{"role": "user", "content": "TOPSECRETPROMPT"}])
@@ -293,7 +294,9 @@ def test_no_secrets_in_logs_or_errors(make: Any, caplog: pytest.LogCaptureFixtur
     assert "HTTP 500" in caplog.text
 
 
-def test_one_session_per_thread(make: Any, server: ScriptedServer) -> None:
+def test_threads_share_one_pool_that_keeps_their_connections(
+    make: Any, server: ScriptedServer
+) -> None:
     h = make(*[Reply() for _ in range(4)])
     results: list[int] = []
     threads = [
@@ -304,8 +307,28 @@ def test_one_session_per_thread(make: Any, server: ScriptedServer) -> None:
     for t in threads:
         t.join(timeout=10)
     assert results == [1, 1, 1, 1]
-    assert len(h.provider._sessions) == 4
+    pool = h.provider._connections().connection_from_url(server.base_url)
+    opened = pool.num_connections
+    assert 1 <= opened <= 4
+    server.script.extend(Reply() for _ in range(3))
+    for _ in range(3):
+        assert h.complete().attempts == 1
+    assert pool.num_connections == opened  # kept alive, reused
     h.provider.close()
-    assert h.provider._sessions == []
     server.script.append(Reply())
     assert h.complete().attempts == 1  # usable again after close
+
+
+def test_pool_goes_through_the_environments_proxy_unless_the_host_is_exempt(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.example:3128")
+    monkeypatch.setenv("NO_PROXY", "internal.example")
+    proxied = _pool_for("https://api.example/v1", 8)
+    assert isinstance(proxied, urllib3.ProxyManager)
+    assert proxied.proxy is not None and proxied.proxy.host == "proxy.example"
+    assert not isinstance(_pool_for("https://internal.example/v1", 8), urllib3.ProxyManager)
+    monkeypatch.setenv("REQUESTS_CA_BUNDLE", "/etc/ssl/custom.pem")
+    assert _pool_for("https://api.example/v1", 8).connection_pool_kw["ca_certs"] == (
+        "/etc/ssl/custom.pem"
+    )

@@ -40,6 +40,7 @@ class Wiring:
         # one connection per worker thread, plus a few for the blocking waits and publishes
         pool_size = max(worker_concurrency, 1) + POOL_HEADROOM
         self.store = RedisStore.from_url(settings.redis_url, settings.result_ttl_s, pool_size)
+        self._pool_size = pool_size  # the HTTP pools' size too: a connection kept per thread
         self._providers: dict[str, HttpProvider] = {}
         self._runtime: WasmToolRuntime | None = None
         self._lock = threading.Lock()
@@ -60,7 +61,9 @@ class Wiring:
         with self._lock:
             provider = self._providers.get(backend.name)
             if provider is None:
-                provider = HttpProvider(backend, CODECS[backend.protocol]())
+                provider = HttpProvider(
+                    backend, CODECS[backend.protocol](), max_connections=self._pool_size
+                )
                 self._providers[backend.name] = provider
             return provider
 
