@@ -1,0 +1,87 @@
+"""The Dispatcher pushes the message Celery's own `send_task` would: the same task protocol 2
+headers, properties and body, on the same Redis list. Held field by field against the installed
+Celery (on the private Redis: fleet marker), so an upgrade that changes the protocol fails here."""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+
+from producer.fleet import Fleet
+from schemas import keys, task_names
+from worker.edges.broker import TRANSPORT
+from worker.edges.dispatch import Dispatcher, task_message
+
+pytestmark = pytest.mark.fleet
+REDIS_DB = 11
+# differ by nature between two sends: a fresh delivery tag, a reply queue per app
+PER_SEND = {"delivery_tag", "reply_to"}
+
+
+@pytest.fixture
+def broker(base_fleet: Fleet) -> Iterator[tuple[Celery, redis.Redis]]:
+    url = base_fleet.redis_url.rsplit("/", 1)[0] + f"/{REDIS_DB}"
+    app = Celery("contract", broker=url)
+    app.conf.update(
+        broker_transport=TRANSPORT,
+        task_serializer="json",
+        task_routes={name: {"queue": q} for name, q in task_names.ROUTES.items()},
+    )
+    client = redis.Redis.from_url(url)
+    client.flushdb()
+    yield app, client
+    client.flushdb()
+    client.close()
+
+
+def _pushed(client: redis.Redis, queue: str) -> dict[str, Any]:
+    raw: Any = client.rpop(queue)
+    assert raw is not None, f"nothing on {queue}"
+    return dict(json.loads(raw))
+
+
+@dataclass
+class Parent:
+    id: str
+    root_id: str | None
+
+
+def test_the_pushed_message_is_the_one_send_task_pushes(
+    broker: tuple[Celery, redis.Redis],
+) -> None:
+    app, client = broker
+    args: list[str | int] = ["sk-1", 2, 0]
+    step = keys.tool_step("sk-1", 2, 0)
+    queue = task_names.ROUTES[task_names.TOOL]
+    app.send_task(task_names.TOOL, args=args, task_id=step, queue=queue, argsrepr=repr(args))
+    theirs = _pushed(client, queue)
+    Dispatcher(app, client).tool("sk-1", 2, 0)
+    ours = _pushed(client, queue)
+    assert ours.keys() == theirs.keys()
+    assert ours["headers"] == theirs["headers"]
+    assert {k: v for k, v in ours["properties"].items() if k not in PER_SEND} == {
+        k: v for k, v in theirs["properties"].items() if k not in PER_SEND | {"argsrepr"}
+    }
+    assert json.loads(base64.b64decode(ours["body"])) == json.loads(
+        base64.b64decode(theirs["body"])
+    )
+    assert {k: ours[k] for k in ("content-type", "content-encoding")} == {
+        k: theirs[k] for k in ("content-type", "content-encoding")
+    }
+
+
+def test_a_step_published_from_a_task_names_it_as_parent_and_keeps_its_root() -> None:
+    message = json.loads(
+        task_message(task_names.ROUND, ["sk", 1], "sk.r1", "llm", Parent("sk.t0.0", "sk.r0"))
+    )
+    assert message["headers"]["parent_id"] == "sk.t0.0"
+    assert message["headers"]["root_id"] == "sk.r0"
+    alone = json.loads(task_message(task_names.ROUND, ["sk", 1], "sk.r1", "llm"))
+    assert (alone["headers"]["parent_id"], alone["headers"]["root_id"]) == (None, "sk.r1")
