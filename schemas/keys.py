@@ -7,7 +7,6 @@ which would make task ids and Flower URLs awkward). Round r, tool call i:
     cq:meta:{sk}            hash: id, batch, submitted_ms, state, round, backend
     cq:out:{sk}:{r}:m       the model reply of round r (or its error), first writer wins
     cq:out:{sk}:{r}:t{i}    tool outcome {"content","ok"} of call i of round r, first writer wins
-    cq:fanin:{sk}:{r}       set of finished call indexes of round r (fan-in counter)
     cq:step:{step}          "lease" while a step runs (PX = its longest run), then "done" once
                             its continuation is published (EX = the TTL): one key, one SET
     cq:tries:{step}         deliveries of a step (poison-step detection)
@@ -54,10 +53,6 @@ def model_out(sk: str, round_no: int) -> str:
 
 def tool_out(sk: str, round_no: int, index: int) -> str:
     return f"{PREFIX}:out:{sk}:{round_no}:t{index}"
-
-
-def fanin(sk: str, round_no: int) -> str:
-    return f"{PREFIX}:fanin:{sk}:{round_no}"
 
 
 def step_state(step: str) -> str:

@@ -428,13 +428,13 @@ def test_b9_78_round_step_calls_the_model_only_before_its_tools_run() -> None:
     assert len(provider.requests) == 1
     assert dispatch.sent == [("tool", "s1", 0, 0), ("tool", "s1", 0, 1)]
 
-    store.store_tool_outcomes("s1", 0, {0: ok("sunny")})  # one tool ran
+    store.store_tool_outcomes("s1", 0, {0: ok("sunny")}, 2)  # one tool ran
     redeliver(store, "s1", 0)
     runner.round("s1", 0)  # a redelivered round step: plans the rest, no second model call
     assert len(provider.requests) == 1
     assert last_sent(dispatch) == ("tool", "s1", 0, 1)
 
-    store.store_tool_outcomes("s1", 0, {1: ok("12:00")})  # every tool ran
+    store.store_tool_outcomes("s1", 0, {1: ok("12:00")}, 2)  # every tool ran
     redeliver(store, "s1", 0)
     runner.round("s1", 0)
     assert len(provider.requests) == 1

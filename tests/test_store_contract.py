@@ -1,6 +1,6 @@
 """One contract for the session store port, run against the in-memory twin and against
 Redis (as dramatiq runs its result backends over ["redis", "stub"]): what the steps rely on
-(first writer wins, leases, published markers, try counts, the fan-in set, results written
+(first writer wins, leases, published markers, try counts, the fan-in count, results written
 once and announced) holds on both. The Redis half needs the private Redis (fleet marker)."""
 
 from __future__ import annotations
@@ -111,9 +111,9 @@ def test_tool_outcomes_first_writer_wins_and_fan_in_counts_each_call_once(
     backend.submit(sk, spec(sk), "")
     backend.store.store_model_reply(sk, 0, completion("a", "b"))
     store = backend.store
-    assert store.store_tool_outcomes(sk, 0, {1: ToolOutcome("one", True)}) == 1
-    assert store.store_tool_outcomes(sk, 0, {1: ToolOutcome("again", False)}) == 1
-    assert store.store_tool_outcomes(sk, 0, {0: ToolOutcome("zero", True)}) == 2
+    assert store.store_tool_outcomes(sk, 0, {1: ToolOutcome("one", True)}, 2) == 1
+    assert store.store_tool_outcomes(sk, 0, {1: ToolOutcome("again", False)}, 2) == 1
+    assert store.store_tool_outcomes(sk, 0, {0: ToolOutcome("zero", True)}, 2) == 2
     reply, outcome = store.tool_inputs(sk, 0, 1)
     assert reply == completion("a", "b") and outcome == ToolOutcome("one", True)
     assert store.tool_inputs(sk, 1, 0) == (None, None)
@@ -127,7 +127,7 @@ def test_tool_outcomes_first_writer_wins_and_fan_in_counts_each_call_once(
 def test_load_session_reads_rounds_up_to_the_one_asked(backend: Backend, sk: str) -> None:
     backend.submit(sk, spec(sk), "")
     backend.store.store_model_reply(sk, 0, completion("a"))
-    backend.store.store_tool_outcomes(sk, 0, {0: ToolOutcome("x", True)})
+    backend.store.store_tool_outcomes(sk, 0, {0: ToolOutcome("x", True)}, 1)
     backend.store.store_model_reply(sk, 1, completion())
     assert len(backend.store.load_session(sk, "r").rounds) == 2
     assert len(backend.store.load_session(sk, "r", upto_round=0).rounds) == 1
@@ -203,6 +203,7 @@ def test_a_round_with_many_calls_reads_every_outcome(backend: Backend, sk: str) 
     backend.submit(sk, spec(sk), "")
     ids = [f"c{i}" for i in range(9)]
     backend.store.store_model_reply(sk, 0, completion(*ids))
-    backend.store.store_tool_outcomes(sk, 0, {i: ToolOutcome(f"out{i}", True) for i in (0, 7, 8)})
+    outcomes = {i: ToolOutcome(f"out{i}", True) for i in (0, 7, 8)}
+    assert backend.store.store_tool_outcomes(sk, 0, outcomes, 9) == 3
     [round_0] = backend.store.load_session(sk, "r").rounds
     assert round_0.outcomes == {i: ToolOutcome(f"out{i}", True) for i in (0, 7, 8)}

@@ -146,12 +146,14 @@ class RedisStore:
         return dict(json.loads(body if earlier is None else earlier))
 
     @_translated
-    def store_tool_outcomes(self, sk: str, round_no: int, outcomes: dict[int, ToolOutcome]) -> int:
-        """Store outcomes and add their indexes to the round's fan-in set; how many calls of
-        the round are finished. No MULTI: whichever step adds the last index counts it after
-        its own SADD, so at least one of them sees the round complete (a second sight only
-        publishes the next round twice, which its guard absorbs)."""
-        fanin = keys.fanin(sk, round_no)
+    def store_tool_outcomes(
+        self, sk: str, round_no: int, outcomes: dict[int, ToolOutcome], calls: int
+    ) -> int:
+        """Store outcomes; how many of the round's `calls` calls have one. The outcome keys
+        are the fan-in counter (one EXISTS over them), so there is no set to add to and
+        expire. No MULTI: whichever step writes the last outcome counts after its own write,
+        so at least one of them sees the round complete (a second sight only publishes the
+        next round twice, which its guard absorbs)."""
         pipe = self.client.pipeline(transaction=False)
         for index, outcome in outcomes.items():
             pipe.set(
@@ -160,10 +162,10 @@ class RedisStore:
                 nx=True,
                 ex=self.ttl_s,
             )
-            pipe.sadd(fanin, index)
-        pipe.expire(fanin, self.ttl_s)
-        pipe.scard(fanin)
-        return int(pipe.execute()[-1])
+        if calls:
+            pipe.exists(*(keys.tool_out(sk, round_no, i) for i in range(calls)))
+        replies = pipe.execute()
+        return int(replies[-1]) if calls else 0
 
     # step guards ---------------------------------------------------------------------------
 

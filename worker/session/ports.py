@@ -60,8 +60,12 @@ class SessionStore(Protocol):
         self, sk: str, round_no: int, reply: dict[str, Any]
     ) -> dict[str, Any]: ...
     def store_tool_outcomes(
-        self, sk: str, round_no: int, outcomes: dict[int, ToolOutcome]
-    ) -> int: ...
+        self, sk: str, round_no: int, outcomes: dict[int, ToolOutcome], calls: int
+    ) -> int:
+        """Store what is not stored yet; how many of the round's first `calls` calls have an
+        outcome (0 when `calls` is 0)."""
+        ...
+
     def begin_step(
         self, step: str, lease_ms: int, meta: dict[str, str | int] | None = None, sk: str = ""
     ) -> StepStart: ...

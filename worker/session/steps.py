@@ -208,7 +208,9 @@ class StepRunner:
         Given the session (a round step), a finish is done here rather than published as a
         task of its own: one hop less per session, under the same ending rules."""
         done = (
-            self.store.store_tool_outcomes(sk, decision.round_no, decision.store)
+            self.store.store_tool_outcomes(
+                sk, decision.round_no, decision.store, decision.fan_in or 0
+            )
             if decision.store
             else 0
         )

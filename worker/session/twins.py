@@ -2,7 +2,7 @@
 MockTransport): the steps run on them exactly as on Redis and Celery, in one process.
 
 `MemoryStore` keeps the same rules as the Redis store (first writer wins, leases, published
-markers, try counters, the fan-in set); `tests/test_store_contract.py` runs one contract
+markers, try counters, the fan-in count); `tests/test_store_contract.py` runs one contract
 over both. Keys never expire here. `StepQueue` is the dispatcher: it records what was
 published and runs it (`drain`), turning `RetryLater` into a requeue, as Celery's retry does.
 `MemoryStore` also serves the guest's ProgramStore port, so program runs use the same twin.
@@ -37,7 +37,6 @@ class MemoryStore:
     meta_of: dict[str, dict[str, str]] = field(default_factory=dict)
     replies: dict[tuple[str, int], bytes] = field(default_factory=dict)
     outcomes: dict[tuple[str, int, int], bytes] = field(default_factory=dict)
-    fanins: dict[tuple[str, int], set[int]] = field(default_factory=dict)
     leases: dict[str, float] = field(default_factory=dict)  # step -> monotonic expiry
     published: set[str] = field(default_factory=set)
     tries: dict[str, int] = field(default_factory=dict)
@@ -128,13 +127,13 @@ class MemoryStore:
             winner = self.replies.setdefault((sk, round_no), dump_body(reply))
         return dict(json.loads(winner))
 
-    def store_tool_outcomes(self, sk: str, round_no: int, outcomes: dict[int, ToolOutcome]) -> int:
+    def store_tool_outcomes(
+        self, sk: str, round_no: int, outcomes: dict[int, ToolOutcome], calls: int
+    ) -> int:
         with self._cond:
-            fanin = self.fanins.setdefault((sk, round_no), set())
             for index, outcome in outcomes.items():
                 self.outcomes.setdefault((sk, round_no, index), dump_body(outcome.to_json()))
-                fanin.add(index)
-            return len(fanin)
+            return sum((sk, round_no, i) in self.outcomes for i in range(calls))
 
     def begin_step(
         self, step: str, lease_ms: int, meta: dict[str, str | int] | None = None, sk: str = ""
