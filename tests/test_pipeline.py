@@ -18,6 +18,7 @@ from producer.specfile import load_spec_file
 from schemas import keys
 from schemas.task_names import ALL_QUEUES
 from tests.conftest import GUESTS, Running
+from worker.edges.broker import taken_messages
 
 pytestmark = pytest.mark.fleet
 
@@ -112,7 +113,7 @@ def test_resubmitted_id_does_not_run_twice(running: Running, tmp_path: Path, fre
     assert list(again.values()) == [first]
     redis = running.client.redis
     # nothing queued or running anywhere: whatever the resubmission could have started is done
-    wait_for(lambda: not any(redis.llen(q) for q in ALL_QUEUES) and not redis.hlen("unacked"))
+    wait_for(lambda: not any(redis.llen(q) for q in ALL_QUEUES) and not taken_messages(redis))
     assert running.replay_stats()["requests"] == requests_before
 
 
@@ -231,7 +232,7 @@ def test_task_arguments_carry_ids_only(running: Running, tmp_path: Path, fresh_i
     ):
         for queue in ("llm", "tools", "control"):
             seen.extend(running.client.redis.lrange(queue, 0, -1))
-        seen.extend(running.client.redis.hvals("unacked"))
+        seen.extend(taken_messages(running.client.redis))
     dict(running.client.wait(sub, timeout_s=20))
     assert seen, "no task message was observed"
     assert not any(secret.encode() in raw for raw in seen)

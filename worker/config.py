@@ -72,7 +72,9 @@ class Settings:
     redis_url: str = DEFAULT_REDIS_URL
     backends: dict[str, BackendConfig] = field(default_factory=dict)
     default_backend: str = "replay"
-    visibility_timeout_s: int = 300
+    visibility_timeout_s: int = 300  # the task time limit's backstop (wiring)
+    # a worker that stops beating this long has its taken messages handed out again
+    consumer_dead_after_s: int = 15
     result_ttl_s: int = 86_400
     module_cache_dir: Path = Path.home() / ".cache" / "cchatq" / "modules"
     max_step_attempts: int = 5
@@ -107,6 +109,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         backends=backends,
         default_backend=default_backend,
         visibility_timeout_s=int(env.get("CCHATQ_VISIBILITY_TIMEOUT_S", "300")),
+        consumer_dead_after_s=int(env.get("CCHATQ_CONSUMER_DEAD_AFTER_S", "15")),
         result_ttl_s=int(env.get("CCHATQ_RESULT_TTL_S", "86400")),
         module_cache_dir=Path(
             env.get("CCHATQ_MODULE_CACHE_DIR", str(Path.home() / ".cache" / "cchatq" / "modules"))

@@ -92,6 +92,7 @@ class _LazySource:
 
 
 POOL_HEADROOM = 8
+BROKER_BEAT_S = 2  # a consumer's heartbeat, well inside consumer_dead_after_s
 # The worker's concurrency (`-c`), recorded by the celeryd_init signal (worker.tasks) before
 # any task runs; the Redis pool is sized to it.
 worker_concurrency = 8
@@ -134,14 +135,11 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "broker_connection_retry_on_startup": True,
         "broker_transport_options": {
             "visibility_timeout": settings.visibility_timeout_s,
-            # kombu sweeps for abandoned messages every interval x throttle seconds (100 s by
-            # default); sweep on every tick, a few times per visibility timeout.
-            "unacked_restore_interval": max(1, min(10, settings.visibility_timeout_s // 5)),
+            # the consumer loop's timer: each tick beats for the worker's consumers and gives
+            # back the messages of consumers that stopped beating (edges/broker.py)
+            "unacked_restore_interval": BROKER_BEAT_S,
             "unacked_restore_throttle": 1,
-            # The sweep's mutex outlives a worker killed while holding it: kombu's 300 s would
-            # stop every restore for five minutes. A sweep takes milliseconds; a longer one only
-            # risks restoring a message twice, which idempotent steps absorb.
-            "unacked_mutex_expire": max(2, min(10, settings.visibility_timeout_s // 2)),
+            "consumer_dead_after_s": max(settings.consumer_dead_after_s, 2 * BROKER_BEAT_S + 1),
         },
         "task_serializer": "json",
         "accept_content": ["json"],

@@ -1,37 +1,156 @@
-"""kombu's Redis transport, cheaper per message, the same on the wire otherwise:
+# mypy: disable-error-code="no-untyped-call"
+"""kombu's Redis transport, cheaper per message, with the same messages on the same lists:
 
 - one Redis client object per channel: kombu builds a new `redis.Redis` for every publish and
   every ack (`Channel.conn_or_acquire`), which cost the llm worker ~14% of its CPU. The client
   is only a handle on the channel's connection pool and is thread-safe, so one serves them all;
-- the unacked bookkeeping (ZADD + HSET when a message is taken, ZREM + HDEL when it is acked)
-  as a plain pipeline instead of MULTI/EXEC: 4 fewer Redis commands a message (20 a session).
-  Atomicity buys nothing there: the pair goes out in one write either way, and the restore
-  sweep reads the index first and skips an entry whose message is gone; it only touches
-  entries older than the visibility timeout, never a pair being written.
+- unacknowledged messages are kept per consumer, with a heartbeat, instead of in one hash with
+  a time index: taking a message is one HSET into the consumer's hash (kombu: ZADD + HSET in
+  MULTI/EXEC, 4 commands), an ack one HDEL (kombu: 4 more). A consumer beats every
+  `unacked_restore_interval` seconds; when one stops (its process died, or its channel closed
+  without giving its messages back), any other worker puts its messages back on their queues
+  after `consumer_dead_after_s` (a transport option). kombu instead restores a message once it
+  is older than the visibility timeout, which must outlast the longest step, so a killed
+  worker's steps waited minutes; and a slow step that outlived it ran twice while its worker
+  was still alive.
+
+The consumer loop calls `restore_visible` on a timer (`unacked_restore_interval`): that call
+beats and sweeps. A pool that runs tasks on the loop's own thread (`solo`) cannot beat while a
+task runs, so a step longer than `consumer_dead_after_s` would be handed out again (its lease
+makes the second copy wait); cchatq's workers use threads or prefork.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import socket
+import uuid
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from kombu.transport import redis as kombu_redis
+from kombu.transport import virtual
+
+# Broker bookkeeping, outside the session keyspace (cq:*) like kombu's own keys: no TTL, and
+# bounded: a hash empties as its messages are acked, a consumer leaves the set when swept.
+CONSUMERS_KEY = "_cchatq:broker:consumers"  # ids of consumers that may hold unacked messages
+
+
+def unacked_key(consumer: str) -> str:
+    """delivery tag -> [message, exchange, routing key], one hash per consumer."""
+    return f"_cchatq:broker:unacked:{consumer}"
+
+
+def alive_key(consumer: str) -> str:
+    return f"_cchatq:broker:alive:{consumer}"
+
+
+def taken_messages(client: Any) -> list[bytes]:
+    """Every message taken by a consumer and not acknowledged yet, fleet-wide (tests, ops)."""
+    taken: list[bytes] = []
+    for consumer in client.smembers(CONSUMERS_KEY):
+        taken.extend(client.hvals(unacked_key(consumer.decode())))
+    return taken
+
+
+# the consumers of this process (one per consuming channel): the timer beats for all of them
+_LIVE: weakref.WeakSet[QoS] = weakref.WeakSet()
 
 
 class QoS(kombu_redis.QoS):
-    @contextmanager
-    def pipe_or_acquire(self, pipe: Any = None, client: Any = None) -> Iterator[Any]:
-        if pipe:  # the restore transaction passes its own (WATCH + MULTI): keep it
-            yield pipe
-            return
-        with self.channel.conn_or_acquire(client) as conn:
-            yield conn.pipeline(transaction=False)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.consumer = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
+        self._registered = False
+        _LIVE.add(self)
+
+    def append(self, message: Any, delivery_tag: str) -> None:
+        delivery = message.delivery_info
+        entry = json.dumps([message._raw, delivery["exchange"], delivery["routing_key"]])
+        with self.channel.conn_or_acquire() as client:
+            if self._registered:
+                client.hset(unacked_key(self.consumer), delivery_tag, entry)
+            else:  # known to the sweepers before it holds anything
+                pipe = client.pipeline(transaction=False)
+                _beat(pipe, [self.consumer], self.channel.consumer_dead_after_s)
+                pipe.hset(unacked_key(self.consumer), delivery_tag, entry)
+                pipe.execute()
+                self._registered = True
+        virtual.QoS.append(self, message, delivery_tag)
+
+    def ack(self, delivery_tag: str) -> None:
+        with self.channel.conn_or_acquire() as client:
+            client.hdel(unacked_key(self.consumer), delivery_tag)
+        virtual.QoS.ack(self, delivery_tag)
+
+    def reject(self, delivery_tag: str, requeue: bool = False) -> None:
+        if requeue:
+            self.channel._restore(self._delivered[delivery_tag], leftmost=True)
+        else:
+            with self.channel.conn_or_acquire() as client:
+                client.hdel(unacked_key(self.consumer), delivery_tag)
+        virtual.QoS.ack(self, delivery_tag)
+
+    def restore_unacked(self, client: Any = None) -> Any:
+        """At shutdown: every message taken and not acked goes back, via Channel._restore."""
+        return virtual.QoS.restore_unacked(self)
+
+    def restore_visible(self, start: int = 0, num: int = 10, interval: int = 10) -> None:
+        """The consumer loop's timer: beat for this process's consumers, then give back the
+        messages of every consumer that stopped beating."""
+        live = {qos.consumer for qos in list(_LIVE)}
+        with self.channel.conn_or_acquire() as client:
+            pipe = client.pipeline(transaction=False)
+            _beat(pipe, sorted(live), self.channel.consumer_dead_after_s)
+            pipe.smembers(CONSUMERS_KEY)
+            known = {c.decode() for c in pipe.execute()[-1]} - live
+            if not known:
+                return
+            others = sorted(known)
+            pipe = client.pipeline(transaction=False)
+            for consumer in others:
+                pipe.exists(alive_key(consumer))
+            for consumer, alive in zip(others, pipe.execute(), strict=True):
+                if not alive:
+                    self._restore_consumer(client, consumer)
+
+    def _restore_consumer(self, client: Any, consumer: str) -> None:
+        key = unacked_key(consumer)
+
+        def restore(pipe: Any) -> None:
+            entries = pipe.hgetall(key)
+            pipe.multi()
+            for raw in entries.values():
+                payload, exchange, routing_key = json.loads(raw)
+                self.channel._do_restore_message(payload, exchange, routing_key, pipe)
+            pipe.delete(key)
+            pipe.srem(CONSUMERS_KEY, consumer)
+
+        # WATCH: a second sweeper racing this one finds the hash changed and gives up
+        client.transaction(restore, key)
+
+    def close(self) -> None:
+        _LIVE.discard(self)  # what it did not give back, a sweeper will
+
+
+def _beat(pipe: Any, consumers: list[str], dead_after_s: int) -> None:
+    for consumer in consumers:
+        pipe.set(alive_key(consumer), 1, ex=dead_after_s)
+    if consumers:
+        pipe.sadd(CONSUMERS_KEY, *consumers)
 
 
 class Channel(kombu_redis.Channel):
     QoS = QoS
     _shared_client: Any = None
+    consumer_dead_after_s = 15
+    from_transport_options = (  # type: ignore[assignment]
+        *kombu_redis.Channel.from_transport_options,
+        "consumer_dead_after_s",
+    )
 
     @contextmanager
     def conn_or_acquire(self, client: Any = None) -> Iterator[Any]:
@@ -39,8 +158,27 @@ class Channel(kombu_redis.Channel):
             yield client
             return
         if self._shared_client is None:
-            self._shared_client = self._create_client()  # type: ignore[no-untyped-call]
+            self._shared_client = self._create_client()
         yield self._shared_client
+
+    def _restore(self, message: Any, leftmost: bool = False) -> None:
+        """Put one taken message back on its queue, then forget it (in that order: a crash
+        between the two delivers it twice, never loses it)."""
+        delivery = message.delivery_info
+        qos: QoS = self.qos
+        with self.conn_or_acquire() as client:
+            pipe = client.pipeline(transaction=False)
+            self._do_restore_message(
+                message._raw, delivery["exchange"], delivery["routing_key"], pipe, leftmost
+            )
+            pipe.hdel(unacked_key(qos.consumer), message.delivery_tag)
+            pipe.execute()
+
+    def close(self) -> None:
+        qos = self._qos  # only if this channel ever consumed
+        super().close()
+        if isinstance(qos, QoS):
+            qos.close()
 
 
 class Transport(kombu_redis.Transport):

@@ -1,0 +1,104 @@
+"""The broker's unacked bookkeeping (worker/edges/broker.py) on a real Redis: a taken message
+is held in its consumer's hash until acked; it goes back to its queue when rejected with
+requeue, when its channel closes, or when its consumer stops beating, and never while the
+consumer beats."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from kombu.connection import Connection
+
+from producer.fleet import Fleet
+from worker.edges import broker
+from worker.edges.dispatch import task_message
+
+pytestmark = pytest.mark.fleet
+REDIS_DB = 12
+QUEUE = "broker-test"
+
+
+@pytest.fixture
+def conn(base_fleet: Fleet) -> Iterator[tuple[Connection, redis.Redis]]:
+    url = base_fleet.redis_url.rsplit("/", 1)[0] + f"/{REDIS_DB}"
+    client = redis.Redis.from_url(url)
+    client.flushdb()
+    connection = Connection(
+        url, transport=broker.Transport, transport_options={"consumer_dead_after_s": 5}
+    )
+    yield connection, client
+    connection.release()
+    client.flushdb()
+    client.close()
+
+
+def _publish(client: redis.Redis, task_id: str) -> None:
+    client.lpush(QUEUE, task_message("cchatq.round", [task_id, 0], task_id, QUEUE))
+
+
+def _queued_ids(client: redis.Redis) -> list[str]:
+    return [json.loads(m)["headers"]["id"] for m in client.lrange(QUEUE, 0, -1)]
+
+
+def _take(channel: Any) -> Any:
+    message = channel.basic_get(QUEUE)
+    assert message is not None
+    return message
+
+
+def test_a_taken_message_is_held_until_acked(conn: tuple[Connection, redis.Redis]) -> None:
+    connection, client = conn
+    _publish(client, "a")
+    channel = connection.channel()
+    message = _take(channel)
+    assert _queued_ids(client) == []
+    assert len(broker.taken_messages(client)) == 1
+    message.ack()
+    assert broker.taken_messages(client) == []
+    channel.qos.restore_visible()  # our own consumer beats: nothing to give back
+    assert _queued_ids(client) == []
+
+
+def test_rejected_with_requeue_or_left_at_close_it_goes_back(
+    conn: tuple[Connection, redis.Redis],
+) -> None:
+    connection, client = conn
+    _publish(client, "a")
+    _publish(client, "b")
+    channel = connection.channel()
+    first = _take(channel)
+    first.reject(requeue=True)
+    assert sorted(_queued_ids(client)) == ["a", "b"]
+    _take(channel)
+    _take(channel)
+    channel.close()  # kombu gives back what a closing channel holds
+    assert sorted(_queued_ids(client)) == ["a", "b"]
+    assert broker.taken_messages(client) == []
+
+
+def test_a_consumer_that_stopped_beating_has_its_messages_handed_out_again(
+    conn: tuple[Connection, redis.Redis],
+) -> None:
+    connection, client = conn
+    _publish(client, "held-by-the-dead")
+    _publish(client, "held-by-the-living")
+    dead, living, sweeper = connection.channel(), connection.channel(), connection.channel()
+    _take(dead)
+    _take(living)
+    # the dead one's process is gone: it is no consumer of ours, and its heartbeat has run out
+    broker._LIVE.discard(dead.qos)
+    broker._LIVE.discard(living.qos)
+    client.delete(broker.alive_key(dead.qos.consumer))
+    client.set(broker.alive_key(living.qos.consumer), 1, ex=60)  # another process, beating
+    sweeper.qos.restore_visible()
+    assert _queued_ids(client) == ["held-by-the-dead"]
+    restored = json.loads(client.lindex(QUEUE, 0) or b"{}")
+    assert restored["headers"]["redelivered"] is True
+    assert len(broker.taken_messages(client)) == 1  # the living one's, still held
+    assert broker.alive_key(sweeper.qos.consumer).encode() in client.keys("_cchatq:broker:alive:*")
+    sweeper.qos.restore_visible()  # a second sweep finds nothing more to do
+    assert _queued_ids(client) == ["held-by-the-dead"]
