@@ -177,17 +177,19 @@ class RedisStore:
         trip that also records the session's state for `cchatq status`."""
         # No MULTI: each command is atomic on its own, and the lease is one SET ... NX GET
         # (Redis >= 7.0) whose old value says published ("done"), leased elsewhere, or free.
+        # The try counter starts as SET 1 NX EX GET: a first delivery (the usual case) counts
+        # itself and sets the TTL in one command; only a redelivery needs an INCR after it.
         pipe = self.client.pipeline(transaction=False)
         pipe.set(keys.step_state(step), keys.STEP_LEASED, nx=True, px=lease_ms, get=True)
-        pipe.incr(keys.tries(step))
-        pipe.expire(keys.tries(step), self.ttl_s)
+        pipe.set(keys.tries(step), 1, nx=True, ex=self.ttl_s, get=True)
         if sk:
             pipe.exists(keys.cancel(sk))
             if meta:
                 pipe.hset(keys.meta(sk), mapping=dict(meta))
         replies = pipe.execute()
-        before, tries = replies[0], int(replies[1])
-        cancelled = bool(replies[3]) if sk else False
+        before, counted = replies[0], replies[1]
+        tries = 1 if counted is None else int(self.client.incr(keys.tries(step)))
+        cancelled = bool(replies[2]) if sk else False
         return StepStart(before == keys.STEP_DONE, before is None, tries, cancelled)
 
     @_translated
