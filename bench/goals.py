@@ -23,6 +23,7 @@ from schemas.spec_types import Spec
 GUESTS = Path(fixtures.__file__).parent / "guests"
 SESSIONS = 1000
 SCRIPT_CONCURRENCY = 64
+PAIRS = 3
 IN_FLIGHT = 1000
 IN_FLIGHT_LATENCY_MS = 10_000
 CALLS_PER_SESSION = 3
@@ -78,38 +79,52 @@ def _per_session_ms(cost: Cost, n: int) -> str:
 
 
 def throughput_goals(fleet: Fleet, client: Client, rows: list[Row]) -> None:
-    """Goals 1-3 on a running fleet (llm, tools, control workers)."""
+    """Goals 1-3 on a running fleet (llm, tools, control workers). This machine's speed drifts
+    by +-15% from one run to the next (a shared VM), so cchatq and the script take turns,
+    PAIRS times, and goal 3 is the median of the pairs' ratios."""
     assert fleet.replay_url
     run_batch(client, workload(f"warm-{uuid.uuid4().hex[:6]}", 50))  # compile, connect
     kinds = {**_pids(fleet), "producer": [0]}
     kinds.pop("programs", None)
-    validating = time.process_time()
-    specs = workload(f"tp-{uuid.uuid4().hex[:6]}", SESSIONS)  # validated before the clock
-    validate_ms = (time.process_time() - validating) * 1000 / SESSIONS
-    with measured(kinds, client.redis) as ours:
-        ok = run_batch(client, specs)
     script_kinds = {"script": [0], "replay": kinds["replay"]}
-    with measured(script_kinds, None) as theirs:
-        script_ok = run_script(
-            fleet.replay_url,
-            CALCULATE["function"],  # type: ignore[arg-type]
-            GUESTS / "calculator.wasm",
-            SESSIONS,
-            SCRIPT_CONCURRENCY,
-        )
-    ours_rate, their_rate = SESSIONS / ours.wall_s, SESSIONS / theirs.wall_s
+    ours: list[Cost] = []
+    theirs: list[Cost] = []
+    ok = script_ok = 0
+    validate_ms = 0.0
+    for _ in range(PAIRS):
+        validating = time.process_time()
+        specs = workload(f"tp-{uuid.uuid4().hex[:6]}", SESSIONS)  # validated before the clock
+        validate_ms = (time.process_time() - validating) * 1000 / SESSIONS
+        with measured(kinds, client.redis) as cost:
+            ok = run_batch(client, specs)
+        ours.append(cost)
+        with measured(script_kinds, None) as cost:
+            script_ok = run_script(
+                fleet.replay_url,
+                CALCULATE["function"],  # type: ignore[arg-type]
+                GUESTS / "calculator.wasm",
+                SESSIONS,
+                SCRIPT_CONCURRENCY,
+            )
+        theirs.append(cost)
+    ratios = sorted(t.wall_s / o.wall_s for o, t in zip(ours, theirs, strict=True))
+    middle = ratios[len(ratios) // 2]
+    mid_ours, mid_theirs = next(
+        (o, t) for o, t in zip(ours, theirs, strict=True) if t.wall_s / o.wall_s == middle
+    )
     rows.append(("goal 1: Redis commands per session (<= 40; was ~173)",
-                 f"{ours.redis_commands / SESSIONS:.0f}"))  # fmt: skip
+                 f"{mid_ours.redis_commands / SESSIONS:.0f}"))  # fmt: skip
     rows.append(("goal 2: CPU per session, all processes (<= 15 ms; was ~36-45)",
-                 _per_session_ms(ours, SESSIONS)))  # fmt: skip
-    rows.append(("  the asyncio script, same sessions", _per_session_ms(theirs, SESSIONS)))
+                 _per_session_ms(mid_ours, SESSIONS)))  # fmt: skip
+    rows.append(("  the asyncio script, same sessions", _per_session_ms(mid_theirs, SESSIONS)))
     rows.append(
         ("  spec validation at submit, before that run (producer)", f"{validate_ms:.1f} ms")
     )
     rows.append(
-        ("goal 3: sessions/s at latency 0 vs the script (>= 1.0x; was 0.55x)",
-         f"{ours_rate:.1f}/s vs {their_rate:.1f}/s = {ours_rate / their_rate:.2f}x "
-         f"({ok} and {script_ok} of {SESSIONS} ok)")
+        (f"goal 3: sessions/s at latency 0 vs the script (>= 1.0x; was 0.55x), median of {PAIRS}",
+         f"{SESSIONS / mid_ours.wall_s:.1f}/s vs {SESSIONS / mid_theirs.wall_s:.1f}/s = "
+         f"{middle:.2f}x (pairs: {', '.join(f'{r:.2f}' for r in ratios)}; "
+         f"{ok} and {script_ok} of {SESSIONS} ok)")
     )  # fmt: skip
 
 
