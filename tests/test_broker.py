@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 import redis
 from kombu.connection import Connection
+from kombu.entity import Queue
+from kombu.messaging import Consumer
 
 from producer.fleet import Fleet
 from worker.edges import broker
@@ -102,3 +104,49 @@ def test_a_consumer_that_stopped_beating_has_its_messages_handed_out_again(
     assert broker.alive_key(sweeper.qos.consumer).encode() in client.keys("_cchatq:broker:alive:*")
     sweeper.qos.restore_visible()  # a second sweep finds nothing more to do
     assert _queued_ids(client) == ["held-by-the-dead"]
+
+
+def _consume(connection: Connection, n: int) -> list[Any]:
+    """Take n messages the way a worker does: a consumer of one queue, the poller's BLMOVE."""
+    got: list[Any] = []
+    channel = connection.channel()
+    consumer = Consumer(channel, queues=[Queue(QUEUE, routing_key=QUEUE)], accept=["json"])
+    consumer.register_callback(lambda _body, message: got.append(message))
+    consumer.consume()
+    while len(got) < n:
+        connection.drain_events(timeout=5)
+    return got
+
+
+def test_a_one_queue_consumer_takes_and_holds_in_one_move_and_an_ack_forgets_it(
+    conn: tuple[Connection, redis.Redis],
+) -> None:
+    connection, client = conn
+    for task_id in ("a", "b"):
+        _publish(client, task_id)
+    first, second = _consume(connection, 2)
+    assert _queued_ids(client) == []
+    held = [json.loads(m)["headers"]["id"] for m in broker.taken_messages(client)]
+    assert sorted(held) == ["a", "b"]
+    assert client.keys("_cchatq:broker:unacked:*") == []  # held by the move, no hash entry
+    first.ack()
+    assert [json.loads(m)["headers"]["id"] for m in broker.taken_messages(client)] == [
+        second.headers["id"]
+    ]
+    second.reject(requeue=True)
+    assert _queued_ids(client) == [second.headers["id"]]
+    assert broker.taken_messages(client) == []
+
+
+def test_what_a_dead_one_queue_consumer_moved_goes_back_to_its_queue(
+    conn: tuple[Connection, redis.Redis],
+) -> None:
+    connection, client = conn
+    _publish(client, "moved-by-the-dead")
+    (message,) = _consume(connection, 1)
+    dead = message.channel.qos
+    broker._LIVE.discard(dead)
+    client.delete(broker.alive_key(dead.consumer))
+    connection.channel().qos.restore_visible()
+    assert _queued_ids(client) == ["moved-by-the-dead"]
+    assert broker.taken_messages(client) == []

@@ -4,9 +4,13 @@
 - one Redis client object per channel: kombu builds a new `redis.Redis` for every publish and
   every ack (`Channel.conn_or_acquire`), which cost the llm worker ~14% of its CPU. The client
   is only a handle on the channel's connection pool and is thread-safe, so one serves them all;
+- a consumer of one queue takes a message with BLMOVE into its own list of taken messages:
+  taking and holding are one atomic command (kombu: BRPOP, then ZADD + HSET in MULTI/EXEC, so
+  a worker killed between the two lost the message), and an ack is one LREM (kombu: ZREM +
+  HDEL in MULTI/EXEC). A consumer of several queues keeps BRPOP and holds what it takes in
+  its own hash (one HSET; the ack one HDEL);
 - unacknowledged messages are kept per consumer, with a heartbeat, instead of in one hash with
-  a time index: taking a message is one HSET into the consumer's hash (kombu: ZADD + HSET in
-  MULTI/EXEC, 4 commands), an ack one HDEL (kombu: 4 more). A consumer beats every
+  a time index. A consumer beats every
   `unacked_restore_interval` seconds; when one stops (its process died, or its channel closed
   without giving its messages back), any other worker puts its messages back on their queues
   after `consumer_dead_after_s` (a transport option). kombu instead restores a message once it
@@ -29,6 +33,8 @@ import uuid
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
+from queue import Empty
+from time import monotonic
 from typing import Any
 
 from kombu.transport import redis as kombu_redis
@@ -40,8 +46,13 @@ CONSUMERS_KEY = "_cchatq:broker:consumers"  # ids of consumers that may hold una
 
 
 def unacked_key(consumer: str) -> str:
-    """delivery tag -> [message, exchange, routing key], one hash per consumer."""
+    """delivery tag -> [message, exchange, routing key], one hash per consumer (BRPOP)."""
     return f"_cchatq:broker:unacked:{consumer}"
+
+
+def taken_key(consumer: str) -> str:
+    """The messages a consumer took with BLMOVE, as they were on their queue."""
+    return f"_cchatq:broker:taken:{consumer}"
 
 
 def alive_key(consumer: str) -> str:
@@ -53,11 +64,15 @@ def taken_messages(client: Any) -> list[bytes]:
     taken: list[bytes] = []
     for consumer in client.smembers(CONSUMERS_KEY):
         taken.extend(client.hvals(unacked_key(consumer.decode())))
+        taken.extend(client.lrange(taken_key(consumer.decode()), 0, -1))
     return taken
 
 
 # the consumers of this process (one per consuming channel): the timer beats for all of them
 _LIVE: weakref.WeakSet[QoS] = weakref.WeakSet()
+# delivery tag -> (the list BLMOVE moved it to, the message as it was taken): an ack removes
+# exactly these bytes from that list
+_MOVED: dict[str, tuple[str, bytes]] = {}
 
 
 class QoS(kombu_redis.QoS):
@@ -67,7 +82,18 @@ class QoS(kombu_redis.QoS):
         self._registered = False
         _LIVE.add(self)
 
+    def register(self, client: Any) -> None:
+        """Known to the sweepers before it holds anything."""
+        if not self._registered:
+            pipe = client.pipeline(transaction=False)
+            _beat(pipe, [self.consumer], self.channel.consumer_dead_after_s)
+            pipe.execute()
+            self._registered = True
+
     def append(self, message: Any, delivery_tag: str) -> None:
+        if delivery_tag in _MOVED:  # held already, in this consumer's list
+            virtual.QoS.append(self, message, delivery_tag)
+            return
         delivery = message.delivery_info
         entry = json.dumps([message._raw, delivery["exchange"], delivery["routing_key"]])
         with self.channel.conn_or_acquire() as client:
@@ -83,7 +109,7 @@ class QoS(kombu_redis.QoS):
 
     def ack(self, delivery_tag: str) -> None:
         with self.channel.conn_or_acquire() as client:
-            client.hdel(unacked_key(self.consumer), delivery_tag)
+            self.forget(client, delivery_tag)
         virtual.QoS.ack(self, delivery_tag)
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
@@ -91,8 +117,16 @@ class QoS(kombu_redis.QoS):
             self.channel._restore(self._delivered[delivery_tag], leftmost=True)
         else:
             with self.channel.conn_or_acquire() as client:
-                client.hdel(unacked_key(self.consumer), delivery_tag)
+                self.forget(client, delivery_tag)
         virtual.QoS.ack(self, delivery_tag)
+
+    def forget(self, client: Any, delivery_tag: str) -> None:
+        """Drop a message from what this consumer holds (`client` may be a pipeline)."""
+        moved = _MOVED.pop(delivery_tag, None)
+        if moved is not None:
+            client.lrem(moved[0], 1, moved[1])
+        else:
+            client.hdel(unacked_key(self.consumer), delivery_tag)
 
     def restore_unacked(self, client: Any = None) -> Any:
         """At shutdown: every message taken and not acked goes back, via Channel._restore."""
@@ -118,19 +152,26 @@ class QoS(kombu_redis.QoS):
                     self._restore_consumer(client, consumer)
 
     def _restore_consumer(self, client: Any, consumer: str) -> None:
-        key = unacked_key(consumer)
+        held, taken = unacked_key(consumer), taken_key(consumer)
 
         def restore(pipe: Any) -> None:
-            entries = pipe.hgetall(key)
+            entries = pipe.hgetall(held)
+            moved = pipe.lrange(taken, 0, -1)
             pipe.multi()
             for raw in entries.values():
                 payload, exchange, routing_key = json.loads(raw)
                 self.channel._do_restore_message(payload, exchange, routing_key, pipe)
-            pipe.delete(key)
+            for raw in moved:
+                payload = json.loads(raw)
+                delivery = payload["properties"]["delivery_info"]
+                self.channel._do_restore_message(
+                    payload, delivery["exchange"], delivery["routing_key"], pipe
+                )
+            pipe.delete(held, taken)
             pipe.srem(CONSUMERS_KEY, consumer)
 
-        # WATCH: a second sweeper racing this one finds the hash changed and gives up
-        client.transaction(restore, key)
+        # WATCH: a second sweeper racing this one finds them changed and gives up
+        client.transaction(restore, held, taken)
 
     def close(self) -> None:
         _LIVE.discard(self)  # what it did not give back, a sweeper will
@@ -161,6 +202,47 @@ class Channel(kombu_redis.Channel):
             self._shared_client = self._create_client()
         yield self._shared_client
 
+    _moving_from: str | None = None
+
+    def _brpop_start(self, timeout: Any = None) -> None:
+        """One queue: BLMOVE its next message into this consumer's list. Several: kombu's
+        BRPOP over them all. Priorities are not used by cchatq (every message is on the
+        queue's own list), so BLMOVE watches that list only."""
+        if len(self.active_queues) != 1:
+            self._moving_from = None
+            super()._brpop_start(timeout)
+            return
+        (queue,) = self._queue_cycle.consume(1)
+        qos: QoS = self.qos
+        qos.register(self.client)
+        self._in_poll = self.client.connection
+        self._brpop_sent_at = monotonic()  # type: ignore[assignment]
+        self._moving_from = queue
+        self.client.connection.send_command(
+            "BLMOVE", queue, taken_key(qos.consumer), "RIGHT", "LEFT",
+            timeout if timeout is not None else self.brpop_timeout,
+        )  # fmt: skip
+
+    def _brpop_read(self, **options: Any) -> bool:
+        queue = self._moving_from
+        if queue is None:
+            return bool(super()._brpop_read(**options))
+        try:
+            try:
+                item = self.client.parse_response(self.client.connection, "BLMOVE", **options)
+            except self.connection_errors:
+                self.client.connection.disconnect()
+                raise
+            if not item:
+                raise Empty()
+            payload = json.loads(item)
+            _MOVED[payload["properties"]["delivery_tag"]] = (taken_key(self.qos.consumer), item)
+            self.connection._deliver(payload, queue)
+            return True
+        finally:
+            self._in_poll = None  # type: ignore[assignment]
+            self._flush_brpop_reauth()
+
     def _restore(self, message: Any, leftmost: bool = False) -> None:
         """Put one taken message back on its queue, then forget it (in that order: a crash
         between the two delivers it twice, never loses it)."""
@@ -171,7 +253,7 @@ class Channel(kombu_redis.Channel):
             self._do_restore_message(
                 message._raw, delivery["exchange"], delivery["routing_key"], pipe, leftmost
             )
-            pipe.hdel(unacked_key(qos.consumer), message.delivery_tag)
+            qos.forget(pipe, message.delivery_tag)
             pipe.execute()
 
     def close(self) -> None:
