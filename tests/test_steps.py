@@ -152,14 +152,8 @@ def test_a_session_runs_its_tool_and_finishes() -> None:
 
 @pytest.mark.parametrize(
     "method",
-    [
-        "load_spec",
-        "load_session",
-        "begin_step",
-        "store_model_reply",
-        "tool_inputs",
-        "ending_inputs",
-    ],
+    # a step's session and tool inputs are read with begin_step, in its round trip
+    ["load_spec", "begin_step", "store_model_reply", "ending_inputs"],
 )
 def test_a_store_failing_on_a_steps_read_retries_the_step_and_the_session_finishes(
     method: str,
@@ -210,7 +204,7 @@ def test_a_dangling_ref_that_reached_the_store_ends_with_a_validation_error_not_
 
 
 def test_a_step_failing_every_try_is_dead_lettered_and_the_session_ends() -> None:
-    p = pipeline(WEATHER_SCRIPT, store=lambda m: FailingStore(m, tool_inputs=99))
+    p = pipeline(WEATHER_SCRIPT, store=lambda m: FailingStore(m, store_tool_outcomes=99))
     submit(p, spec(WEATHER_FN))
     p.drain()
     body = p.body()

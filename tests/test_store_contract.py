@@ -20,7 +20,7 @@ from schemas.spec_types import spec_from_json, spec_to_json
 from worker.edges.store import RedisStore
 from worker.errors import StoreError
 from worker.session.engine import ToolOutcome
-from worker.session.ports import SessionStore
+from worker.session.ports import RoundReads, SessionStore, ToolReads
 from worker.session.twins import MemoryStore
 
 REDIS_DB = 9
@@ -122,6 +122,25 @@ def test_tool_outcomes_first_writer_wins_and_fan_in_counts_each_call_once(
     assert [r.outcomes for r in session.rounds] == [
         {0: ToolOutcome("zero", True), 1: ToolOutcome("one", True)}
     ]
+
+
+def test_a_step_reads_what_it_asks_for_with_its_lease(backend: Backend, sk: str) -> None:
+    backend.submit(sk, spec(sk), "")
+    store = backend.store
+    store.store_model_reply(sk, 0, completion("a", "b"))
+    store.store_tool_outcomes(sk, 0, {1: ToolOutcome("one", True)}, 2)
+    start = store.begin_step(keys.round_step(sk, 1), 1000, None, sk, RoundReads(1, "r"))
+    assert start.leased and start.session == store.load_session(sk, "r", upto_round=1)
+    tool = store.begin_step(keys.tool_step(sk, 0, 1), 1000, None, sk, ToolReads(0, 1))
+    assert (
+        tool.tool_inputs
+        == store.tool_inputs(sk, 0, 1)
+        == (
+            completion("a", "b"),
+            ToolOutcome("one", True),
+        )
+    )
+    assert store.begin_step(keys.round_step(sk, 2), 1000, None, sk).session is None
 
 
 def test_load_session_reads_rounds_up_to_the_one_asked(backend: Backend, sk: str) -> None:

@@ -10,6 +10,7 @@ import functools
 import json
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import Any, ParamSpec, TypeVar
 
 import redis
@@ -19,7 +20,7 @@ from schemas.bodies import dump_body
 from schemas.spec_types import SessionSpec, Spec, spec_from_json
 from worker.errors import StoreError
 from worker.session.engine import Round, Session, ToolOutcome
-from worker.session.ports import StepStart
+from worker.session.ports import RoundReads, StepStart, ToolInputs, ToolReads
 
 P = ParamSpec("P")
 SPEC_CACHE_SIZE = 4096
@@ -41,6 +42,18 @@ def _translated(fn: Callable[P, T]) -> Callable[P, T]:
 
 def _loads(raw: bytes | None) -> Any:
     return None if raw is None else json.loads(raw)
+
+
+def _tool_keys(sk: str, round_no: int, index: int) -> list[str]:
+    return [keys.model_out(sk, round_no), keys.tool_out(sk, round_no, index)]
+
+
+def _tool_inputs(raw: list[bytes | None]) -> ToolInputs:
+    reply, outcome = raw
+    return (
+        None if reply is None else dict(json.loads(reply)),
+        None if outcome is None else ToolOutcome.from_json(json.loads(outcome)),
+    )
 
 
 class RedisStore:
@@ -83,15 +96,25 @@ class RedisStore:
         """The spec and every stored round (up to `upto_round` inclusive), usually in one
         round trip: one MGET reads the replies with the outcome keys of their first
         GUESSED_CALLS calls; only a round with more calls needs a second read."""
+        spec, last, mget = self._session_reads(sk, upto_round)
+        return self._session_from(sk, spec, backend, last, self.client.mget(mget))
+
+    def _session_reads(self, sk: str, upto_round: int | None) -> tuple[SessionSpec, int, list[str]]:
         spec = self.load_spec(sk)
         if not isinstance(spec, SessionSpec):
             raise StoreError(f"session {sk} is a program run, not a chat")
         last = spec.limits.max_iterations - 1 if upto_round is None else upto_round
-        guessed = [(r, i) for r in range(last + 1) for i in range(GUESSED_CALLS)]
-        raw = self.client.mget(
+        return (
+            spec,
+            last,
             [keys.model_out(sk, r) for r in range(last + 1)]
-            + [keys.tool_out(sk, r, i) for r, i in guessed]
+            + [keys.tool_out(sk, r, i) for r in range(last + 1) for i in range(GUESSED_CALLS)],
         )
+
+    def _session_from(
+        self, sk: str, spec: SessionSpec, backend: str, last: int, raw: list[bytes | None]
+    ) -> Session:
+        guessed = [(r, i) for r in range(last + 1) for i in range(GUESSED_CALLS)]
         known = dict(zip(guessed, raw[last + 1 :], strict=True))
         replies: list[dict[str, Any]] = []
         for value in raw[: last + 1]:
@@ -127,13 +150,7 @@ class RedisStore:
         self, sk: str, round_no: int, index: int
     ) -> tuple[dict[str, Any] | None, ToolOutcome | None]:
         """A tool step's round reply and its own stored outcome, in one round trip."""
-        reply, outcome = self.client.mget(
-            [keys.model_out(sk, round_no), keys.tool_out(sk, round_no, index)]
-        )
-        return (
-            None if reply is None else dict(json.loads(reply)),
-            None if outcome is None else ToolOutcome.from_json(json.loads(outcome)),
-        )
+        return _tool_inputs(self.client.mget(_tool_keys(sk, round_no, index)))
 
     # writing outputs (first writer wins) ---------------------------------------------------
 
@@ -171,10 +188,16 @@ class RedisStore:
 
     @_translated
     def begin_step(
-        self, step: str, lease_ms: int, meta: dict[str, str | int] | None = None, sk: str = ""
+        self,
+        step: str,
+        lease_ms: int,
+        meta: dict[str, str | int] | None = None,
+        sk: str = "",
+        reads: RoundReads | ToolReads | None = None,
     ) -> StepStart:
-        """Everything one delivery of a step needs to know before it works, in one round
-        trip that also records the session's state for `cchatq status`."""
+        """Everything one delivery of a step needs to know before it works, and what its
+        body reads (`reads`), in one round trip that also records the session's state for
+        `cchatq status`."""
         # No MULTI: each command is atomic on its own, and the lease is one SET ... NX GET
         # (Redis >= 7.0) whose old value says published ("done"), leased elsewhere, or free.
         # The try counter starts as SET 1 NX EX GET: a first delivery (the usual case) counts
@@ -184,13 +207,41 @@ class RedisStore:
         pipe.set(keys.tries(step), 1, nx=True, ex=self.ttl_s, get=True)
         if sk:
             pipe.exists(keys.cancel(sk))
-            if meta:
-                pipe.hset(keys.meta(sk), mapping=dict(meta))
+        session_reads = self._speculative(sk, reads)
+        if session_reads is not None:
+            pipe.mget(session_reads[2])
+        elif isinstance(reads, ToolReads):
+            pipe.mget(_tool_keys(sk, reads.round_no, reads.index))
+        if sk and meta:
+            pipe.hset(keys.meta(sk), mapping=dict(meta))
         replies = pipe.execute()
         before, counted = replies[0], replies[1]
         tries = 1 if counted is None else int(self.client.incr(keys.tries(step)))
-        cancelled = bool(replies[2]) if sk else False
-        return StepStart(before == keys.STEP_DONE, before is None, tries, cancelled)
+        start = StepStart(
+            before == keys.STEP_DONE, before is None, tries, bool(replies[2]) if sk else False
+        )
+        try:
+            if session_reads is not None and isinstance(reads, RoundReads):
+                spec, last, _ = session_reads
+                session = self._session_from(sk, spec, reads.backend, last, replies[3])
+                return replace(start, session=session)
+            if isinstance(reads, ToolReads):
+                return replace(start, tool_inputs=_tool_inputs(replies[3]))
+        except Exception:  # what cannot be read here, the body reads again under the guard
+            return start
+        return start
+
+    def _speculative(
+        self, sk: str, reads: RoundReads | ToolReads | None
+    ) -> tuple[SessionSpec, int, list[str]] | None:
+        """A round step's session keys, if its spec is there to say how many rounds: a spec
+        that is missing or of another kind fails in the body, where it counts as a try."""
+        if not isinstance(reads, RoundReads):
+            return None
+        try:
+            return self._session_reads(sk, reads.round_no)
+        except StoreError:
+            return None
 
     @_translated
     def uncount_try(self, step: str) -> None:

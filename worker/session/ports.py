@@ -17,13 +17,35 @@ from worker.session.engine import Session, ToolOutcome
 
 
 @dataclass(frozen=True)
+class RoundReads:
+    """What a round step reads: its session's rounds up to `round_no`."""
+
+    round_no: int
+    backend: str  # the session's backend when its spec names none
+
+
+@dataclass(frozen=True)
+class ToolReads:
+    """What a tool step reads: its round's reply and its own stored outcome."""
+
+    round_no: int
+    index: int
+
+
+ToolInputs = tuple[dict[str, Any] | None, ToolOutcome | None]
+
+
+@dataclass(frozen=True)
 class StepStart:
-    """What one delivery of a step learns before it works."""
+    """What one delivery of a step learns before it works, with what it asked to read in the
+    same round trip (speculatively: a delivery that does not hold the lease ignores it)."""
 
     published: bool  # its continuation was already sent: nothing to do
     leased: bool  # this delivery holds the lease
     tries: int  # deliveries so far, this one included
     cancelled: bool
+    session: Session | None = None  # asked with RoundReads
+    tool_inputs: ToolInputs | None = None  # asked with ToolReads
 
 
 @dataclass(frozen=True)
@@ -67,7 +89,12 @@ class SessionStore(Protocol):
         ...
 
     def begin_step(
-        self, step: str, lease_ms: int, meta: dict[str, str | int] | None = None, sk: str = ""
+        self,
+        step: str,
+        lease_ms: int,
+        meta: dict[str, str | int] | None = None,
+        sk: str = "",
+        reads: RoundReads | ToolReads | None = None,
     ) -> StepStart: ...
     def uncount_try(self, step: str) -> None: ...
     def set_partial(self, sk: str, text: str | None) -> None: ...

@@ -49,8 +49,11 @@ from worker.session.ports import (
     Dispatcher,
     Permit,
     RateLimiter,
+    RoundReads,
     SessionStore,
+    StepStart,
     ToolCall,
+    ToolReads,
     ToolRuntime,
 )
 from worker.session.records import bare_record, ending, failed_program_record
@@ -110,17 +113,19 @@ class StepRunner:
         step: str,
         sk: str,
         lease_ms: Callable[[], int],
-        body: Callable[[], None],
+        body: Callable[[StepStart], None],
         stop_if_cancelled: bool = True,
         targets: Callable[[], list[str]] | None = None,
+        reads: RoundReads | ToolReads | None = None,
         **meta: str | int,
     ) -> None:
         """Run one delivery of a step under its guards. A step that keeps failing ends the
         sessions `targets()` names (its own session by default). Nothing escapes but
         RetryLater: a failure of the guard's own Redis calls retries the delivery, so a
-        message is never acknowledged with its work undone."""
+        message is never acknowledged with its work undone. What `reads` names is read with
+        the lease, in the same round trip, and handed to `body` in its StepStart."""
         try:
-            self._guarded(step, sk, lease_ms, body, stop_if_cancelled, targets, dict(meta))
+            self._guarded(step, sk, lease_ms, body, stop_if_cancelled, targets, reads, dict(meta))
         except RetryLater:
             raise
         except Exception as exc:
@@ -132,9 +137,10 @@ class StepRunner:
         step: str,
         sk: str,
         lease_ms: Callable[[], int],
-        body: Callable[[], None],
+        body: Callable[[StepStart], None],
         stop_if_cancelled: bool,
         targets: Callable[[], list[str]] | None,
+        reads: RoundReads | ToolReads | None,
         meta: dict[str, str | int],
     ) -> None:
         sessions = targets or (lambda: [sk])
@@ -142,7 +148,7 @@ class StepRunner:
             lease = lease_ms()
         except Exception:  # the lease is advisory: the body reads again, under the guard
             lease = DEFAULT_LEASE_MS
-        start = self.store.begin_step(step, lease, meta, sk)
+        start = self.store.begin_step(step, lease, meta, sk, reads)
         if start.published:
             return
         if not start.leased:
@@ -156,7 +162,7 @@ class StepRunner:
             self.poison(step, sessions(), f"delivered {start.tries} times")
             return
         try:
-            body()
+            body(start)
         except RateLimited as exc:
             # waiting for the backend's rate limit is not a failure: no try is spent, and the
             # task gives its worker slot back until there may be room
@@ -234,7 +240,7 @@ class StepRunner:
         def members() -> list[keys.ChunkMember]:
             return self.store.chunk_members(batch, chunk_no)
 
-        def body() -> None:
+        def body(_: StepStart) -> None:
             for member in members():
                 if member.program:
                     self.dispatch.program(member.sk)
@@ -255,8 +261,10 @@ class StepRunner:
             backend = self._backend(self.store.load_spec(sk).provider)
             return int((backend.total_timeout_s if backend else 60) * 1000) + 10_000
 
-        def body() -> None:
-            session = self.store.load_session(sk, self._default_backend(), upto_round=round_no)
+        def body(start: StepStart) -> None:
+            session = start.session or self.store.load_session(
+                sk, self._default_backend(), upto_round=round_no
+            )
             if len(session.rounds) < round_no:
                 return  # out of order: published before its round could be (never by us)
             if len(session.rounds) == round_no:
@@ -267,7 +275,8 @@ class StepRunner:
             self.apply(sk, decide(session), session)
 
         step = keys.round_step(sk, round_no)
-        self.guarded(step, sk, lease_ms, body, state=f"round {round_no}")
+        reads = RoundReads(round_no, self._default_backend())
+        self.guarded(step, sk, lease_ms, body, reads=reads, state=f"round {round_no}")
 
     def _backend(self, provider: str | None) -> BackendConfig | None:
         try:
@@ -313,9 +322,9 @@ class StepRunner:
             # the deadline covers an ENOSPC retry too
             return self.spec_of(sk, SessionSpec).limits.tool_timeout_ms + 5_000
 
-        def body() -> None:
+        def body(start: StepStart) -> None:
             spec = self.spec_of(sk, SessionSpec)
-            reply, outcome = self.store.tool_inputs(sk, round_no, index)
+            reply, outcome = start.tool_inputs or self.store.tool_inputs(sk, round_no, index)
             if reply is None or is_error_body(reply):
                 raise StoreError(f"round {round_no} reply missing for tool step")
             if outcome is None:
@@ -325,7 +334,8 @@ class StepRunner:
                 outcome = self._execute(spec, run)
             self.apply(sk, after_tool(round_no, index, outcome, len(tool_calls_of(reply))))
 
-        self.guarded(keys.tool_step(sk, round_no, index), sk, lease_ms, body)
+        step = keys.tool_step(sk, round_no, index)
+        self.guarded(step, sk, lease_ms, body, reads=ToolReads(round_no, index))
 
     def _execute(self, spec: SessionSpec, run: ToolRun) -> ToolOutcome:
         tool, limits = run.tool, spec.limits
@@ -377,7 +387,7 @@ class StepRunner:
     # finish --------------------------------------------------------------------------------
 
     def finish(self, sk: str) -> None:
-        def body() -> None:
+        def body(_: StepStart) -> None:
             spec = self.store.load_spec(sk)
             failure = self.store.failure(sk)
             if isinstance(spec, ProgramSpec):  # only a failed run is finished here

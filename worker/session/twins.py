@@ -16,7 +16,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from schemas.bodies import dump_body
@@ -26,7 +26,7 @@ from worker.codecs.protocol import ChatRequest, Delta
 from worker.config import BackendConfig
 from worker.errors import ProviderRequestError, RetryLater, StoreError, ToolExecError
 from worker.session.engine import Round, Session, ToolOutcome
-from worker.session.ports import Permit, StepStart, ToolCall
+from worker.session.ports import Permit, RoundReads, StepStart, ToolCall, ToolReads
 
 
 @dataclass
@@ -136,7 +136,12 @@ class MemoryStore:
             return sum((sk, round_no, i) in self.outcomes for i in range(calls))
 
     def begin_step(
-        self, step: str, lease_ms: int, meta: dict[str, str | int] | None = None, sk: str = ""
+        self,
+        step: str,
+        lease_ms: int,
+        meta: dict[str, str | int] | None = None,
+        sk: str = "",
+        reads: RoundReads | ToolReads | None = None,
     ) -> StepStart:
         with self._cond:
             now = time.monotonic()
@@ -148,7 +153,13 @@ class MemoryStore:
             if sk and meta:
                 self.meta_of.setdefault(sk, {}).update({k: str(v) for k, v in meta.items()})
             cancelled = bool(sk) and sk in self.cancelled
-            return StepStart(published, leased, self.tries[step], cancelled)
+        start = StepStart(published, leased, self.tries[step], cancelled)
+        if isinstance(reads, RoundReads):
+            session = self.load_session(sk, reads.backend, upto_round=reads.round_no)
+            return replace(start, session=session)
+        if isinstance(reads, ToolReads):
+            return replace(start, tool_inputs=self.tool_inputs(sk, reads.round_no, reads.index))
+        return start
 
     def uncount_try(self, step: str) -> None:
         with self._cond:
