@@ -22,8 +22,10 @@ from schemas.spec_types import ProgramSpec, SessionSpec, Spec, spec_from_json, s
 CHUNK_SIZE = 256  # sessions admitted by one start task
 PIPELINE_SIZE = 1000  # sessions per Redis round trip at submit
 DEFAULT_TTL_S = 86_400
-STALL_S = 30.0  # no session of a batch finished for this long: nudge the rest
+STALL_S = 30.0  # no session of a batch moved for this long: nudge those that did not
 NUDGE_MAX = 1000
+STATE_SAMPLE = 10_000  # pending sessions whose state one look reads
+QUEUED = b"queued"  # a session's state from submit until its first round
 
 
 @dataclass
@@ -142,18 +144,28 @@ class Client:
         stall_s: float = STALL_S,
     ) -> Iterator[tuple[str, dict[str, Any]]]:
         """Yield (session key, record) as sessions finish, by blocking reads of the batch's
-        done list. When nothing finishes for `stall_s`, the sessions still running are
-        nudged (their next step published again). Raises TimeoutError naming how many are
-        still running."""
+        done list. When no session of the batch has moved (finished, or changed state:
+        `queued`, `round N`) for `stall_s`, those unchanged for that long are nudged: their
+        next step is published again unless a worker holds it. A batch waiting on slow model
+        calls moves from round to round, so it is not nudged because none of its sessions
+        has finished yet; nor is a big batch whose sessions wait their turn in the queues.
+        Raises TimeoutError naming how many are still running."""
         pending = set(sub.order)
         ready = list(sub.done)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         done_key = keys.done_list(sub.batch)
-        progress = time.monotonic()
+        seen: dict[str, tuple[bytes | None, float]] = {}
+        started = progress = time.monotonic()
+        check_at = progress + stall_s / 2
         while pending:
-            if time.monotonic() - progress > stall_s:
-                self.nudge(sorted(pending)[:NUDGE_MAX])
-                progress = time.monotonic()
+            if time.monotonic() >= check_at:
+                moved, stalled = self._stalled(pending, seen, stall_s, started)
+                if moved:
+                    progress = time.monotonic()
+                elif stalled and time.monotonic() - progress >= stall_s:
+                    self.nudge(stalled[:NUDGE_MAX])
+                    progress = time.monotonic()
+                check_at = time.monotonic() + stall_s / 2
             if not ready:
                 item = self.redis.blpop([done_key], timeout=poll_s)
                 if item is not None:
@@ -170,6 +182,31 @@ class Client:
                         yield sk, record
             if deadline is not None and time.monotonic() > deadline and pending:
                 raise TimeoutError(f"{len(pending)} of {len(sub.order)} sessions still running")
+
+    def _stalled(
+        self,
+        pending: set[str],
+        seen: dict[str, tuple[bytes | None, float]],
+        stall_s: float,
+        started: float,
+    ) -> tuple[bool, list[str]]:
+        """Whether a pending session changed state since the last look, and those whose state
+        has not changed for `stall_s`; `seen` keeps each session's last state and since when
+        (a session seen for the first time counts as moved only if it left `queued`)."""
+        sks = sorted(pending)[:STATE_SAMPLE]
+        pipe = self.redis.pipeline(transaction=False)
+        for sk in sks:
+            pipe.hget(keys.meta(sk), "state")
+        now = time.monotonic()
+        moved, stalled = False, []
+        for sk, state in zip(sks, pipe.execute(), strict=True):
+            before = seen.get(sk, (QUEUED, started))
+            if before[0] != state:
+                moved = True
+                seen[sk] = (state, now)
+            elif now - before[1] >= stall_s:
+                stalled.append(sk)
+        return moved, stalled
 
     def nudge(self, sks: Sequence[str]) -> None:
         """Ask the fleet to publish the next step of these sessions again (StepRunner.nudge)."""

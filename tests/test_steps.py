@@ -301,3 +301,20 @@ def test_a_redelivered_step_never_calls_the_model_twice() -> None:
     p.drain()
     assert len(p.provider.requests) == 2
     assert len(p.tools.calls) == 1
+
+
+def test_a_nudge_leaves_a_step_that_is_running_or_done_alone() -> None:
+    """A session waiting on a slow model call is not stalled: a nudge that re-published its
+    round would only queue a copy behind it."""
+    p = pipeline(WEATHER_SCRIPT)
+    submit(p, spec(WEATHER_FN))
+    p.queue.run_next(p.run)  # round 0 ran and published its tool step
+    p.queue.pending.clear()
+    p.store.begin_step(keys.tool_step(SK, 0, 0), 60_000, None, SK)  # a worker holds it
+    p.runner.nudge(SK)
+    assert list(p.queue.pending) == []
+    p.store.release_lease(keys.tool_step(SK, 0, 0))  # that worker died: its lease ran out
+    p.runner.nudge(SK)
+    assert list(p.queue.pending) == [("tool", SK, 0, 0)]
+    p.drain()
+    assert p.body()["choices"][0]["message"]["content"] == "Tool said: sunny"

@@ -174,6 +174,18 @@ def test_a_step_lease_is_held_once_and_its_tries_counted(backend: Backend, sk: s
     assert store.meta(sk)["state"] == "round 0"
 
 
+def test_a_step_is_active_while_leased_and_once_published(backend: Backend, sk: str) -> None:
+    store = backend.store
+    leased, done, free = (keys.round_step(sk, r) for r in range(3))
+    store.begin_step(leased, 60_000, None, sk)
+    store.begin_step(done, 60_000, None, sk)
+    store.end_step(done)
+    assert store.active_steps([leased, done, free]) == {leased, done}
+    store.release_lease(leased)
+    assert store.active_steps([leased, free]) == set()
+    assert store.active_steps([]) == set()
+
+
 def test_cancel_is_seen_at_the_step_boundary(backend: Backend, sk: str) -> None:
     backend.cancel(sk)
     assert backend.store.is_cancelled(sk)

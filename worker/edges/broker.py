@@ -27,6 +27,7 @@ makes the second copy wait); cchatq's workers use threads or prefork.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import uuid
@@ -39,6 +40,8 @@ from typing import Any
 
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
+
+log = logging.getLogger(__name__)
 
 # Broker bookkeeping, outside the session keyspace (cq:*) like kombu's own keys: no TTL, and
 # bounded: a hash empties as its messages are acked, a consumer leaves the set when swept.
@@ -169,6 +172,11 @@ class QoS(kombu_redis.QoS):
                 )
             pipe.delete(held, taken)
             pipe.srem(CONSUMERS_KEY, consumer)
+            if entries or moved:
+                log.warning(
+                    "consumer %s stopped beating: %d of its messages handed out again",
+                    consumer, len(entries) + len(moved),
+                )  # fmt: skip
 
         # WATCH: a second sweeper racing this one finds them changed and gives up
         client.transaction(restore, held, taken)

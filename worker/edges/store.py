@@ -263,6 +263,13 @@ class RedisStore:
         return max(int(left_ms), 0) if state == keys.STEP_LEASED else 0
 
     @_translated
+    def active_steps(self, steps: list[str]) -> set[str]:
+        if not steps:
+            return set()
+        states = self.client.mget([keys.step_state(s) for s in steps])
+        return {s for s, state in zip(steps, states, strict=True) if state is not None}
+
+    @_translated
     def end_step(self, step: str) -> None:
         """Mark the continuation published (after publishing it) and drop the lease."""
         self.client.set(keys.step_state(step), keys.STEP_DONE, ex=self.ttl_s)

@@ -368,7 +368,9 @@ class StepRunner:
     def nudge(self, sk: str) -> None:
         """Re-publish what a stalled session does next, as the engine plans it from the stored
         state. A broker can lose a message (a worker killed between taking it and recording it
-        as unacknowledged); every step being idempotent, publishing it again is always safe."""
+        as unacknowledged); every step being idempotent, publishing it again is always safe.
+        A step that is leased or published is left alone: a session waiting on a slow model
+        call is not stalled, and a copy of its step would only queue behind it."""
         if self.store.has_result(sk):
             self.store.notify(sk, self.store.watcher_batches(sk))
             return
@@ -382,7 +384,18 @@ class StepRunner:
         except Exception:  # a plan that cannot be made: the finish step ends the session
             log.warning("nudge %s: no plan, finishing", sk)
             decision = Decision(finish=True)
-        self.apply(sk, decision)
+        self.apply(sk, self._not_running(sk, decision))
+
+    def _not_running(self, sk: str, decision: Decision) -> Decision:
+        """The decision without the steps it publishes that are already leased or published."""
+        tools = {keys.tool_step(sk, decision.round_no, i): i for i in decision.tools}
+        rounds = [] if decision.next_round is None else [keys.round_step(sk, decision.next_round)]
+        active = self.store.active_steps([*tools, *rounds])
+        return replace(
+            decision,
+            tools=tuple(i for step, i in tools.items() if step not in active),
+            next_round=None if rounds and rounds[0] in active else decision.next_round,
+        )
 
     # finish --------------------------------------------------------------------------------
 

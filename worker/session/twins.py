@@ -175,6 +175,11 @@ class MemoryStore:
     def lease_left_ms(self, step: str) -> int:
         return max(int((self.leases.get(step, 0.0) - time.monotonic()) * 1000), 0)
 
+    def active_steps(self, steps: list[str]) -> set[str]:
+        with self._cond:
+            now = time.monotonic()
+            return {s for s in steps if s in self.published or self.leases.get(s, 0.0) > now}
+
     def end_step(self, step: str) -> None:
         with self._cond:
             self.published.add(step)
