@@ -100,14 +100,8 @@ class QoS(kombu_redis.QoS):
         delivery = message.delivery_info
         entry = json.dumps([message._raw, delivery["exchange"], delivery["routing_key"]])
         with self.channel.conn_or_acquire() as client:
-            if self._registered:
-                client.hset(unacked_key(self.consumer), delivery_tag, entry)
-            else:  # known to the sweepers before it holds anything
-                pipe = client.pipeline(transaction=False)
-                _beat(pipe, [self.consumer], self.channel.consumer_dead_after_s)
-                pipe.hset(unacked_key(self.consumer), delivery_tag, entry)
-                pipe.execute()
-                self._registered = True
+            self.register(client)
+            client.hset(unacked_key(self.consumer), delivery_tag, entry)
         virtual.QoS.append(self, message, delivery_tag)
 
     def ack(self, delivery_tag: str) -> None:
@@ -222,7 +216,8 @@ class Channel(kombu_redis.Channel):
             return
         (queue,) = self._queue_cycle.consume(1)
         qos: QoS = self.qos
-        qos.register(self.client)
+        with self.conn_or_acquire() as client:  # not the blocking connection's client
+            qos.register(client)
         self._in_poll = self.client.connection
         self._brpop_sent_at = monotonic()  # type: ignore[assignment]
         self._moving_from = queue
