@@ -202,31 +202,32 @@ class RedisStore:
         # (Redis >= 7.0) whose old value says published ("done"), leased elsewhere, or free.
         # The try counter starts as SET 1 NX EX GET: a first delivery (the usual case) counts
         # itself and sets the TTL in one command; only a redelivery needs an INCR after it.
+        # The cancel flag is read in the MGET of what the body reads: no command of its own.
+        session_reads = self._speculative(sk, reads)
+        read_keys: list[str] = []
+        if session_reads is not None:
+            read_keys = session_reads[2]
+        elif isinstance(reads, ToolReads):
+            read_keys = _tool_keys(sk, reads.round_no, reads.index)
         pipe = self.client.pipeline(transaction=False)
         pipe.set(keys.step_state(step), keys.STEP_LEASED, nx=True, px=lease_ms, get=True)
         pipe.set(keys.tries(step), 1, nx=True, ex=self.ttl_s, get=True)
         if sk:
-            pipe.exists(keys.cancel(sk))
-        session_reads = self._speculative(sk, reads)
-        if session_reads is not None:
-            pipe.mget(session_reads[2])
-        elif isinstance(reads, ToolReads):
-            pipe.mget(_tool_keys(sk, reads.round_no, reads.index))
+            pipe.mget([*read_keys, keys.cancel(sk)])
         if sk and meta:
             pipe.hset(keys.meta(sk), mapping=dict(meta))
         replies = pipe.execute()
         before, counted = replies[0], replies[1]
         tries = 1 if counted is None else int(self.client.incr(keys.tries(step)))
-        start = StepStart(
-            before == keys.STEP_DONE, before is None, tries, bool(replies[2]) if sk else False
-        )
+        read: list[bytes | None] = replies[2] if sk else [None]
+        start = StepStart(before == keys.STEP_DONE, before is None, tries, read[-1] is not None)
         try:
             if session_reads is not None and isinstance(reads, RoundReads):
                 spec, last, _ = session_reads
-                session = self._session_from(sk, spec, reads.backend, last, replies[3])
+                session = self._session_from(sk, spec, reads.backend, last, read[:-1])
                 return replace(start, session=session)
-            if isinstance(reads, ToolReads):
-                return replace(start, tool_inputs=_tool_inputs(replies[3]))
+            if isinstance(reads, ToolReads) and sk:
+                return replace(start, tool_inputs=_tool_inputs(read[:-1]))
         except Exception:  # what cannot be read here, the body reads again under the guard
             return start
         return start
