@@ -18,6 +18,7 @@ from producer.fleet import Fleet
 from schemas import keys, task_names
 from worker.edges.broker import TRANSPORT
 from worker.edges.dispatch import Dispatcher, task_message
+from worker.session.ports import NextStep
 
 pytestmark = pytest.mark.fleet
 REDIS_DB = 11
@@ -62,7 +63,7 @@ def test_the_pushed_message_is_the_one_send_task_pushes(
     queue = task_names.ROUTES[task_names.TOOL]
     app.send_task(task_names.TOOL, args=args, task_id=step, queue=queue, argsrepr=repr(args))
     theirs = _pushed(client, queue)
-    Dispatcher(app, client).tool("sk-1", 2, 0)
+    Dispatcher(app, client, 60).tool("sk-1", 2, 0)
     ours = _pushed(client, queue)
     assert ours.keys() == theirs.keys()
     assert ours["headers"] == theirs["headers"]
@@ -85,3 +86,21 @@ def test_a_step_published_from_a_task_names_it_as_parent_and_keeps_its_root() ->
     assert message["headers"]["root_id"] == "sk.r0"
     alone = json.loads(task_message(task_names.ROUND, ["sk", 1], "sk.r1", "llm"))
     assert (alone["headers"]["parent_id"], alone["headers"]["root_id"]) == (None, "sk.r1")
+
+
+def test_a_steps_messages_and_its_published_marker_go_in_one_write(
+    broker: tuple[Celery, redis.Redis],
+) -> None:
+    app, client = broker
+    sent = Dispatcher(app, client, 60).publish(
+        [NextStep("tool", ("sk-2", 0, 0)), NextStep("tool", ("sk-2", 0, 1))],
+        published=keys.round_step("sk-2", 0),
+    )
+    assert sent  # the marker is written: the caller need not
+    queue = task_names.ROUTES[task_names.TOOL]
+    assert [_pushed(client, queue)["headers"]["id"] for _ in range(2)] == [
+        keys.tool_step("sk-2", 0, 0),
+        keys.tool_step("sk-2", 0, 1),
+    ]
+    assert client.get(keys.step_state(keys.round_step("sk-2", 0))) == keys.STEP_DONE
+    assert 0 < int(client.ttl(keys.step_state(keys.round_step("sk-2", 0)))) <= 60

@@ -16,12 +16,14 @@ from __future__ import annotations
 import base64
 import json
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 from celery import Celery
 from celery.utils.nodenames import anon_nodename
 
 from schemas import keys, task_names
+from worker.session.ports import NextStep
 
 # the options of a task with no callbacks, as Celery embeds them in every message body
 _EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
@@ -74,27 +76,50 @@ def task_message(
     return json.dumps(message).encode()
 
 
+def _task(step: NextStep) -> tuple[str, str]:
+    """A step's task name and task id (its step id)."""
+    args = step.args
+    if step.kind == "round":
+        return task_names.ROUND, keys.round_step(str(args[0]), int(args[1]))
+    if step.kind == "tool":
+        return task_names.TOOL, keys.tool_step(str(args[0]), int(args[1]), int(args[2]))
+    if step.kind == "finish":
+        return task_names.FINISH, keys.finish_step(str(args[0]))
+    if step.kind == "program":
+        return task_names.PROGRAM, keys.program_step(str(args[0]))
+    raise ValueError(f"no task for a step of kind {step.kind!r}")
+
+
 class Dispatcher:
-    def __init__(self, app: Celery, broker: Any) -> None:
-        """`broker`: a redis-py client on the broker (the Redis of `broker_url`)."""
+    def __init__(self, app: Celery, broker: Any, ttl_s: int) -> None:
+        """`broker`: a redis-py client on the broker, which is also the store's Redis (one
+        `REDIS_URL`), so a step's messages and its published marker go in one write."""
         self.app = app
         self.broker = broker
+        self.ttl_s = ttl_s
 
-    def _send(self, name: str, args: list[str | int], task_id: str) -> None:
-        queue = task_names.ROUTES[name]
+    def publish(self, steps: Sequence[NextStep], published: str | None = None) -> bool:
         current = self.app.current_worker_task
         parent = current.request if current is not None else None
-        # the queue's list is the queue's name: priority 0, no key prefix (wiring's config)
-        self.broker.lpush(queue, task_message(name, args, task_id, queue, parent))
+        pipe = self.broker.pipeline(transaction=False)
+        for step in steps:
+            name, task_id = _task(step)
+            queue = task_names.ROUTES[name]
+            # the queue's list is the queue's name: priority 0, no key prefix (wiring's config)
+            pipe.lpush(queue, task_message(name, list(step.args), task_id, queue, parent))
+        if published is not None:  # after the messages: a marker found means they were sent
+            pipe.set(keys.step_state(published), keys.STEP_DONE, ex=self.ttl_s)
+        pipe.execute()
+        return True
 
     def round(self, sk: str, round_no: int) -> None:
-        self._send(task_names.ROUND, [sk, round_no], keys.round_step(sk, round_no))
+        self.publish([NextStep("round", (sk, round_no))])
 
     def tool(self, sk: str, round_no: int, index: int) -> None:
-        self._send(task_names.TOOL, [sk, round_no, index], keys.tool_step(sk, round_no, index))
+        self.publish([NextStep("tool", (sk, round_no, index))])
 
     def finish(self, sk: str) -> None:
-        self._send(task_names.FINISH, [sk], keys.finish_step(sk))
+        self.publish([NextStep("finish", (sk,))])
 
     def program(self, sk: str) -> None:
-        self._send(task_names.PROGRAM, [sk], keys.program_step(sk))
+        self.publish([NextStep("program", (sk,))])

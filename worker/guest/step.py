@@ -16,7 +16,7 @@ from worker.guest.host import ChatDefaults, ProgramHost
 from worker.guest.ports import ProgramStore
 from worker.guest.runner import ModuleSource, ProgramOutcome, ProgramRun, run_program
 from worker.session.decisions import Decision, Ending
-from worker.session.ports import StepStart
+from worker.session.ports import Outbox, StepStart
 from worker.session.records import failed_program_record
 from worker.session.steps import StepRunner
 
@@ -34,7 +34,7 @@ class ProgramSteps:
         def lease_ms() -> int:
             return self.runner.spec_of(sk, ProgramSpec).limits.run_timeout_ms + LEASE_MARGIN_MS
 
-        def body(_: StepStart) -> None:
+        def body(_: StepStart, __: Outbox) -> None:
             spec = self.runner.spec_of(sk, ProgramSpec)
             started = time.monotonic()
             if self.programs.is_cancelled(sk):

@@ -5,7 +5,7 @@ and are tested with no Redis and no workers.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -120,6 +120,14 @@ class SessionStore(Protocol):
     def chunk_members(self, batch: str, chunk_no: int) -> list[ChunkMember]: ...
 
 
+@dataclass(frozen=True)
+class NextStep:
+    """A step to publish: its kind (`round`, `tool`, `finish`, `program`) and its ids."""
+
+    kind: str
+    args: tuple[str | int, ...]
+
+
 class Dispatcher(Protocol):
     """Publishes the next step of a session (at least once; steps absorb duplicates)."""
 
@@ -127,6 +135,35 @@ class Dispatcher(Protocol):
     def tool(self, sk: str, round_no: int, index: int) -> None: ...
     def finish(self, sk: str) -> None: ...
     def program(self, sk: str) -> None: ...
+    def publish(self, steps: Sequence[NextStep], published: str | None = None) -> bool:
+        """Publish `steps` in order, then mark step `published` as published, in the same
+        write if this dispatcher shares the store's Redis (True); False: the caller marks
+        it through the store."""
+        ...
+
+
+class Outbox:
+    """A Dispatcher that keeps what one step publishes, so that the step can send it all
+    with its published marker (`Dispatcher.publish`)."""
+
+    def __init__(self) -> None:
+        self.steps: list[NextStep] = []
+
+    def round(self, sk: str, round_no: int) -> None:
+        self.steps.append(NextStep("round", (sk, round_no)))
+
+    def tool(self, sk: str, round_no: int, index: int) -> None:
+        self.steps.append(NextStep("tool", (sk, round_no, index)))
+
+    def finish(self, sk: str) -> None:
+        self.steps.append(NextStep("finish", (sk,)))
+
+    def program(self, sk: str) -> None:
+        self.steps.append(NextStep("program", (sk,)))
+
+    def publish(self, steps: Sequence[NextStep], published: str | None = None) -> bool:
+        self.steps.extend(steps)
+        return False
 
 
 class RateLimiter(Protocol):

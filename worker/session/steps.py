@@ -47,6 +47,8 @@ from worker.session.engine import (
 from worker.session.ports import (
     CompletionProvider,
     Dispatcher,
+    NextStep,
+    Outbox,
     Permit,
     RateLimiter,
     RoundReads,
@@ -113,7 +115,7 @@ class StepRunner:
         step: str,
         sk: str,
         lease_ms: Callable[[], int],
-        body: Callable[[StepStart], None],
+        body: Callable[[StepStart, Outbox], None],
         stop_if_cancelled: bool = True,
         targets: Callable[[], list[str]] | None = None,
         reads: RoundReads | ToolReads | None = None,
@@ -137,7 +139,7 @@ class StepRunner:
         step: str,
         sk: str,
         lease_ms: Callable[[], int],
-        body: Callable[[StepStart], None],
+        body: Callable[[StepStart, Outbox], None],
         stop_if_cancelled: bool,
         targets: Callable[[], list[str]] | None,
         reads: RoundReads | ToolReads | None,
@@ -155,14 +157,14 @@ class StepRunner:
             raise RetryLater(self.store.lease_left_ms(step) / 1000 + 0.05, f"step {step} is leased")
         if start.cancelled and stop_if_cancelled:
             # cancellation is checked at every step boundary; finish writes the cancelled body
-            self.dispatch.finish(sk)
-            self.store.end_step(step)
+            self._commit(step, [NextStep("finish", (sk,))])
             return
         if start.tries > self.settings.max_step_attempts:
             self.poison(step, sessions(), f"delivered {start.tries} times")
             return
+        outbox = Outbox()
         try:
-            body(start)
+            body(start, outbox)
         except RateLimited as exc:
             # waiting for the backend's rate limit is not a failure: no try is spent, and the
             # task gives its worker slot back until there may be room
@@ -178,7 +180,14 @@ class StepRunner:
             raise RetryLater(
                 min(0.2 * 2**start.tries, 10.0), f"{type(exc).__name__}: {exc}"
             ) from exc
-        self.store.end_step(step)
+        self._commit(step, outbox.steps)
+
+    def _commit(self, step: str, steps: list[NextStep]) -> None:
+        """Publish what the step decided, then mark it published: one write where the
+        dispatcher shares the store's Redis. In that order, so a redelivery that finds the
+        marker knows its continuation was sent."""
+        if not self.dispatch.publish(steps, published=step):
+            self.store.end_step(step)
 
     def _release_quietly(self, step: str) -> None:
         with contextlib.suppress(StoreError):
@@ -208,11 +217,19 @@ class StepRunner:
 
     # applying a decision -------------------------------------------------------------------
 
-    def apply(self, sk: str, decision: Decision, session: Session | None = None) -> None:
-        """Carry out what the engine decided: store tool messages, publish the next steps,
-        write the ending. The one place a decision becomes Redis writes and messages.
-        Given the session (a round step), a finish is done here rather than published as a
-        task of its own: one hop less per session, under the same ending rules."""
+    def apply(
+        self,
+        sk: str,
+        decision: Decision,
+        session: Session | None = None,
+        dispatch: Dispatcher | None = None,
+    ) -> None:
+        """Carry out what the engine decided: store tool messages, publish the next steps
+        (through `dispatch`: a step passes its Outbox), write the ending. The one place a
+        decision becomes Redis writes and messages. Given the session (a round step), a
+        finish is done here rather than published as a task of its own: one hop less per
+        session, under the same ending rules."""
+        send = dispatch or self.dispatch
         done = (
             self.store.store_tool_outcomes(
                 sk, decision.round_no, decision.store, decision.fan_in or 0
@@ -221,15 +238,15 @@ class StepRunner:
             else 0
         )
         for index in decision.tools:
-            self.dispatch.tool(sk, decision.round_no, index)
+            send.tool(sk, decision.round_no, index)
         if decision.fan_in is not None and done >= decision.fan_in:
-            self.dispatch.round(sk, decision.round_no + 1)
+            send.round(sk, decision.round_no + 1)
         if decision.next_round is not None:
-            self.dispatch.round(sk, decision.next_round)
+            send.round(sk, decision.next_round)
         if decision.finish and session is not None:
             self._end(sk, session)
         elif decision.finish:
-            self.dispatch.finish(sk)
+            send.finish(sk)
         if decision.ending is not None:
             body, record = decision.ending.body, decision.ending.record
             self.store.write_result(sk, dump_body(body), record)
@@ -240,12 +257,12 @@ class StepRunner:
         def members() -> list[keys.ChunkMember]:
             return self.store.chunk_members(batch, chunk_no)
 
-        def body(_: StepStart) -> None:
+        def body(_: StepStart, outbox: Outbox) -> None:
             for member in members():
                 if member.program:
-                    self.dispatch.program(member.sk)
+                    outbox.program(member.sk)
                 else:
-                    self.dispatch.round(member.sk, 0)
+                    outbox.round(member.sk, 0)
 
         def sessions() -> list[str]:
             return [m.sk for m in members()]
@@ -261,7 +278,7 @@ class StepRunner:
             backend = self._backend(self.store.load_spec(sk).provider)
             return int((backend.total_timeout_s if backend else 60) * 1000) + 10_000
 
-        def body(start: StepStart) -> None:
+        def body(start: StepStart, outbox: Outbox) -> None:
             session = start.session or self.store.load_session(
                 sk, self._default_backend(), upto_round=round_no
             )
@@ -272,7 +289,7 @@ class StepRunner:
                 winner = self.store.store_model_reply(sk, round_no, reply)
                 session = replace(session, rounds=(*session.rounds, Round(reply=winner)))
             # the plan runs once per round, here, on the stored reply (a redelivery too)
-            self.apply(sk, decide(session), session)
+            self.apply(sk, decide(session), session, outbox)
 
         step = keys.round_step(sk, round_no)
         reads = RoundReads(round_no, self._default_backend())
@@ -322,7 +339,7 @@ class StepRunner:
             # the deadline covers an ENOSPC retry too
             return self.spec_of(sk, SessionSpec).limits.tool_timeout_ms + 5_000
 
-        def body(start: StepStart) -> None:
+        def body(start: StepStart, outbox: Outbox) -> None:
             spec = self.spec_of(sk, SessionSpec)
             reply, outcome = start.tool_inputs or self.store.tool_inputs(sk, round_no, index)
             if reply is None or is_error_body(reply):
@@ -332,7 +349,8 @@ class StepRunner:
                 if run is None:
                     raise InternalError(f"call {index} of round {round_no} is not a tool run")
                 outcome = self._execute(spec, run)
-            self.apply(sk, after_tool(round_no, index, outcome, len(tool_calls_of(reply))))
+            calls = len(tool_calls_of(reply))
+            self.apply(sk, after_tool(round_no, index, outcome, calls), dispatch=outbox)
 
         step = keys.tool_step(sk, round_no, index)
         self.guarded(step, sk, lease_ms, body, reads=ToolReads(round_no, index))
@@ -400,7 +418,7 @@ class StepRunner:
     # finish --------------------------------------------------------------------------------
 
     def finish(self, sk: str) -> None:
-        def body(_: StepStart) -> None:
+        def body(_: StepStart, outbox: Outbox) -> None:
             spec = self.store.load_spec(sk)
             failure = self.store.failure(sk)
             if isinstance(spec, ProgramSpec):  # only a failed run is finished here

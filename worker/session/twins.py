@@ -15,7 +15,7 @@ import json
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -26,7 +26,7 @@ from worker.codecs.protocol import ChatRequest, Delta
 from worker.config import BackendConfig
 from worker.errors import ProviderRequestError, RetryLater, StoreError, ToolExecError
 from worker.session.engine import Round, Session, ToolOutcome
-from worker.session.ports import Permit, RoundReads, StepStart, ToolCall, ToolReads
+from worker.session.ports import NextStep, Permit, RoundReads, StepStart, ToolCall, ToolReads
 
 
 @dataclass
@@ -321,6 +321,11 @@ class StepQueue:
 
     def start(self, batch: str, chunk_no: int) -> None:
         self._put(("start", batch, chunk_no))
+
+    def publish(self, steps: Sequence[NextStep], published: str | None = None) -> bool:
+        for step in steps:
+            self._put((step.kind, *step.args))
+        return False  # the published marker is the store's (MemoryStore.end_step)
 
     def _put(self, step: Published) -> None:
         self.sent.append(step)
