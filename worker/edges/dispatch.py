@@ -23,7 +23,7 @@ from celery import Celery
 from celery.utils.nodenames import anon_nodename
 
 from schemas import keys, task_names
-from worker.session.ports import NextStep
+from worker.session.ports import NextStep, StepPublisher
 
 # the options of a task with no callbacks, as Celery embeds them in every message body
 _EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
@@ -90,7 +90,7 @@ def _task(step: NextStep) -> tuple[str, str]:
     raise ValueError(f"no task for a step of kind {step.kind!r}")
 
 
-class Dispatcher:
+class Dispatcher(StepPublisher):
     def __init__(self, app: Celery, broker: Any, ttl_s: int) -> None:
         """`broker`: a redis-py client on the broker, which is also the store's Redis (one
         `REDIS_URL`), so a step's messages and its published marker go in one write."""
@@ -111,15 +111,3 @@ class Dispatcher:
             pipe.set(keys.step_state(published), keys.STEP_DONE, ex=self.ttl_s)
         pipe.execute()
         return True
-
-    def round(self, sk: str, round_no: int) -> None:
-        self.publish([NextStep("round", (sk, round_no))])
-
-    def tool(self, sk: str, round_no: int, index: int) -> None:
-        self.publish([NextStep("tool", (sk, round_no, index))])
-
-    def finish(self, sk: str) -> None:
-        self.publish([NextStep("finish", (sk,))])
-
-    def program(self, sk: str) -> None:
-        self.publish([NextStep("program", (sk,))])

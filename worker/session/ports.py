@@ -142,24 +142,32 @@ class Dispatcher(Protocol):
         ...
 
 
-class Outbox:
+class StepPublisher:
+    """A Dispatcher's four ways to publish one step, each the `publish` of one NextStep: the
+    shape the broker's dispatcher, the Outbox and the twin's queue share."""
+
+    def publish(self, steps: Sequence[NextStep], published: str | None = None) -> bool:
+        raise NotImplementedError
+
+    def round(self, sk: str, round_no: int) -> None:
+        self.publish([NextStep("round", (sk, round_no))])
+
+    def tool(self, sk: str, round_no: int, index: int) -> None:
+        self.publish([NextStep("tool", (sk, round_no, index))])
+
+    def finish(self, sk: str) -> None:
+        self.publish([NextStep("finish", (sk,))])
+
+    def program(self, sk: str) -> None:
+        self.publish([NextStep("program", (sk,))])
+
+
+class Outbox(StepPublisher):
     """A Dispatcher that keeps what one step publishes, so that the step can send it all
     with its published marker (`Dispatcher.publish`)."""
 
     def __init__(self) -> None:
         self.steps: list[NextStep] = []
-
-    def round(self, sk: str, round_no: int) -> None:
-        self.steps.append(NextStep("round", (sk, round_no)))
-
-    def tool(self, sk: str, round_no: int, index: int) -> None:
-        self.steps.append(NextStep("tool", (sk, round_no, index)))
-
-    def finish(self, sk: str) -> None:
-        self.steps.append(NextStep("finish", (sk,)))
-
-    def program(self, sk: str) -> None:
-        self.steps.append(NextStep("program", (sk,)))
 
     def publish(self, steps: Sequence[NextStep], published: str | None = None) -> bool:
         self.steps.extend(steps)

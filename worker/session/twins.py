@@ -26,7 +26,15 @@ from worker.codecs.protocol import ChatRequest, Delta
 from worker.config import BackendConfig
 from worker.errors import ProviderRequestError, RetryLater, StoreError, ToolExecError
 from worker.session.engine import Round, Session, ToolOutcome
-from worker.session.ports import NextStep, Permit, RoundReads, StepStart, ToolCall, ToolReads
+from worker.session.ports import (
+    NextStep,
+    Permit,
+    RoundReads,
+    StepPublisher,
+    StepStart,
+    ToolCall,
+    ToolReads,
+)
 
 
 @dataclass
@@ -300,24 +308,12 @@ Published = tuple[Any, ...]  # ("round", sk, r) | ("tool", sk, r, i) | ("finish"
 
 
 @dataclass
-class StepQueue:
+class StepQueue(StepPublisher):
     """The Dispatcher port: published steps wait here until `drain` runs them."""
 
     pending: deque[Published] = field(default_factory=deque)
     sent: list[Published] = field(default_factory=list)
     retries: int = 0
-
-    def round(self, sk: str, round_no: int) -> None:
-        self._put(("round", sk, round_no))
-
-    def tool(self, sk: str, round_no: int, index: int) -> None:
-        self._put(("tool", sk, round_no, index))
-
-    def finish(self, sk: str) -> None:
-        self._put(("finish", sk))
-
-    def program(self, sk: str) -> None:
-        self._put(("program", sk))
 
     def start(self, batch: str, chunk_no: int) -> None:
         self._put(("start", batch, chunk_no))
