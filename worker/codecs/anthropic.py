@@ -11,6 +11,7 @@ import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from schemas.spec_types import default_parameters
 from worker.codecs.anthropic_stream import (
     AnthropicStreamAssembler,
     decode_message,
@@ -166,7 +167,7 @@ def _wire_tool(tool: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"name": name}
     if fn.get("description"):
         out["description"] = fn["description"]
-    out["input_schema"] = fn.get("parameters") or {"type": "object", "properties": {}}
+    out["input_schema"] = fn.get("parameters") or default_parameters()
     return out
 
 
@@ -178,7 +179,7 @@ def _history_tools(turns: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for b in t["content"]
         if b.get("type") == "tool_use" and isinstance(b.get("name"), str)
     )
-    return [{"name": n, "input_schema": {"type": "object", "properties": {}}} for n in names]
+    return [{"name": n, "input_schema": default_parameters()} for n in names]
 
 
 def _tool_choice(request: ChatRequest, thinking: Mapping[str, Any] | None) -> dict[str, Any] | None:

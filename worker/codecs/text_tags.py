@@ -16,6 +16,7 @@ import json
 from dataclasses import replace
 from typing import Any
 
+from schemas.spec_types import default_parameters
 from worker.codecs.openai_chat import normalize_completion, tool_message_content
 from worker.codecs.openai_codec import OpenAICodec
 from worker.codecs.protocol import ChatRequest, ToolChoice, WireRequest
@@ -102,7 +103,7 @@ def tool_prompt(tools: list[dict[str, Any]], choice: ToolChoice, parallel: bool 
         entry: dict[str, Any] = {"name": fn.get("name")}
         if fn.get("description"):
             entry["description"] = fn["description"]
-        entry["parameters"] = fn.get("parameters") or {"type": "object", "properties": {}}
+        entry["parameters"] = fn.get("parameters") or default_parameters()
         lines.append(json.dumps(entry, ensure_ascii=False))
     if parallel is False:
         several = "call at most one function per turn"

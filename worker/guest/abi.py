@@ -9,6 +9,8 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+from schemas.spec_types import default_parameters
+
 # Linux errno numbers (not wasi-libc's)
 EPERM, ENOENT, EIO, EBADF, EAGAIN, ENOMEM, EACCES, EFAULT = 1, 2, 5, 9, 11, 12, 13, 14
 EINVAL, ENOSPC, EPIPE, ENOSYS, ETIMEDOUT = 22, 28, 32, 38, 110
@@ -46,24 +48,27 @@ def write_with_len_plan(capacity: int, data: bytes) -> tuple[int, bool]:
     return len(data), capacity >= len(data)
 
 
-def parse_set_param(raw: bytes) -> tuple[str, Any] | int:
-    """`{"key":..,"value":..}` -> (key, value), or -EIO for bad JSON or an empty key."""
+def _json_object(raw: bytes) -> dict[str, Any] | None:
+    """A guest's JSON argument as an object, or None (not JSON, not UTF-8, not an object)."""
     try:
         obj = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
-        return -EIO
-    if not isinstance(obj, dict) or not isinstance(obj.get("key"), str) or not obj["key"]:
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def parse_set_param(raw: bytes) -> tuple[str, Any] | int:
+    """`{"key":..,"value":..}` -> (key, value), or -EIO for bad JSON or an empty key."""
+    obj = _json_object(raw)
+    if obj is None or not isinstance(obj.get("key"), str) or not obj["key"]:
         return -EIO
     return obj["key"], obj.get("value")
 
 
 def parse_tool_json(raw: bytes) -> dict[str, Any] | int:
     """An OpenAI tool (or a legacy bare function) -> the function object, or -EINVAL."""
-    try:
-        obj = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        return -EINVAL
-    if not isinstance(obj, dict):
+    obj = _json_object(raw)
+    if obj is None:
         return -EINVAL
     function = (
         obj.get("function")
@@ -80,17 +85,14 @@ def parse_tool_json(raw: bytes) -> dict[str, Any] | int:
     if isinstance(function.get("description"), str):
         out["description"] = function["description"]
     params = function.get("parameters")
-    out["parameters"] = params if isinstance(params, dict) else {"type": "object", "properties": {}}
+    out["parameters"] = params if isinstance(params, dict) else default_parameters()
     return out
 
 
 def parse_flag_change(raw: bytes) -> tuple[set[str], set[str]] | int:
     """SET_FLAGS `{"set":[..],"clear":[..]}` -> (set, clear), or -EINVAL."""
-    try:
-        obj = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        return -EINVAL
-    if not isinstance(obj, dict):
+    obj = _json_object(raw)
+    if obj is None:
         return -EINVAL
     sets, clears = obj.get("set", []), obj.get("clear", [])
     if not isinstance(sets, list) or not isinstance(clears, list):
