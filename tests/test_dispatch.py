@@ -18,6 +18,7 @@ from producer.fleet import Fleet
 from schemas import keys, task_names
 from worker.edges.broker import TRANSPORT
 from worker.edges.dispatch import Dispatcher, task_message
+from worker.edges.store import RedisStore
 from worker.session.ports import NextStep
 
 pytestmark = pytest.mark.fleet
@@ -63,7 +64,7 @@ def test_the_pushed_message_is_the_one_send_task_pushes(
     queue = task_names.ROUTES[task_names.TOOL]
     app.send_task(task_names.TOOL, args=args, task_id=step, queue=queue, argsrepr=repr(args))
     theirs = _pushed(client, queue)
-    Dispatcher(app, client, 60).tool("sk-1", 2, 0)
+    Dispatcher(app, RedisStore(client, ttl_s=60)).tool("sk-1", 2, 0)
     ours = _pushed(client, queue)
     assert ours.keys() == theirs.keys()
     assert ours["headers"] == theirs["headers"]
@@ -92,7 +93,7 @@ def test_a_steps_messages_and_its_published_marker_go_in_one_write(
     broker: tuple[Celery, redis.Redis],
 ) -> None:
     app, client = broker
-    sent = Dispatcher(app, client, 60).publish(
+    sent = Dispatcher(app, RedisStore(client, ttl_s=60)).publish(
         [NextStep("tool", ("sk-2", 0, 0)), NextStep("tool", ("sk-2", 0, 1))],
         published=keys.round_step("sk-2", 0),
     )

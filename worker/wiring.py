@@ -47,7 +47,7 @@ class Wiring:
         self.programs = ProgramStore(self.store)
         self.runner = StepRunner(
             store=self.store,
-            dispatch=Dispatcher(app, self.store.client, settings.result_ttl_s),
+            dispatch=Dispatcher(app, self.store),
             provider_for=self.provider_for,
             tools=self.runtime,
             settings=settings,

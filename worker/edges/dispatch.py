@@ -23,6 +23,7 @@ from celery import Celery
 from celery.utils.nodenames import anon_nodename
 
 from schemas import keys, task_names
+from worker.edges.store import RedisStore
 from worker.session.ports import NextStep, StepPublisher
 
 # the options of a task with no callbacks, as Celery embeds them in every message body
@@ -91,23 +92,22 @@ def _task(step: NextStep) -> tuple[str, str]:
 
 
 class Dispatcher(StepPublisher):
-    def __init__(self, app: Celery, broker: Any, ttl_s: int) -> None:
-        """`broker`: a redis-py client on the broker, which is also the store's Redis (one
-        `REDIS_URL`), so a step's messages and its published marker go in one write."""
+    def __init__(self, app: Celery, store: RedisStore) -> None:
+        """The broker is the store's Redis (one `REDIS_URL`), so a step's messages and its
+        published marker go in one write, on the store's client."""
         self.app = app
-        self.broker = broker
-        self.ttl_s = ttl_s
+        self.store = store
 
     def publish(self, steps: Sequence[NextStep], published: str | None = None) -> bool:
         current = self.app.current_worker_task
         parent = current.request if current is not None else None
-        pipe = self.broker.pipeline(transaction=False)
+        pipe = self.store.client.pipeline(transaction=False)
         for step in steps:
             name, task_id = _task(step)
             queue = task_names.ROUTES[name]
             # the queue's list is the queue's name: priority 0, no key prefix (wiring's config)
             pipe.lpush(queue, task_message(name, list(step.args), task_id, queue, parent))
         if published is not None:  # after the messages: a marker found means they were sent
-            pipe.set(keys.step_state(published), keys.STEP_DONE, ex=self.ttl_s)
+            self.store.mark_published(pipe, published)
         pipe.execute()
         return True

@@ -273,7 +273,11 @@ class RedisStore:
     @_translated
     def end_step(self, step: str) -> None:
         """Mark the continuation published (after publishing it) and drop the lease."""
-        self.client.set(keys.step_state(step), keys.STEP_DONE, ex=self.ttl_s)
+        self.mark_published(self.client, step)
+
+    def mark_published(self, client: Any, step: str) -> None:
+        """The published marker, written by `client` (this store's, or a pipeline on it)."""
+        client.set(keys.step_state(step), keys.STEP_DONE, ex=self.ttl_s)
 
     @_translated
     def release_lease(self, step: str) -> None:
