@@ -55,6 +55,11 @@ def tool_out(sk: str, round_no: int, index: int) -> str:
     return f"{PREFIX}:out:{sk}:{round_no}:t{index}"
 
 
+def tool_queued(sk: str, round_no: int, index: int) -> str:
+    """Set when a call is published under max_parallel: it holds a place in the window."""
+    return f"{PREFIX}:queued:{sk}:{round_no}:t{index}"
+
+
 def step_state(step: str) -> str:
     return f"{PREFIX}:step:{step}"
 

@@ -7,16 +7,39 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-# name -> (default, cap)
-LIMIT_BOUNDS: dict[str, tuple[int, int]] = {
+TOOL_TIMEOUT_CAP_MS = 120_000
+MAX_TOOL_RETRIES_CAP = 10
+RETRY_BACKOFF_CAP_MS = 60_000
+
+# name -> (default, cap); a None default is the fleet's (ToolDefaults, from the worker's
+# configuration) when the spec is silent
+LIMIT_BOUNDS: dict[str, tuple[int | None, int]] = {
     "max_iterations": (8, 128),
     "max_total_tool_calls": (32, 10_000),
     "max_tool_output_bytes": (65_536, 1 << 20),
     # capped below the default visibility timeout (300 s), so no tool step outlives it
-    "tool_timeout_ms": (10_000, 120_000),
+    "default_tool_timeout_ms": (None, TOOL_TIMEOUT_CAP_MS),
     "tool_memory_bytes": (256 << 20, 4 << 30),
+    "max_tool_retries": (None, MAX_TOOL_RETRIES_CAP),
+    "max_parallel": (None, 1_000),  # tool tasks of one session in flight at once
 }
-LIMIT_ALIASES = {"max_tool_calls": "max_total_tool_calls"}
+LIMIT_ALIASES = {
+    "max_tool_calls": "max_total_tool_calls",
+    "tool_timeout_ms": "default_tool_timeout_ms",
+}
+
+
+@dataclass(frozen=True)
+class ToolDefaults:
+    """What the fleet gives a session's tool calls where its spec and tools are silent (the
+    worker configuration's `tools` object); `auto_tool_call` off runs no tools at all."""
+
+    timeout_ms: int = 10_000
+    max_retries: int = 0
+    retry_backoff_ms: int = 200
+    max_parallel: int = 16
+    auto_tool_call: bool = True
+
 
 # a program run's limits: name -> (default, cap); the run's deadline stays below the default
 # visibility timeout (300 s)
@@ -27,12 +50,14 @@ RUN_LIMIT_BOUNDS: dict[str, tuple[int, int]] = {
 }
 
 
-def _as_dict(values: Any) -> dict[str, int]:
+def _as_dict(values: Any) -> dict[str, Any]:
     return {f.name: getattr(values, f.name) for f in fields(values)}
 
 
 def _default(name: str) -> int:
-    return LIMIT_BOUNDS[name][0]
+    default = LIMIT_BOUNDS[name][0]
+    assert default is not None
+    return default
 
 
 def _run_default(name: str) -> int:
@@ -44,27 +69,32 @@ class Limits:
     max_iterations: int = _default("max_iterations")
     max_total_tool_calls: int = _default("max_total_tool_calls")
     max_tool_output_bytes: int = _default("max_tool_output_bytes")
-    tool_timeout_ms: int = _default("tool_timeout_ms")
+    default_tool_timeout_ms: int | None = None
     tool_memory_bytes: int = _default("tool_memory_bytes")
+    max_tool_retries: int | None = None
+    max_parallel: int | None = None
 
     @classmethod
     def resolve(cls, raw: Mapping[str, Any] | None) -> Limits:
-        """Apply defaults, aliases and caps; values below 1 fall back to the default."""
-        values: dict[str, int] = {}
+        """Apply defaults, aliases and caps; values below 1 fall back to the default (0 is
+        a value for max_tool_retries)."""
+        values: dict[str, int | None] = {}
         for key, value in (raw or {}).items():
             name = LIMIT_ALIASES.get(key, key)
-            if name not in LIMIT_BOUNDS or isinstance(value, bool):
+            if name not in LIMIT_BOUNDS or isinstance(value, bool) or value is None:
                 continue
             try:
                 number = int(value)
             except (TypeError, ValueError, OverflowError):  # OverflowError: a JSON 1e400
                 continue
             default, cap = LIMIT_BOUNDS[name]
-            values[name] = min(number, cap) if number >= 1 else default
-        return cls(**values)
+            least = 0 if name == "max_tool_retries" else 1
+            values[name] = min(number, cap) if number >= least else default
+        return cls(**values)  # type: ignore[arg-type]
 
     def as_dict(self) -> dict[str, int]:
-        return _as_dict(self)
+        """The limits that are set (a fleet default stays the fleet's)."""
+        return {k: v for k, v in _as_dict(self).items() if v is not None}
 
 
 @dataclass(frozen=True)
@@ -81,3 +111,8 @@ class RunLimits:
 
     def as_dict(self) -> dict[str, int]:
         return _as_dict(self)
+
+
+def max_parallel(limits: Limits, fleet: ToolDefaults) -> int:
+    """How many tool tasks of one session may be in flight at once."""
+    return limits.max_parallel or fleet.max_parallel

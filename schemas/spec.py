@@ -21,7 +21,13 @@ from marshmallow import (
     validates_schema,
 )
 
-from schemas.limits import LIMIT_ALIASES, LIMIT_BOUNDS
+from schemas.limits import (
+    LIMIT_ALIASES,
+    LIMIT_BOUNDS,
+    MAX_TOOL_RETRIES_CAP,
+    RETRY_BACKOFF_CAP_MS,
+    TOOL_TIMEOUT_CAP_MS,
+)
 from schemas.spec_types import SessionSpec, default_parameters, spec_from_json
 from schemas.tool_schema import schema_problem
 
@@ -129,12 +135,37 @@ class FunctionSchema(Schema):
             raise ValidationError(problem[0].upper() + problem[1:])
 
 
+class ToolPolicySchema(Schema):
+    """A tool's execution policy (schemas.spec_types.ToolPolicy)."""
+
+    timeout_ms = _strict_int(
+        validate=validate.Range(
+            min=1, max=TOOL_TIMEOUT_CAP_MS, error=f"Must be between 1 and {TOOL_TIMEOUT_CAP_MS}."
+        )
+    )
+    max_retries = _strict_int(
+        validate=validate.Range(
+            min=0, max=MAX_TOOL_RETRIES_CAP, error=f"Must be between 0 and {MAX_TOOL_RETRIES_CAP}."
+        )
+    )
+    retry_backoff_ms = _strict_int(
+        validate=validate.Range(
+            min=0, max=RETRY_BACKOFF_CAP_MS, error=f"Must be between 0 and {RETRY_BACKOFF_CAP_MS}."
+        )
+    )
+    idempotent = StrictBool()
+    fallback = fields.String(
+        validate=validate.Regexp(FUNCTION_NAME_PATTERN, error="Must name a tool of this session.")
+    )
+
+
 class ToolSpecSchema(Schema):
     module = fields.String(required=True, validate=validate.Length(min=1))
     export = fields.String(load_default=None, allow_none=True, validate=validate.Length(min=1))
     table_index = _strict_int(load_default=None, allow_none=True, validate=validate.Range(min=0))
     type = fields.String(validate=validate.OneOf(["function"]))
     function = fields.Nested(FunctionSchema, required=True)
+    policy = fields.Nested(ToolPolicySchema)
 
     @pre_load
     def _wrap_legacy(self, data: Any, **kwargs: Any) -> Any:
@@ -159,7 +190,8 @@ class ToolSpecSchema(Schema):
     @post_load
     def _canonical(self, data: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
         # "type" is dropped: it can only be "function".
-        return {k: data[k] for k in ("module", "export", "table_index", "function")}
+        keep = ("module", "export", "table_index", "function", "policy")
+        return {k: data[k] for k in keep if k in data}
 
 
 class ToolListField(fields.List[dict[str, Any]]):
@@ -185,6 +217,13 @@ class ToolListField(fields.List[dict[str, Any]]):
                 errors[index] = {"function": {"name": [message]}}
             elif name is not None:
                 first_index[name] = index
+        for index, tool in enumerate(tools):
+            fallback = ((tool or {}).get("policy") or {}).get("fallback")
+            if fallback is None or index in errors:
+                continue
+            if fallback == tool["function"]["name"] or fallback not in first_index:  # type: ignore[index]
+                problem = "Must name another tool of this session."
+                errors[index] = {"policy": {"fallback": [problem]}}
         if errors:
             raise ValidationError(errors)
         return tools
@@ -194,12 +233,14 @@ class FlagsSchema(Schema):
     auto_tool_call = StrictBool(load_default=True)
     metrics = StrictBool(load_default=True)
     strict_unknown_tool = StrictBool(load_default=False)
+    tool_result_envelope = StrictBool(load_default=True)
+    final_answer_on_limit = StrictBool(load_default=True)
 
 
-def _limit_field(name: str) -> fields.Integer:
+def _limit_field(name: str, least: int = 1) -> fields.Integer:
     cap = LIMIT_BOUNDS[LIMIT_ALIASES.get(name, name)][1]
     return _strict_int(
-        validate=validate.Range(min=1, max=cap, error=f"Must be between 1 and {cap}.")
+        validate=validate.Range(min=least, max=cap, error=f"Must be between {least} and {cap}.")
     )
 
 
@@ -209,9 +250,12 @@ class LimitsSchema(Schema):
     max_iterations = _limit_field("max_iterations")
     max_total_tool_calls = _limit_field("max_total_tool_calls")
     max_tool_output_bytes = _limit_field("max_tool_output_bytes")
-    tool_timeout_ms = _limit_field("tool_timeout_ms")
+    default_tool_timeout_ms = _limit_field("default_tool_timeout_ms")
     tool_memory_bytes = _limit_field("tool_memory_bytes")
+    max_tool_retries = _limit_field("max_tool_retries", least=0)
+    max_parallel = _limit_field("max_parallel")
     max_tool_calls = _limit_field("max_tool_calls")
+    tool_timeout_ms = _limit_field("tool_timeout_ms")
 
     @validates_schema
     def _check_aliases(self, data: dict[str, Any], **kwargs: Any) -> None:

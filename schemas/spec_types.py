@@ -22,6 +22,11 @@ class Flags:
     auto_tool_call: bool = True
     metrics: bool = True
     strict_unknown_tool: bool = False
+    # the model reads tool results as {ok, data, error, metrics} (issue 9); programs see the
+    # raw output unless they ask
+    tool_result_envelope: bool = True
+    # a limit that ends the tool loop is followed by one model call with tool choice none
+    final_answer_on_limit: bool = True
 
 
 def default_parameters() -> dict[str, Any]:
@@ -54,8 +59,31 @@ class FunctionSpec:
 
 
 @dataclass(frozen=True)
+class ToolPolicy:
+    """How one tool's calls run (seed 002's execution policy). None: the session's limits
+    decide, then the fleet's defaults (schemas.limits.ToolDefaults)."""
+
+    timeout_ms: int | None = None
+    max_retries: int | None = None
+    retry_backoff_ms: int | None = None
+    # a call that failed after the tool may have run is retried only if running it twice is
+    # harmless; WASM tools run with no I/O, so by default it is
+    idempotent: bool = True
+    fallback: str | None = None  # another tool of the session, called with the same arguments
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any] | None) -> ToolPolicy:
+        return cls(**_known(cls, raw or {}))
+
+    def to_json(self) -> dict[str, Any]:
+        """Only what differs from the defaults: most tools store no policy at all."""
+        default = ToolPolicy()
+        return {k: v for k, v in _plain(self).items() if v != getattr(default, k)}
+
+
+@dataclass(frozen=True)
 class ToolSpec:
-    """A tool: its function, and the WASM function that runs it."""
+    """A tool: its function, the WASM function that runs it, and how its calls run."""
 
     function: FunctionSpec
     module: str  # the module file: a path at submit, its file name once stored
@@ -63,6 +91,7 @@ class ToolSpec:
     table_index: int | None = None  # ... or by index into the function table
     module_sha256: str = ""  # set when the module is uploaded
     fork_sha256: str | None = None  # a program's tool: runs in this snapshot of the program
+    policy: ToolPolicy = field(default_factory=ToolPolicy)
 
     @property
     def name(self) -> str:
@@ -198,6 +227,9 @@ def _tool_to_json(tool: ToolSpec) -> dict[str, Any]:
         out["module_sha256"] = tool.module_sha256
     if tool.fork_sha256 is not None:
         out["fork_sha256"] = tool.fork_sha256
+    policy = tool.policy.to_json()
+    if policy:
+        out["policy"] = policy
     return out
 
 
@@ -209,6 +241,7 @@ def tool_from_json(raw: dict[str, Any]) -> ToolSpec:
         table_index=raw.get("table_index"),
         module_sha256=raw.get("module_sha256", ""),
         fork_sha256=raw.get("fork_sha256"),
+        policy=ToolPolicy.from_json(raw.get("policy")),
     )
 
 

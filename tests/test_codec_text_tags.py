@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -15,12 +16,14 @@ from worker.codecs.protocol import ChatRequest, Delta
 from worker.codecs.sse import SseParser
 from worker.codecs.text_tags import (
     INVALID_CALL_NAME,
+    NO_CALLS_RULE,
     PROTOCOL,
     TextTagAssembler,
     TextTagCodec,
     VisibleText,
+    render_messages,
 )
-from worker.errors import ToolArgumentsError
+from worker.errors import ToolValidationError
 
 CALL_ID = re.compile(r"^call_[0-9a-f]{24}$")
 WEATHER: dict[str, Any] = {
@@ -140,11 +143,11 @@ def test_b6_57_malformed_block_is_an_error_call_valid_blocks_kept() -> None:
     # a malformed block: its name is recovered, and the loop's argument check answers the call
     # with an invalid_arguments error result (B1.2: the parser's message, resend valid JSON)
     assert calls[1]["function"]["name"] == "get_time"
-    with pytest.raises(ToolArgumentsError, match=r"^invalid JSON arguments: Expecting ','"):
+    with pytest.raises(ToolValidationError, match=r"^invalid JSON arguments: Expecting ','"):
         decode_arguments(calls[1]["function"]["arguments"])
     # no name at all: a call the loop rejects as an unknown tool
     assert calls[3]["function"]["name"] == INVALID_CALL_NAME
-    with pytest.raises(ToolArgumentsError):
+    with pytest.raises(ToolValidationError):
         decode_arguments(calls[3]["function"]["arguments"])
     # the replay shows the model what it wrote
     assert message(got)["_provider"][PROTOCOL]["content"] == content
@@ -154,10 +157,10 @@ def test_b6_57_valid_json_that_is_not_a_call() -> None:
     got = decoded('<tool_call>{"tool": "get_weather", "args": {"name": "x"}}</tool_call>')
     (call,) = tool_calls_of(got)
     assert call["function"]["name"] == INVALID_CALL_NAME  # never a name taken from the args
-    with pytest.raises(ToolArgumentsError):
+    with pytest.raises(ToolValidationError):
         decode_arguments(call["function"]["arguments"])
     got = decoded('<tool_call>{"name": "get_time", "arguments": 5}</tool_call>')
-    with pytest.raises(ToolArgumentsError, match="must be a JSON object, got number"):
+    with pytest.raises(ToolValidationError, match="must be a JSON object, got number"):
         decode_arguments(tool_calls_of(got)[0]["function"]["arguments"])
 
 
@@ -234,7 +237,7 @@ def test_b6_60_missing_closing_tag_otherwise_an_error(rest: str) -> None:
     assert call["function"]["name"] == "get_weather"
     # B1.2's repair would close the cut-off text into the {"name", "arguments"} wrapper: the
     # call must not run with that, so the loop's check has to fail
-    with pytest.raises(ToolArgumentsError, match=r"^invalid JSON arguments: "):
+    with pytest.raises(ToolValidationError, match=r"^invalid JSON arguments: "):
         decode_arguments(call["function"]["arguments"])
 
 
@@ -406,7 +409,9 @@ def test_encode_tool_choice_none_drops_the_instructions() -> None:
     body = CODEC.encode(
         ChatRequest(model="m", messages=[system, USER], tools=[TIME], tool_choice="none")
     ).body
-    assert body["messages"] == [system, USER]
+    # the tool list goes; one line says that no call is wanted now
+    told = {"role": "system", "content": f"Be brief.\n\n{NO_CALLS_RULE}"}
+    assert body["messages"] == [told, USER]
     assert CODEC.encode(ChatRequest(model="m", messages=[USER])).body["messages"] == [USER]
 
 
@@ -490,5 +495,18 @@ def test_hostile_blocks_do_not_crash() -> None:
     deep = "[" * 50_000 + "]" * 50_000
     for body in (deep, "{'name': 'get_time', 'arguments': {'x': {1, 2}}}", "{" * 300):
         (call,) = tool_calls_of(CODEC.decode(reply(f"<tool_call>{body}</tool_call>"), REQUEST))
-        with pytest.raises(ToolArgumentsError):
+        with pytest.raises(ToolValidationError):
             decode_arguments(call["function"]["arguments"])
+
+
+def test_tool_choice_none_tells_the_model_to_answer_without_calls() -> None:
+    """Issue 9's final answer after a limit: the history shows <tool_call> blocks, so a model
+    that reads tags is told that none are wanted now (and no tool list is sent)."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    request = ChatRequest(
+        model="m", messages=[{"role": "user", "content": "hi"}], tools=tools, tool_choice="none"
+    )
+    [system, _] = render_messages(request)
+    assert system == {"role": "system", "content": NO_CALLS_RULE}
+    auto = render_messages(replace(request, tool_choice="auto"))
+    assert NO_CALLS_RULE not in auto[0]["content"] and "<tools>" in auto[0]["content"]

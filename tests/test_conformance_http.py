@@ -35,7 +35,8 @@ from worker.codecs.protocol import ChatRequest, Codec
 from worker.config import BackendConfig, Settings
 from worker.edges.provider_http import CompletionResult, HttpProvider
 from worker.errors import ProviderRequestError, ProviderRetryableError
-from worker.session.engine import CallModel, Round, RunTools, ToolOutcome, plan
+from worker.session.engine import CallModel, Round, RunTools, plan
+from worker.session.outcomes import ToolOutcome
 from worker.session.records import metrics
 from worker.session.steps import StepRunner
 from worker.session.twins import MemoryStore, NoTools, OpenRateLimiter, Published, StepQueue

@@ -3,7 +3,7 @@ behaviour (B1 8, B1 15, B7 65-68, B10 82), one test name per case number.
 
 Sessions are driven through the real `plan` / `transcript` / `metrics` of worker.session.engine;
 tools that time out or trap are real WASM guests (fixtures/guests) run by WasmToolRuntime and
-turned into outcomes by `StepRunner._execute`, the code a tools worker runs.
+turned into outcomes by `ToolCaller`, the code a tools worker runs.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from worker.codecs.openai_chat import normalize_usage
 from worker.codecs.protocol import ChatRequest
 from worker.config import Settings
 from worker.edges.wasm_runtime import ToolInvocation, WasmToolRuntime
-from worker.errors import ToolCallLimitError, ToolExecError
+from worker.errors import ToolCallLimitError, ToolTimeoutError
 from worker.session.engine import (
     REPEAT_LIMIT,
     CallModel,
@@ -50,13 +50,14 @@ from worker.session.engine import (
     Round,
     RunTools,
     Session,
-    ToolOutcome,
     plan,
     tool_run,
     transcript,
 )
+from worker.session.outcomes import ToolOutcome
 from worker.session.records import metrics
 from worker.session.steps import StepRunner
+from worker.session.tool_policy import ToolCaller
 from worker.session.twins import MemoryStore, NoProvider, OpenRateLimiter, StepQueue
 
 GUESTS = Path(__file__).resolve().parents[1] / "fixtures" / "guests"
@@ -137,7 +138,7 @@ def make_runner(tmp_path: Path, guests: Guests) -> Iterator[Callable[[], StepRun
     def factory() -> StepRunner:
         rt = WasmToolRuntime(tmp_path / f"cache{len(runtimes)}", guests)
         runtimes.append(rt)
-        # _execute uses only `tools` (and a fork loader for a program's tools, not here)
+        # the tool step uses only `tools` (and a fork loader for a program's tools, not here)
         return StepRunner(
             store=MemoryStore(),
             dispatch=StepQueue(),
@@ -168,12 +169,12 @@ def execute(runner: StepRunner, s: Session, index: int) -> ToolOutcome:
     """What a tools worker does for call `index` of the last round (StepRunner.tool)."""
     run = tool_run(s.spec, s.rounds[-1].reply, index)
     assert run is not None
-    return runner._execute(s.spec, run)
+    return ToolCaller(runner.tools(), runner.settings.tool_defaults).run(s.spec, run)
 
 
 # B1 8: unknown tool name -----------------------------------------------------------------------
 
-UNKNOWN_BODY = '{"error":{"code":"unknown_tool","message":"unknown tool: get_wether"}}'
+UNKNOWN_BODY = '{"error":{"code":"TOOL_NOT_FOUND","message":"unknown tool: get_wether"}}'
 
 
 def test_b1_08_unknown_tool_is_an_error_result() -> None:
@@ -185,8 +186,8 @@ def test_b1_08_unknown_tool_is_an_error_result() -> None:
     step = plan(s)
     assert isinstance(step, RunTools)
     assert [r.index for r in step.runs] == [1]  # the unknown call never runs
-    assert step.presets == {0: ToolOutcome(content=UNKNOWN_BODY, ok=False)}
-    assert step.presets[0].code == "unknown_tool"
+    assert step.presets == {0: err("TOOL_NOT_FOUND", "unknown tool: get_wether")}
+    assert step.presets[0].code == "TOOL_NOT_FOUND"
 
     s = with_outcomes(s, {**step.presets, 1: ok("sunny")})
     nxt = plan(s)
@@ -207,7 +208,7 @@ def test_b1_08_unknown_tool_never_raises_out_of_the_loop() -> None:
     # an all-unknown round runs nothing and still goes back to the model
     assert kinds == ["CallModel", "RunTools", "CallModel", "RunTools", "CallModel", "Finish"]
     tools = [m for m in transcript(s) if m["role"] == "tool"]
-    assert [json.loads(m["content"])["error"]["code"] for m in tools] == ["unknown_tool"] * 2
+    assert [json.loads(m["content"])["error"]["code"] for m in tools] == ["TOOL_NOT_FOUND"] * 2
 
 
 def test_b1_08_unknown_tool_error_keeps_the_guest_abi_text() -> None:
@@ -217,8 +218,8 @@ def test_b1_08_unknown_tool_error_keeps_the_guest_abi_text() -> None:
     s = session(make_spec(), Round(reply=completion(call("call_x", "get_wether", "{}"))))
     step = plan(s)
     assert isinstance(step, RunTools)
-    assert json.loads(step.presets[0].content)["error"] == {
-        "code": "unknown_tool",
+    assert json.loads(step.presets[0].message(envelope=False))["error"] == {
+        "code": "TOOL_NOT_FOUND",
         "message": "unknown tool: get_wether",
     }
 
@@ -278,7 +279,7 @@ def test_b1_15_tool_messages_follow_their_turn_in_call_order() -> None:
                 canon("call_e", "get_weather", '{"city":"Rome"}'),
             ],
         },
-        tool_msg("call_d", err_text("unknown_tool", "unknown tool: get_wether")),
+        tool_msg("call_d", err_text("TOOL_NOT_FOUND", "unknown tool: get_wether")),
         tool_msg("call_e", "hot"),
     ]
     assert unanswered_calls(step.messages) == []
@@ -320,7 +321,7 @@ def test_b1_15_gemini_function_responses_in_one_user_content_in_call_order() -> 
         {"content": "rain"},
     ]
     assert contents[4]["parts"][0]["functionResponse"]["response"] == {
-        "error": {"code": "unknown_tool", "message": "unknown tool: get_wether"}
+        "error": {"code": "TOOL_NOT_FOUND", "message": "unknown tool: get_wether"}
     }
 
 
@@ -350,7 +351,7 @@ def test_b7_65_max_turns_ends_with_typed_error_and_answered_transcript(
     assert finish.body["error"]["code"] == ToolCallLimitError.code
     history = transcript(s)
     assert unanswered_calls(history) == []
-    skipped = err_text("tool_call_limit", "skipped: exceeded max_iterations")
+    skipped = err_text("NOT_RUN", "skipped: exceeded max_iterations")
     last = max_iterations - 1
     assert history[-2:] == [tool_msg(f"call_{last}a", skipped), tool_msg(f"call_{last}b", skipped)]
     # the rounds before the limit ran their tools
@@ -368,7 +369,7 @@ def test_b7_66_tool_that_never_returns_times_out(
     rt = make_runner().tools()
     assert isinstance(rt, WasmToolRuntime)
     invocation = ToolInvocation(guests.sha("spin"), "spin", None, b"{}", timeout_ms=200)
-    with pytest.raises(ToolExecError, match=r"^tool timed out after 200 ms$"):
+    with pytest.raises(ToolTimeoutError, match=r"^tool timed out after 200 ms$"):
         rt.call_tool(invocation)
 
 
@@ -408,18 +409,20 @@ def test_b7_66_timeout_is_an_error_result_and_siblings_keep_call_order(
         t.join(timeout=30)
     assert sorted(results) == [0, 1, 2]
 
-    timed_out = err("tool_exec_failed", "tool timed out after 200 ms")
-    assert results[1] == timed_out
-    assert results[0].ok and json.loads(results[0].content)["city"] == "Paris"
-    assert results[2].ok and json.loads(results[2].content)["city"] == "Oslo"
+    timed_out = results[1]
+    assert (timed_out.code, timed_out.ran) == ("TIMEOUT", True)
+    assert timed_out.message(envelope=False) == err_text("TIMEOUT", "tool timed out after 200 ms")
+    assert timed_out.latency_ms >= 200
+    assert results[0].ok and json.loads(results[0].output or "")["city"] == "Paris"
+    assert results[2].ok and json.loads(results[2].output or "")["city"] == "Oslo"
 
     s = with_outcomes(s, {i: results[i] for i in (1, 2, 0)})  # stored as they finished
     nxt = plan(s)
     assert isinstance(nxt, CallModel)  # the loop continues
     assert nxt.messages[-3:] == [
-        tool_msg("call_a", results[0].content),
-        tool_msg("call_b", timed_out.content),
-        tool_msg("call_c", results[2].content),
+        tool_msg("call_a", results[0].message(envelope=False)),
+        tool_msg("call_b", timed_out.message(envelope=False)),
+        tool_msg("call_c", results[2].message(envelope=False)),
     ]
 
 
@@ -448,19 +451,19 @@ def test_b7_67_trapping_tool_is_an_error_result_and_keeps_siblings(
 
     failed = outcomes[1]
     assert not failed.ok
-    assert failed.code == "tool_exec_failed"
-    error = json.loads(failed.content)["error"]
+    assert failed.code == "RUNTIME_ERROR"
+    error = json.loads(failed.message(envelope=False))["error"]
     assert error["message"].startswith("tool trapped: wasm trap: wasm `unreachable`")
-    assert failed.content == err_text("tool_exec_failed", error["message"])  # compact body
+    assert failed.message(envelope=False) == err_text("RUNTIME_ERROR", error["message"])
     assert outcomes[0].ok and outcomes[2].ok
 
     s = with_outcomes(s, outcomes)
     nxt = plan(s)
     assert isinstance(nxt, CallModel)
     assert [(m["tool_call_id"], m["content"]) for m in nxt.messages[-3:]] == [
-        ("call_a", outcomes[0].content),
-        ("call_b", failed.content),
-        ("call_c", outcomes[2].content),
+        ("call_a", outcomes[0].message(envelope=False)),
+        ("call_b", failed.message(envelope=False)),
+        ("call_c", outcomes[2].message(envelope=False)),
     ]
     assert unanswered_calls(nxt.messages) == []
     assert metrics(s, 0)["tool_failures"] == 1
@@ -469,7 +472,7 @@ def test_b7_67_trapping_tool_is_an_error_result_and_keeps_siblings(
 # B7 68: repetition ------------------------------------------------------------------------------
 
 REPEATED = err(
-    "repeated_call",
+    "REPEATED_CALL",
     f"this exact call was made {REPEAT_LIMIT} times in a row; "
     "use its earlier result or change the arguments",
 )
@@ -496,7 +499,7 @@ def test_b7_68_third_identical_call_is_a_repeated_call_error() -> None:
     nxt = plan(s)
     assert isinstance(nxt, CallModel)  # a hint to the model, not the end of the session
     assert nxt.round_no == 3
-    assert nxt.messages[-1] == tool_msg("call_2", REPEATED.content)
+    assert nxt.messages[-1] == tool_msg("call_2", REPEATED.message(envelope=False))
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ import pytest
 from schemas.limits import Limits
 from schemas.spec_types import SessionSpec, spec_from_json, tool_from_json
 from worker.codecs.openai_chat import normalize_completion
-from worker.errors import UnknownToolError
+from worker.errors import ToolNotFoundError
 from worker.session.engine import (
     CANCELLED,
     CallModel,
@@ -24,13 +24,13 @@ from worker.session.engine import (
     Round,
     RunTools,
     Session,
-    ToolOutcome,
     ToolRun,
     argument_problem,
     plan,
     success_body,
     transcript,
 )
+from worker.session.outcomes import ToolFailure, ToolOutcome
 from worker.session.records import metrics
 
 # Fixtures as plain data --------------------------------------------------------------------
@@ -77,6 +77,10 @@ def make_spec(
             "auto_tool_call": True,
             "metrics": True,
             "strict_unknown_tool": False,
+            # the loop is tested on raw tool messages; test_tool_outcomes covers the envelope
+            "tool_result_envelope": False,
+            # limits are tested ending the session; test_tool_policy covers the final answer
+            "final_answer_on_limit": False,
             **(flags or {}),
         },
         "limits": {**Limits().as_dict(), **(limits or {})},
@@ -121,7 +125,7 @@ def session(spec: dict[str, Any], *rounds: Round) -> Session:
 
 
 def ok(content: str) -> ToolOutcome:
-    return ToolOutcome(content=content, ok=True)
+    return ToolOutcome.success(content)
 
 
 def err_text(code: str, message: str) -> str:
@@ -134,8 +138,8 @@ def err_text(code: str, message: str) -> str:
     )
 
 
-def err(code: str, message: str) -> ToolOutcome:
-    return ToolOutcome(content=err_text(code, message), ok=False)
+def err(code: str, message: str, ran: bool = False) -> ToolOutcome:
+    return ToolOutcome(ok=False, failure=ToolFailure(code, message), ran=ran)
 
 
 def canon(call_id: str, name: str, arguments: str) -> dict[str, Any]:
@@ -349,7 +353,7 @@ def test_partially_stored_round_plans_only_what_is_missing(
         call("call_b", "get_time", "{}"),
     )
     all_outcomes = {
-        0: err("unknown_tool", "unknown tool: get_wether"),
+        0: err("TOOL_NOT_FOUND", "unknown tool: get_wether"),
         1: ok("sunny"),
         2: ok("12:00"),
     }
@@ -475,11 +479,13 @@ def test_duplicate_and_missing_ids_are_paired_by_normalised_id() -> None:
 
 
 def test_unknown_tool_error_text_is_compact_and_sorted() -> None:
-    assert err_text("unknown_tool", "unknown tool: get_wether") == (
-        '{"error":{"code":"unknown_tool","message":"unknown tool: get_wether"}}'
+    assert err_text("TOOL_NOT_FOUND", "unknown tool: get_wether") == (
+        '{"error":{"code":"TOOL_NOT_FOUND","message":"unknown tool: get_wether"}}'
     )
-    assert ToolOutcome.error(UnknownToolError("unknown tool: get_wether")) == ToolOutcome(
-        content='{"error":{"code":"unknown_tool","message":"unknown tool: get_wether"}}', ok=False
+    outcome = ToolOutcome.error(ToolNotFoundError("unknown tool: get_wether"))
+    assert outcome == err("TOOL_NOT_FOUND", "unknown tool: get_wether")
+    assert outcome.message(envelope=False) == (
+        '{"error":{"code":"TOOL_NOT_FOUND","message":"unknown tool: get_wether"}}'
     )
 
 
@@ -492,19 +498,22 @@ def test_unknown_tool_error_text_is_compact_and_sorted() -> None:
                 call("call_a", "get_weather", '{"city":"Paris"}'),
             ],
             (weather_run(1, "call_a", '{"city":"Paris"}'),),
-            {0: err("unknown_tool", "unknown tool: get_wether")},
+            {0: err("TOOL_NOT_FOUND", "unknown tool: get_wether")},
             id="unknown-then-known",
         ),
         pytest.param(
             [call("call_a", "get_weather", '{"city":"Paris"}'), call("call_x", "rm_rf", "{}")],
             (weather_run(0, "call_a", '{"city":"Paris"}'),),
-            {1: err("unknown_tool", "unknown tool: rm_rf")},
+            {1: err("TOOL_NOT_FOUND", "unknown tool: rm_rf")},
             id="known-then-unknown",
         ),
         pytest.param(
             [call("call_x", "a", "{}"), call("call_y", "b", "not json")],
             (),
-            {0: err("unknown_tool", "unknown tool: a"), 1: err("unknown_tool", "unknown tool: b")},
+            {
+                0: err("TOOL_NOT_FOUND", "unknown tool: a"),
+                1: err("TOOL_NOT_FOUND", "unknown tool: b"),
+            },
             id="all-unknown-bad-args-ignored",
         ),
     ],
@@ -520,12 +529,12 @@ def test_unknown_tool_outcome_reaches_the_next_model_call() -> None:
     reply = completion(
         call("call_x", "get_wether", "{}"), call("call_a", "get_weather", '{"city":"Paris"}')
     )
-    outcomes = {1: ok("sunny"), 0: err("unknown_tool", "unknown tool: get_wether")}
+    outcomes = {1: ok("sunny"), 0: err("TOOL_NOT_FOUND", "unknown tool: get_wether")}
     step = plan(session(make_spec(), Round(reply=reply, outcomes=outcomes)))
     assert isinstance(step, CallModel)
     assert step.messages[2:] == [
         tool_msg(
-            "call_x", '{"error":{"code":"unknown_tool","message":"unknown tool: get_wether"}}'
+            "call_x", '{"error":{"code":"TOOL_NOT_FOUND","message":"unknown tool: get_wether"}}'
         ),
         tool_msg("call_a", "sunny"),
     ]
@@ -601,7 +610,7 @@ def test_invalid_arguments_are_preset_and_valid_siblings_still_run(
         round_no=0,
         call_count=3,
         runs=(weather_run(0, "call_a", '{"city":"Paris"}'), time_run(2, "call_b", "{}")),
-        presets={1: ToolOutcome(content=err_text("invalid_arguments", message), ok=False)},
+        presets={1: err("VALIDATION_ERROR", message)},
     )
 
 
@@ -632,12 +641,12 @@ def test_a_run_call_gets_the_arguments_that_were_validated(arguments: str) -> No
                 call("call_a", "get_weather", '{"city":"Paris"}'),
                 call("call_b", "get_time", '{"tz":"UT'),
             ],
-            {0: err("invalid_arguments", TRUNCATED), 1: err("invalid_arguments", TRUNCATED)},
+            {0: err("VALIDATION_ERROR", TRUNCATED), 1: err("VALIDATION_ERROR", TRUNCATED)},
             id="valid-and-cut",
         ),
         pytest.param(
             [call("call_x", "nope", "{}"), call("call_a", "get_weather", '{"city":"Paris"}')],
-            {0: err("unknown_tool", "unknown tool: nope"), 1: err("invalid_arguments", TRUNCATED)},
+            {0: err("TOOL_NOT_FOUND", "unknown tool: nope"), 1: err("VALIDATION_ERROR", TRUNCATED)},
             id="unknown-wins-over-truncated",
         ),
     ],
@@ -649,8 +658,8 @@ def test_finish_reason_length_presets_every_call(
     assert reply["choices"][0]["finish_reason"] == "length"
     step = plan(session(make_spec(), Round(reply=reply)))
     assert step == RunTools(round_no=0, call_count=len(calls), runs=(), presets=presets)
-    assert err_text("invalid_arguments", TRUNCATED) == (
-        '{"error":{"code":"invalid_arguments",'
+    assert err_text("VALIDATION_ERROR", TRUNCATED) == (
+        '{"error":{"code":"VALIDATION_ERROR",'
         '"message":"arguments truncated (finish_reason length), not executed"}}'
     )
 
@@ -658,7 +667,7 @@ def test_finish_reason_length_presets_every_call(
 def test_finish_reason_length_presets_appear_in_transcript() -> None:
     reply = completion(call("call_a", "get_weather", '{"city":"Paris"}'), finish_reason="length")
     s = session(make_spec(), Round(reply=reply))
-    assert transcript(s)[2:] == [tool_msg("call_a", err_text("invalid_arguments", TRUNCATED))]
+    assert transcript(s)[2:] == [tool_msg("call_a", err_text("VALIDATION_ERROR", TRUNCATED))]
 
 
 # Limits ------------------------------------------------------------------------------------------
@@ -684,7 +693,7 @@ def test_max_iterations_ends_second_tool_turn_and_answers_every_call() -> None:
         Round(reply=second),
     )
     assert plan(s) == Finish(ITER_LIMIT)
-    skipped = err_text("tool_call_limit", "skipped: exceeded max_iterations")
+    skipped = err_text("NOT_RUN", "skipped: exceeded max_iterations")
     assert transcript(s) == [
         USER,
         {
@@ -747,7 +756,8 @@ def test_max_iterations_table(max_iterations: int, replies: list[str], expected:
 def _calls_rounds(counts: list[int]) -> list[Round]:
     rounds = []
     for n, count in enumerate(counts):
-        calls = [call(f"call_{n}_{i}", "get_time", "{}") for i in range(count)]
+        # a different zone each round: the same call three rounds running is REPEATED_CALL
+        calls = [call(f"call_{n}_{i}", "get_time", f'{{"tz":"T{n}"}}') for i in range(count)]
         last = n == len(counts) - 1
         outcomes = {} if last else {i: ok("12:00") for i in range(count)}
         rounds.append(Round(reply=completion(*calls, completion_id=f"c{n}"), outcomes=outcomes))
@@ -770,7 +780,7 @@ def test_max_total_tool_calls_table(allowed: int, counts: list[int], runs: int |
     step = plan(s)
     if runs is None:
         assert step == Finish(TOTAL_LIMIT)
-        skipped = err_text("tool_call_limit", "skipped: exceeded max_total_tool_calls")
+        skipped = err_text("NOT_RUN", "skipped: exceeded max_total_tool_calls")
         assert transcript(s)[-counts[-1] :] == [
             tool_msg(f"call_{len(counts) - 1}_{i}", skipped) for i in range(counts[-1])
         ]
@@ -841,13 +851,13 @@ def test_transcript_missing_cancelled_fills_every_unanswered_call() -> None:
         call("call_e", "get_time", "{}"),
     )
     s = session(make_spec(), Round(reply=reply, outcomes={4: ok("12:00"), 0: ok("sunny")}))
-    cancelled = '{"error":{"code":"cancelled","message":"session cancelled before this call ran"}}'
-    assert ToolOutcome(content=cancelled, ok=False) == CANCELLED
+    cancelled = '{"error":{"code":"NOT_RUN","message":"session cancelled before this call ran"}}'
+    assert CANCELLED.message(envelope=False) == cancelled
     assert transcript(s, CANCELLED)[2:] == [
         tool_msg("call_a", "sunny"),
-        tool_msg("call_x", err_text("unknown_tool", "unknown tool: nope")),
+        tool_msg("call_x", err_text("TOOL_NOT_FOUND", "unknown tool: nope")),
         tool_msg(
-            "call_bad", err_text("invalid_arguments", "arguments: 'city' is a required property")
+            "call_bad", err_text("VALIDATION_ERROR", "arguments: 'city' is a required property")
         ),
         tool_msg("call_d", cancelled),
         tool_msg("call_e", "12:00"),
@@ -966,17 +976,16 @@ def test_metrics_sum_over_rounds() -> None:
             "completion_tokens_details": {"reasoning_tokens": 3},
         },
     )
-    unknown = err("unknown_tool", "unknown tool: get_wether")
+    unknown = err("TOOL_NOT_FOUND", "unknown tool: get_wether")
     s = session(
         make_spec(), Round(reply=first, outcomes={0: ok("☀ 20°C"), 1: unknown}), Round(reply=second)
     )
-    assert len(unknown.content) == 70
     assert metrics(s, 1234) == {
         "iterations": 2,
         "latency_ms": 1234,
         "tool_calls": 2,
         "tool_failures": 1,
-        "tool_output_bytes": 9 + 70,  # "☀ 20°C" is 9 UTF-8 bytes
+        "tool_output_bytes": 9,  # "☀ 20°C" is 9 UTF-8 bytes; a failure has no output
         "usage": {"prompt_tokens": 40, "completion_tokens": 12, "total_tokens": 52},
     }
 
@@ -1029,7 +1038,7 @@ def test_metrics_sum_over_rounds() -> None:
                         call("c", "get_time"),
                         usage={"prompt_tokens": 3, "completion_tokens": 4},
                     ),
-                    outcomes={0: ok(""), 1: ok("é"), 2: err("tool_exec_failed", "tool rc: -1")},
+                    outcomes={0: ok(""), 1: ok("é"), 2: err("RUNTIME_ERROR", "tool rc: -1")},
                 ),
                 Round(reply=PROVIDER_ERROR),
             ],
@@ -1038,7 +1047,7 @@ def test_metrics_sum_over_rounds() -> None:
                 "latency_ms": 7,
                 "tool_calls": 3,
                 "tool_failures": 1,
-                "tool_output_bytes": 0 + 2 + len(err_text("tool_exec_failed", "tool rc: -1")),
+                "tool_output_bytes": 0 + 2,
                 "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7},
             },
             id="failures-and-error-round",

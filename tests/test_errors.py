@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_the_readme_lists_every_code_with_its_reason() -> None:
     readme = (ROOT / "README.md").read_text()
-    rows = dict(re.findall(r"^\| `([a-z_]+)` \| (.+) \|$", readme, re.MULTILINE))
+    rows = dict(re.findall(r"^\| `([A-Za-z_]+)` \| (.+) \|$", readme, re.MULTILINE))
     assert {code: rows.get(code) for code in body_codes()} == body_codes()
 
 

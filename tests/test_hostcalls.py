@@ -21,6 +21,7 @@ import pytest
 from wasmtime import Engine, Module, wat2wasm
 
 from schemas import keys
+from schemas.spec_types import ToolPolicy
 from tests.twin_pipeline import Pipeline, pipeline
 from tests.wat_program import FILL, OOB, PAGE, Arg, Dump, Program, Ref
 from worker.edges.wasm_runtime import WasmToolRuntime
@@ -376,10 +377,33 @@ def test_write_fn_ok_and_every_error(h: Harness) -> None:
     assert ran.r(json_oob) == -EFAULT
     assert ran.r(bad_fd) == -EBADF
     assert ran.r(duplicate) == 0
-    assert ran.host.fds[1000].tools == [
+    assert [(t.fn_offset, t.function) for t in ran.host.fds[1000].tools] == [
         (tool, WEATHER_TOOL["function"]),
         (tool, {"name": "legacy", "parameters": {"type": "object"}}),
     ]
+
+
+def test_write_fn_takes_a_tool_policy_beside_the_function(h: Harness) -> None:
+    """Issue 9: a program's tool carries the same policy object as a spec's tools[] entry;
+    a bad one is -EINVAL and registers nothing."""
+    p = Program()
+    tool = p.tool("first")
+    s = p.call("cchat_create")
+
+    def fn(obj: Any) -> int:
+        span = p.data(json.dumps(obj).encode())
+        return p.call("cchat_write_fn", Ref(s), tool, span.ptr, span.len)
+
+    policy = {"timeout_ms": 500, "max_retries": 2, "idempotent": False, "fallback": "other"}
+    good = fn({**WEATHER_TOOL, "policy": policy})
+    bad = fn({"type": "function", "function": {"name": "b"}, "policy": {"max_retries": -1}})
+    unknown = fn({"type": "function", "function": {"name": "c"}, "policy": {"colour": "red"}})
+    ran = h.run(p)
+    assert [ran.r(c) for c in (good, bad, unknown)] == [0, -EINVAL, -EINVAL]
+    [registered] = ran.host.fds[1000].tools
+    assert registered.policy == ToolPolicy(
+        timeout_ms=500, max_retries=2, idempotent=False, fallback="other"
+    )
 
 
 def test_write_fn_rejects_a_schema_the_engine_could_not_check(h: Harness) -> None:
@@ -400,7 +424,7 @@ def test_write_fn_rejects_a_schema_the_engine_could_not_check(h: Harness) -> Non
     ran = h.run(p)
     assert [ran.r(c) for c in (dangling, remote, invalid)] == [-EINVAL] * 3
     assert ran.r(resolvable) == 0
-    assert [f["name"] for _, f in ran.host.fds[1000].tools] == ["f"]
+    assert [t.function["name"] for t in ran.host.fds[1000].tools] == ["f"]
 
 
 def test_write_fn_on_response_epoll_and_closed_fds_is_ebadf(h: Harness) -> None:

@@ -21,7 +21,7 @@ from worker.codecs.openai_chat import (
     tool_calls_of,
     tool_message_content,
 )
-from worker.errors import ProviderProtocolError, ToolArgumentsError
+from worker.errors import ProviderProtocolError, ToolValidationError
 
 CALL_ID = re.compile(r"^call_[0-9a-f]{24}$")
 
@@ -73,9 +73,9 @@ def test_b1_02_invalid_json_arguments() -> None:
     raw = '{"city": "Paris", "days": }'
     # The raw text is kept in the normalised reply: the replay stays byte-faithful.
     assert only_call(calls_reply(call(arguments=raw)))["function"]["arguments"] == raw
-    with pytest.raises(ToolArgumentsError) as info:
+    with pytest.raises(ToolValidationError) as info:
         decode_arguments(raw)
-    assert info.value.code == "invalid_arguments"
+    assert info.value.code == "VALIDATION_ERROR"
     assert info.value.message.startswith("invalid JSON arguments: Expecting value")
     assert info.value.message.endswith(", resend valid JSON")
 
@@ -98,7 +98,7 @@ def test_b1_02_cheap_repair(raw: str, expected: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize("raw", ['{"a": 1}}', '{"a": ]', "{'a': 1}", '{"a" 1}', "not json"])
 def test_b1_02_no_repair_when_malformed_not_truncated(raw: str) -> None:
-    with pytest.raises(ToolArgumentsError, match=r"^invalid JSON arguments: .*resend valid JSON$"):
+    with pytest.raises(ToolValidationError, match=r"^invalid JSON arguments: .*resend valid JSON$"):
         decode_arguments(raw)
 
 
@@ -118,7 +118,7 @@ def test_b1_04_double_encoded_arguments() -> None:
     [('["Paris"]', "array"), ('"Paris"', "string"), ("3", "number"), ("true", "boolean")],
 )
 def test_b1_05_valid_json_not_object(raw: str, kind: str) -> None:
-    with pytest.raises(ToolArgumentsError) as info:
+    with pytest.raises(ToolValidationError) as info:
         decode_arguments(raw)
     assert info.value.message == f"tool arguments must be a JSON object, got {kind}"
 

@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from fixtures.demo_batch import CITIES, WEATHER, check, demo_specs, weather_json
+from fixtures.demo_batch import CITIES, KINDS, WEATHER, check, demo_specs, weather_json
+from fixtures.replay.conversation import read_envelope
 from producer.client import Client
 from producer.specfile import load_spec_file
 from schemas import keys
@@ -90,7 +91,7 @@ def test_parallel_round_tool_messages_in_call_order(
     record = run_specs(running.client, [spec], tmp_path)[spec["id"]]
     assert record["status"] == "ok"
     tool_messages = [m for m in record["transcript"] if m["role"] == "tool"]
-    assert [m["content"] for m in tool_messages] == [weather_json(c) for c in cities]
+    assert [read_envelope(m["content"]) for m in tool_messages] == [weather_json(c) for c in cities]
     assert [m["tool_call_id"] for m in tool_messages] == [f"call_0_{i}" for i in range(5)]
     assert record["body"]["choices"][0]["message"]["content"] == " | ".join(
         weather_json(c) for c in cities
@@ -135,7 +136,7 @@ def test_tool_that_never_returns_is_stopped_and_session_finishes(
         "limits": {"tool_timeout_ms": 250},
     }
     record = run_specs(running.client, [spec], tmp_path, timeout_s=30)[spec["id"]]
-    said = '{"error":{"code":"tool_exec_failed","message":"tool timed out after 250 ms"}}'
+    said = '{"error":{"code":"TIMEOUT","message":"tool timed out after 250 ms"}}'
     assert record["body"]["choices"][0]["message"]["content"] == f"Tool said: {said}"
 
 
@@ -270,7 +271,7 @@ def test_poison_step_is_dead_lettered_and_session_ends(
     assert record["body"]["error"]["code"] == "step_failed"
     assert ".r0.t0 failed for good" in record["body"]["error"]["message"]
     tool_messages = [m for m in record["transcript"] if m["role"] == "tool"]
-    assert [json.loads(m["content"])["error"]["code"] for m in tool_messages] == ["step_failed"]
+    assert [json.loads(m["content"])["error"]["code"] for m in tool_messages] == ["NOT_RUN"]
     entries = running.client.redis.xrange(keys.DEADLETTER)
     assert any(e[1][b"step"].endswith(b".r0.t0") for e in entries)
 
@@ -311,7 +312,7 @@ def test_cli_status_and_result(running: Running, tmp_path: Path, fresh_id: str) 
 def test_every_key_written_has_a_ttl(running: Running, tmp_path: Path, fresh_id: str) -> None:
     specs = [
         {**spec, "id": f"{fresh_id}/ttl/{spec['id']}"}
-        for spec, _ in demo_specs(15)  # one of each kind, the failing ones included
+        for spec, _ in demo_specs(len(KINDS))  # one of each kind, the failing ones included
     ]
     run_specs(running.client, specs, tmp_path)
     without_ttl = [
@@ -373,7 +374,7 @@ def test_a_schema_failing_only_at_call_time_is_a_validation_error_to_the_model(
     )
     assert said == {
         "error": {
-            "code": "invalid_arguments",
+            "code": "VALIDATION_ERROR",
             "message": "the tool's parameters schema cannot be checked: RecursionError",
         }
     }

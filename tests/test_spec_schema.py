@@ -33,7 +33,7 @@ ARCH_EXAMPLE = """
  "limits": {"max_iterations": 8, "max_total_tool_calls": 32}}
 """
 
-DEFAULT_LIMITS = {name: bounds[0] for name, bounds in LIMIT_BOUNDS.items()}
+DEFAULT_LIMITS = {name: d for name, (d, _) in LIMIT_BOUNDS.items() if d is not None}
 
 
 def spec(**overrides: Any) -> dict[str, Any]:
@@ -111,7 +111,13 @@ def test_architecture_example_loads_and_canonicalises(tmp_path: Path) -> None:
             }
         ],
         "params": {},
-        "flags": {"auto_tool_call": True, "metrics": True, "strict_unknown_tool": False},
+        "flags": {
+            "auto_tool_call": True,
+            "metrics": True,
+            "strict_unknown_tool": False,
+            "tool_result_envelope": True,
+            "final_answer_on_limit": True,
+        },
         "limits": DEFAULT_LIMITS,
         "metadata": {},
     }
@@ -120,7 +126,13 @@ def test_architecture_example_loads_and_canonicalises(tmp_path: Path) -> None:
 def test_minimal_spec_gets_defaults() -> None:
     out = spec_to_json(SessionSpecSchema().load(spec()))
     assert out["tools"] == [] and out["params"] == {} and out["provider"] is None
-    assert out["flags"] == {"auto_tool_call": True, "metrics": True, "strict_unknown_tool": False}
+    assert out["flags"] == {
+        "auto_tool_call": True,
+        "metrics": True,
+        "strict_unknown_tool": False,
+        "tool_result_envelope": True,
+        "final_answer_on_limit": True,
+    }
     assert out["limits"] == DEFAULT_LIMITS
 
 
@@ -284,7 +296,13 @@ def test_flags_are_strict_booleans() -> None:
     errs = errors_of(spec(flags={"metrics": 1, "verbose": True}))
     assert set(errs) == {"flags.metrics", "flags.verbose"}
     out = spec_to_json(SessionSpecSchema().load(spec(flags={"strict_unknown_tool": True})))
-    assert out["flags"] == {"auto_tool_call": True, "metrics": True, "strict_unknown_tool": True}
+    assert out["flags"] == {
+        "auto_tool_call": True,
+        "metrics": True,
+        "strict_unknown_tool": True,
+        "tool_result_envelope": True,
+        "final_answer_on_limit": True,
+    }
 
 
 def test_unknown_top_level_key() -> None:

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from fixtures.replay.conversation import read_envelope
 from schemas import keys
 from schemas.spec_types import spec_from_json
 from tests.test_engine import WEATHER_FN
@@ -65,7 +66,7 @@ def spec(*functions: dict[str, Any], **extra: Any) -> dict[str, Any]:
 
 
 def answer_with_tool_result(request: Any) -> dict[str, Any]:
-    return reply(f"Tool said: {request.messages[-1]['content']}")
+    return reply(f"Tool said: {read_envelope(request.messages[-1]['content'])}")
 
 
 def weather_model(request: Any) -> dict[str, Any]:
@@ -184,7 +185,7 @@ def test_a_schema_that_fails_only_at_call_time_is_a_validation_error_to_the_mode
     submit(p, spec(looping))
     p.drain()
     said = json.loads(p.body()["choices"][0]["message"]["content"].removeprefix("Tool said: "))
-    assert said["error"]["code"] == "invalid_arguments"
+    assert said["error"]["code"] == "VALIDATION_ERROR"
     assert "schema cannot be checked" in said["error"]["message"]
     assert p.tools.calls == []  # never ran
 
@@ -199,7 +200,7 @@ def test_a_dangling_ref_that_reached_the_store_ends_with_a_validation_error_not_
     submit(p, spec(dangling))
     p.drain()
     said = json.loads(p.body()["choices"][0]["message"]["content"].removeprefix("Tool said: "))
-    assert said["error"]["code"] == "invalid_arguments"
+    assert said["error"]["code"] == "VALIDATION_ERROR"
     assert p.store.deadletters == []
 
 
@@ -213,7 +214,7 @@ def test_a_step_failing_every_try_is_dead_lettered_and_the_session_ends() -> Non
     assert [step for step, _ in p.store.deadletters] == [keys.tool_step(SK, 0, 0)]
     tool_message = p.transcript()[-1]
     assert tool_message["role"] == "tool"
-    assert json.loads(tool_message["content"])["error"]["code"] == "step_failed"
+    assert json.loads(tool_message["content"])["error"]["code"] == "NOT_RUN"
 
 
 def test_a_finish_step_failing_every_try_still_writes_the_body_without_rerunning() -> None:

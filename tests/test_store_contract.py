@@ -19,7 +19,7 @@ from schemas.bodies import dump_body
 from schemas.spec_types import spec_from_json, spec_to_json
 from worker.edges.store import RedisStore
 from worker.errors import StoreError
-from worker.session.engine import ToolOutcome
+from worker.session.outcomes import ToolFailure, ToolOutcome
 from worker.session.ports import RoundReads, SessionStore, ToolReads
 from worker.session.twins import MemoryStore
 
@@ -111,16 +111,21 @@ def test_tool_outcomes_first_writer_wins_and_fan_in_counts_each_call_once(
     backend.submit(sk, spec(sk), "")
     backend.store.store_model_reply(sk, 0, completion("a", "b"))
     store = backend.store
-    assert store.store_tool_outcomes(sk, 0, {1: ToolOutcome("one", True)}, 2) == 1
-    assert store.store_tool_outcomes(sk, 0, {1: ToolOutcome("again", False)}, 2) == 1
-    assert store.store_tool_outcomes(sk, 0, {0: ToolOutcome("zero", True)}, 2) == 2
+    assert store.store_tool_outcomes(sk, 0, {1: ToolOutcome.success("one")}, 2) == 1
+    assert (
+        store.store_tool_outcomes(
+            sk, 0, {1: ToolOutcome(ok=False, failure=ToolFailure("RUNTIME_ERROR", "again"))}, 2
+        )
+        == 1
+    )
+    assert store.store_tool_outcomes(sk, 0, {0: ToolOutcome.success("zero")}, 2) == 2
     reply, outcome = store.tool_inputs(sk, 0, 1)
-    assert reply == completion("a", "b") and outcome == ToolOutcome("one", True)
+    assert reply == completion("a", "b") and outcome == ToolOutcome.success("one")
     assert store.tool_inputs(sk, 1, 0) == (None, None)
     session = store.load_session(sk, "replay")
     assert session.backend == "replay"
     assert [r.outcomes for r in session.rounds] == [
-        {0: ToolOutcome("zero", True), 1: ToolOutcome("one", True)}
+        {0: ToolOutcome.success("zero"), 1: ToolOutcome.success("one")}
     ]
 
 
@@ -128,7 +133,7 @@ def test_a_step_reads_what_it_asks_for_with_its_lease(backend: Backend, sk: str)
     backend.submit(sk, spec(sk), "")
     store = backend.store
     store.store_model_reply(sk, 0, completion("a", "b"))
-    store.store_tool_outcomes(sk, 0, {1: ToolOutcome("one", True)}, 2)
+    store.store_tool_outcomes(sk, 0, {1: ToolOutcome.success("one")}, 2)
     start = store.begin_step(keys.round_step(sk, 1), 1000, None, sk, RoundReads(1, "r"))
     assert start.leased and start.session == store.load_session(sk, "r", upto_round=1)
     tool = store.begin_step(keys.tool_step(sk, 0, 1), 1000, None, sk, ToolReads(0, 1))
@@ -137,7 +142,7 @@ def test_a_step_reads_what_it_asks_for_with_its_lease(backend: Backend, sk: str)
         == store.tool_inputs(sk, 0, 1)
         == (
             completion("a", "b"),
-            ToolOutcome("one", True),
+            ToolOutcome.success("one"),
         )
     )
     assert store.begin_step(keys.round_step(sk, 2), 1000, None, sk).session is None
@@ -146,7 +151,7 @@ def test_a_step_reads_what_it_asks_for_with_its_lease(backend: Backend, sk: str)
 def test_load_session_reads_rounds_up_to_the_one_asked(backend: Backend, sk: str) -> None:
     backend.submit(sk, spec(sk), "")
     backend.store.store_model_reply(sk, 0, completion("a"))
-    backend.store.store_tool_outcomes(sk, 0, {0: ToolOutcome("x", True)}, 1)
+    backend.store.store_tool_outcomes(sk, 0, {0: ToolOutcome.success("x")}, 1)
     backend.store.store_model_reply(sk, 1, completion())
     assert len(backend.store.load_session(sk, "r").rounds) == 2
     assert len(backend.store.load_session(sk, "r", upto_round=0).rounds) == 1
@@ -234,7 +239,25 @@ def test_a_round_with_many_calls_reads_every_outcome(backend: Backend, sk: str) 
     backend.submit(sk, spec(sk), "")
     ids = [f"c{i}" for i in range(9)]
     backend.store.store_model_reply(sk, 0, completion(*ids))
-    outcomes = {i: ToolOutcome(f"out{i}", True) for i in (0, 7, 8)}
+    outcomes = {i: ToolOutcome.success(f"out{i}") for i in (0, 7, 8)}
     assert backend.store.store_tool_outcomes(sk, 0, outcomes, 9) == 3
     [round_0] = backend.store.load_session(sk, "r").rounds
-    assert round_0.outcomes == {i: ToolOutcome(f"out{i}", True) for i in (0, 7, 8)}
+    assert round_0.outcomes == {i: ToolOutcome.success(f"out{i}") for i in (0, 7, 8)}
+
+
+def test_calls_under_max_parallel_are_queued_claimed_once_and_counted_until_answered(
+    backend: Backend, sk: str
+) -> None:
+    store = backend.store
+    backend.submit(sk, spec(sk), "")
+    assert store.unstarted_calls(sk, 0, 4) == ([0, 1, 2, 3], 0)
+    assert store.queue_calls(sk, 0, [0, 1], claim=False) == [0, 1]
+    assert store.unstarted_calls(sk, 0, 4) == ([2, 3], 2)
+    store.store_tool_outcomes(sk, 0, {0: ToolOutcome.success("zero")}, 4)
+    assert store.unstarted_calls(sk, 0, 4) == ([2, 3], 1)
+    # two finishing calls race for the next place: one wins it
+    assert store.queue_calls(sk, 0, [2], claim=True) == [2]
+    assert store.queue_calls(sk, 0, [2], claim=True) == []
+    # a call whose step is leased holds a place too (a nudge published it)
+    assert store.begin_step(keys.tool_step(sk, 0, 3), 60_000, None, sk).leased
+    assert store.unstarted_calls(sk, 0, 4) == ([], 3)

@@ -16,7 +16,12 @@ from wasmtime import Global, Linker, Module, Store, WasiConfig
 
 from tests.test_wasm_runtime import SIG, Limits, Modules
 from worker.edges.wasm_runtime import ToolInvocation, WasmToolRuntime
-from worker.errors import GuestError, ToolExecError
+from worker.errors import (
+    GuestError,
+    ToolOutputTooLargeError,
+    ToolRuntimeError,
+    ToolTimeoutError,
+)
 from worker.guest.fork import ProgramFork, ToolModeHost, restore_fork
 from worker.guest.imports import define_spear
 
@@ -309,7 +314,7 @@ def test_restore_fork_alone(modules: Modules) -> None:
 def test_fork_that_does_not_fit_the_module(
     runtime: WasmToolRuntime, program: str, fork: ProgramFork, message: str
 ) -> None:
-    with pytest.raises(ToolExecError, match=message):
+    with pytest.raises(ToolRuntimeError, match=message):
         fork_call(runtime, program, REPORT, fork)
 
 
@@ -320,18 +325,18 @@ def test_i32_global_given_unsigned(runtime: WasmToolRuntime, program: str) -> No
 
 def test_snapshot_above_the_memory_limit(runtime: WasmToolRuntime, program: str) -> None:
     fork = ProgramFork(snapshot(8), {})
-    with pytest.raises(ToolExecError, match=r"^tool memory limit reached$"):
+    with pytest.raises(ToolRuntimeError, match=r"^tool memory limit reached$"):
         fork_call(runtime, program, REPORT, fork, memory_bytes=4 * PAGE)
 
 
 def test_fork_needs_a_table_index(runtime: WasmToolRuntime, program: str) -> None:
     fork = ProgramFork(snapshot(), {})
-    with pytest.raises(ToolExecError, match="needs a table index"):
+    with pytest.raises(ToolRuntimeError, match="needs a table index"):
         runtime.call_tool(ToolInvocation(program, "report", None, b"{}", fork=fork))
 
 
 def test_fork_times_out(runtime: WasmToolRuntime, program: str) -> None:
-    with pytest.raises(ToolExecError, match=r"^tool timed out after 200 ms$"):
+    with pytest.raises(ToolTimeoutError, match=r"^tool timed out after 200 ms$"):
         fork_call(runtime, program, SPIN, ProgramFork(snapshot(), {}), timeout_ms=200)
 
 
@@ -367,7 +372,7 @@ def test_arena_too_small_for_the_output_retries_in_scratch(
 ) -> None:
     fork = ProgramFork(snapshot(), {}, arena_ptr=4096, arena_len=24)  # out_cap 8
     assert fork_call(runtime, program, TWICE, fork, b"abcdefg") == "abcdefgabcdefg"
-    with pytest.raises(ToolExecError, match="tool output of 14 bytes exceeds"):
+    with pytest.raises(ToolOutputTooLargeError, match="tool output of 14 bytes exceeds"):
         fork_call(runtime, program, TWICE, fork, b"abcdefg", max_output_bytes=13)
 
 
@@ -393,7 +398,7 @@ def test_bad_arena(
     runtime: WasmToolRuntime, program: str, ptr: int, length: int | None, message: str
 ) -> None:
     fork = ProgramFork(snapshot(), {}, arena_ptr=ptr, arena_len=length)
-    with pytest.raises(ToolExecError, match=message):
+    with pytest.raises(ToolRuntimeError, match=message):
         fork_call(runtime, program, WHERE, fork, b"x")
 
 
@@ -467,7 +472,7 @@ def test_sleep_is_bounded_by_the_deadline(runtime: WasmToolRuntime, hostcalls: s
     start = time.monotonic()
     try:  # the tool may or may not reach its next epoch check after the deadline
         call(runtime, hostcalls, "sleep_long", timeout_ms=300)
-    except ToolExecError as exc:
+    except ToolTimeoutError as exc:
         assert exc.message == "tool timed out after 300 ms"
     assert time.monotonic() - start < 2.0
 
@@ -535,5 +540,5 @@ def _with_header(header: bytes, body: bytes) -> bytes:
     ],
 )
 def test_damaged_blob(blob: bytes, message: str) -> None:
-    with pytest.raises(ToolExecError, match=message):
+    with pytest.raises(ToolRuntimeError, match=message):
         ProgramFork.from_blob(blob)

@@ -17,7 +17,12 @@ import pytest
 from wasmtime import wat2wasm
 
 from worker.edges.wasm_runtime import WASMTIME_VERSION, ToolInvocation, WasmToolRuntime
-from worker.errors import GuestError, ToolExecError
+from worker.errors import (
+    GuestError,
+    ToolOutputTooLargeError,
+    ToolRuntimeError,
+    ToolTimeoutError,
+)
 from worker.guest.fork import ToolModeHost
 from worker.guest.memory import as_i32, plan_arena, plan_scratch
 
@@ -286,16 +291,16 @@ def test_call_by_table_index(runtime: WasmToolRuntime, tools: str) -> None:
     ],
 )
 def test_bad_table_slots(runtime: WasmToolRuntime, tools: str, index: int, message: str) -> None:
-    with pytest.raises(ToolExecError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ToolRuntimeError, match=message.replace("(", r"\(").replace(")", r"\)")):
         runtime.call_tool(ToolInvocation(tools, None, index, b"{}"))
 
 
 def test_missing_export_and_non_function_export(runtime: WasmToolRuntime, tools: str) -> None:
-    with pytest.raises(ToolExecError, match="module has no export 'nope'"):
+    with pytest.raises(ToolRuntimeError, match="module has no export 'nope'"):
         call(runtime, tools, "nope")
-    with pytest.raises(ToolExecError, match="export 'memory' is not a function"):
+    with pytest.raises(ToolRuntimeError, match="export 'memory' is not a function"):
         call(runtime, tools, "memory")
-    with pytest.raises(ToolExecError, match="export 'wrong_sig' has type"):
+    with pytest.raises(ToolRuntimeError, match="export 'wrong_sig' has type"):
         call(runtime, tools, "wrong_sig")
 
 
@@ -303,16 +308,16 @@ def test_export_wins_over_table_index_and_neither_is_an_error(
     runtime: WasmToolRuntime, tools: str
 ) -> None:
     assert runtime.call_tool(ToolInvocation(tools, "echo", 2, b"by name")) == "by name"
-    with pytest.raises(ToolExecError, match="neither an export nor a table index"):
+    with pytest.raises(ToolRuntimeError, match="neither an export nor a table index"):
         runtime.call_tool(ToolInvocation(tools, None, None, b"{}"))
 
 
 def test_non_positive_limits_fail_closed(runtime: WasmToolRuntime, tools: str) -> None:
-    with pytest.raises(ToolExecError, match="tool memory limit reached"):
+    with pytest.raises(ToolRuntimeError, match="tool memory limit reached"):
         call(runtime, tools, "echo", memory_bytes=-1)  # never "no limit"
-    with pytest.raises(ToolExecError, match="exceeds max_tool_output_bytes -1"):
+    with pytest.raises(ToolOutputTooLargeError, match="exceeds max_tool_output_bytes -1"):
         call(runtime, tools, "echo", b"x", max_output_bytes=-1)
-    with pytest.raises(ToolExecError, match="timed out"):
+    with pytest.raises(ToolTimeoutError, match="timed out"):
         call(runtime, tools, "spin", timeout_ms=0)
 
 
@@ -326,30 +331,30 @@ def test_enospc_retry_gets_the_needed_buffer(runtime: WasmToolRuntime, tools: st
 
 def test_enospc_beyond_max_output_bytes(runtime: WasmToolRuntime, tools: str) -> None:
     args = b"y" * 100
-    with pytest.raises(ToolExecError) as info:
+    with pytest.raises(ToolOutputTooLargeError) as info:
         call(runtime, tools, "echo", args, max_output_bytes=64)
     assert info.value.message == "tool output of 100 bytes exceeds max_tool_output_bytes 64"
 
 
 def test_enospc_is_retried_only_once(runtime: WasmToolRuntime, tools: str) -> None:
-    with pytest.raises(ToolExecError, match=r"^tool rc: -28$"):
+    with pytest.raises(ToolRuntimeError, match=r"^tool rc: -28$"):
         call(runtime, tools, "greedy")
 
 
 def test_other_negative_rc(runtime: WasmToolRuntime, tools: str) -> None:
-    with pytest.raises(ToolExecError) as info:
+    with pytest.raises(ToolRuntimeError) as info:
         call(runtime, tools, "rc5")
     assert info.value.message == "tool rc: -5"
-    assert info.value.code == "tool_exec_failed"
+    assert info.value.code == "RUNTIME_ERROR"
 
 
 def test_invalid_utf8_output(runtime: WasmToolRuntime, tools: str) -> None:
-    with pytest.raises(ToolExecError, match="tool output is not valid UTF-8"):
+    with pytest.raises(ToolRuntimeError, match="tool output is not valid UTF-8"):
         call(runtime, tools, "bad_utf8")
 
 
 def test_length_beyond_buffer(runtime: WasmToolRuntime, tools: str) -> None:
-    with pytest.raises(ToolExecError, match="tool wrote a length beyond its buffer"):
+    with pytest.raises(ToolRuntimeError, match="tool wrote a length beyond its buffer"):
         call(runtime, tools, "overlong")
 
 
@@ -357,7 +362,7 @@ def test_length_beyond_buffer(runtime: WasmToolRuntime, tools: str) -> None:
 
 
 def test_trap(runtime: WasmToolRuntime, tools: str) -> None:
-    with pytest.raises(ToolExecError) as info:
+    with pytest.raises(ToolRuntimeError) as info:
         call(runtime, tools, "boom")
     assert info.value.message == "tool trapped: wasm trap: wasm `unreachable` instruction executed"
 
@@ -366,7 +371,7 @@ def test_infinite_loop_times_out_and_runtime_still_serves(
     runtime: WasmToolRuntime, tools: str
 ) -> None:
     start = time.monotonic()
-    with pytest.raises(ToolExecError, match=r"^tool timed out after 200 ms$"):
+    with pytest.raises(ToolTimeoutError, match=r"^tool timed out after 200 ms$"):
         call(runtime, tools, "spin", timeout_ms=200)
     elapsed = time.monotonic() - start
     assert 0.19 < elapsed < 2.0
@@ -375,19 +380,19 @@ def test_infinite_loop_times_out_and_runtime_still_serves(
 
 def test_guest_memory_growth_is_capped(runtime: WasmToolRuntime, tools: str) -> None:
     # memory.grow returns -1 at the store limit; the tool then reports -ENOMEM
-    with pytest.raises(ToolExecError, match=r"^tool rc: -12$"):
+    with pytest.raises(ToolRuntimeError, match=r"^tool rc: -12$"):
         call(runtime, tools, "hog", memory_bytes=8 << 20)
 
 
 def test_host_scratch_growth_refused(runtime: WasmToolRuntime, tools: str) -> None:
     # one page of module memory fills the limit: no room for the args and output pages
-    with pytest.raises(ToolExecError, match=r"^tool memory limit reached$"):
+    with pytest.raises(ToolRuntimeError, match=r"^tool memory limit reached$"):
         call(runtime, tools, "echo", memory_bytes=65_536)
 
 
 def test_module_memory_above_limit(runtime: WasmToolRuntime, modules: Modules) -> None:
     sha = modules.add(BIG_MEMORY_WAT)  # 100 pages = 6.25 MiB
-    with pytest.raises(ToolExecError, match=r"^tool memory limit reached$"):
+    with pytest.raises(ToolRuntimeError, match=r"^tool memory limit reached$"):
         call(runtime, sha, "t", memory_bytes=1 << 20)
 
 
@@ -494,14 +499,14 @@ def test_wasi_grants_no_environment_args_or_files(
 def test_wasi_host_error_is_a_tool_failure(runtime: WasmToolRuntime, modules: Modules) -> None:
     sha = modules.add(WASI_WAT)
     with pytest.raises(
-        ToolExecError, match=r"^tool trapped: In func wasi_snapshot_preview1::path_open"
+        ToolRuntimeError, match=r"^tool trapped: In func wasi_snapshot_preview1::path_open"
     ):
         call(runtime, sha, "bad_rights")
 
 
 def test_proc_exit_is_a_tool_failure(runtime: WasmToolRuntime, modules: Modules) -> None:
     sha = modules.add(WASI_WAT)
-    with pytest.raises(ToolExecError, match=r"^tool called proc_exit\(3\)$"):
+    with pytest.raises(ToolRuntimeError, match=r"^tool called proc_exit\(3\)$"):
         call(runtime, sha, "quit")
 
 
@@ -531,7 +536,7 @@ def test_forked_child_gets_a_working_engine(runtime: WasmToolRuntime, tools: str
     if pid == 0:  # child: the parent's ticker thread is gone, so a timeout needs a new one
         signal.alarm(10)
         try:
-            with pytest.raises(ToolExecError, match="timed out"):
+            with pytest.raises(ToolTimeoutError, match="timed out"):
                 call(runtime, tools, "spin", timeout_ms=100)
             ok = call(runtime, tools, "echo", b"child") == "child"
         except BaseException:
@@ -584,7 +589,7 @@ def test_plan_arena(
 
 @pytest.mark.parametrize("arena", [(65_000, 600), (-8, 64), (0, -1), (65_519, 17)])
 def test_plan_arena_outside_memory(arena: tuple[int, int]) -> None:
-    with pytest.raises(ToolExecError, match=r"^tool arena outside memory$"):
+    with pytest.raises(ToolRuntimeError, match=r"^tool arena outside memory$"):
         plan_arena(*arena, 1, 65_536, 65_536)
 
 
@@ -618,7 +623,7 @@ def test_c_weather(c_runtime: WasmToolRuntime, modules: Modules) -> None:
 def test_c_calculator(c_runtime: WasmToolRuntime, modules: Modules) -> None:
     sha = c_tool(modules, "calculator")
     assert call(c_runtime, sha, "calculate", b'{"a":2,"b":3,"op":"add"}') == '{"result":5}'
-    with pytest.raises(ToolExecError, match=r"^tool rc: -33$"):  # EDOM
+    with pytest.raises(ToolRuntimeError, match=r"^tool rc: -33$"):  # EDOM
         call(c_runtime, sha, "calculate", b'{"a":1,"b":0,"op":"div"}')
 
 
@@ -627,20 +632,20 @@ def test_c_big_output_via_enospc_retry(c_runtime: WasmToolRuntime, modules: Modu
     out = call(c_runtime, sha, "big_output", b'{"bytes":20000}')
     assert len(out) == 20000
     assert out.startswith("0123456789012")
-    with pytest.raises(ToolExecError, match="tool output of 100000 bytes exceeds"):
+    with pytest.raises(ToolOutputTooLargeError, match="tool output of 100000 bytes exceeds"):
         call(c_runtime, sha, "big_output", b'{"bytes":100000}')
 
 
 def test_c_spin_times_out(c_runtime: WasmToolRuntime, modules: Modules) -> None:
-    with pytest.raises(ToolExecError, match=r"^tool timed out after 200 ms$"):
+    with pytest.raises(ToolTimeoutError, match=r"^tool timed out after 200 ms$"):
         call(c_runtime, c_tool(modules, "spin"), "spin", timeout_ms=200)
 
 
 def test_c_boom_traps(c_runtime: WasmToolRuntime, modules: Modules) -> None:
-    with pytest.raises(ToolExecError, match=r"^tool trapped: wasm trap: wasm `unreachable`"):
+    with pytest.raises(ToolRuntimeError, match=r"^tool trapped: wasm trap: wasm `unreachable`"):
         call(c_runtime, c_tool(modules, "trap"), "boom")
 
 
 def test_c_bad_utf8(c_runtime: WasmToolRuntime, modules: Modules) -> None:
-    with pytest.raises(ToolExecError, match=r"^tool output is not valid UTF-8$"):
+    with pytest.raises(ToolRuntimeError, match=r"^tool output is not valid UTF-8$"):
         call(c_runtime, c_tool(modules, "bad_utf8"), "bad_utf8")

@@ -3,7 +3,10 @@
 Environment variables:
     REDIS_URL                 broker and state store (default redis://127.0.0.1:6379/0)
     CCHATQ_CONFIG             path of a JSON file:
-                              {"backends": {NAME: {...}}, "default_backend": NAME}
+                              {"backends": {NAME: {...}}, "default_backend": NAME,
+                               "tools": {"timeout_ms": N, "max_retries": N,
+                                         "retry_backoff_ms": N, "max_parallel": N,
+                                         "auto_tool_call": BOOL}}
     CCHATQ_BACKENDS           the same JSON inline (wins over the file)
     CCHATQ_REPLAY_URL         base URL of the built-in `replay` backend (default http://127.0.0.1:8011/v1)
     CCHATQ_VISIBILITY_TIMEOUT_S   Redis transport visibility timeout (default 300)
@@ -20,6 +23,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+from schemas.limits import ToolDefaults
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_REPLAY_URL = "http://127.0.0.1:8011/v1"
@@ -78,6 +83,7 @@ class Settings:
     result_ttl_s: int = 86_400
     module_cache_dir: Path = Path.home() / ".cache" / "cchatq" / "modules"
     max_step_attempts: int = 5
+    tool_defaults: ToolDefaults = field(default_factory=ToolDefaults)
 
     def backend(self, name: str | None) -> BackendConfig:
         key = name or self.default_backend
@@ -105,6 +111,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     # `openai` is what specs usually name; without a configuration it means the replay server.
     backends.setdefault("openai", BackendConfig(name="openai", base_url=replay.base_url))
     return Settings(
+        tool_defaults=tool_defaults(raw.get("tools")),
         redis_url=env.get("REDIS_URL", DEFAULT_REDIS_URL),
         backends=backends,
         default_backend=default_backend,
@@ -116,3 +123,24 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         ),
         max_step_attempts=int(env.get("CCHATQ_MAX_STEP_ATTEMPTS", "5")),
     )
+
+
+def tool_defaults(raw: Any) -> ToolDefaults:
+    """The configuration's `tools` object: the fleet's defaults for tool calls, checked here
+    so that a typo fails the worker at start, not a session later."""
+    if raw is None:
+        return ToolDefaults()
+    if not isinstance(raw, dict):
+        raise ValueError("configuration: tools must be an object")
+    known = {f.name: f for f in fields(ToolDefaults)}
+    unknown = sorted(set(raw) - set(known))
+    if unknown:
+        raise ValueError(f"configuration: tools: unknown keys {unknown}")
+    for key, value in raw.items():
+        want_bool = key == "auto_tool_call"
+        if want_bool != isinstance(value, bool) or (not want_bool and not isinstance(value, int)):
+            kind = "true or false" if want_bool else "an integer"
+            raise ValueError(f"configuration: tools.{key} must be {kind}, got {value!r}")
+        if not want_bool and value < (0 if key in ("max_retries", "retry_backoff_ms") else 1):
+            raise ValueError(f"configuration: tools.{key} is out of range: {value}")
+    return ToolDefaults(**raw)

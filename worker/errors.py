@@ -13,9 +13,14 @@ CchatqError                      root; `code` is the error-body code, `errno` th
 │   ├── DeadlineExceededError    deadline_exceeded
 │   └── InternalError            internal_error
 ├── ToolError                    a tool call failed: an error tool message, the loop goes on
-│   ├── ToolExecError            tool_exec_failed
-│   ├── ToolArgumentsError       invalid_arguments
-│   └── RepeatedCallError        repeated_call
+│   ├── ToolValidationError      VALIDATION_ERROR
+│   ├── ToolNotFoundError        TOOL_NOT_FOUND
+│   ├── ToolTimeoutError         TIMEOUT
+│   ├── ToolRuntimeError         RUNTIME_ERROR
+│   ├── ToolPermissionError      PERMISSION_DENIED
+│   ├── ToolOutputTooLargeError  OUTPUT_TOO_LARGE
+│   ├── RepeatedCallError        REPEATED_CALL
+│   └── ToolNotRunError          NOT_RUN
 ├── ProviderError                provider_error (the model call failed)
 │   ├── ProviderRetryableError   provider_unavailable
 │   ├── ProviderRequestError     provider_error
@@ -67,8 +72,8 @@ class ToolCallLimitError(SessionError):
 class UnknownToolError(SessionError):
     code = "unknown_tool"
     raised_when = (
-        "the model called a tool the spec does not define (ends the session only with "
-        "strict_unknown_tool; otherwise that call's tool message)"
+        "the model called a tool the spec does not define, with strict_unknown_tool "
+        "(the session ends)"
     )
 
 
@@ -101,27 +106,76 @@ class InternalError(SessionError):
 
 
 class ToolError(CchatqError):
-    code = "tool_exec_failed"
+    """A failed tool call: the model gets its class (`code`, the seed's upper-case names)
+    and message. `ran` says whether the tool may have run (a non-idempotent tool is retried
+    only when it provably did not); `retryable` whether trying again can help at all."""
+
+    code = "RUNTIME_ERROR"
     raised_when = "(abstract) a tool call failed; the model gets an error tool message"
+    retryable = False
+    ran_by_default = False  # the classes a running tool raises say True
+
+    def __init__(self, message: str = "", ran: bool | None = None) -> None:
+        super().__init__(message)
+        self.ran = self.ran_by_default if ran is None else ran
 
 
-class ToolExecError(ToolError):
-    code = "tool_exec_failed"
-    raised_when = "the tool trapped, timed out, returned rc < 0, wrote bad UTF-8 or too much"
-
-
-class ToolArgumentsError(ToolError):
-    code = "invalid_arguments"
+class ToolValidationError(ToolError):
+    code = "VALIDATION_ERROR"
     raised_when = (
         "the call's arguments are not JSON, break the tool's schema, were cut off by the "
-        "token limit, or the schema itself cannot be checked"
+        "token limit, or the schema itself cannot be checked (was invalid_arguments)"
     )
     errno = 22  # EINVAL
 
 
+class ToolNotFoundError(ToolError):
+    code = "TOOL_NOT_FOUND"
+    raised_when = "the model called a tool the session does not offer (was unknown_tool)"
+
+
+class ToolTimeoutError(ToolError):
+    code = "TIMEOUT"
+    raised_when = "the tool ran past its timeout_ms (was tool_exec_failed)"
+    retryable = True
+    ran_by_default = True
+
+
+class ToolRuntimeError(ToolError):
+    code = "RUNTIME_ERROR"
+    raised_when = (
+        "the tool trapped, returned rc < 0, wrote bad UTF-8, hit its memory limit, or its "
+        "module could not load (was tool_exec_failed)"
+    )
+    retryable = True
+    ran_by_default = True
+
+
+class ToolPermissionError(ToolError):
+    code = "PERMISSION_DENIED"
+    raised_when = "the tool's risk level or an allow/deny rule forbids the call; it did not run"
+
+
+class ToolOutputTooLargeError(ToolError):
+    code = "OUTPUT_TOO_LARGE"
+    raised_when = "the tool's output exceeds max_tool_output_bytes (was tool_exec_failed)"
+    ran_by_default = True
+
+
 class RepeatedCallError(ToolError):
-    code = "repeated_call"
-    raised_when = "the same call (name and arguments) came in 3 consecutive rounds"
+    code = "REPEATED_CALL"
+    raised_when = (
+        "the same call (name and arguments) came in 3 consecutive rounds: valid, but not run "
+        "again (was repeated_call)"
+    )
+
+
+class ToolNotRunError(ToolError):
+    code = "NOT_RUN"
+    raised_when = (
+        "the session ended (cancelled, a limit, a failed step) before this call ran: "
+        "the transcript still answers every call"
+    )
 
 
 # The model call -----------------------------------------------------------------------------

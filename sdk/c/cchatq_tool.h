@@ -73,6 +73,15 @@
                  uint32_t *out_len)
 
 /*
+ * The call's retry number: 0 on the first try, then 1, 2, ... when the tool's
+ * policy (`max_retries`) runs it again after a failure. Like Celery's
+ * request.retries: a tool can tell a retry from a first call. Imported from
+ * the host module `cchatq` only by tools that call it.
+ */
+__attribute__((import_module("cchatq"), import_name("attempt")))
+int32_t cchatq_attempt(void);
+
+/*
  * CCHATQ_TOOL(name) { ... } defines and exports the tool `name` with the
  * parameters: const char *args, int32_t args_len, char *out, uint32_t *out_len.
  * (Pointers are 32-bit on wasm32, so this matches the i32 ABI exactly.)

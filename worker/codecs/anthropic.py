@@ -20,7 +20,7 @@ from worker.codecs.anthropic_stream import (
 )
 from worker.codecs.openai_chat import NO_OUTPUT, decode_arguments, tool_message_content
 from worker.codecs.protocol import ChatRequest, WireRequest
-from worker.errors import ProviderRequestError, ToolArgumentsError
+from worker.errors import ProviderRequestError, ToolValidationError
 
 if TYPE_CHECKING:
     from worker.codecs.protocol import Codec
@@ -370,7 +370,7 @@ def _input_object(arguments: Any) -> dict[str, Any]:
     if isinstance(arguments, str):
         try:
             return decode_arguments(arguments)
-        except ToolArgumentsError:
+        except ToolValidationError:
             return {}
     return {}
 

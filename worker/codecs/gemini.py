@@ -65,7 +65,7 @@ from worker.codecs.gemini_schema import gemini_parameters
 from worker.codecs.gemini_stream import GeminiStreamAssembler
 from worker.codecs.openai_chat import NO_OUTPUT, decode_arguments, tool_message_content
 from worker.codecs.protocol import ChatRequest, WireRequest
-from worker.errors import ProviderRequestError, ToolArgumentsError
+from worker.errors import ProviderRequestError, ToolValidationError
 
 __all__ = [
     "PROTOCOL",
@@ -272,7 +272,7 @@ def _args(arguments: Any) -> dict[str, Any]:
         return {}
     try:
         return decode_arguments(arguments)
-    except ToolArgumentsError:
+    except ToolValidationError:
         return {}
 
 

@@ -12,7 +12,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from worker.errors import ProviderProtocolError, ToolArgumentsError
+from worker.errors import ProviderProtocolError, ToolValidationError
 
 log = logging.getLogger(__name__)
 
@@ -248,7 +248,7 @@ def is_truncated(completion: Mapping[str, Any]) -> bool:
 
 
 def decode_arguments(raw: str) -> dict[str, Any]:
-    """Arguments text -> object, per B1.1-5. Raises ToolArgumentsError with a model-readable fix."""
+    """Arguments text -> object, per B1.1-5. Raises ToolValidationError with a fix to read."""
     if not raw.strip():
         return {}  # B1.1
     try:
@@ -267,7 +267,7 @@ def decode_arguments(raw: str) -> dict[str, Any]:
         return {}  # B1.5: `null` is read as "no arguments"
     if not isinstance(value, dict):
         kind = _JSON_TYPE_NAMES.get(type(value), type(value).__name__)
-        raise ToolArgumentsError(f"tool arguments must be a JSON object, got {kind}")
+        raise ToolValidationError(f"tool arguments must be a JSON object, got {kind}")
     return value
 
 
@@ -289,7 +289,7 @@ def _repair(raw: str, error: json.JSONDecodeError) -> Any:
             return json.loads(candidate)
         except json.JSONDecodeError:
             pass
-    raise ToolArgumentsError(f"invalid JSON arguments: {error}, resend valid JSON")
+    raise ToolValidationError(f"invalid JSON arguments: {error}, resend valid JSON")
 
 
 def _close_truncated(text: str) -> str | None:

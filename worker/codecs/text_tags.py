@@ -42,6 +42,7 @@ __all__ = [
     "CALL_OPEN",
     "FENCE",
     "INVALID_CALL_NAME",
+    "NO_CALLS_RULE",
     "PROTOCOL",
     "RESPONSE_CLOSE",
     "RESPONSE_OPEN",
@@ -89,6 +90,9 @@ class TextTagCodec:
 
     def retry_after_s(self, status: int, body: Any) -> float | None:
         return None
+
+
+NO_CALLS_RULE = "Do not call any function now: answer in plain text."
 
 
 def _parses_calls(request: ChatRequest) -> bool:
@@ -166,6 +170,8 @@ def render_messages(request: ChatRequest) -> list[dict[str, Any]]:
             out.append(dict(message))
     if _parses_calls(request):
         system.append(tool_prompt(request.tools, request.tool_choice, request.parallel_tool_calls))
+    elif request.tools and request.tool_choice == "none":
+        system.append(NO_CALLS_RULE)  # the history may show calls: say that none are wanted now
     text = "\n\n".join(t for t in system if t)
     return [{"role": "system", "content": text}, *out] if text else out
 

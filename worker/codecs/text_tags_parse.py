@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from worker.codecs.openai_chat import decode_arguments, normalize_completion
-from worker.errors import ToolArgumentsError
+from worker.errors import ToolValidationError
 
 PROTOCOL = "openai-text-tags"
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -188,7 +188,7 @@ def _invalid_call(raw: str, parsed: bool) -> dict[str, Any]:
     for arguments in (raw, raw + "\x00", _compact([raw])):
         try:
             decode_arguments(arguments)
-        except ToolArgumentsError:
+        except ToolValidationError:
             break
         except RecursionError:
             continue  # the loop could not read it either: the next candidate

@@ -19,7 +19,8 @@ from schemas import keys
 from schemas.bodies import dump_body
 from schemas.spec_types import SessionSpec, Spec, spec_from_json
 from worker.errors import StoreError
-from worker.session.engine import Round, Session, ToolOutcome
+from worker.session.engine import Round, Session
+from worker.session.outcomes import ToolOutcome
 from worker.session.ports import RoundReads, StepStart, ToolInputs, ToolReads
 
 P = ParamSpec("P")
@@ -262,6 +263,39 @@ class RedisStore:
         pipe.pttl(keys.step_state(step))
         state, left_ms = pipe.execute()
         return max(int(left_ms), 0) if state == keys.STEP_LEASED else 0
+
+    @_translated
+    def unstarted_calls(self, sk: str, round_no: int, calls: int) -> tuple[list[int], int]:
+        # one MGET: every call's outcome key, its queued mark, its step's state
+        names = [
+            name
+            for i in range(calls)
+            for name in (
+                keys.tool_out(sk, round_no, i),
+                keys.tool_queued(sk, round_no, i),
+                keys.step_state(keys.tool_step(sk, round_no, i)),
+            )
+        ]
+        values = self.client.mget(names)
+        waiting, placed = [], 0
+        for i in range(calls):
+            out, queued, state = values[3 * i : 3 * i + 3]
+            if out is not None:
+                continue
+            if queued is None and state is None:
+                waiting.append(i)
+            else:
+                placed += 1
+        return waiting, placed
+
+    @_translated
+    def queue_calls(self, sk: str, round_no: int, indexes: list[int], claim: bool) -> list[int]:
+        if not indexes:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for i in indexes:
+            pipe.set(keys.tool_queued(sk, round_no, i), 1, nx=claim, ex=self.ttl_s)
+        return [i for i, won in zip(indexes, pipe.execute(), strict=True) if won]
 
     @_translated
     def active_steps(self, steps: list[str]) -> set[str]:

@@ -1,8 +1,11 @@
 """Runs one tool call in a fresh wasmtime instance (guest-abi.md, "Tool ABI"): of its module
 after `_initialize`, or, for a program's tool, a fork of the program (wasm_fork.py). Linked:
 WASI with nothing granted, and the `spear` imports in tool mode. wasmtime exceptions of a call
-are translated here, once, into worker.errors: tool misbehaviour (trap, timeout, rc < 0, bad
-output, memory limit) -> ToolExecError; a module that cannot load or link -> GuestError.
+are translated here, once, into worker.errors: a timeout -> ToolTimeoutError, output over the
+cap -> ToolOutputTooLargeError, other tool misbehaviour (trap, rc < 0, bad output, memory
+limit) -> ToolRuntimeError; a module that cannot load or link -> GuestError. An error found
+before the tool's function was entered says so (`ran=False`): such a call may be retried even
+when the tool is not idempotent.
 """
 
 from __future__ import annotations
@@ -40,7 +43,13 @@ from wasmtime import (
     WasmtimeError,
 )
 
-from worker.errors import CchatqError, GuestError, ToolExecError
+from worker.errors import (
+    CchatqError,
+    GuestError,
+    ToolOutputTooLargeError,
+    ToolRuntimeError,
+    ToolTimeoutError,
+)
 from worker.guest.fork import (
     HostSwitch,
     ProgramFork,
@@ -48,7 +57,12 @@ from worker.guest.fork import (
     place_buffers,
     restore_fork,
 )
-from worker.guest.imports import define_spear, function_table, wasmtime_reason
+from worker.guest.imports import (
+    define_spear,
+    define_tool_imports,
+    function_table,
+    wasmtime_reason,
+)
 from worker.guest.memory import as_i32, pack_u32, unpack_u32
 from worker.session.ports import ToolCall
 
@@ -69,6 +83,7 @@ class ToolInvocation:
     memory_bytes: int = 256 << 20
     max_output_bytes: int = 65_536
     fork: ProgramFork | None = None  # a program's tool: run in a fork of the program
+    attempt: int = 0  # what the tool's `cchatq::attempt` import answers
 
 
 @dataclass
@@ -144,6 +159,7 @@ class WasmToolRuntime:
                 memory_bytes=call.memory_bytes,
                 max_output_bytes=call.max_output_bytes,
                 fork=fork,
+                attempt=call.attempt,
             )
         )
 
@@ -153,10 +169,11 @@ class WasmToolRuntime:
         `host` serves the tool's `spear` hostcalls (a fresh one when None); pass one to read
         the tool's `log` lines afterwards. Its `deadline` is set to this call's."""
         if inv.fork is not None and inv.table_index is None:
-            raise ToolExecError("a tool of a program fork needs a table index")
+            raise ToolRuntimeError("a tool of a program fork needs a table index")
         deadline = time.monotonic() + inv.timeout_ms / 1000
         host = ToolModeHost() if host is None else host
         host.deadline = deadline
+        host.attempt = inv.attempt
         state = self._engine_state()
         pre = self._prepared(state, inv.module_sha256)
         cap = max(0, min(self._initial_output_bytes, inv.max_output_bytes))
@@ -165,7 +182,7 @@ class WasmToolRuntime:
             if outcome.rc == ENOSPC:
                 need = outcome.cell
                 if need > inv.max_output_bytes:
-                    raise ToolExecError(
+                    raise ToolOutputTooLargeError(
                         f"tool output of {need} bytes exceeds max_tool_output_bytes "
                         f"{inv.max_output_bytes}"
                     )
@@ -174,11 +191,11 @@ class WasmToolRuntime:
                 left_ms = max(0.0, (deadline - time.monotonic()) * 1000)
                 outcome = self._attempt(state, pre, inv, need, self._ticks(left_ms), False)
         if outcome.rc < 0:
-            raise ToolExecError(f"tool rc: {outcome.rc}")
+            raise ToolRuntimeError(f"tool rc: {outcome.rc}")
         try:
             return outcome.output.decode("utf-8")
         except UnicodeDecodeError:
-            raise ToolExecError("tool output is not valid UTF-8") from None
+            raise ToolRuntimeError("tool output is not valid UTF-8") from None
 
     def close(self) -> None:
         """Stop the epoch ticker. A later call_tool starts a new engine."""
@@ -241,6 +258,7 @@ class WasmToolRuntime:
             linker.define_wasi()
             try:
                 define_spear(linker, module, state.hosts)
+                define_tool_imports(linker, module, state.hosts)
                 pre = linker.instantiate_pre(module)
             except GuestError as err:
                 raise GuestError(f"module {sha} cannot be linked: {err.message}") from None
@@ -317,7 +335,9 @@ class WasmToolRuntime:
                 func = self._resolve(store, exports, inv.export, inv.table_index)
                 memory = exports.get("memory")
                 if not isinstance(memory, Memory):
-                    raise ToolExecError("module exports no linear memory named `memory`")
+                    raise ToolRuntimeError(
+                        "module exports no linear memory named `memory`", ran=False
+                    )
             else:  # neither `_initialize` nor `_start`: the program's state is the snapshot
                 memory = restore_fork(store, instance, inv.fork)
                 func = self._resolve(store, exports, None, inv.table_index)
@@ -340,7 +360,7 @@ class WasmToolRuntime:
             if rc < 0:
                 return _Outcome(rc, cell, b"")
             if cell > buf.cap:
-                raise ToolExecError("tool wrote a length beyond its buffer")
+                raise ToolRuntimeError("tool wrote a length beyond its buffer")
             output = bytes(memory.read(store, buf.out_ptr, buf.out_ptr + cell))
             return _Outcome(rc, cell, output)
         except (Trap, WasmtimeError) as err:
@@ -357,25 +377,26 @@ class WasmToolRuntime:
             what = f"export {export!r}"
             func = exports.get(export)
             if func is None:
-                raise ToolExecError(f"module has no {what}")
+                raise ToolRuntimeError(f"module has no {what}", ran=False)
         elif index is not None:
             what = f"table index {index}"
             table = self._function_table(exports)
             if table is None:
-                raise ToolExecError("module exports no function table")
+                raise ToolRuntimeError("module exports no function table", ran=False)
             size = int(table.size(store))
             if not 0 <= index < size:
-                raise ToolExecError(f"{what} is out of bounds (table size {size})")
+                raise ToolRuntimeError(f"{what} is out of bounds (table size {size})", ran=False)
             func = table.get(store, index)  # a null slot comes back as a Val or None
         else:
-            raise ToolExecError("tool names neither an export nor a table index")
+            raise ToolRuntimeError("tool names neither an export nor a table index", ran=False)
         if not isinstance(func, Func):
-            raise ToolExecError(f"{what} is not a function (null slot or not a func)")
+            raise ToolRuntimeError(f"{what} is not a function (null slot or not a func)", ran=False)
         ty = func.type(store)
         i32 = ValType.i32()
         if list(ty.params) != [i32] * 4 or list(ty.results) != [i32]:
-            raise ToolExecError(
-                f"{what} has type {_signature(ty)}, a tool must be (i32, i32, i32, i32) -> (i32)"
+            raise ToolRuntimeError(
+                f"{what} has type {_signature(ty)}, a tool must be (i32, i32, i32, i32) -> (i32)",
+                ran=False,
             )
         return func
 
@@ -390,14 +411,14 @@ class WasmToolRuntime:
     ) -> CchatqError:
         if isinstance(err, Trap):
             if err.trap_code == TrapCode.INTERRUPT:
-                return ToolExecError(f"tool timed out after {inv.timeout_ms} ms")
-            return ToolExecError(f"tool trapped: {wasmtime_reason(str(err))}")
+                return ToolTimeoutError(f"tool timed out after {inv.timeout_ms} ms")
+            return ToolRuntimeError(f"tool trapped: {wasmtime_reason(str(err))}")
         if isinstance(err, ExitTrap):
-            return ToolExecError(f"tool called proc_exit({err.code})")
+            return ToolRuntimeError(f"tool called proc_exit({err.code})")
         if _is_memory_limit(err):  # e.g. a module whose initial memory exceeds memory_bytes
-            return ToolExecError("tool memory limit reached")
+            return ToolRuntimeError("tool memory limit reached", ran=not instantiating)
         if instantiating:
             return GuestError(f"module {inv.module_sha256}: {wasmtime_reason(str(err))}")
         # A host-function error while the tool runs (e.g. a WASI call with invalid arguments)
         # aborts the call like a trap, and the tool is at fault.
-        return ToolExecError(f"tool trapped: {wasmtime_reason(str(err))}")
+        return ToolRuntimeError(f"tool trapped: {wasmtime_reason(str(err))}")

@@ -9,7 +9,10 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from schemas.spec_types import default_parameters
+from marshmallow import ValidationError
+
+from schemas.spec import ToolPolicySchema
+from schemas.spec_types import ToolPolicy, default_parameters
 
 # Linux errno numbers (not wasi-libc's)
 EPERM, ENOENT, EIO, EBADF, EAGAIN, ENOMEM, EACCES, EFAULT = 1, 2, 5, 9, 11, 12, 13, 14
@@ -65,10 +68,15 @@ def parse_set_param(raw: bytes) -> tuple[str, Any] | int:
     return obj["key"], obj.get("value")
 
 
-def parse_tool_json(raw: bytes) -> dict[str, Any] | int:
-    """An OpenAI tool (or a legacy bare function) -> the function object, or -EINVAL."""
+def parse_tool_json(raw: bytes) -> tuple[dict[str, Any], ToolPolicy] | int:
+    """An OpenAI tool (or a legacy bare function) -> the function object and the tool's
+    policy (a `policy` object beside `function`, as in a spec's tools), or -EINVAL."""
     obj = _json_object(raw)
     if obj is None:
+        return -EINVAL
+    try:
+        policy = ToolPolicy.from_json(ToolPolicySchema().load(obj.get("policy") or {}))
+    except ValidationError:
         return -EINVAL
     function = (
         obj.get("function")
@@ -86,7 +94,7 @@ def parse_tool_json(raw: bytes) -> dict[str, Any] | int:
         out["description"] = function["description"]
     params = function.get("parameters")
     out["parameters"] = params if isinstance(params, dict) else default_parameters()
-    return out
+    return out, policy
 
 
 def parse_flag_change(raw: bytes) -> tuple[set[str], set[str]] | int:

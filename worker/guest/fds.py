@@ -11,9 +11,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from schemas.bodies import dump_body
+from schemas.spec_types import ToolPolicy
 from worker.guest import abi
 from worker.guest.imports import GuestMemory
 from worker.guest.ports import ProgramStore
+
+
+@dataclass(frozen=True)
+class RegisteredTool:
+    """A tool a program registered on a chat (cchat_write_fn)."""
+
+    fn_offset: int  # its index in the function table
+    function: dict[str, Any]  # what the model sees
+    policy: ToolPolicy
 
 
 @dataclass
@@ -23,7 +33,7 @@ class FdEntry:
     flags: set[str] = field(default_factory=set)
     # a chat session
     messages: list[dict[str, Any]] = field(default_factory=list)
-    tools: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
+    tools: list[RegisteredTool] = field(default_factory=list)
     params: dict[str, Any] = field(default_factory=dict)
     # a response
     sk: str = ""
@@ -44,7 +54,7 @@ class FdEntry:
             "flags": sorted(self.flags),
         }
         if self.kind == abi.KIND_SESSION:
-            out.update(messages=len(self.messages), tools=[f["name"] for _, f in self.tools])
+            out.update(messages=len(self.messages), tools=[t.function["name"] for t in self.tools])
         elif self.kind == abi.KIND_RESPONSE:
             out.update(session=self.sk, ready=self.body is not None)
         else:

@@ -23,7 +23,7 @@ from typing import Any
 
 from wasmtime import Global, Instance, Memory, Store, Val, WasmtimeError
 
-from worker.errors import ToolExecError
+from worker.errors import ToolRuntimeError
 from worker.guest.abi import EINVAL, ENOSYS, EPERM, LOG_MAX_BYTES
 from worker.guest.imports import GuestMemory, SpearHost
 from worker.guest.memory import ToolBuffers, as_i32, plan_arena, plan_scratch
@@ -60,27 +60,27 @@ class ProgramFork:
 
     @classmethod
     def from_blob(cls, blob: bytes | bytearray | memoryview) -> ProgramFork:
-        """The inverse of `to_blob`. A damaged blob raises ToolExecError (the call fails)."""
+        """The inverse of `to_blob`. A damaged blob raises ToolRuntimeError (the call fails)."""
         view = memoryview(blob)
         if len(view) < _BLOB_HEAD.size:
-            raise ToolExecError("program fork blob is truncated")
+            raise ToolRuntimeError("program fork blob is truncated")
         magic, head_len = _BLOB_HEAD.unpack(view[: _BLOB_HEAD.size])
         if magic != _BLOB_MAGIC or head_len > _BLOB_MAX_HEADER:
-            raise ToolExecError("program fork blob has a bad header")
+            raise ToolRuntimeError("program fork blob has a bad header")
         body = _BLOB_HEAD.size + head_len
         try:
             header = json.loads(bytes(view[_BLOB_HEAD.size : body]))
         except (ValueError, UnicodeDecodeError):
-            raise ToolExecError("program fork blob has a bad header") from None
+            raise ToolRuntimeError("program fork blob has a bad header") from None
         size, fields = _header_fields(header)
         inflater = zlib.decompressobj()
         try:
             # max_length: a damaged blob cannot inflate to much more than the size it claims
             snapshot = inflater.decompress(view[body:], size + 1)
         except zlib.error:
-            raise ToolExecError("program fork blob is corrupt") from None
+            raise ToolRuntimeError("program fork blob is corrupt") from None
         if len(snapshot) != size or not inflater.eof or inflater.unused_data:
-            raise ToolExecError("program fork blob is corrupt")
+            raise ToolRuntimeError("program fork blob is corrupt")
         return cls(snapshot, fields["globals"], fields["arena_ptr"], fields["arena_len"])
 
 
@@ -97,7 +97,7 @@ def _header_fields(header: Any) -> tuple[int, dict[str, Any]]:
         and all(header.get(k) is None or is_int(header[k]) for k in ("arena_ptr", "arena_len"))
     )
     if not ok:
-        raise ToolExecError("program fork blob has a bad header")
+        raise ToolRuntimeError("program fork blob has a bad header")
     return int(header["size"]), header
 
 
@@ -109,20 +109,20 @@ def restore_fork(store: Store, instance: Instance, fork: ProgramFork) -> Memory:
     exports = instance.exports(store)
     memory = exports.get("memory")
     if not isinstance(memory, Memory):
-        raise ToolExecError("module exports no linear memory named `memory`")
+        raise ToolRuntimeError("module exports no linear memory named `memory`")
     size, page = len(fork.snapshot), int(memory.page_size(store))
     have = int(memory.data_len(store))
     if size % page:
-        raise ToolExecError(f"fork snapshot of {size} bytes is not a whole number of pages")
+        raise ToolRuntimeError(f"fork snapshot of {size} bytes is not a whole number of pages")
     if size < have:
-        raise ToolExecError(
+        raise ToolRuntimeError(
             f"fork snapshot of {size} bytes is smaller than the module's memory ({have} bytes)"
         )
     if size > have:
         try:
             memory.grow(store, (size - have) // page)
         except WasmtimeError:  # Store.set_limits or the module's declared maximum
-            raise ToolExecError("tool memory limit reached") from None
+            raise ToolRuntimeError("tool memory limit reached") from None
     if size:
         # One copy straight from the bytes object (Memory.write would copy it twice).
         snapshot = fork.snapshot if isinstance(fork.snapshot, bytes) else bytes(fork.snapshot)
@@ -134,11 +134,11 @@ def restore_fork(store: Store, instance: Instance, fork: ProgramFork) -> Memory:
 
 def _set_global(store: Store, glob: Any, name: str, value: int) -> None:
     if not isinstance(glob, Global):
-        raise ToolExecError(f"fork global {name!r} is not an exported global of the module")
+        raise ToolRuntimeError(f"fork global {name!r} is not an exported global of the module")
     ty = glob.type(store)
     kind = str(ty.content)
     if not ty.mutable or kind not in ("i32", "i64"):
-        raise ToolExecError(f"fork global {name!r} is not a mutable i32/i64 global")
+        raise ToolRuntimeError(f"fork global {name!r} is not a mutable i32/i64 global")
     if kind == "i32":
         glob.set_value(store, Val.i32(as_i32(value)))
     else:
@@ -158,7 +158,7 @@ def place_buffers(
     holding an output buffer of `cap` bytes (also when the args do not fit the arena)."""
     if fork is not None and (fork.arena_ptr, fork.arena_len) != (None, None):
         if fork.arena_ptr is None or fork.arena_len is None:
-            raise ToolExecError("tool arena needs both tool_arena_ptr and tool_arena_len")
+            raise ToolRuntimeError("tool arena needs both tool_arena_ptr and tool_arena_len")
         size = int(memory.data_len(store))
         buf = plan_arena(fork.arena_ptr, fork.arena_len, args_len, max_output_bytes, size)
         if buf is not None:
@@ -168,7 +168,7 @@ def place_buffers(
     try:
         memory.grow(store, layout.grow_pages)
     except WasmtimeError:  # refused by Store.set_limits or the module's declared maximum
-        raise ToolExecError("tool memory limit reached") from None
+        raise ToolRuntimeError("tool memory limit reached") from None
     return ToolBuffers(layout.args_ptr, layout.out_ptr, cap, layout.len_ptr)
 
 
@@ -181,6 +181,7 @@ class ToolModeHost:
 
     def __init__(self, deadline: float | None = None, max_log_bytes: int = 256 << 10) -> None:
         self.deadline = deadline
+        self.attempt = 0  # the call's retry number, for `cchatq::attempt`
         self.logs: list[tuple[int, str]] = []
         self.dropped_logs = 0
         self._log_room = max_log_bytes
@@ -188,6 +189,8 @@ class ToolModeHost:
     def hostcall(self, name: str, mem: GuestMemory, args: tuple[int, ...]) -> int | None:
         if name.startswith(_DENIED):
             return -EPERM  # a tool cannot start chats or touch the program's fds
+        if name == "cchatq.attempt":
+            return self.attempt
         if name == "log":
             return self._log(mem, *args)
         if name == "time_now_ms":

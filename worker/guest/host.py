@@ -38,7 +38,7 @@ from worker.errors import (
 from worker.guest import abi
 from worker.guest.epoll import HOSTCALLS as EPOLL_HOSTCALLS
 from worker.guest.epoll import EpollCalls
-from worker.guest.fds import FdEntry, FdTable, write_with_len
+from worker.guest.fds import FdEntry, FdTable, RegisteredTool, write_with_len
 from worker.guest.fork import ProgramFork
 from worker.guest.imports import GuestMemory
 from worker.guest.ports import ProgramStore
@@ -53,6 +53,7 @@ CONSUMED_PARAMS = (
     "tool_arena_ptr",
     "tool_arena_len",
     "strict_unknown_tool",
+    "tool_result_envelope",
 )
 WAIT_SLICE_S = 1.0  # blocking waits wake at least this often to check cancellation
 
@@ -150,15 +151,16 @@ class ProgramHost:
         entry = self.fd_table.get(fd, abi.KIND_SESSION)
         if entry is None:
             return -abi.EBADF
-        function = abi.parse_tool_json(mem.read(ptr, length))
-        if isinstance(function, int):
-            return function
+        parsed = abi.parse_tool_json(mem.read(ptr, length))
+        if isinstance(parsed, int):
+            return parsed
+        function, policy = parsed
         if schema_problem(function["parameters"]) is not None:  # checked as at submit
             return -abi.EINVAL
         if not mem.is_tool_function(fn_offset, self.table_name):
             return -abi.EINVAL
-        if all(f["name"] != function["name"] for _, f in entry.tools):  # the first one wins
-            entry.tools.append((fn_offset, function))
+        if all(t.function["name"] != function["name"] for t in entry.tools):  # the first wins
+            entry.tools.append(RegisteredTool(fn_offset, function, policy))
             self.fd_table.persist(fd)
         return 0
 
@@ -245,13 +247,14 @@ class ProgramHost:
             fork_sha = self.store.put_fork(fork.to_blob())
         tools = tuple(
             ToolSpec(
-                function=FunctionSpec.from_json(function),
+                function=FunctionSpec.from_json(tool.function),
                 module="program",
-                table_index=fn_offset,
+                table_index=tool.fn_offset,
                 module_sha256=self.d.module_sha256,
                 fork_sha256=fork_sha,
+                policy=tool.policy,
             )
-            for fn_offset, function in session.tools
+            for tool in session.tools
         )
         return SessionSpec(
             id=chat_id,
@@ -264,6 +267,8 @@ class ProgramHost:
                 auto_tool_call=auto,
                 metrics=metrics,
                 strict_unknown_tool=bool(consumed.get("strict_unknown_tool", False)),
+                # SPEAR guests read their tools' raw output unless they ask for the envelope
+                tool_result_envelope=consumed.get("tool_result_envelope") is True,
             ),
             limits=Limits.resolve(consumed),
         )

@@ -151,6 +151,35 @@ def define_spear(linker: wasmtime.Linker, module: wasmtime.Module, host: SpearHo
         linker.define_func("spear", imp.name, ty, _adapter(imp.name, ty, host), access_caller=True)
 
 
+# The tool ABI's own imports (sdk/c/cchatq_tool.h), module `cchatq`: name -> (params, results)
+TOOL_IMPORTS: dict[str, tuple[list[str], list[str]]] = {"attempt": ([], ["i32"])}
+
+
+def define_tool_imports(linker: wasmtime.Linker, module: wasmtime.Module, host: SpearHost) -> None:
+    """Define the `cchatq` imports a tool declares; each reaches `host` as `cchatq.NAME`."""
+    for imp in module.imports:
+        if imp.module != "cchatq" or imp.name is None:
+            continue
+        ty, name = imp.type, imp.name
+        expected = TOOL_IMPORTS.get(name)
+        if expected is None:
+            raise GuestError(f"unknown import cchatq::{name}")
+        if (
+            not isinstance(ty, wasmtime.FuncType)
+            or (
+                [str(p) for p in ty.params],
+                [str(r) for r in ty.results],
+            )
+            != expected
+        ):
+            raise GuestError(f"import cchatq::{name} has the wrong type {ty}")
+
+        def call(caller: wasmtime.Caller, *args: int, _name: str = f"cchatq.{name}") -> Any:
+            return host.hostcall(_name, GuestMemory(caller), args)
+
+        linker.define_func("cchatq", name, ty, call, access_caller=True)
+
+
 def _adapter(name: str, ty: wasmtime.FuncType, host: SpearHost) -> Callable[..., Any]:
     expected = SPEAR_IMPORTS.get(name)
     if expected is None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-from worker.errors import ToolExecError
+from worker.errors import ToolRuntimeError
 from worker.guest.abi import align8, arena_layout
 
 WASM_PAGE_BYTES = 65_536
@@ -65,17 +65,17 @@ class ToolBuffers:
 def plan_arena(
     arena_ptr: int, arena_len: int, args_len: int, max_output_bytes: int, memory_len: int
 ) -> ToolBuffers | None:
-    """SPEAR's arena layout, checked against a memory of `memory_len` bytes. ToolExecError if
+    """SPEAR's arena layout, checked against a memory of `memory_len` bytes. ToolRuntimeError if
     the arena (or its length cell) lies outside the memory; None if the arena cannot hold the
     args, their NUL and a length cell (the host then uses scratch pages)."""
     if arena_ptr < 0 or arena_len < 0 or arena_ptr + arena_len > memory_len:
-        raise ToolExecError("tool arena outside memory")
+        raise ToolRuntimeError("tool arena outside memory")
     layout = arena_layout(arena_ptr, arena_len, args_len, max_output_bytes)
     if layout is None:
         return None
     # SPEAR's cell may end up to 3 bytes past an arena whose length is not a multiple of 8
     if layout.out_len_ptr + 4 > memory_len:
-        raise ToolExecError("tool arena outside memory")
+        raise ToolRuntimeError("tool arena outside memory")
     return ToolBuffers(layout.args_ptr, layout.out_ptr, layout.out_cap, layout.out_len_ptr)
 
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from worker.session.engine import CallModel, Finish, Session, ToolOutcome, plan
+from schemas.limits import max_parallel
+from worker.session.engine import CallModel, Finish, Session, plan
+from worker.session.outcomes import ToolOutcome
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,8 @@ class Decision:
     store: dict[int, ToolOutcome] = field(default_factory=dict)  # tool messages of round_no
     tools: tuple[int, ...] = ()  # tool steps of round_no to publish
     fan_in: int | None = None  # publish round_no + 1 once this many calls are answered
+    # until then, keep this many tool steps of the round in flight (limits.max_parallel)
+    refill: int | None = None
     next_round: int | None = None  # publish this round step
     finish: bool = False  # the session ends: in place from a round step, else a finish step
     ending: Ending | None = None  # write this result
@@ -38,14 +42,21 @@ def decide(session: Session) -> Decision:
         return Decision(finish=True)
     if isinstance(step, CallModel):
         return Decision(next_round=step.round_no)
+    window = max_parallel(session.limits, session.fleet)
+    runs = tuple(run.index for run in step.runs)
     return Decision(
         round_no=step.round_no,
         store=step.presets,
-        tools=tuple(run.index for run in step.runs),
+        tools=runs[:window],  # the rest start as these finish
         fan_in=step.call_count,
+        refill=window if len(runs) > window else None,
     )
 
 
-def after_tool(round_no: int, index: int, outcome: ToolOutcome, call_count: int) -> Decision:
-    """A tool step's outcome: stored, and the next round once every call is answered."""
-    return Decision(round_no=round_no, store={index: outcome}, fan_in=call_count)
+def after_tool(
+    round_no: int, index: int, outcome: ToolOutcome, call_count: int, window: int
+) -> Decision:
+    """A tool step's outcome: stored, and the next round once every call is answered; until
+    then, with more calls than `window` (max_parallel), the next waiting call starts."""
+    refill = window if call_count > window else None
+    return Decision(round_no=round_no, store={index: outcome}, fan_in=call_count, refill=refill)

@@ -9,53 +9,26 @@ from __future__ import annotations
 
 import contextlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import jsonschema
 
 from schemas import tool_schema
-from schemas.bodies import dump_text, is_error_body
-from schemas.limits import Limits
+from schemas.bodies import is_error_body
+from schemas.limits import Limits, ToolDefaults
 from schemas.spec_types import Flags, SessionSpec, ToolSpec
 from worker.codecs.openai_chat import decode_arguments, tool_calls_of, tool_message_content
 from worker.codecs.protocol import ToolChoice
 from worker.errors import (
-    CancelledError,
-    CchatqError,
     RepeatedCallError,
-    ToolArgumentsError,
     ToolCallLimitError,
+    ToolNotFoundError,
+    ToolNotRunError,
+    ToolValidationError,
     UnknownToolError,
 )
-
-
-@dataclass(frozen=True)
-class ToolOutcome:
-    """What one tool call produced: the tool message content, and whether it succeeded."""
-
-    content: str
-    ok: bool
-
-    @classmethod
-    def error(cls, error: CchatqError) -> ToolOutcome:
-        return cls(content=dump_text(error.body()), ok=False)
-
-    @property
-    def code(self) -> str | None:
-        if self.ok:
-            return None
-        try:
-            return str(json.loads(self.content)["error"]["code"])
-        except (ValueError, KeyError, TypeError):
-            return None
-
-    @classmethod
-    def from_json(cls, raw: dict[str, Any]) -> ToolOutcome:
-        return cls(content=str(raw["content"]), ok=bool(raw["ok"]))
-
-    def to_json(self) -> dict[str, Any]:
-        return {"content": self.content, "ok": self.ok}
+from worker.session.outcomes import ToolOutcome
 
 
 @dataclass(frozen=True)
@@ -72,6 +45,12 @@ class Session:
     spec: SessionSpec
     backend: str
     rounds: tuple[Round, ...] = ()
+    fleet: ToolDefaults = field(default_factory=ToolDefaults)  # the configuration's defaults
+
+    @property
+    def auto_tool_call(self) -> bool:
+        """Whether the loop runs the tools a reply calls: the spec's flag and the fleet's."""
+        return self.spec.flags.auto_tool_call and self.fleet.auto_tool_call
 
     @property
     def limits(self) -> Limits:
@@ -164,13 +143,18 @@ def plan(session: Session) -> Step:
     last = session.rounds[-1]
     if is_error_body(last.reply):
         return Finish(last.reply)
+    ended_by = _final_answer_of(session, round_no)
+    if ended_by is not None:  # the answer after a limit ended the loop, whatever it says
+        return Finish(limited_body(session, last.reply, ended_by))
     calls = tool_calls_of(last.reply)
-    if not calls or not session.flags.auto_tool_call:
+    if not calls or not session.auto_tool_call:
         return Finish(success_body(session, last.reply))
-    limit = _limit_hit(session, len(calls))
-    if limit:
-        return Finish(ToolCallLimitError(f"exceeded {limit}").body())
     presets = _presets(session, last.reply, calls)
+    limit = _limit_hit(session, len(calls) - len(presets))
+    if limit and not session.flags.final_answer_on_limit:
+        return Finish(ToolCallLimitError(f"exceeded {limit}").body())
+    if limit:  # answer every call as not run, then ask once more with tool choice none
+        presets = {i: _skipped(limit) for i in range(len(calls))}
     if session.flags.strict_unknown_tool:
         unknown = [c for c in calls if c["function"]["name"] not in session.tools_by_name()]
         if unknown:
@@ -192,6 +176,8 @@ def _call_model(session: Session, round_no: int) -> CallModel:
     if choice not in (None, "auto", "none") and any(tool_calls_of(r.reply) for r in session.rounds):
         # a forced choice holds for the first tool round only, or the model could never answer
         choice = "auto"
+    if round_no > 0 and _final_answer_of(session, round_no) is not None:
+        choice = "none"  # the last call after a limit: an answer, not more tool calls
     return CallModel(
         round_no=round_no,
         model=session.spec.model,
@@ -216,16 +202,37 @@ def neutral_tool_choice(raw: Any) -> ToolChoice:
     return None
 
 
-def _limit_hit(session: Session, call_count: int) -> str | None:
+def _limit_hit(session: Session, would_run: int) -> str | None:
+    """The limit the last round's calls would break: too many rounds, or more executed tool
+    calls than max_total_tool_calls (calls answered without running do not count)."""
     limits = session.limits
     if len(session.rounds) >= limits.max_iterations:
         return "max_iterations"
-    used = sum(
-        len(tool_calls_of(r.reply)) for r in session.rounds[:-1] if not is_error_body(r.reply)
-    )
-    if used + call_count > limits.max_total_tool_calls:
+    executed = sum(1 for r in session.rounds[:-1] for o in r.outcomes.values() if o.ran)
+    if executed + would_run > limits.max_total_tool_calls:
         return "max_total_tool_calls"
     return None
+
+
+def _round_limit(session: Session, round_no: int) -> str | None:
+    """The limit round `round_no`'s tool calls hit, if they hit one."""
+    upto = replace(session, rounds=session.rounds[: round_no + 1])
+    reply = upto.rounds[-1].reply
+    calls = tool_calls_of(reply) if not is_error_body(reply) else []
+    if not calls or not session.auto_tool_call or _limit_hit(upto, len(calls)) is None:
+        return None  # the common case, decided without validating the calls again
+    return _limit_hit(upto, len(calls) - len(_presets(upto, reply, calls)))
+
+
+def _final_answer_of(session: Session, round_no: int) -> str | None:
+    """The limit that made round `round_no` the final answer (a call with tool choice none)."""
+    if round_no == 0 or not session.flags.final_answer_on_limit:
+        return None
+    return _round_limit(session, round_no - 1)
+
+
+def _skipped(limit: str) -> ToolOutcome:
+    return ToolOutcome.error(ToolNotRunError(f"skipped: exceeded {limit}"))
 
 
 def _presets(
@@ -237,11 +244,11 @@ def _presets(
     for i, call in enumerate(calls):
         name = call["function"]["name"]
         if name not in tools:
-            presets[i] = ToolOutcome.error(UnknownToolError(f"unknown tool: {name}"))
+            presets[i] = ToolOutcome.error(ToolNotFoundError(f"unknown tool: {name}"))
         elif truncated:
             # conformance B1 #13: never execute a call cut off by the token limit
             presets[i] = ToolOutcome.error(
-                ToolArgumentsError("arguments truncated (finish_reason length), not executed")
+                ToolValidationError("arguments truncated (finish_reason length), not executed")
             )
         elif _repeats(session, call) >= REPEAT_LIMIT - 1:
             # conformance B7 68: the model keeps asking the same thing; tell it, do not rerun
@@ -256,7 +263,7 @@ def _presets(
                 call["function"]["arguments"], tools[name].function.parameters
             )
             if problem:
-                presets[i] = ToolOutcome.error(ToolArgumentsError(problem))
+                presets[i] = ToolOutcome.error(ToolValidationError(problem))
     return presets
 
 
@@ -276,7 +283,7 @@ def _repeats(session: Session, call: dict[str, Any]) -> int:
 
 def _call_key(call: dict[str, Any]) -> tuple[str, str]:
     arguments = call["function"]["arguments"]
-    with contextlib.suppress(ToolArgumentsError):
+    with contextlib.suppress(ToolValidationError):
         arguments = canonical_arguments(arguments)
     return call["function"]["name"], arguments
 
@@ -291,7 +298,7 @@ def argument_problem(arguments: str, parameters: dict[str, Any] | None) -> str |
     """Why these arguments cannot be passed to the tool, or None when they can."""
     try:
         decoded = decode_arguments(arguments)
-    except ToolArgumentsError as exc:
+    except ToolValidationError as exc:
         return exc.message
     schema = parameters or {"type": "object"}
     try:
@@ -330,7 +337,8 @@ def transcript(session: Session, missing: ToolOutcome | None = None) -> list[dic
     call order. A call with no stored outcome gets `missing` (or the plan's verdict), so the
     transcript never holds a tool call without its answer."""
     messages: list[dict[str, Any]] = [dict(m) for m in session.spec.messages]
-    auto = session.flags.auto_tool_call
+    auto = session.auto_tool_call
+    envelope = session.flags.tool_result_envelope
     for round_no, rnd in enumerate(session.rounds):
         if is_error_body(rnd.reply):
             break
@@ -349,7 +357,7 @@ def transcript(session: Session, missing: ToolOutcome | None = None) -> list[dic
                 {
                     "role": "tool",
                     "tool_call_id": call["id"],
-                    "content": tool_message_content(outcome.content),
+                    "content": tool_message_content(outcome.message(envelope)),
                 }
             )
     return messages
@@ -360,25 +368,18 @@ def _fill_for_round(
 ) -> dict[int, ToolOutcome]:
     if round_no != len(session.rounds) - 1:
         return {}
-    upto = Session(
-        spec=session.spec, backend=session.backend, rounds=session.rounds[: round_no + 1]
-    )
-    limit = _limit_hit(upto, len(calls))
-    if limit:
-        return {
-            i: ToolOutcome.error(ToolCallLimitError(f"skipped: exceeded {limit}"))
-            for i in range(len(calls))
-        }
+    upto = replace(session, rounds=session.rounds[: round_no + 1])
     fill = _presets(upto, session.rounds[round_no].reply, calls)
+    limit = _limit_hit(upto, len(calls) - len(fill))
+    if limit:
+        return {i: _skipped(limit) for i in range(len(calls))}
     if session.flags.strict_unknown_tool and any(
-        o.code == UnknownToolError.code for o in fill.values()
+        o.code == ToolNotFoundError.code for o in fill.values()
     ):
         for i in range(len(calls)):
             fill.setdefault(
                 i,
-                ToolOutcome.error(
-                    UnknownToolError("skipped: the session ended on an unknown tool")
-                ),
+                ToolOutcome.error(ToolNotRunError("skipped: the session ended on an unknown tool")),
             )
     if missing is not None:
         for i in range(len(calls)):
@@ -402,4 +403,16 @@ def success_body(session: Session, reply: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
-CANCELLED = ToolOutcome.error(CancelledError("session cancelled before this call ran"))
+def limited_body(session: Session, reply: dict[str, Any], limit: str) -> dict[str, Any]:
+    """The final answer after a limit ended the loop: the reply, without tool calls the
+    model still made, saying which limit ended it (`_spear.limit`)."""
+    body = success_body(session, reply)
+    for choice in body.get("choices") or []:
+        message = choice.get("message")
+        if isinstance(message, dict) and "tool_calls" in message:
+            choice["message"] = {k: v for k, v in message.items() if k != "tool_calls"}
+    body["_spear"]["limit"] = ToolCallLimitError(f"exceeded {limit}").body()["error"]
+    return body
+
+
+CANCELLED = ToolOutcome.error(ToolNotRunError("session cancelled before this call ran"))

@@ -13,7 +13,8 @@ from schemas.keys import ChunkMember
 from schemas.spec_types import Spec
 from worker.codecs.protocol import ChatRequest, Delta
 from worker.config import BackendConfig
-from worker.session.engine import Session, ToolOutcome
+from worker.session.engine import Session
+from worker.session.outcomes import ToolOutcome
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class ToolCall:
     timeout_ms: int
     memory_bytes: int
     max_output_bytes: int
+    attempt: int = 0  # 0 on the first try, then the retry number (the tool can ask for it)
 
 
 class SessionStore(Protocol):
@@ -97,6 +99,16 @@ class SessionStore(Protocol):
         reads: RoundReads | ToolReads | None = None,
     ) -> StepStart: ...
     def uncount_try(self, step: str) -> None: ...
+    def unstarted_calls(self, sk: str, round_no: int, calls: int) -> tuple[list[int], int]:
+        """Of a round's first `calls` calls, under max_parallel: those waiting for room (no
+        outcome, never queued, no step leased), and how many hold a place (queued or
+        running, no outcome yet)."""
+        ...
+
+    def queue_calls(self, sk: str, round_no: int, indexes: list[int], claim: bool) -> list[int]:
+        """Mark calls queued; with `claim`, only those no one marked before (returned)."""
+        ...
+
     def active_steps(self, steps: list[str]) -> set[str]:
         """Which of these steps are leased (a delivery works on them) or published."""
         ...

@@ -8,9 +8,10 @@ from typing import Any
 
 from schemas.bodies import is_error_body
 from schemas.spec_types import ProgramSpec
-from worker.errors import CancelledError, InternalError, StepFailedError
+from worker.errors import CancelledError, InternalError, ToolNotRunError
 from worker.session.decisions import Decision, Ending
-from worker.session.engine import CANCELLED, Finish, Session, ToolOutcome, plan, transcript
+from worker.session.engine import CANCELLED, Finish, Session, plan, transcript
+from worker.session.outcomes import ToolOutcome
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +26,7 @@ def ending(
     try:
         if failure is not None:
             result = failure
-            missing = ToolOutcome.error(StepFailedError("session failed before this call ran"))
+            missing = ToolOutcome.error(ToolNotRunError("session failed before this call ran"))
         elif cancelled:
             result, missing = CancelledError("session cancelled").body(), CANCELLED
         else:
@@ -73,7 +74,7 @@ def metrics(session: Session, latency_ms: int) -> dict[str, Any]:
         for outcome in rnd.outcomes.values():
             tool_calls += 1
             tool_failures += 0 if outcome.ok else 1
-            output_bytes += len(outcome.content.encode())
+            output_bytes += outcome.output_bytes
     return {
         "iterations": sum(1 for r in session.rounds if not is_error_body(r.reply)),
         "latency_ms": latency_ms,

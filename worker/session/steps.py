@@ -18,29 +18,25 @@ from typing import Any, TypeVar
 
 from schemas import keys
 from schemas.bodies import dump_body, is_error_body
+from schemas.limits import max_parallel
 from schemas.spec_types import ProgramSpec, SessionSpec
 from worker.codecs.openai_chat import tool_calls_of
 from worker.codecs.protocol import ChatRequest, Delta
 from worker.config import BackendConfig, Settings
 from worker.errors import (
     CancelledError,
-    GuestError,
     InternalError,
     ProviderError,
     RateLimited,
     RetryLater,
     StepFailedError,
     StoreError,
-    ToolError,
-    ToolExecError,
 )
 from worker.session.decisions import Decision, Ending, after_tool, decide
 from worker.session.engine import (
     CallModel,
     Round,
     Session,
-    ToolOutcome,
-    ToolRun,
     next_call,
     tool_run,
 )
@@ -54,11 +50,11 @@ from worker.session.ports import (
     RoundReads,
     SessionStore,
     StepStart,
-    ToolCall,
     ToolReads,
     ToolRuntime,
 )
 from worker.session.records import bare_record, ending, failed_program_record
+from worker.session.tool_policy import ToolCaller, step_lease_ms
 
 log = logging.getLogger(__name__)
 SpecT = TypeVar("SpecT", SessionSpec, ProgramSpec)
@@ -237,10 +233,15 @@ class StepRunner:
             if decision.store
             else 0
         )
-        for index in decision.tools:
+        tools = list(decision.tools)
+        if decision.refill is not None and tools:  # a window opens: its calls hold places
+            self.store.queue_calls(sk, decision.round_no, tools, claim=False)
+        for index in tools:
             send.tool(sk, decision.round_no, index)
         if decision.fan_in is not None and done >= decision.fan_in:
             send.round(sk, decision.round_no + 1)
+        elif decision.refill is not None and not tools and decision.fan_in is not None:
+            self._refill(sk, decision.round_no, decision.fan_in, decision.refill, send)
         if decision.next_round is not None:
             send.round(sk, decision.next_round)
         if decision.finish and session is not None:
@@ -250,6 +251,15 @@ class StepRunner:
         if decision.ending is not None:
             body, record = decision.ending.body, decision.ending.record
             self.store.write_result(sk, dump_body(body), record)
+
+    def _refill(self, sk: str, round_no: int, calls: int, window: int, send: Dispatcher) -> None:
+        """A call of a max_parallel window finished: start the next waiting ones. Each is
+        claimed first, so two calls finishing at once never start the same one twice."""
+        waiting, placed = self.store.unstarted_calls(sk, round_no, calls)
+        for index in self.store.queue_calls(
+            sk, round_no, waiting[: max(0, window - placed)], claim=True
+        ):
+            send.tool(sk, round_no, index)
 
     # start ---------------------------------------------------------------------------------
 
@@ -279,9 +289,7 @@ class StepRunner:
             return int((backend.total_timeout_s if backend else 60) * 1000) + 10_000
 
         def body(start: StepStart, outbox: Outbox) -> None:
-            session = start.session or self.store.load_session(
-                sk, self._default_backend(), upto_round=round_no
-            )
+            session = self._session(sk, start.session, upto_round=round_no)
             if len(session.rounds) < round_no:
                 return  # out of order: published before its round could be (never by us)
             if len(session.rounds) == round_no:
@@ -294,6 +302,15 @@ class StepRunner:
         step = keys.round_step(sk, round_no)
         reads = RoundReads(round_no, self._default_backend())
         self.guarded(step, sk, lease_ms, body, reads=reads, state=f"round {round_no}")
+
+    def _session(
+        self, sk: str, read: Session | None = None, upto_round: int | None = None
+    ) -> Session:
+        """The session as the engine sees it: what the step read (or reads now), with the
+        fleet's tool defaults."""
+        if read is None:
+            read = self.store.load_session(sk, self._default_backend(), upto_round=upto_round)
+        return replace(read, fleet=self.settings.tool_defaults)
 
     def _backend(self, provider: str | None) -> BackendConfig | None:
         try:
@@ -336,8 +353,12 @@ class StepRunner:
 
     def tool(self, sk: str, round_no: int, index: int) -> None:
         def lease_ms() -> int:
-            # the deadline covers an ENOSPC retry too
-            return self.spec_of(sk, SessionSpec).limits.tool_timeout_ms + 5_000
+            # read before the reply says which tool runs: the longest any tool may take
+            spec = self.spec_of(sk, SessionSpec)
+            fleet = self.settings.tool_defaults
+            return max((step_lease_ms(spec, t, fleet) for t in spec.tools), default=0) or (
+                step_lease_ms(spec, None, fleet)
+            )
 
         def body(start: StepStart, outbox: Outbox) -> None:
             spec = self.spec_of(sk, SessionSpec)
@@ -348,31 +369,13 @@ class StepRunner:
                 run = tool_run(spec, reply, index)
                 if run is None:
                     raise InternalError(f"call {index} of round {round_no} is not a tool run")
-                outcome = self._execute(spec, run)
+                outcome = ToolCaller(self.tools(), self.settings.tool_defaults).run(spec, run)
             calls = len(tool_calls_of(reply))
-            self.apply(sk, after_tool(round_no, index, outcome, calls), dispatch=outbox)
+            window = max_parallel(spec.limits, self.settings.tool_defaults)
+            self.apply(sk, after_tool(round_no, index, outcome, calls, window), dispatch=outbox)
 
         step = keys.tool_step(sk, round_no, index)
         self.guarded(step, sk, lease_ms, body, reads=ToolReads(round_no, index))
-
-    def _execute(self, spec: SessionSpec, run: ToolRun) -> ToolOutcome:
-        tool, limits = run.tool, spec.limits
-        try:
-            call = ToolCall(
-                module_sha256=tool.module_sha256,
-                export=tool.export,
-                table_index=tool.table_index,
-                fork_sha256=tool.fork_sha256,
-                arguments=run.arguments.encode(),
-                timeout_ms=limits.tool_timeout_ms,
-                memory_bytes=limits.tool_memory_bytes,
-                max_output_bytes=limits.max_tool_output_bytes,
-            )
-            return ToolOutcome(content=self.tools().run(call), ok=True)
-        except ToolError as exc:
-            return ToolOutcome.error(exc)
-        except GuestError as exc:
-            return ToolOutcome.error(ToolExecError(exc.message))
 
     def spec_of(self, sk: str, kind: type[SpecT]) -> SpecT:
         """A session's spec, of the kind its step expects (a chat or a program run)."""
@@ -396,7 +399,7 @@ class StepRunner:
             self.dispatch.program(sk)
             return
         try:
-            decision = decide(self.store.load_session(sk, self._default_backend()))
+            decision = decide(self._session(sk))
         except StoreError:
             raise
         except Exception:  # a plan that cannot be made: the finish step ends the session
@@ -426,7 +429,7 @@ class StepRunner:
                 record = failed_program_record(spec, result)
                 self.apply(sk, Decision(ending=Ending(result, record)))
                 return
-            self._end(sk, self.store.load_session(sk, self._default_backend()))
+            self._end(sk, self._session(sk))
 
         step = keys.finish_step(sk)
         self.guarded(step, sk, lambda: FINISH_LEASE_MS, body, stop_if_cancelled=False)

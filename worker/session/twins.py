@@ -19,13 +19,15 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from schemas import keys
 from schemas.bodies import dump_body
 from schemas.keys import ChunkMember
 from schemas.spec_types import SessionSpec, Spec, spec_from_json, spec_to_json
 from worker.codecs.protocol import ChatRequest, Delta
 from worker.config import BackendConfig
-from worker.errors import ProviderRequestError, RetryLater, StoreError, ToolExecError
-from worker.session.engine import Round, Session, ToolOutcome
+from worker.errors import ProviderRequestError, RetryLater, StoreError, ToolRuntimeError
+from worker.session.engine import Round, Session
+from worker.session.outcomes import ToolOutcome
 from worker.session.ports import (
     NextStep,
     Permit,
@@ -45,6 +47,7 @@ class MemoryStore:
     meta_of: dict[str, dict[str, str]] = field(default_factory=dict)
     replies: dict[tuple[str, int], bytes] = field(default_factory=dict)
     outcomes: dict[tuple[str, int, int], bytes] = field(default_factory=dict)
+    queued: set[tuple[str, int, int]] = field(default_factory=set)  # calls under max_parallel
     leases: dict[str, float] = field(default_factory=dict)  # step -> monotonic expiry
     published: set[str] = field(default_factory=set)
     tries: dict[str, int] = field(default_factory=dict)
@@ -182,6 +185,22 @@ class MemoryStore:
 
     def lease_left_ms(self, step: str) -> int:
         return max(int((self.leases.get(step, 0.0) - time.monotonic()) * 1000), 0)
+
+    def unstarted_calls(self, sk: str, round_no: int, calls: int) -> tuple[list[int], int]:
+        with self._cond:
+            unanswered = [i for i in range(calls) if (sk, round_no, i) not in self.outcomes]
+        steps = {keys.tool_step(sk, round_no, i): i for i in unanswered}
+        active = self.active_steps(list(steps))
+        waiting = [
+            i for s, i in steps.items() if s not in active and (sk, round_no, i) not in self.queued
+        ]
+        return waiting, len(unanswered) - len(waiting)
+
+    def queue_calls(self, sk: str, round_no: int, indexes: list[int], claim: bool) -> list[int]:
+        with self._cond:
+            won = [i for i in indexes if not claim or (sk, round_no, i) not in self.queued]
+            self.queued.update((sk, round_no, i) for i in won)
+            return won
 
     def active_steps(self, steps: list[str]) -> set[str]:
         with self._cond:
@@ -386,7 +405,7 @@ class NoTools:
     """The ToolRuntime port of a process that runs no tools."""
 
     def run(self, call: ToolCall) -> str:
-        raise ToolExecError("this twin runs no tools")
+        raise ToolRuntimeError("this twin runs no tools")
 
 
 @dataclass
@@ -400,7 +419,7 @@ class PythonTools:
         self.calls.append(call)
         function = self.functions.get(call.export or "")
         if function is None:
-            raise ToolExecError(f"no function {call.export!r} in this twin")
+            raise ToolRuntimeError(f"no function {call.export!r} in this twin")
         return function(call.arguments.decode())
 
 

@@ -1,0 +1,184 @@
+"""Issue 9's tool policy on a real fleet: Redis, Celery workers, the replay server and the
+`nap` WASM tool (fixtures/guests/nap.c) run by wasmtime. The tools worker runs 6 threads, so
+that max_parallel, not the worker, is what bounds a session's calls in flight."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fixtures.demo_batch import WEATHER, weather_json
+from producer.client import Client
+from producer.fleet import Fleet
+from tests.conftest import Running
+from tests.test_pipeline import run_specs
+
+pytestmark = pytest.mark.fleet
+
+TOOLS_THREADS = 6
+
+
+@pytest.fixture(scope="module")
+def wide_tools(base_fleet: Fleet) -> Iterator[Running]:
+    url = base_fleet.redis_url.rsplit("/", 1)[0] + "/7"
+    fleet = Fleet(
+        redis_url=url,
+        replay_url=base_fleet.replay_url,
+        workdir=base_fleet.workdir / "db7",
+        env=dict(base_fleet.env),
+    )
+    fleet.workdir.mkdir(exist_ok=True)
+    client = Client(url)
+    client.redis.flushdb()
+    try:
+        fleet.start_worker("tools", pool="threads", concurrency=TOOLS_THREADS)
+        for queue in ("llm", "control"):
+            fleet.start_worker(queue)
+        yield Running(fleet=fleet, redis_url=url, client=client)
+    finally:
+        fleet.stop()
+        client.close()
+
+
+def nap(**policy: Any) -> dict[str, Any]:
+    tool: dict[str, Any] = {
+        "module": "nap.wasm",
+        "export": "nap",
+        "function": {"name": "nap", "parameters": {"type": "object"}},
+    }
+    if policy:
+        tool["policy"] = policy
+    return tool
+
+
+def calling(*calls: tuple[str, dict[str, Any]], tools: list[dict[str, Any]], **extra: Any) -> Any:
+    markers = " ".join(f"[[call:{name} {json.dumps(args)}]]" for name, args in calls)
+    return {
+        "id": f"policy/{uuid.uuid4().hex[:10]}",
+        "model": "replay/call",
+        "messages": [{"role": "user", "content": f"Please run {markers}"}],
+        "tools": tools,
+        **extra,
+    }
+
+
+def run_one(running: Running, spec: dict[str, Any], tmp_path: Path) -> dict[str, Any]:
+    return run_specs(running.client, [spec], tmp_path, timeout_s=90)[spec["id"]]
+
+
+def envelopes(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """The tool messages the model read, in call order, parsed."""
+    return [json.loads(m["content"]) for m in record["transcript"] if m["role"] == "tool"]
+
+
+def test_a_tool_past_its_own_timeout_fails_while_a_slower_allowed_sibling_answers(
+    wide_tools: Running, tmp_path: Path
+) -> None:
+    weather = {**WEATHER, "policy": {"timeout_ms": 5000}}
+    nap_long = {**nap(timeout_ms=2000), "function": {"name": "nap_long", "parameters": {}}}
+    spec = calling(
+        ("nap", {"ms": 3000}),
+        ("get_weather", {"city": "Oslo"}),
+        ("nap_long", {"ms": 400, "tag": "slow-but-allowed"}),
+        tools=[nap(timeout_ms=300), weather, nap_long],
+        limits={"tool_timeout_ms": 200},  # the session default: the tools' own timeouts win
+    )
+    timed_out, city, slow = envelopes(run_one(wide_tools, spec, tmp_path))
+    assert (timed_out["ok"], timed_out["error"]["code"]) == (False, "TIMEOUT")
+    assert timed_out["error"]["message"] == "tool timed out after 300 ms"
+    assert timed_out["metrics"]["latency_ms"] >= 300
+    assert city["ok"] and city["data"] == json.loads(weather_json("Oslo"))
+    assert slow["ok"] and slow["data"] == {"tag": "slow-but-allowed", "attempt": 0}
+
+
+def test_a_tool_failing_twice_succeeds_on_its_second_retry(
+    wide_tools: Running, tmp_path: Path
+) -> None:
+    spec = calling(
+        ("nap", {"fail_first": 2, "tag": "t"}),
+        tools=[nap(max_retries=2, retry_backoff_ms=20)],
+    )
+    [answer] = envelopes(run_one(wide_tools, spec, tmp_path))
+    assert answer["ok"] and answer["data"] == {"tag": "t", "attempt": 2}
+    assert answer["metrics"]["retries"] == 2
+    one_retry = calling(("nap", {"fail_first": 2}), tools=[nap(max_retries=1)])
+    [failed] = envelopes(run_one(wide_tools, one_retry, tmp_path))
+    assert failed["error"] == {"code": "RUNTIME_ERROR", "message": "tool rc: -5"}
+    assert failed["metrics"]["retries"] == 1
+
+
+def _most_in_flight(answers: list[dict[str, Any]]) -> int:
+    edges = sorted(
+        [(a["data"]["start_ms"], 1) for a in answers] + [(a["data"]["end_ms"], -1) for a in answers]
+    )  # an end before a start at the same millisecond: back to back is not overlap
+    most = now = 0
+    for _, step in edges:
+        now += step
+        most = max(most, now)
+    return most
+
+
+@pytest.mark.parametrize(("max_parallel", "bound"), [(2, 2), (6, 6)])
+def test_max_parallel_bounds_a_sessions_tool_tasks_in_flight(
+    wide_tools: Running, tmp_path: Path, max_parallel: int, bound: int
+) -> None:
+    calls = [("nap", {"ms": 400, "times": 1, "tag": f"c{i}"}) for i in range(6)]
+    spec = calling(*calls, tools=[nap()], limits={"max_parallel": max_parallel})
+    answers = envelopes(run_one(wide_tools, spec, tmp_path))
+    assert [a["data"]["tag"] for a in answers] == [f"c{i}" for i in range(6)]  # call order
+    most = _most_in_flight(answers)
+    assert most <= bound
+    if max_parallel == 6:  # the same worker does run more at once when allowed: the bound is real
+        assert most > 2
+
+
+def test_a_fallback_answers_when_the_primary_traps(wide_tools: Running, tmp_path: Path) -> None:
+    boom = {
+        "module": "trap.wasm",
+        "export": "boom",
+        "function": {"name": "boom", "parameters": {"type": "object"}},
+        "policy": {"fallback": "nap"},
+    }
+    spec = calling(("boom", {"tag": "fb"}), tools=[boom, nap()])
+    record = run_one(wide_tools, spec, tmp_path)
+    [answer] = envelopes(record)
+    assert answer == {
+        "ok": True,
+        "data": {"tag": "fb", "attempt": 0},
+        "error": None,
+        "metrics": {
+            "latency_ms": answer["metrics"]["latency_ms"],
+            "retries": 0,
+            "fallback": "nap",
+        },
+    }
+    assert isinstance(answer["metrics"]["latency_ms"], int)
+    said = record["body"]["choices"][0]["message"]["content"]
+    assert said == 'Tool said: {"tag":"fb","attempt":0}'  # the model read the data
+
+
+def test_a_limit_ends_with_a_final_answer_that_names_the_limit(
+    wide_tools: Running, tmp_path: Path
+) -> None:
+    spec = {
+        "id": f"policy/{uuid.uuid4().hex[:10]}",
+        "model": "replay/loop",
+        "messages": [{"role": "user", "content": "Loop forever"}],
+        "tools": [{**WEATHER, "module": "weather.wasm"}],
+        "limits": {"max_iterations": 2},
+    }
+    record = run_one(wide_tools, spec, tmp_path)
+    assert record["status"] == "ok"
+    body = record["body"]
+    assert body["choices"][0]["message"]["content"] == "Final answer after 2 turns"
+    assert body["_spear"]["limit"] == {
+        "code": "tool_call_limit",
+        "message": "exceeded max_iterations",
+    }
+    skipped = envelopes(record)[-1]
+    assert skipped["error"] == {"code": "NOT_RUN", "message": "skipped: exceeded max_iterations"}

@@ -1,0 +1,132 @@
+"""What one tool call produced, and the tool message the model reads of it.
+
+The seed's result envelope (`{ok, data, error, metrics}`) is how spec sessions answer the
+model by default; SPEAR programs see the raw output (`flags.tool_result_envelope`). Both are
+rendered from the same stored outcome, so the flag changes nothing that is stored.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from worker.codecs.openai_chat import tool_message_content
+from worker.errors import ToolError
+
+
+@dataclass(frozen=True)
+class ToolFailure:
+    """Why a call failed: its error class (worker.errors, a ToolError code) and message."""
+
+    code: str
+    message: str
+
+
+@dataclass(frozen=True)
+class ToolOutcome:
+    """One tool call's outcome: its output text or its failure, with its metrics.
+
+    `ran` says whether a tool was executed for it (what max_total_tool_calls counts): a call
+    answered without running anything (unknown tool, invalid arguments, denied) did not."""
+
+    ok: bool
+    output: str | None = None  # the tool's text, when ok
+    failure: ToolFailure | None = None  # when not ok
+    latency_ms: int = 0
+    retries: int = 0
+    ran: bool = False
+    fallback: str | None = None  # the tool that answered instead, after the call failed
+
+    @classmethod
+    def success(cls, output: str, **metrics: Any) -> ToolOutcome:
+        return cls(ok=True, output=output, ran=True, **metrics)
+
+    @classmethod
+    def error(cls, error: ToolError, **metrics: Any) -> ToolOutcome:
+        """A failed call; `ran` comes from the error unless the metrics say otherwise."""
+        metrics.setdefault("ran", error.ran)
+        return cls(ok=False, failure=ToolFailure(error.code, error.message), **metrics)
+
+    @property
+    def code(self) -> str | None:
+        return None if self.failure is None else self.failure.code
+
+    @property
+    def output_bytes(self) -> int:
+        return len((self.output or "").encode())
+
+    # the tool message --------------------------------------------------------------------
+
+    def message(self, envelope: bool) -> str:
+        """The tool message content: the envelope, or the raw output (an error body when
+        the call failed, as before envelopes)."""
+        if envelope:
+            return json.dumps(self.envelope(), separators=(",", ":"), ensure_ascii=False)
+        if self.failure is not None:
+            error = {"code": self.failure.code, "message": self.failure.message}
+            return tool_message_content({"error": error})
+        return tool_message_content(self.output)
+
+    def envelope(self) -> dict[str, Any]:
+        metrics: dict[str, Any] = {"latency_ms": self.latency_ms, "retries": self.retries}
+        if self.fallback is not None:
+            metrics["fallback"] = self.fallback
+        error = None
+        if self.failure is not None:
+            error = {"code": self.failure.code, "message": self.failure.message}
+        return {"ok": self.ok, "data": _data(self.output), "error": error, "metrics": metrics}
+
+    # stored form ---------------------------------------------------------------------------
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "ok": self.ok,
+            "output": self.output,
+            "latency_ms": self.latency_ms,
+            "retries": self.retries,
+            "ran": self.ran,
+        }
+        if self.failure is not None:
+            out["error"] = {"code": self.failure.code, "message": self.failure.message}
+        if self.fallback is not None:
+            out["fallback"] = self.fallback
+        return out
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> ToolOutcome:
+        if "content" in raw:  # stored before envelopes: the message text itself
+            return _legacy(str(raw["content"]), bool(raw["ok"]))
+        error = raw.get("error")
+        return cls(
+            ok=bool(raw["ok"]),
+            output=raw.get("output"),
+            failure=None
+            if error is None
+            else ToolFailure(str(error["code"]), str(error["message"])),
+            latency_ms=int(raw.get("latency_ms", 0)),
+            retries=int(raw.get("retries", 0)),
+            ran=bool(raw.get("ran", False)),
+            fallback=raw.get("fallback"),
+        )
+
+
+def _data(output: str | None) -> Any:
+    """The envelope's `data`: the output parsed when it is JSON, else the text."""
+    if output is None:
+        return None
+    try:
+        return json.loads(output)
+    except ValueError:
+        return output
+
+
+def _legacy(content: str, ok: bool) -> ToolOutcome:
+    if ok:
+        return ToolOutcome(ok=True, output=content, ran=True)
+    try:
+        error = json.loads(content)["error"]
+        failure = ToolFailure(str(error["code"]), str(error["message"]))
+    except (ValueError, KeyError, TypeError):
+        failure = ToolFailure("RUNTIME_ERROR", content)
+    return ToolOutcome(ok=False, failure=failure, ran=True)

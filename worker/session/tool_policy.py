@@ -1,0 +1,133 @@
+"""How one tool call runs under its policy (seed 002, P0.2 and P1): its timeout, its retries
+with exponential backoff, idempotency, and a fallback tool; the outcome carries its latency
+and retry count. Runs through the ToolRuntime port, so the twins test it with no wasmtime.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from schemas.limits import RETRY_BACKOFF_CAP_MS, Limits, ToolDefaults
+from schemas.spec_types import SessionSpec, ToolSpec
+from worker.errors import GuestError, ToolError, ToolRuntimeError
+from worker.session.engine import ToolRun, argument_problem
+from worker.session.outcomes import ToolOutcome
+from worker.session.ports import ToolCall, ToolRuntime
+
+# A tool step's retries stop where one more attempt could outlive this (the task time limit,
+# CCHATQ_VISIBILITY_TIMEOUT_S, defaults to 300 s).
+STEP_BUDGET_MS = 240_000
+LEASE_MARGIN_MS = 5_000  # the lease outlives the budget: an ENOSPC rerun, the writes after
+
+
+@dataclass(frozen=True)
+class CallPolicy:
+    """A tool's policy with every default resolved."""
+
+    timeout_ms: int
+    max_retries: int
+    retry_backoff_ms: int
+    idempotent: bool
+
+    def backoff_ms(self, retry: int) -> int:
+        """The wait before retry number `retry` (1, 2, ...): doubling, capped."""
+        return int(min(self.retry_backoff_ms * 2 ** (retry - 1), RETRY_BACKOFF_CAP_MS))
+
+    def budget_ms(self) -> int:
+        """The longest its calls can take: every attempt timing out, every backoff waited."""
+        waits = sum(self.backoff_ms(k) for k in range(1, self.max_retries + 1))
+        return (self.max_retries + 1) * self.timeout_ms + waits
+
+
+def call_policy(tool: ToolSpec, limits: Limits, fleet: ToolDefaults) -> CallPolicy:
+    """The tool's own policy, else the session's limits, else the fleet's defaults."""
+    own = tool.policy
+    return CallPolicy(
+        timeout_ms=own.timeout_ms or limits.default_tool_timeout_ms or fleet.timeout_ms,
+        max_retries=_first(own.max_retries, limits.max_tool_retries, fleet.max_retries),
+        retry_backoff_ms=_first(own.retry_backoff_ms, fleet.retry_backoff_ms),
+        idempotent=own.idempotent,
+    )
+
+
+def step_lease_ms(spec: SessionSpec, tool: ToolSpec | None, fleet: ToolDefaults) -> int:
+    """How long a tool step may hold its lease: its call, then its fallback's, bounded."""
+    if tool is None:  # a call of no tool: the step fails at once
+        return (spec.limits.default_tool_timeout_ms or fleet.timeout_ms) + LEASE_MARGIN_MS
+    budget = call_policy(tool, spec.limits, fleet).budget_ms()
+    fallback = spec.tool(tool.policy.fallback) if tool.policy.fallback else None
+    if fallback is not None:
+        budget += call_policy(fallback, spec.limits, fleet).budget_ms()
+    return min(budget, STEP_BUDGET_MS) + LEASE_MARGIN_MS
+
+
+@dataclass
+class ToolCaller:
+    """Runs a session's tool calls under their policies."""
+
+    runtime: ToolRuntime
+    fleet: ToolDefaults
+    sleep: Callable[[float], None] = time.sleep
+    clock: Callable[[], float] = time.monotonic
+
+    def run(self, spec: SessionSpec, run: ToolRun) -> ToolOutcome:
+        started = self.clock()
+        deadline = started + STEP_BUDGET_MS / 1000
+        outcome = self._with_retries(spec, run.tool, run.arguments, deadline)
+        fallback = spec.tool(run.tool.policy.fallback) if run.tool.policy.fallback else None
+        # the arguments were checked against the primary's schema; the fallback's may differ
+        if (
+            not outcome.ok
+            and fallback is not None
+            and argument_problem(run.arguments, fallback.function.parameters) is None
+        ):
+            second = self._with_retries(spec, fallback, run.arguments, deadline)
+            outcome = replace(
+                second, retries=outcome.retries + second.retries, fallback=fallback.name
+            )
+        return replace(outcome, latency_ms=round((self.clock() - started) * 1000))
+
+    def _with_retries(
+        self, spec: SessionSpec, tool: ToolSpec, arguments: str, deadline: float
+    ) -> ToolOutcome:
+        policy = call_policy(tool, spec.limits, self.fleet)
+        limits = spec.limits
+        retry = 0
+        while True:
+            call = ToolCall(
+                module_sha256=tool.module_sha256,
+                export=tool.export,
+                table_index=tool.table_index,
+                fork_sha256=tool.fork_sha256,
+                arguments=arguments.encode(),
+                timeout_ms=policy.timeout_ms,
+                memory_bytes=limits.tool_memory_bytes,
+                max_output_bytes=limits.max_tool_output_bytes,
+                attempt=retry,
+            )
+            try:
+                return ToolOutcome.success(self.runtime.run(call), retries=retry)
+            except ToolError as exc:
+                error = exc
+            except GuestError as exc:  # the module could not load: the tool never ran
+                error = ToolRuntimeError(exc.message, ran=False)
+            wait_s = policy.backoff_ms(retry + 1) / 1000
+            out_of_time = self.clock() + wait_s + policy.timeout_ms / 1000 > deadline
+            if (
+                retry >= policy.max_retries
+                or not error.retryable
+                or (error.ran and not policy.idempotent)
+                or out_of_time
+            ):
+                return ToolOutcome.error(error, retries=retry)
+            retry += 1
+            self.sleep(wait_s)
+
+
+def _first(*values: int | None) -> int:
+    for value in values:
+        if value is not None:
+            return value
+    raise ValueError("no value")  # the fleet's default is never None
