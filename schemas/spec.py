@@ -28,7 +28,7 @@ from schemas.limits import (
     RETRY_BACKOFF_CAP_MS,
     TOOL_TIMEOUT_CAP_MS,
 )
-from schemas.spec_types import SessionSpec, default_parameters, spec_from_json
+from schemas.spec_types import INVALID_CALL_NAME, SessionSpec, default_parameters, spec_from_json
 from schemas.tool_schema import schema_problem
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -127,6 +127,11 @@ class FunctionSchema(Schema):
     )
     description = fields.String()
     parameters = fields.Dict(keys=fields.String(), load_default=default_parameters)
+
+    @validates("name")
+    def _check_name(self, value: str, **kwargs: Any) -> None:
+        if value == INVALID_CALL_NAME:
+            raise ValidationError(f"Reserved: '{INVALID_CALL_NAME}' names unreadable tool calls.")
 
     @validates("parameters")
     def _check_parameters(self, value: dict[str, Any], **kwargs: Any) -> None:

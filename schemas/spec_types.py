@@ -15,6 +15,9 @@ from typing import Any, overload
 from schemas.limits import Limits, RunLimits
 
 PROGRAM_KIND = "program"  # the stored form's discriminator; code asks isinstance(spec, ...)
+# The name a model's tool call that could not be read is kept under: the loop answers it with
+# a VALIDATION_ERROR. Reserved: no tool may be named so.
+INVALID_CALL_NAME = "invalid_tool_call"
 
 
 @dataclass(frozen=True)

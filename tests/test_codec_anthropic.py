@@ -44,6 +44,7 @@ from anthropic.types import (
 from anthropic.types import message_create_params as sdk_params
 from anthropic.types.raw_message_delta_event import Delta as MessageDelta
 
+from schemas.spec_types import INVALID_CALL_NAME
 from worker.codecs.anthropic import AnthropicCodec
 from worker.codecs.anthropic_stream import wire_id
 from worker.codecs.openai_chat import decode_arguments
@@ -1025,8 +1026,12 @@ def test_decode_reads_sdk_model_dump_and_rejects_non_messages() -> None:
         with pytest.raises(ProviderProtocolError) as exc:
             CODEC.decode(bad, req([{"role": "user", "content": secret}]))
         assert secret not in str(exc.value)
-    with pytest.raises(ProviderProtocolError):
-        CODEC.decode({"type": "message", "content": [{"type": "tool_use", "id": "t"}]}, req([]))
+    # a tool_use with no name is a call the loop answers with VALIDATION_ERROR (issue 9)
+    nameless = CODEC.decode(
+        {"type": "message", "content": [{"type": "tool_use", "id": "t"}]}, req([])
+    )
+    [call] = nameless["choices"][0]["message"]["tool_calls"]
+    assert call["function"] == {"name": INVALID_CALL_NAME, "arguments": "{}"}
 
 
 # ---------------------------------------------------------------------------------------------

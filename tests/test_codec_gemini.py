@@ -17,14 +17,16 @@ from typing import Any
 
 import pytest
 
+from schemas.spec_types import INVALID_CALL_NAME
 from worker.codecs.gemini import GeminiCodec, GeminiStreamAssembler
-from worker.codecs.openai_chat import NO_OUTPUT
+from worker.codecs.openai_chat import NO_OUTPUT, decode_arguments
 from worker.codecs.protocol import ChatRequest, Codec, Delta, SseEvent
 from worker.errors import (
     ProviderError,
     ProviderProtocolError,
     ProviderRequestError,
     ProviderRetryableError,
+    ToolValidationError,
 )
 
 CODEC = GeminiCodec()
@@ -1032,3 +1034,19 @@ def test_user_media_parts(gt: ModuleType) -> None:
     gt.Content.model_validate({"role": "user", "parts": parts})
     with pytest.raises(ProviderRequestError):
         CODEC.encode(req([{"role": "user", "content": [{"type": "hologram"}]}]))
+
+
+def test_unreadable_function_calls_are_kept_for_the_loop_to_answer() -> None:
+    """Issue 9 / conformance B1 5: args that are no object, or a call with no name, are calls
+    the loop answers with VALIDATION_ERROR; the session goes on."""
+    raw = reply(
+        [
+            {"functionCall": {"name": "get_weather", "args": ["Paris"]}},
+            {"functionCall": {"args": {"city": "Oslo"}}},
+        ]
+    )
+    calls = message(CODEC.decode(raw, req()))["tool_calls"]
+    assert [c["function"]["name"] for c in calls] == ["get_weather", INVALID_CALL_NAME]
+    assert calls[0]["function"]["arguments"] == '["Paris"]'
+    with pytest.raises(ToolValidationError, match="must be a JSON object, got array"):
+        decode_arguments(calls[0]["function"]["arguments"])

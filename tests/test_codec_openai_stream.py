@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from schemas.spec_types import INVALID_CALL_NAME
 from worker.codecs.openai_chat import normalize_completion, tool_calls_of
 from worker.codecs.openai_codec import OpenAICodec
 from worker.codecs.openai_stream import OpenAIStreamAssembler
@@ -502,10 +503,11 @@ def test_unreadable_chunks(data: str, message: str) -> None:
         OpenAIStreamAssembler().feed(SseEvent("message", data))
 
 
-def test_a_call_without_name_is_a_protocol_error() -> None:
+def test_a_call_without_name_is_kept_for_the_loop_to_answer() -> None:
+    """Issue 9: the model is told (VALIDATION_ERROR) rather than the session ended."""
     asm, _ = run(sse(chunk({"tool_calls": [{"index": 0, "id": "c"}]}), chunk(finish="tool_calls")))
-    with pytest.raises(ProviderProtocolError, match="no function name"):
-        asm.result()
+    [call] = asm.result()["choices"][0]["message"]["tool_calls"]
+    assert (call["id"], call["function"]["name"]) == ("c", INVALID_CALL_NAME)
 
 
 def test_byte_split_stream_gives_the_same_result() -> None:

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from schemas.spec_types import INVALID_CALL_NAME
 from worker.codecs.openai_chat import (
     build_request,
     decode_arguments,
@@ -305,14 +306,32 @@ def test_b10_79_usage_normalised() -> None:
         (reply({"role": "user", "content": "x"}), "role"),
         (reply({"content": 5}), "unsupported type int"),
         (reply({"content": None, "tool_calls": {"a": 1}}), "tool_calls is not a list"),
-        (calls_reply({"id": "c", "function": {"arguments": "{}"}}), "tool call 0 has no function"),
-        (calls_reply("call"), "tool call 0 is not an object"),
     ],
 )
 def test_protocol_errors(raw: Any, message: str) -> None:
     with pytest.raises(ProviderProtocolError, match=message) as info:
         normalize_completion(raw)
     assert "secret" not in info.value.message
+
+
+@pytest.mark.parametrize(
+    ("raw_call", "kept"),
+    [
+        ({"id": "c", "function": {"arguments": "{}"}}, [("c", INVALID_CALL_NAME)]),
+        ({"id": "c", "function": "f"}, [("c", INVALID_CALL_NAME)]),
+        ({"function": {"arguments": "{}"}}, []),  # nothing to answer it by: no call
+        ("call", []),
+    ],
+    ids=["no-name", "function-not-object", "no-name-no-id", "not-an-object"],
+)
+def test_an_unreadable_tool_call_is_answered_or_dropped(
+    raw_call: Any, kept: list[tuple[str, str]]
+) -> None:
+    """Issue 9: a call with an id is kept under INVALID_CALL_NAME (the loop answers it with
+    VALIDATION_ERROR); one with nothing to answer it by is no call (logged at debug)."""
+    message = normalize_completion(calls_reply(raw_call))["choices"][0]["message"]
+    calls = message.get("tool_calls") or []
+    assert [(c["id"], c["function"]["name"]) for c in calls] == kept
 
 
 def test_refusal_is_not_empty() -> None:

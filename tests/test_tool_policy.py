@@ -405,3 +405,27 @@ def test_a_policy_object_is_checked_at_submit() -> None:
         "tools": {0: {"policy": {"fallback": ["Must name another tool of this session."]}}}
     }
     assert ToolPolicy.from_json({"max_retries": 2}).to_json() == {"max_retries": 2}
+
+
+def test_an_unreadable_call_is_a_validation_error_and_the_loop_goes_on() -> None:
+    from schemas.spec_types import INVALID_CALL_NAME
+
+    reply = completion(
+        call("call_x", INVALID_CALL_NAME, "{}"), call("call_a", "get_time", '{"tz":"UTC"}')
+    )
+    step = plan(session(make_spec(), Round(reply=reply)))
+    assert isinstance(step, RunTools) and [r.index for r in step.runs] == [1]
+    assert step.presets == {
+        0: err("VALIDATION_ERROR", "this tool call could not be read: it names no function")
+    }
+
+
+def test_no_tool_may_take_the_name_unreadable_calls_are_kept_under() -> None:
+    from marshmallow import ValidationError
+
+    from schemas.spec import SessionSpecSchema
+
+    tool = {"module": "w.wasm", "export": "x", "function": {"name": "invalid_tool_call"}}
+    with pytest.raises(ValidationError) as info:
+        SessionSpecSchema().load({"id": "a", "model": "m", "messages": [USER], "tools": [tool]})
+    assert "Reserved" in str(info.value.messages)

@@ -19,6 +19,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from schemas.spec_types import INVALID_CALL_NAME
 from worker.codecs.openai_chat import normalize_completion
 from worker.codecs.protocol import Delta, SseEvent
 from worker.errors import (
@@ -163,7 +164,7 @@ def decode_message(body: Any, ids: Mapping[str, str]) -> dict[str, Any]:
 def _call(block: Mapping[str, Any], index: int, ids: Mapping[str, str]) -> dict[str, Any]:
     name = block.get("name")
     if not isinstance(name, str) or not name:
-        raise ProviderProtocolError(f"Anthropic tool_use block {index} has no name")
+        name = INVALID_CALL_NAME  # answered as a VALIDATION_ERROR, not the end of the session
     value = block.get("input")
     if value is None or (isinstance(value, str) and not value.strip()):
         arguments = "{}"

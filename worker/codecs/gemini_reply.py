@@ -14,6 +14,7 @@ import math
 import re
 from typing import Any
 
+from schemas.spec_types import INVALID_CALL_NAME
 from worker.codecs.openai_chat import _as_int
 from worker.codecs.protocol import ChatRequest
 from worker.errors import (
@@ -105,10 +106,9 @@ def decode_completion(raw: Any, request: ChatRequest) -> dict[str, Any]:
 def _call(function_call: dict[str, Any], seed: str) -> dict[str, Any]:
     name = function_call.get("name")
     if not isinstance(name, str) or not name:
-        raise ProviderProtocolError("Gemini functionCall has no name")
+        name = INVALID_CALL_NAME  # answered as a VALIDATION_ERROR, not the end of the session
+    # args that are no object are kept as they came: the loop answers a VALIDATION_ERROR
     args = function_call.get("args")
-    if args is not None and not isinstance(args, dict):
-        raise ProviderProtocolError("Gemini functionCall args is not an object")
     call_id = function_call.get("id")
     if not isinstance(call_id, str) or not call_id:
         digest = hashlib.sha256(f"{seed}\x00{name}".encode()).hexdigest()[:24]
@@ -116,7 +116,7 @@ def _call(function_call: dict[str, Any], seed: str) -> dict[str, Any]:
     return {
         "id": call_id,
         "type": "function",
-        "function": {"name": name, "arguments": _compact(args or {})},  # B5 46
+        "function": {"name": name, "arguments": _compact({} if args is None else args)},  # B5 46
     }
 
 

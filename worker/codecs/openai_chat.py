@@ -12,6 +12,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from schemas.spec_types import INVALID_CALL_NAME
 from worker.errors import ProviderProtocolError, ToolValidationError
 
 log = logging.getLogger(__name__)
@@ -122,7 +123,11 @@ def _normalize_message(message: Mapping[str, Any], completion_id: str) -> dict[s
         legacy = True
     else:
         legacy = False
-    calls = [_normalize_call(c, i, completion_id, legacy) for i, c in enumerate(raw_calls or [])]
+    calls = [
+        call
+        for i, c in enumerate(raw_calls or [])
+        if (call := _normalize_call(c, i, completion_id, legacy)) is not None
+    ]
     if calls:
         out["tool_calls"] = _dedupe_ids(calls)
     for name in _REASONING_FIELDS:
@@ -146,12 +151,23 @@ def _content(content: Any) -> str | None:
     raise ProviderProtocolError(f"message content has unsupported type {type(content).__name__}")
 
 
-def _normalize_call(raw: Any, index: int, completion_id: str, legacy: bool) -> dict[str, Any]:
+def _normalize_call(
+    raw: Any, index: int, completion_id: str, legacy: bool
+) -> dict[str, Any] | None:
+    """A tool call in canonical form. One that names no function is kept under
+    INVALID_CALL_NAME when it has an id (the model is told, VALIDATION_ERROR); one with
+    nothing to answer it by is no call at all (seed 000: logged at debug)."""
     if not isinstance(raw, dict):
-        raise ProviderProtocolError(f"tool call {index} is not an object")
+        log.debug("tool call %d is not an object: dropped", index)
+        return None
     fn = raw if legacy else raw.get("function")
-    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-        raise ProviderProtocolError(f"tool call {index} has no function name")
+    if not isinstance(fn, dict):
+        fn = {}
+    if not isinstance(fn.get("name"), str) or not fn["name"]:
+        if legacy or not isinstance(raw.get("id"), str) or not raw["id"]:
+            log.debug("tool call %d names no function and has no id: dropped", index)
+            return None
+        fn = {**fn, "name": INVALID_CALL_NAME}
     args = fn.get("arguments")
     if args is None or (isinstance(args, str) and not args.strip()):
         arguments = "{}"  # B1.1

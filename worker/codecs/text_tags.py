@@ -16,7 +16,7 @@ import json
 from dataclasses import replace
 from typing import Any
 
-from schemas.spec_types import default_parameters
+from schemas.spec_types import INVALID_CALL_NAME, default_parameters
 from worker.codecs.openai_chat import normalize_completion, tool_message_content
 from worker.codecs.openai_codec import OpenAICodec
 from worker.codecs.protocol import ChatRequest, ToolChoice, WireRequest
@@ -24,7 +24,6 @@ from worker.codecs.text_tags_parse import (
     CALL_CLOSE,
     CALL_OPEN,
     FENCE,
-    INVALID_CALL_NAME,
     PROTOCOL,
     RESPONSE_CLOSE,
     RESPONSE_OPEN,

@@ -34,6 +34,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from schemas.spec_types import INVALID_CALL_NAME
 from worker.codecs.openai_chat import decode_arguments, normalize_completion
 from worker.errors import ToolValidationError
 
@@ -42,7 +43,6 @@ CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
 FENCE = "```"
-INVALID_CALL_NAME = "invalid_tool_call"
 _MAX_LITERAL_CHARS = 100_000  # ast.literal_eval is kept to block-sized text
 _TOKENS = re.compile(r"```|<tool_call>|<think>|</think>|<tool_response>")
 _CALL_IN_THINK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)

@@ -17,7 +17,7 @@ import jsonschema
 from schemas import tool_schema
 from schemas.bodies import is_error_body
 from schemas.limits import Limits, ToolDefaults
-from schemas.spec_types import Flags, SessionSpec, ToolSpec
+from schemas.spec_types import INVALID_CALL_NAME, Flags, SessionSpec, ToolSpec
 from worker.codecs.openai_chat import decode_arguments, tool_calls_of, tool_message_content
 from worker.codecs.protocol import ToolChoice
 from worker.errors import (
@@ -243,7 +243,11 @@ def _presets(
     presets: dict[int, ToolOutcome] = {}
     for i, call in enumerate(calls):
         name = call["function"]["name"]
-        if name not in tools:
+        if name == INVALID_CALL_NAME:
+            presets[i] = ToolOutcome.error(
+                ToolValidationError("this tool call could not be read: it names no function")
+            )
+        elif name not in tools:
             presets[i] = ToolOutcome.error(ToolNotFoundError(f"unknown tool: {name}"))
         elif truncated:
             # conformance B1 #13: never execute a call cut off by the token limit
