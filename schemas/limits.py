@@ -4,7 +4,7 @@ section 3). The schemas validate against the caps; the values resolve defaults f
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 TOOL_TIMEOUT_CAP_MS = 120_000
@@ -30,6 +30,17 @@ LIMIT_ALIASES = {
 
 
 @dataclass(frozen=True)
+class Environment:
+    """A named place sessions run in (the configuration's `tools.environments`): the riskiest
+    tool it allows, tool allow/deny globs, and per-user allowlists."""
+
+    max_risk_level: str = "high"
+    allow_tools: tuple[str, ...] = ()  # globs; empty: any tool
+    deny_tools: tuple[str, ...] = ()
+    users: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # user -> allow globs
+
+
+@dataclass(frozen=True)
 class ToolDefaults:
     """What the fleet gives a session's tool calls where its spec and tools are silent (the
     worker configuration's `tools` object); `auto_tool_call` off runs no tools at all."""
@@ -39,6 +50,8 @@ class ToolDefaults:
     retry_backoff_ms: int = 200
     max_parallel: int = 16
     auto_tool_call: bool = True
+    environments: Mapping[str, Environment] = field(default_factory=dict)
+    default_environment: str | None = None
 
 
 # a program run's limits: name -> (default, cap); the run's deadline stays below the default

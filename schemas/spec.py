@@ -28,7 +28,13 @@ from schemas.limits import (
     RETRY_BACKOFF_CAP_MS,
     TOOL_TIMEOUT_CAP_MS,
 )
-from schemas.spec_types import INVALID_CALL_NAME, SessionSpec, default_parameters, spec_from_json
+from schemas.spec_types import (
+    INVALID_CALL_NAME,
+    RISK_LEVELS,
+    SessionSpec,
+    default_parameters,
+    spec_from_json,
+)
 from schemas.tool_schema import schema_problem
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -159,9 +165,24 @@ class ToolPolicySchema(Schema):
         )
     )
     idempotent = StrictBool()
+    risk_level = fields.String(validate=validate.OneOf(RISK_LEVELS))
     fallback = fields.String(
         validate=validate.Regexp(FUNCTION_NAME_PATTERN, error="Must name a tool of this session.")
     )
+
+
+def _globs() -> fields.List[str]:
+    return fields.List(fields.String(validate=validate.Length(min=1, max=200)))
+
+
+class PermissionsSchema(Schema):
+    """Which tools a session may call (schemas.spec_types.Permissions)."""
+
+    environment = fields.String(validate=validate.Length(min=1, max=200))
+    user = fields.String(validate=validate.Length(min=1, max=200))
+    allow_tools = _globs()
+    deny_tools = _globs()
+    grant = fields.List(fields.String(validate=validate.Regexp(FUNCTION_NAME_PATTERN)))
 
 
 class ToolSpecSchema(Schema):
@@ -288,6 +309,18 @@ class SessionSpecSchema(Schema):
     flags = fields.Nested(FlagsSchema)
     limits = fields.Nested(LimitsSchema)
     metadata = fields.Dict(keys=fields.String(), load_default=dict)
+    permissions = fields.Nested(PermissionsSchema)
+
+    @validates_schema
+    def _check_grants(self, data: dict[str, Any], **kwargs: Any) -> None:
+        names = {t["function"]["name"] for t in data.get("tools") or [] if t}
+        unknown = {
+            n: ["Not a tool of this session."]
+            for n, name in enumerate((data.get("permissions") or {}).get("grant") or [])
+            if name not in names
+        }
+        if unknown:
+            raise ValidationError({"permissions": {"grant": unknown}})
 
     @validates("params")
     def _check_params(self, value: dict[str, Any], **kwargs: Any) -> None:

@@ -61,6 +61,36 @@ class FunctionSpec:
         return out
 
 
+RISK_LEVELS = ("low", "medium", "high")
+
+
+@dataclass(frozen=True)
+class Permissions:
+    """Which of its tools a session may call: the configuration's environment bounds it
+    (its max_risk_level, allow/deny globs, the user's allowlist); these narrow it further."""
+
+    environment: str | None = None  # None: the configuration's default environment
+    user: str | None = None
+    allow_tools: tuple[str, ...] = ()  # globs; empty: every tool the environment allows
+    deny_tools: tuple[str, ...] = ()
+    grant: tuple[str, ...] = ()  # high-risk tools this session may call
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any] | None) -> Permissions:
+        raw = raw or {}
+        return cls(
+            environment=raw.get("environment"),
+            user=raw.get("user"),
+            allow_tools=tuple(raw.get("allow_tools") or ()),
+            deny_tools=tuple(raw.get("deny_tools") or ()),
+            grant=tuple(raw.get("grant") or ()),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        out = {k: list(v) if isinstance(v, tuple) else v for k, v in _plain(self).items()}
+        return {k: v for k, v in out.items() if v}
+
+
 @dataclass(frozen=True)
 class ToolPolicy:
     """How one tool's calls run (seed 002's execution policy). None: the session's limits
@@ -73,6 +103,7 @@ class ToolPolicy:
     # harmless; WASM tools run with no I/O, so by default it is
     idempotent: bool = True
     fallback: str | None = None  # another tool of the session, called with the same arguments
+    risk_level: str = "low"  # low | medium | high: high runs only with a grant in the spec
 
     @classmethod
     def from_json(cls, raw: dict[str, Any] | None) -> ToolPolicy:
@@ -114,6 +145,7 @@ class SessionSpec:
     limits: Limits = field(default_factory=Limits)
     provider: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    permissions: Permissions = field(default_factory=Permissions)
 
     def tool(self, name: str) -> ToolSpec | None:
         return next((t for t in self.tools if t.name == name), None)
@@ -167,6 +199,7 @@ def spec_to_json(spec: Spec) -> dict[str, Any]:
         "flags": _plain(spec.flags),
         "limits": spec.limits.as_dict(),
         "metadata": spec.metadata,
+        "permissions": spec.permissions.to_json(),
     }
 
 
@@ -194,6 +227,7 @@ def spec_from_json(obj: dict[str, Any]) -> Spec:
         limits=Limits.resolve(obj.get("limits")),
         provider=obj.get("provider"),
         metadata=dict(obj.get("metadata") or {}),
+        permissions=Permissions.from_json(obj.get("permissions")),
     )
 
 

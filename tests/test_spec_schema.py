@@ -120,6 +120,7 @@ def test_architecture_example_loads_and_canonicalises(tmp_path: Path) -> None:
         },
         "limits": DEFAULT_LIMITS,
         "metadata": {},
+        "permissions": {},
     }
 
 

@@ -182,3 +182,14 @@ def test_a_limit_ends_with_a_final_answer_that_names_the_limit(
     }
     skipped = envelopes(record)[-1]
     assert skipped["error"] == {"code": "NOT_RUN", "message": "skipped: exceeded max_iterations"}
+
+
+def test_a_high_risk_tool_runs_only_with_a_grant(wide_tools: Running, tmp_path: Path) -> None:
+    risky = nap(risk_level="high")
+    denied = calling(("nap", {"tag": "x"}), tools=[risky])
+    [answer] = envelopes(run_one(wide_tools, denied, tmp_path))
+    assert answer["error"]["code"] == "PERMISSION_DENIED"
+    assert answer["metrics"] == {"latency_ms": 0, "retries": 0}  # it never ran
+    granted = calling(("nap", {"tag": "x"}), tools=[risky], permissions={"grant": ["nap"]})
+    [ran] = envelopes(run_one(wide_tools, granted, tmp_path))
+    assert ran["ok"] and ran["data"] == {"tag": "x", "attempt": 0}

@@ -6,7 +6,11 @@ Environment variables:
                               {"backends": {NAME: {...}}, "default_backend": NAME,
                                "tools": {"timeout_ms": N, "max_retries": N,
                                          "retry_backoff_ms": N, "max_parallel": N,
-                                         "auto_tool_call": BOOL}}
+                                         "auto_tool_call": BOOL,
+                                         "environments": {NAME: {"max_risk_level": L,
+                                             "allow_tools": [GLOB], "deny_tools": [GLOB],
+                                             "users": {USER: [GLOB]}}},
+                                         "default_environment": NAME}}
     CCHATQ_BACKENDS           the same JSON inline (wins over the file)
     CCHATQ_REPLAY_URL         base URL of the built-in `replay` backend (default http://127.0.0.1:8011/v1)
     CCHATQ_VISIBILITY_TIMEOUT_S   Redis transport visibility timeout (default 300)
@@ -24,7 +28,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from schemas.limits import ToolDefaults
+from schemas.limits import Environment, ToolDefaults
+from schemas.spec_types import RISK_LEVELS
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_REPLAY_URL = "http://127.0.0.1:8011/v1"
@@ -126,21 +131,64 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
 
 
 def tool_defaults(raw: Any) -> ToolDefaults:
-    """The configuration's `tools` object: the fleet's defaults for tool calls, checked here
-    so that a typo fails the worker at start, not a session later."""
+    """The configuration's `tools` object: the fleet's defaults for tool calls and its
+    environments, checked here so that a typo fails the worker at start, not a session later."""
     if raw is None:
         return ToolDefaults()
     if not isinstance(raw, dict):
         raise ValueError("configuration: tools must be an object")
-    known = {f.name: f for f in fields(ToolDefaults)}
-    unknown = sorted(set(raw) - set(known))
+    unknown = sorted(set(raw) - {f.name for f in fields(ToolDefaults)})
     if unknown:
         raise ValueError(f"configuration: tools: unknown keys {unknown}")
+    values = dict(raw)
     for key, value in raw.items():
-        want_bool = key == "auto_tool_call"
-        if want_bool != isinstance(value, bool) or (not want_bool and not isinstance(value, int)):
-            kind = "true or false" if want_bool else "an integer"
-            raise ValueError(f"configuration: tools.{key} must be {kind}, got {value!r}")
-        if not want_bool and value < (0 if key in ("max_retries", "retry_backoff_ms") else 1):
-            raise ValueError(f"configuration: tools.{key} is out of range: {value}")
-    return ToolDefaults(**raw)
+        if key == "auto_tool_call":
+            _check(isinstance(value, bool), f"tools.{key} must be true or false, got {value!r}")
+        elif key == "environments":
+            values[key] = _environments(value)
+        elif key == "default_environment":
+            names = set(values.get("environments") or raw.get("environments") or {})
+            _check(value in names, f"tools.default_environment {value!r} is not an environment")
+        else:
+            least = 0 if key in ("max_retries", "retry_backoff_ms") else 1
+            _check(
+                isinstance(value, int) and not isinstance(value, bool),
+                f"tools.{key} must be an integer, got {value!r}",
+            )
+            _check(value >= least, f"tools.{key} is out of range: {value}")
+    return ToolDefaults(**values)
+
+
+def _environments(raw: Any) -> dict[str, Environment]:
+    _check(isinstance(raw, dict), "tools.environments must be an object")
+    out: dict[str, Environment] = {}
+    for name, env in raw.items():
+        where = f"tools.environments.{name}"
+        _check(isinstance(env, dict), f"{where} must be an object")
+        unknown = sorted(set(env) - {f.name for f in fields(Environment)})
+        _check(not unknown, f"{where}: unknown keys {unknown}")
+        risk = env.get("max_risk_level", "high")
+        _check(risk in RISK_LEVELS, f"{where}.max_risk_level must be one of {RISK_LEVELS}")
+        users = env.get("users") or {}
+        _check(isinstance(users, dict), f"{where}.users must be an object")
+        out[name] = Environment(
+            max_risk_level=risk,
+            allow_tools=_glob_list(env.get("allow_tools"), f"{where}.allow_tools"),
+            deny_tools=_glob_list(env.get("deny_tools"), f"{where}.deny_tools"),
+            users={u: _glob_list(g, f"{where}.users.{u}") for u, g in users.items()},
+        )
+    return out
+
+
+def _glob_list(raw: Any, where: str) -> tuple[str, ...]:
+    raw = [] if raw is None else raw
+    _check(
+        isinstance(raw, list) and all(isinstance(g, str) and g for g in raw),
+        f"{where} must be a list of glob strings",
+    )
+    return tuple(raw)
+
+
+def _check(ok: bool, problem: str) -> None:
+    if not ok:
+        raise ValueError(f"configuration: {problem}")

@@ -25,10 +25,12 @@ from worker.errors import (
     ToolCallLimitError,
     ToolNotFoundError,
     ToolNotRunError,
+    ToolPermissionError,
     ToolValidationError,
     UnknownToolError,
 )
 from worker.session.outcomes import ToolOutcome
+from worker.session.permissions import permission_problem
 
 
 @dataclass(frozen=True)
@@ -249,6 +251,8 @@ def _presets(
             )
         elif name not in tools:
             presets[i] = ToolOutcome.error(ToolNotFoundError(f"unknown tool: {name}"))
+        elif problem := permission_problem(tools[name], session.spec.permissions, session.fleet):
+            presets[i] = ToolOutcome.error(ToolPermissionError(f"permission denied: {problem}"))
         elif truncated:
             # conformance B1 #13: never execute a call cut off by the token limit
             presets[i] = ToolOutcome.error(

@@ -14,6 +14,7 @@ from schemas.spec_types import SessionSpec, ToolSpec
 from worker.errors import GuestError, ToolError, ToolRuntimeError
 from worker.session.engine import ToolRun, argument_problem
 from worker.session.outcomes import ToolOutcome
+from worker.session.permissions import permission_problem
 from worker.session.ports import ToolCall, ToolRuntime
 
 # A tool step's retries stop where one more attempt could outlive this (the task time limit,
@@ -77,6 +78,8 @@ class ToolCaller:
         deadline = started + STEP_BUDGET_MS / 1000
         outcome = self._with_retries(spec, run.tool, run.arguments, deadline)
         fallback = spec.tool(run.tool.policy.fallback) if run.tool.policy.fallback else None
+        if fallback is not None and permission_problem(fallback, spec.permissions, self.fleet):
+            fallback = None  # a fallback is no way around a denial
         # the arguments were checked against the primary's schema; the fallback's may differ
         if (
             not outcome.ok
