@@ -23,6 +23,7 @@ from typing import Any
 import fixtures
 from bench.codecs import codec_rows
 from bench.goals import in_flight_goal, throughput_goals
+from bench.tool_calls import tool_call_rows
 from fixtures.demo_batch import WEATHER
 from producer.client import Client
 from producer.fleet import WORKER_PROFILES, Fleet, replay_backends
@@ -152,6 +153,7 @@ def fork_micro(rows: list[tuple[str, str]]) -> None:
 def main() -> int:
     rows: list[tuple[str, str]] = codec_rows()
     fork_micro(rows)
+    tool_call_rows(rows)
     with Fleet() as fleet, Fleet() as slow:
         redis_url = fleet.ensure_redis(private=True)
         os.environ["REDIS_URL"] = redis_url

@@ -41,9 +41,10 @@ def tree_cpu_s(root: int) -> float:
     return total
 
 
-def redis_commands(client: Any) -> int:
+def redis_commands(client: Any) -> dict[str, int]:
+    """Calls so far, by command name."""
     stats = client.info("commandstats")
-    return sum(int(v["calls"]) for k, v in stats.items() if k.startswith("cmdstat_"))
+    return {k[8:]: int(v["calls"]) for k, v in stats.items() if k.startswith("cmdstat_")}
 
 
 @dataclass
@@ -51,6 +52,7 @@ class Cost:
     wall_s: float = 0.0
     cpu_s: dict[str, float] = field(default_factory=dict)  # process kind -> CPU seconds
     redis_commands: int = 0
+    redis_by_command: dict[str, int] = field(default_factory=dict)
 
     @property
     def cpu_total_s(self) -> float:
@@ -69,12 +71,14 @@ def measured(kinds: dict[str, list[int]], redis_client: Any | None) -> Iterator[
 
     cost = Cost()
     cpu0 = sample()
-    cmds0 = redis_commands(redis_client) if redis_client is not None else 0
+    cmds0 = redis_commands(redis_client) if redis_client is not None else {}
     started = time.perf_counter()
     yield cost
     cost.wall_s = time.perf_counter() - started
     cpu1 = sample()
     cost.cpu_s = {kind: cpu1[kind] - cpu0[kind] for kind in kinds}
     if redis_client is not None:
-        # the INFO calls themselves (2) are not the batch's
-        cost.redis_commands = redis_commands(redis_client) - cmds0 - 1
+        cmds1 = redis_commands(redis_client)
+        cost.redis_by_command = {k: v - cmds0.get(k, 0) for k, v in cmds1.items()}
+        cost.redis_by_command["info"] = cost.redis_by_command.get("info", 1) - 1  # the sample's
+        cost.redis_commands = sum(cost.redis_by_command.values())

@@ -127,6 +127,16 @@ def cmd_result(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_trace(args: argparse.Namespace) -> int:
+    client = Client(_redis_url())
+    if client.status(args.id) is None:
+        print(f"unknown session id: {args.id}", file=sys.stderr)
+        return 1
+    for event in client.trace(args.id, follow=args.follow):
+        print(json.dumps(event, separators=(",", ":")), flush=True)
+    return 0
+
+
 def cmd_cancel(args: argparse.Namespace) -> int:
     if not Client(_redis_url()).cancel(args.id):
         print(f"unknown session id: {args.id}", file=sys.stderr)
@@ -255,6 +265,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--full", action="store_true", help="the whole record: transcript and metrics too"
     )
     p.set_defaults(fn=cmd_result)
+
+    p = sub.add_parser("trace", help="a session's trace events as JSONL (ids, codes, times)")
+    p.add_argument("id")
+    p.add_argument("--follow", action="store_true", help="wait for events until it finishes")
+    p.set_defaults(fn=cmd_trace)
 
     p = sub.add_parser("cancel", help="cancel a session at its next step boundary")
     p.add_argument("id")

@@ -246,6 +246,27 @@ class Client:
     def record(self, spec_id: str) -> dict[str, Any] | None:
         return self.records([keys.session_key(spec_id)])[0]
 
+    def trace(
+        self, spec_id: str, follow: bool = False, block_ms: int = 1000
+    ) -> Iterator[dict[str, Any]]:
+        """A session's trace events in order; with `follow`, waits for more until its
+        session.finished event (or until the session is gone)."""
+        stream_sk = keys.session_key(spec_id)
+        stream, last = keys.trace(stream_sk), "0-0"
+        while True:
+            read = self.redis.xread({stream: last}, count=1000, block=block_ms if follow else None)
+            entries = read[0][1] if read else []
+            for entry_id, fields in entries:
+                last = entry_id
+                event = dict(json.loads(fields[keys.TRACE_FIELD.encode()]))
+                yield event
+                if follow and event.get("event") == "session.finished":
+                    return
+            if not follow and not entries:
+                return
+            if follow and not entries and not self.redis.exists(keys.meta(stream_sk)):
+                return
+
     def cancel(self, spec_id: str) -> bool:
         """Ask a session to stop; every step checks at its boundary. False if unknown."""
         sk = keys.session_key(spec_id)

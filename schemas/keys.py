@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 PREFIX = "cq"
 DEADLETTER = f"{PREFIX}:deadletter"
+TRACE = f"{PREFIX}:trace"  # the fleet's trace events, capped (TRACE_FLEET_MAXLEN)
+TRACE_FIELD = "event"  # a trace stream entry's one field: the event as JSON
 
 
 def session_key(spec_id: str) -> str:
@@ -53,6 +55,11 @@ def model_out(sk: str, round_no: int) -> str:
 
 def tool_out(sk: str, round_no: int, index: int) -> str:
     return f"{PREFIX}:out:{sk}:{round_no}:t{index}"
+
+
+def trace(sk: str) -> str:
+    """A session's trace events (a stream, `cchatq trace`)."""
+    return f"{PREFIX}:trace:{sk}"
 
 
 def tool_queued(sk: str, round_no: int, index: int) -> str:

@@ -5,6 +5,9 @@ that max_parallel, not the worker, is what bounds a session's calls in flight.""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +18,7 @@ import pytest
 from fixtures.demo_batch import WEATHER, weather_json
 from producer.client import Client
 from producer.fleet import Fleet
+from schemas import keys
 from tests.conftest import Running
 from tests.test_pipeline import run_specs
 
@@ -193,3 +197,46 @@ def test_a_high_risk_tool_runs_only_with_a_grant(wide_tools: Running, tmp_path: 
     granted = calling(("nap", {"tag": "x"}), tools=[risky], permissions={"grant": ["nap"]})
     [ran] = envelopes(run_one(wide_tools, granted, tmp_path))
     assert ran["ok"] and ran["data"] == {"tag": "x", "attempt": 0}
+
+
+def test_cchatq_trace_lists_a_mixed_sessions_events_in_order_and_no_text(
+    wide_tools: Running, tmp_path: Path
+) -> None:
+    canary = f"canary{uuid.uuid4().hex[:8]}"
+    spec = calling(
+        ("nap", {"fail_first": 1, "tag": canary}),
+        ("get_wether", {"city": canary}),
+        tools=[nap(max_retries=1, retry_backoff_ms=0)],
+    )
+    spec["messages"][0]["content"] += f" {canary}"
+    record = run_one(wide_tools, spec, tmp_path)
+    assert canary in json.dumps(record)  # the canary did travel: prompt, argument, output
+    env = {**os.environ, "REDIS_URL": wide_tools.redis_url}
+    traced = subprocess.run(
+        [sys.executable, "-m", "producer.cli", "trace", spec["id"]],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert traced.returncode == 0, traced.stderr
+    assert canary not in traced.stdout
+    events = [json.loads(line) for line in traced.stdout.splitlines()]
+    assert [(e["event"], e.get("tool"), e.get("error")) for e in events] == [
+        ("session.started", None, None),
+        ("model.call.started", None, None),
+        ("model.call.finished", None, None),
+        ("tool.call.failed", "get_wether", "TOOL_NOT_FOUND"),
+        ("tool.call.started", "nap", None),
+        ("tool.call.retried", "nap", "RUNTIME_ERROR"),
+        ("tool.call.finished", "nap", None),
+        ("model.call.started", None, None),
+        ("model.call.finished", None, None),
+        ("session.finished", None, None),
+    ]
+    assert all(e["session"] == spec["id"] for e in events)
+    fleet = wide_tools.client.redis.xrevrange("cq:trace", count=200)
+    assert canary not in repr(fleet) and len(fleet) >= len(events)
+    assert wide_tools.client.redis.ttl(f"cq:trace:{keys.session_key(spec['id'])}") > 0
+    follow = subprocess.run(
+        [sys.executable, "-m", "producer.cli", "trace", spec["id"], "--follow"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert follow.stdout == traced.stdout  # a finished session: --follow returns at its end

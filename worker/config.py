@@ -17,6 +17,7 @@ Environment variables:
     CCHATQ_RESULT_TTL_S       TTL of every session key (default 86400)
     CCHATQ_MODULE_CACHE_DIR   serialized compiled modules (default ~/.cache/cchatq/modules)
     CCHATQ_MAX_STEP_ATTEMPTS  deliveries of one step before it is dead-lettered (default 5)
+    CCHATQ_TRACE              `off`: no trace events (default on)
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ class Settings:
     module_cache_dir: Path = Path.home() / ".cache" / "cchatq" / "modules"
     max_step_attempts: int = 5
     tool_defaults: ToolDefaults = field(default_factory=ToolDefaults)
+    trace: bool = True  # trace events (issue 9): the session's stream, the fleet's, log lines
 
     def backend(self, name: str | None) -> BackendConfig:
         key = name or self.default_backend
@@ -127,6 +129,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
             env.get("CCHATQ_MODULE_CACHE_DIR", str(Path.home() / ".cache" / "cchatq" / "modules"))
         ),
         max_step_attempts=int(env.get("CCHATQ_MAX_STEP_ATTEMPTS", "5")),
+        trace=env.get("CCHATQ_TRACE", "on") != "off",
     )
 
 

@@ -24,7 +24,7 @@ from celery.utils.nodenames import anon_nodename
 
 from schemas import keys, task_names
 from worker.edges.store import RedisStore
-from worker.session.ports import NextStep, StepPublisher
+from worker.session.ports import NextStep, StepPublisher, TraceWrite
 
 # the options of a task with no callbacks, as Celery embeds them in every message body
 _EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
@@ -98,7 +98,12 @@ class Dispatcher(StepPublisher):
         self.app = app
         self.store = store
 
-    def publish(self, steps: Sequence[NextStep], published: str | None = None) -> bool:
+    def publish(
+        self,
+        steps: Sequence[NextStep],
+        published: str | None = None,
+        trace: TraceWrite | None = None,
+    ) -> bool:
         current = self.app.current_worker_task
         parent = current.request if current is not None else None
         pipe = self.store.client.pipeline(transaction=False)
@@ -109,5 +114,7 @@ class Dispatcher(StepPublisher):
             pipe.lpush(queue, task_message(name, list(step.args), task_id, queue, parent))
         if published is not None:  # after the messages: a marker found means they were sent
             self.store.mark_published(pipe, published)
+        if trace is not None:
+            self.store.add_trace(pipe, trace)
         pipe.execute()
         return True

@@ -21,11 +21,13 @@ from schemas.spec_types import SessionSpec, Spec, spec_from_json
 from worker.errors import StoreError
 from worker.session.engine import Round, Session
 from worker.session.outcomes import ToolOutcome
-from worker.session.ports import RoundReads, StepStart, ToolInputs, ToolReads
+from worker.session.ports import RoundReads, StepStart, ToolInputs, ToolReads, TraceWrite
 
 P = ParamSpec("P")
 SPEC_CACHE_SIZE = 4096
 GUESSED_CALLS = 4  # outcome keys read with the replies, per round
+TRACE_SESSION_MAXLEN = 2_000  # events kept per session
+TRACE_FLEET_MAXLEN = 100_000  # events kept for the fleet
 POOL_WAIT_S = 30  # longest wait for a free connection before the step fails (and is retried)
 T = TypeVar("T")
 
@@ -248,6 +250,24 @@ class RedisStore:
     @_translated
     def uncount_try(self, step: str) -> None:
         self.client.decr(keys.tries(step))
+
+    @_translated
+    def trace(self, write: TraceWrite) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        self.add_trace(pipe, write)
+        pipe.execute()
+
+    def add_trace(self, client: Any, write: TraceWrite) -> None:
+        """Trace events appended by `client` (this store's, or a pipeline on it): to the
+        session's stream and the fleet's, both capped (approximately: cheap trimming)."""
+        stream = keys.trace(write.sk)
+        for event in write.events:
+            entry = {keys.TRACE_FIELD: json.dumps(event.to_json(), separators=(",", ":"))}
+            client.xadd(stream, entry, maxlen=TRACE_SESSION_MAXLEN, approximate=True)
+            client.xadd(keys.TRACE, entry, maxlen=TRACE_FLEET_MAXLEN, approximate=True)
+        if write.expire:  # the fleet's stream too: it lives while sessions come and go
+            client.expire(stream, self.ttl_s)
+            client.expire(keys.TRACE, self.ttl_s)
 
     @_translated
     def set_partial(self, sk: str, text: str | None) -> None:

@@ -58,7 +58,7 @@ class ProgramSteps:
                 )
             self.runner.apply(sk, Decision(ending=Ending(record["body"], record)))
 
-        self.runner.guarded(
+        self.runner.guard.run(
             keys.program_step(sk), sk, lease_ms, body, stop_if_cancelled=False, state="running"
         )
 

@@ -15,6 +15,7 @@ from worker.codecs.protocol import ChatRequest, Delta
 from worker.config import BackendConfig
 from worker.session.engine import Session
 from worker.session.outcomes import ToolOutcome
+from worker.session.trace import TraceEvent
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,7 @@ class SessionStore(Protocol):
         ...
 
     def set_partial(self, sk: str, text: str | None) -> None: ...
+    def trace(self, write: TraceWrite) -> None: ...
     def lease_left_ms(self, step: str) -> int: ...
     def end_step(self, step: str) -> None: ...
     def release_lease(self, step: str) -> None: ...
@@ -133,6 +135,16 @@ class SessionStore(Protocol):
 
 
 @dataclass(frozen=True)
+class TraceWrite:
+    """Trace events of one session, to append to its stream and the fleet's; `expire` sets
+    the session stream's TTL (the first and the last write of a session)."""
+
+    sk: str
+    events: tuple[TraceEvent, ...]
+    expire: bool = False
+
+
+@dataclass(frozen=True)
 class NextStep:
     """A step to publish: its kind (`round`, `tool`, `finish`, `program`) and its ids."""
 
@@ -147,10 +159,15 @@ class Dispatcher(Protocol):
     def tool(self, sk: str, round_no: int, index: int) -> None: ...
     def finish(self, sk: str) -> None: ...
     def program(self, sk: str) -> None: ...
-    def publish(self, steps: Sequence[NextStep], published: str | None = None) -> bool:
-        """Publish `steps` in order, then mark step `published` as published, in the same
-        write if this dispatcher shares the store's Redis (True); False: the caller marks
-        it through the store."""
+    def publish(
+        self,
+        steps: Sequence[NextStep],
+        published: str | None = None,
+        trace: TraceWrite | None = None,
+    ) -> bool:
+        """Publish `steps` in order, then mark step `published` as published and write
+        `trace`, in the same write if this dispatcher shares the store's Redis (True); False:
+        the caller does those two through the store."""
         ...
 
 
@@ -158,7 +175,12 @@ class StepPublisher:
     """A Dispatcher's four ways to publish one step, each the `publish` of one NextStep: the
     shape the broker's dispatcher, the Outbox and the twin's queue share."""
 
-    def publish(self, steps: Sequence[NextStep], published: str | None = None) -> bool:
+    def publish(
+        self,
+        steps: Sequence[NextStep],
+        published: str | None = None,
+        trace: TraceWrite | None = None,
+    ) -> bool:
         raise NotImplementedError
 
     def round(self, sk: str, round_no: int) -> None:
@@ -180,8 +202,14 @@ class Outbox(StepPublisher):
 
     def __init__(self) -> None:
         self.steps: list[NextStep] = []
+        self.events: list[TraceEvent] = []  # written with the step's published marker
 
-    def publish(self, steps: Sequence[NextStep], published: str | None = None) -> bool:
+    def publish(
+        self,
+        steps: Sequence[NextStep],
+        published: str | None = None,
+        trace: TraceWrite | None = None,
+    ) -> bool:
         self.steps.extend(steps)
         return False
 

@@ -3,7 +3,8 @@ idempotent: a step id, a lease while it runs, first-writer-wins outputs, and a `
 marker set after its continuation is sent. A redelivered step that finds its work done
 re-publishes its continuation; duplicates of a step are absorbed by these guards.
 
-Celery is not imported here: tasks call these methods and turn `RetryLater` into a retry.
+Each body runs under the StepGuard (worker.session.guard). Celery is not imported here: tasks
+call these methods and turn `RetryLater` into a retry.
 """
 
 from __future__ import annotations
@@ -28,8 +29,6 @@ from worker.errors import (
     InternalError,
     ProviderError,
     RateLimited,
-    RetryLater,
-    StepFailedError,
     StoreError,
 )
 from worker.session.decisions import Decision, Ending, after_tool, decide
@@ -37,13 +36,15 @@ from worker.session.engine import (
     CallModel,
     Round,
     Session,
+    ToolRun,
     next_call,
     tool_run,
 )
+from worker.session.guard import StepGuard
+from worker.session.outcomes import ToolOutcome
 from worker.session.ports import (
     CompletionProvider,
     Dispatcher,
-    NextStep,
     Outbox,
     Permit,
     RateLimiter,
@@ -53,15 +54,20 @@ from worker.session.ports import (
     ToolReads,
     ToolRuntime,
 )
-from worker.session.records import bare_record, ending, failed_program_record
+from worker.session.records import ending, failed_program_record
 from worker.session.tool_policy import ToolCaller, step_lease_ms
+from worker.session.trace import (
+    TraceEvent,
+    event,
+    model_call_ended,
+    tool_call_ended,
+    unrun_calls,
+)
 
 log = logging.getLogger(__name__)
 SpecT = TypeVar("SpecT", SessionSpec, ProgramSpec)
 
 START_LEASE_MS = 60_000
-DEFAULT_LEASE_MS = 130_000  # when a step's own lease cannot be read: the longest model call
-GUARD_RETRY_S = 1.0
 FINISH_LEASE_MS = 30_000
 PARTIAL_EVERY_S = 0.25
 
@@ -104,109 +110,8 @@ class StepRunner:
     settings: Settings
     rate_limiter: RateLimiter
 
-    # guards --------------------------------------------------------------------------------
-
-    def guarded(
-        self,
-        step: str,
-        sk: str,
-        lease_ms: Callable[[], int],
-        body: Callable[[StepStart, Outbox], None],
-        stop_if_cancelled: bool = True,
-        targets: Callable[[], list[str]] | None = None,
-        reads: RoundReads | ToolReads | None = None,
-        **meta: str | int,
-    ) -> None:
-        """Run one delivery of a step under its guards. A step that keeps failing ends the
-        sessions `targets()` names (its own session by default). Nothing escapes but
-        RetryLater: a failure of the guard's own Redis calls retries the delivery, so a
-        message is never acknowledged with its work undone. What `reads` names is read with
-        the lease, in the same round trip, and handed to `body` in its StepStart."""
-        try:
-            self._guarded(step, sk, lease_ms, body, stop_if_cancelled, targets, reads, dict(meta))
-        except RetryLater:
-            raise
-        except Exception as exc:
-            log.warning("step %s: guard failed: %s", step, type(exc).__name__)
-            raise RetryLater(GUARD_RETRY_S, f"guard: {type(exc).__name__}") from exc
-
-    def _guarded(
-        self,
-        step: str,
-        sk: str,
-        lease_ms: Callable[[], int],
-        body: Callable[[StepStart, Outbox], None],
-        stop_if_cancelled: bool,
-        targets: Callable[[], list[str]] | None,
-        reads: RoundReads | ToolReads | None,
-        meta: dict[str, str | int],
-    ) -> None:
-        sessions = targets or (lambda: [sk])
-        try:
-            lease = lease_ms()
-        except Exception:  # the lease is advisory: the body reads again, under the guard
-            lease = DEFAULT_LEASE_MS
-        start = self.store.begin_step(step, lease, meta, sk, reads)
-        if start.published:
-            return
-        if not start.leased:
-            raise RetryLater(self.store.lease_left_ms(step) / 1000 + 0.05, f"step {step} is leased")
-        if start.cancelled and stop_if_cancelled:
-            # cancellation is checked at every step boundary; finish writes the cancelled body
-            self._commit(step, [NextStep("finish", (sk,))])
-            return
-        if start.tries > self.settings.max_step_attempts:
-            self.poison(step, sessions(), f"delivered {start.tries} times")
-            return
-        outbox = Outbox()
-        try:
-            body(start, outbox)
-        except RateLimited as exc:
-            # waiting for the backend's rate limit is not a failure: no try is spent, and the
-            # task gives its worker slot back until there may be room
-            self._release_quietly(step)
-            self.store.uncount_try(step)
-            raise RetryLater(exc.wait_s, "rate limited") from None
-        except Exception as exc:
-            self._release_quietly(step)
-            if start.tries >= self.settings.max_step_attempts:
-                self.poison(step, sessions(), f"{type(exc).__name__}: {exc}")
-                return
-            log.warning("step %s failed (try %d): %s", step, start.tries, type(exc).__name__)
-            raise RetryLater(
-                min(0.2 * 2**start.tries, 10.0), f"{type(exc).__name__}: {exc}"
-            ) from exc
-        self._commit(step, outbox.steps)
-
-    def _commit(self, step: str, steps: list[NextStep]) -> None:
-        """Publish what the step decided, then mark it published: one write where the
-        dispatcher shares the store's Redis. In that order, so a redelivery that finds the
-        marker knows its continuation was sent."""
-        if not self.dispatch.publish(steps, published=step):
-            self.store.end_step(step)
-
-    def _release_quietly(self, step: str) -> None:
-        with contextlib.suppress(StoreError):
-            self.store.release_lease(step)
-
-    def poison(self, step: str, sks: list[str], reason: str) -> None:
-        """A step that keeps failing ends its sessions: dead-letter it, finish with an error.
-        A failing finish step is not run again: its body is written here, bare."""
-        failed = StepFailedError(f"step {step} failed for good: {reason}"[:500])
-        for sk in sks:
-            self.store.dead_letter(step, sk, failed.body(), reason)
-            if step == keys.finish_step(sk):
-                record = bare_record(self._spec_id(sk), failed.body())
-                self.store.write_result(sk, dump_body(failed.body()), record)
-                continue
-            self.dispatch.finish(sk)
-        self.store.end_step(step)
-
-    def _spec_id(self, sk: str) -> str:
-        try:
-            return self.store.load_spec(sk).id
-        except Exception:  # what failed may be this very read: the key still names it
-            return sk
+    def __post_init__(self) -> None:
+        self.guard = StepGuard(self.store, self.dispatch, self.settings)
 
     def _default_backend(self) -> str:
         return self.settings.default_backend
@@ -245,7 +150,7 @@ class StepRunner:
         if decision.next_round is not None:
             send.round(sk, decision.next_round)
         if decision.finish and session is not None:
-            self._end(sk, session)
+            self._end(sk, session, send.events if isinstance(send, Outbox) else None)
         elif decision.finish:
             send.finish(sk)
         if decision.ending is not None:
@@ -279,7 +184,7 @@ class StepRunner:
 
         # sk "": a chunk is no session (no cancel flag, no meta); its poison ends them all
         step = keys.start_step(batch, chunk_no)
-        self.guarded(step, "", lambda: START_LEASE_MS, body, targets=sessions)
+        self.guard.run(step, "", lambda: START_LEASE_MS, body, targets=sessions)
 
     # round ---------------------------------------------------------------------------------
 
@@ -293,15 +198,27 @@ class StepRunner:
             if len(session.rounds) < round_no:
                 return  # out of order: published before its round could be (never by us)
             if len(session.rounds) == round_no:
+                started = time.monotonic()
                 reply = self._call_model(sk, session, next_call(session))
                 winner = self.store.store_model_reply(sk, round_no, reply)
                 session = replace(session, rounds=(*session.rounds, Round(reply=winner)))
+                if self.settings.trace:
+                    took_ms = round((time.monotonic() - started) * 1000)
+                    outbox.events.append(
+                        model_call_ended(session.spec.id, round_no, winner, took_ms)
+                    )
             # the plan runs once per round, here, on the stored reply (a redelivery too)
-            self.apply(sk, decide(session), session, outbox)
+            decision = decide(session)
+            if self.settings.trace and decision.store:
+                reply = session.rounds[decision.round_no].reply
+                outbox.events.extend(
+                    unrun_calls(session.spec.id, decision.round_no, reply, decision.store)
+                )
+            self.apply(sk, decision, session, outbox)
 
         step = keys.round_step(sk, round_no)
         reads = RoundReads(round_no, self._default_backend())
-        self.guarded(step, sk, lease_ms, body, reads=reads, state=f"round {round_no}")
+        self.guard.run(step, sk, lease_ms, body, reads=reads, state=f"round {round_no}")
 
     def _session(
         self, sk: str, read: Session | None = None, upto_round: int | None = None
@@ -338,6 +255,11 @@ class StepRunner:
         permit = self.rate_limiter.acquire(backend, estimate_tokens(chat))
         if not isinstance(permit, Permit):
             raise RateLimited(permit)
+        if self.settings.trace:
+            spec_id, first = session.spec.id, step.round_no == 0
+            starting = [event("session.started", spec_id)] if first else []
+            starting.append(event("model.call.started", spec_id, round=step.round_no))
+            self.guard.trace_now(sk, *starting, expire=first)
         partial = PartialText(self.store, sk) if backend.stream else None
         try:
             reply = dict(self.provider_for(backend).complete(chat, partial).completion)
@@ -369,13 +291,32 @@ class StepRunner:
                 run = tool_run(spec, reply, index)
                 if run is None:
                     raise InternalError(f"call {index} of round {round_no} is not a tool run")
-                outcome = ToolCaller(self.tools(), self.settings.tool_defaults).run(spec, run)
+                outcome = self._run_tool(sk, spec, round_no, run, outbox)
             calls = len(tool_calls_of(reply))
             window = max_parallel(spec.limits, self.settings.tool_defaults)
             self.apply(sk, after_tool(round_no, index, outcome, calls, window), dispatch=outbox)
 
         step = keys.tool_step(sk, round_no, index)
-        self.guarded(step, sk, lease_ms, body, reads=ToolReads(round_no, index))
+        self.guard.run(step, sk, lease_ms, body, reads=ToolReads(round_no, index))
+
+    def _run_tool(
+        self, sk: str, spec: SessionSpec, round_no: int, run: ToolRun, outbox: Outbox
+    ) -> ToolOutcome:
+        if not self.settings.trace:
+            return ToolCaller(self.tools(), self.settings.tool_defaults).run(spec, run)
+        where = {"round": round_no, "call_id": run.call_id}
+        self.guard.trace_now(sk, event("tool.call.started", spec.id, tool=run.name, **where))
+
+        def retried(tool: str, attempt: int, code: str) -> None:
+            outbox.events.append(
+                event("tool.call.retried", spec.id, tool=tool, attempt=attempt, error=code, **where)
+            )
+
+        outcome = ToolCaller(self.tools(), self.settings.tool_defaults, on_retry=retried).run(
+            spec, run
+        )
+        outbox.events.append(tool_call_ended(spec.id, round_no, run.call_id, run.name, outcome))
+        return outcome
 
     def spec_of(self, sk: str, kind: type[SpecT]) -> SpecT:
         """A session's spec, of the kind its step expects (a chat or a program run)."""
@@ -429,13 +370,23 @@ class StepRunner:
                 record = failed_program_record(spec, result)
                 self.apply(sk, Decision(ending=Ending(result, record)))
                 return
-            self._end(sk, self._session(sk))
+            self._end(sk, self._session(sk), outbox.events)
 
         step = keys.finish_step(sk)
-        self.guarded(step, sk, lambda: FINISH_LEASE_MS, body, stop_if_cancelled=False)
+        self.guard.run(step, sk, lambda: FINISH_LEASE_MS, body, stop_if_cancelled=False)
 
-    def _end(self, sk: str, session: Session) -> None:
-        """Write a chat session's ending (the ending rules read its failure, cancel, meta)."""
+    def _end(self, sk: str, session: Session, events: list[TraceEvent] | None = None) -> None:
+        """Write a chat session's ending (the ending rules read its failure, cancel, meta).
+        Its session.finished event joins the step's `events` (after the round's own), or is
+        written at once."""
         failure, cancelled, submitted_ms = self.store.ending_inputs(sk)
         latency_ms = int(time.time() * 1000) - submitted_ms
-        self.apply(sk, ending(session, failure, cancelled, latency_ms))
+        decision = ending(session, failure, cancelled, latency_ms)
+        self.apply(sk, decision)
+        if self.settings.trace and decision.ending is not None:
+            code = (decision.ending.body.get("error") or {}).get("code")
+            finished = event("session.finished", session.spec.id, latency_ms=latency_ms, error=code)
+            if events is not None:
+                events.append(finished)
+            else:
+                self.guard.trace_now(sk, finished, expire=True)

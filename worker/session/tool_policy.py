@@ -70,6 +70,8 @@ class ToolCaller:
 
     runtime: ToolRuntime
     fleet: ToolDefaults
+    # told of each retry: the tool, the retry number about to run, the failure's class
+    on_retry: Callable[[str, int, str], None] | None = None
     sleep: Callable[[float], None] = time.sleep
     clock: Callable[[], float] = time.monotonic
 
@@ -126,6 +128,8 @@ class ToolCaller:
             ):
                 return ToolOutcome.error(error, retries=retry)
             retry += 1
+            if self.on_retry is not None:
+                self.on_retry(tool.name, retry, error.code)
             self.sleep(wait_s)
 
 

@@ -36,7 +36,9 @@ from worker.session.ports import (
     StepStart,
     ToolCall,
     ToolReads,
+    TraceWrite,
 )
+from worker.session.trace import TraceEvent
 
 
 @dataclass
@@ -48,6 +50,7 @@ class MemoryStore:
     replies: dict[tuple[str, int], bytes] = field(default_factory=dict)
     outcomes: dict[tuple[str, int, int], bytes] = field(default_factory=dict)
     queued: set[tuple[str, int, int]] = field(default_factory=set)  # calls under max_parallel
+    traces: dict[str, list[TraceEvent]] = field(default_factory=dict)
     leases: dict[str, float] = field(default_factory=dict)  # step -> monotonic expiry
     published: set[str] = field(default_factory=set)
     tries: dict[str, int] = field(default_factory=dict)
@@ -175,6 +178,10 @@ class MemoryStore:
     def uncount_try(self, step: str) -> None:
         with self._cond:
             self.tries[step] = self.tries.get(step, 0) - 1
+
+    def trace(self, write: TraceWrite) -> None:
+        with self._cond:
+            self.traces.setdefault(write.sk, []).extend(write.events)
 
     def set_partial(self, sk: str, text: str | None) -> None:
         with self._cond:
@@ -337,7 +344,12 @@ class StepQueue(StepPublisher):
     def start(self, batch: str, chunk_no: int) -> None:
         self._put(("start", batch, chunk_no))
 
-    def publish(self, steps: Sequence[NextStep], published: str | None = None) -> bool:
+    def publish(
+        self,
+        steps: Sequence[NextStep],
+        published: str | None = None,
+        trace: TraceWrite | None = None,
+    ) -> bool:
         for step in steps:
             self._put((step.kind, *step.args))
         return False  # the published marker is the store's (MemoryStore.end_step)

@@ -1,0 +1,94 @@
+"""Issue 9's cost per tool call, in process: the WASM call alone (what a tool step ran before
+issue 9) next to the same call under its policy (ToolCaller), rendered as the result envelope,
+with its two trace events made and encoded as the store writes them."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import fixtures
+from schemas.limits import ToolDefaults
+from schemas.spec_types import SessionSpec, spec_from_json
+from worker.edges.wasm_runtime import WasmToolRuntime
+from worker.session.engine import tool_run
+from worker.session.ports import ToolCall
+from worker.session.tool_policy import ToolCaller
+from worker.session.trace import event, tool_call_ended
+
+GUESTS = Path(fixtures.__file__).parent / "guests"
+REPEATS = 300
+
+
+def _median_ms(fn: object) -> float:
+    assert callable(fn)
+    for _ in range(30):
+        fn()
+    samples = []
+    for _ in range(REPEATS):
+        started = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - started) * 1000)
+    return statistics.median(samples)
+
+
+def tool_call_rows(rows: list[tuple[str, str]]) -> None:
+    blob = (GUESTS / "weather.wasm").read_bytes()
+    sha = hashlib.sha256(blob).hexdigest()
+    runtime = WasmToolRuntime(Path(tempfile.mkdtemp()), {sha: blob}.__getitem__)
+    function = {"name": "get_weather", "parameters": {"type": "object"}}
+    tool = {
+        "module_sha256": sha,
+        "export": "get_weather",
+        "table_index": None,
+        "function": function,
+    }
+    spec = spec_from_json({"id": "b", "model": "m", "messages": [], "tools": [tool]})
+    assert isinstance(spec, SessionSpec)
+    reply = {
+        "choices": [
+            {
+                "message": {
+                    "role": "assistant",
+                    "tool_calls": [
+                        {
+                            "id": "c1",
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'},
+                        }
+                    ],
+                }
+            }
+        ]
+    }
+    run = tool_run(spec, reply, 0)
+    assert run is not None
+    limits = spec.limits
+    call = ToolCall(sha, "get_weather", None, None, b'{"city":"Paris"}', 10_000,
+                    limits.tool_memory_bytes, limits.max_tool_output_bytes)  # fmt: skip
+    caller = ToolCaller(runtime, ToolDefaults())
+
+    def bare() -> None:
+        runtime.run(call)
+
+    def full() -> None:
+        started = event("tool.call.started", "b", round=0, call_id="c1", tool="get_weather")
+        outcome = caller.run(spec, run)
+        outcome.message(envelope=True)
+        ended = tool_call_ended("b", 0, "c1", "get_weather", outcome)
+        for made in (started, ended):
+            json.dumps(made.to_json(), separators=(",", ":"))
+
+    bare_ms, full_ms = _median_ms(bare), _median_ms(full)
+    rows.append(
+        ("tool call, the WASM call alone (the tool step before issue 9)", f"{bare_ms:.3f} ms")
+    )
+    rows.append(
+        ("  under its policy, as an envelope, with its 2 trace events (issue 9)",
+         f"{full_ms:.3f} ms ({full_ms / bare_ms:.2f}x; +{(full_ms - bare_ms) * 1000:.0f} us)")
+    )  # fmt: skip
+    runtime.close()

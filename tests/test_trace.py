@@ -1,0 +1,89 @@
+"""Issue 9, point 4: trace events of a session, on the twins. Order, fields, and what they
+must never hold (prompts, arguments, outputs): a canary string proves it. The fleet half
+(`cchatq trace`) is in test_tool_policy_fleet.py."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from tests.test_engine import WEATHER_FN
+from tests.test_steps import SK, pipeline, reply, submit
+from tests.test_steps import spec as pipeline_spec
+from worker.config import Settings
+from worker.errors import ToolRuntimeError
+
+CANARY = "canary-7f3a"
+
+
+def flaky_weather() -> Any:
+    failures = [ToolRuntimeError(f"flaky {CANARY}")]
+
+    def run(args: str) -> str:
+        if failures:
+            raise failures.pop()
+        return f"sunny in {json.loads(args)['city']}"
+
+    return run
+
+
+def mixed_model(request: Any) -> dict[str, Any]:
+    if request.messages[-1]["role"] == "tool":
+        return reply(f"done {CANARY}")
+    return reply(
+        None,
+        ("call_1", "get_weather", json.dumps({"city": CANARY})),
+        ("call_2", "nope", "{}"),
+    )
+
+
+def run_mixed() -> list[dict[str, Any]]:
+    p = pipeline([mixed_model, mixed_model], tools={"get_weather": flaky_weather()})
+    weather = {**WEATHER_FN}
+    session_spec = pipeline_spec(weather)
+    session_spec["tools"][0]["policy"] = {"max_retries": 1, "retry_backoff_ms": 0}
+    session_spec["messages"] = [{"role": "user", "content": f"Weather? {CANARY}"}]
+    submit(p, session_spec)
+    p.drain()
+    assert p.body()["choices"][0]["message"]["content"] == f"done {CANARY}"
+    return [e.to_json() for e in p.store.traces[SK]]
+
+
+def test_a_mixed_session_traces_every_call_in_order() -> None:
+    events = run_mixed()
+    assert [(e["event"], e.get("tool"), e.get("error")) for e in events] == [
+        ("session.started", None, None),
+        ("model.call.started", None, None),
+        ("model.call.finished", None, None),
+        ("tool.call.failed", "nope", "TOOL_NOT_FOUND"),  # answered, never started
+        ("tool.call.started", "get_weather", None),
+        ("tool.call.retried", "get_weather", "RUNTIME_ERROR"),
+        ("tool.call.finished", "get_weather", None),
+        ("model.call.started", None, None),
+        ("model.call.finished", None, None),
+        ("session.finished", None, None),
+    ]
+    assert {e["session"] for e in events} == {"t/1"}
+    by_name = {e["event"]: e for e in events}
+    assert by_name["tool.call.finished"]["call_id"] == "call_1"
+    assert by_name["tool.call.finished"]["attempt"] == 1  # one retry
+    assert by_name["tool.call.finished"]["output_bytes"] == len(f"sunny in {CANARY}")
+    assert by_name["tool.call.retried"]["attempt"] == 1
+    assert by_name["model.call.finished"]["request_id"] == "c"
+    assert [e["round"] for e in events if e["event"] == "model.call.started"] == [0, 1]
+    assert all(e["ts_ms"] > 0 for e in events)
+    ts = [e["ts_ms"] for e in events]
+    assert ts == sorted(ts)
+
+
+def test_no_event_holds_a_prompt_an_argument_or_an_output() -> None:
+    assert CANARY not in json.dumps(run_mixed())
+
+
+def test_trace_off_writes_no_event() -> None:
+    p = pipeline([reply("hi")])
+    p.runner.settings = Settings(**{**p.runner.settings.__dict__, "trace": False})
+    p.runner.guard.settings = p.runner.settings
+    submit(p, pipeline_spec())
+    p.drain()
+    assert p.store.traces == {}

@@ -1,0 +1,155 @@
+"""The guard every step runs under (architecture.md section 2): a lease while one delivery
+works, a try count that dead-letters a step failing for good, the cancel flag read at every
+step boundary, and the commit that publishes what the step decided together with its
+published marker and trace events. Steps (worker.session.steps) and program runs
+(worker.guest.step) hand it their bodies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+
+from schemas import keys
+from schemas.bodies import dump_body
+from worker.config import Settings
+from worker.errors import RateLimited, RetryLater, StepFailedError, StoreError
+from worker.session.ports import (
+    Dispatcher,
+    Outbox,
+    RoundReads,
+    SessionStore,
+    StepStart,
+    ToolReads,
+    TraceWrite,
+)
+from worker.session.records import bare_record
+from worker.session.trace import TraceEvent
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LEASE_MS = 130_000  # when a step's own lease cannot be read: the longest model call
+GUARD_RETRY_S = 1.0
+
+
+class StepGuard:
+    def __init__(self, store: SessionStore, dispatch: Dispatcher, settings: Settings) -> None:
+        self.store = store
+        self.dispatch = dispatch
+        self.settings = settings
+
+    def run(
+        self,
+        step: str,
+        sk: str,
+        lease_ms: Callable[[], int],
+        body: Callable[[StepStart, Outbox], None],
+        stop_if_cancelled: bool = True,
+        targets: Callable[[], list[str]] | None = None,
+        reads: RoundReads | ToolReads | None = None,
+        **meta: str | int,
+    ) -> None:
+        """Run one delivery of a step under its guards. A step that keeps failing ends the
+        sessions `targets()` names (its own session by default). Nothing escapes but
+        RetryLater: a failure of the guard's own Redis calls retries the delivery, so a
+        message is never acknowledged with its work undone. What `reads` names is read with
+        the lease, in the same round trip, and handed to `body` in its StepStart."""
+        try:
+            self._run(step, sk, lease_ms, body, stop_if_cancelled, targets, reads, dict(meta))
+        except RetryLater:
+            raise
+        except Exception as exc:
+            log.warning("step %s: guard failed: %s", step, type(exc).__name__)
+            raise RetryLater(GUARD_RETRY_S, f"guard: {type(exc).__name__}") from exc
+
+    def _run(
+        self,
+        step: str,
+        sk: str,
+        lease_ms: Callable[[], int],
+        body: Callable[[StepStart, Outbox], None],
+        stop_if_cancelled: bool,
+        targets: Callable[[], list[str]] | None,
+        reads: RoundReads | ToolReads | None,
+        meta: dict[str, str | int],
+    ) -> None:
+        sessions = targets or (lambda: [sk])
+        try:
+            lease = lease_ms()
+        except Exception:  # the lease is advisory: the body reads again, under the guard
+            lease = DEFAULT_LEASE_MS
+        start = self.store.begin_step(step, lease, meta, sk, reads)
+        if start.published:
+            return
+        if not start.leased:
+            raise RetryLater(self.store.lease_left_ms(step) / 1000 + 0.05, f"step {step} is leased")
+        if start.cancelled and stop_if_cancelled:
+            # cancellation is checked at every step boundary; finish writes the cancelled body
+            cancel = Outbox()
+            cancel.finish(sk)
+            self.commit(step, sk, cancel)
+            return
+        if start.tries > self.settings.max_step_attempts:
+            self.poison(step, sessions(), f"delivered {start.tries} times")
+            return
+        outbox = Outbox()
+        try:
+            body(start, outbox)
+        except RateLimited as exc:
+            # waiting for the backend's rate limit is not a failure: no try is spent, and the
+            # task gives its worker slot back until there may be room
+            self._release_quietly(step)
+            self.store.uncount_try(step)
+            raise RetryLater(exc.wait_s, "rate limited") from None
+        except Exception as exc:
+            self._release_quietly(step)
+            if start.tries >= self.settings.max_step_attempts:
+                self.poison(step, sessions(), f"{type(exc).__name__}: {exc}")
+                return
+            log.warning("step %s failed (try %d): %s", step, start.tries, type(exc).__name__)
+            raise RetryLater(
+                min(0.2 * 2**start.tries, 10.0), f"{type(exc).__name__}: {exc}"
+            ) from exc
+        self.commit(step, sk, outbox)
+
+    def commit(self, step: str, sk: str, outbox: Outbox) -> None:
+        """Publish what the step decided, then mark it published, with its trace events: one
+        write where the dispatcher shares the store's Redis. In that order, so a redelivery
+        that finds the marker knows its continuation was sent."""
+        trace = None
+        if outbox.events:  # a session's first or last events set its stream's TTL
+            ends = any(e.event.startswith("session.") for e in outbox.events)
+            trace = TraceWrite(sk, tuple(outbox.events), expire=ends)
+        if not self.dispatch.publish(outbox.steps, published=step, trace=trace):
+            self.store.end_step(step)
+            if trace is not None:
+                self.store.trace(trace)
+
+    def trace_now(self, sk: str, *events: TraceEvent, expire: bool = False) -> None:
+        """Events written as they happen (a call starting, the session ending)."""
+        if self.settings.trace:
+            self.store.trace(TraceWrite(sk, events, expire))
+
+    def _release_quietly(self, step: str) -> None:
+        with contextlib.suppress(StoreError):
+            self.store.release_lease(step)
+
+    def poison(self, step: str, sks: list[str], reason: str) -> None:
+        """A step that keeps failing ends its sessions: dead-letter it, finish with an error.
+        A failing finish step is not run again: its body is written here, bare."""
+        failed = StepFailedError(f"step {step} failed for good: {reason}"[:500])
+        for sk in sks:
+            self.store.dead_letter(step, sk, failed.body(), reason)
+            if step == keys.finish_step(sk):
+                record = bare_record(self._spec_id(sk), failed.body())
+                self.store.write_result(sk, dump_body(failed.body()), record)
+                continue
+            self.dispatch.finish(sk)
+        self.store.end_step(step)
+
+    def _spec_id(self, sk: str) -> str:
+        try:
+            return self.store.load_spec(sk).id
+        except Exception:  # what failed may be this very read: the key still names it
+            return sk

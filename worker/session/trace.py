@@ -1,0 +1,112 @@
+"""Trace events (issue 9, seed 002 P1): what happened in a session, as ids, codes, counts and
+times, never prompts, arguments or outputs. The steps make them; the store keeps them in the
+session's stream and the fleet's (`cchatq trace ID`), and each is one structured log line.
+
+Events: session.started, model.call.started / finished / failed, tool.call.started /
+finished / failed / retried, session.finished. A redelivered step may repeat one (at least
+once, like the steps themselves).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, fields
+from typing import Any
+
+from worker.codecs.openai_chat import tool_calls_of
+from worker.session.outcomes import ToolOutcome
+
+log = logging.getLogger("cchatq.trace")
+
+
+@dataclass(frozen=True)
+class TraceEvent:
+    event: str
+    session: str  # the spec's id
+    ts_ms: int
+    round: int | None = None
+    call_id: str | None = None
+    tool: str | None = None
+    attempt: int | None = None
+    latency_ms: int | None = None
+    error: str | None = None  # the error class or body code, never its message
+    output_bytes: int | None = None
+    request_id: str | None = None  # the provider's id of the reply
+
+    def to_json(self) -> dict[str, Any]:
+        """The fields that are set (a stream entry, a log line, a `cchatq trace` line)."""
+        return {f.name: v for f in fields(self) if (v := getattr(self, f.name)) is not None}
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def event(name: str, session: str, **values: Any) -> TraceEvent:
+    """An event stamped now, logged as one line as it is made."""
+    made = TraceEvent(event=name, session=session, ts_ms=now_ms(), **values)
+    if log.isEnabledFor(logging.INFO):
+        log.info("%s", json.dumps(made.to_json(), separators=(",", ":")))
+    return made
+
+
+def model_call_ended(
+    session: str, round_no: int, reply: dict[str, Any], latency_ms: int
+) -> TraceEvent:
+    """model.call.finished, or .failed with the error body's code."""
+    error = reply.get("error")
+    if isinstance(error, dict):
+        return event(
+            "model.call.failed",
+            session,
+            round=round_no,
+            latency_ms=latency_ms,
+            error=str(error.get("code")),
+        )
+    request_id = reply.get("id")
+    return event(
+        "model.call.finished",
+        session,
+        round=round_no,
+        latency_ms=latency_ms,
+        request_id=request_id if isinstance(request_id, str) else None,
+    )
+
+
+def tool_call_ended(
+    session: str, round_no: int, call_id: str, tool: str, outcome: ToolOutcome
+) -> TraceEvent:
+    """tool.call.finished, or .failed with its error class."""
+    return event(
+        "tool.call.finished" if outcome.ok else "tool.call.failed",
+        session,
+        round=round_no,
+        call_id=call_id,
+        tool=outcome.fallback or tool,
+        attempt=outcome.retries,
+        latency_ms=outcome.latency_ms,
+        error=outcome.code,
+        output_bytes=outcome.output_bytes if outcome.ok else None,
+    )
+
+
+def unrun_calls(
+    session: str, round_no: int, reply: dict[str, Any], outcomes: dict[int, ToolOutcome]
+) -> list[TraceEvent]:
+    """tool.call.failed for the calls answered without running (unknown, invalid, denied,
+    repeated, not run): they never started."""
+    calls = tool_calls_of(reply)
+    return [
+        event(
+            "tool.call.failed",
+            session,
+            round=round_no,
+            call_id=calls[i]["id"],
+            tool=calls[i]["function"]["name"],
+            error=outcome.code,
+        )
+        for i, outcome in sorted(outcomes.items())
+        if i < len(calls)
+    ]
