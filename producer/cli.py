@@ -116,6 +116,13 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_result(args: argparse.Namespace) -> int:
     client = Client(_redis_url())
+    if args.tool_output is not None:
+        output = client.tool_output(args.id, args.tool_output)
+        if output is None:
+            print(f"no output of call {args.tool_output} in {args.id}", file=sys.stderr)
+            return 1
+        sys.stdout.write(output)
+        return 0
     record = client.record(args.id)
     if record is None:
         known = client.status(args.id) is not None
@@ -263,6 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("id")
     p.add_argument(
         "--full", action="store_true", help="the whole record: transcript and metrics too"
+    )
+    p.add_argument(
+        "--tool-output", metavar="CALL_ID", help="one tool call's whole output (no excerpt)"
     )
     p.set_defaults(fn=cmd_result)
 

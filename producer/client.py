@@ -246,6 +246,20 @@ class Client:
     def record(self, spec_id: str) -> dict[str, Any] | None:
         return self.records([keys.session_key(spec_id)])[0]
 
+    def tool_output(self, spec_id: str, call_id: str) -> str | None:
+        """A finished session's tool call output, whole (the model may have read an excerpt),
+        found by its call id; None if no call of that id produced one."""
+        sk = keys.session_key(spec_id)
+        record = self.record(spec_id)
+        rounds = [m for m in (record or {}).get("transcript", []) if m.get("role") == "assistant"]
+        for round_no, message in enumerate(rounds):
+            for index, call in enumerate(message.get("tool_calls") or []):
+                if call.get("id") == call_id:
+                    raw = self.redis.get(keys.tool_out(sk, round_no, index))
+                    output = None if raw is None else json.loads(raw).get("output")
+                    return output if isinstance(output, str) else None
+        return None
+
     def trace(
         self, spec_id: str, follow: bool = False, block_ms: int = 1000
     ) -> Iterator[dict[str, Any]]:

@@ -22,6 +22,8 @@ LIMIT_BOUNDS: dict[str, tuple[int | None, int]] = {
     "tool_memory_bytes": (256 << 20, 4 << 30),
     "max_tool_retries": (None, MAX_TOOL_RETRIES_CAP),
     "max_parallel": (None, 1_000),  # tool tasks of one session in flight at once
+    # a longer tool output reaches the model as an excerpt (the store keeps it whole)
+    "compress_over_bytes": (16_384, 1 << 20),
 }
 LIMIT_ALIASES = {
     "max_tool_calls": "max_total_tool_calls",
@@ -86,6 +88,7 @@ class Limits:
     tool_memory_bytes: int = _default("tool_memory_bytes")
     max_tool_retries: int | None = None
     max_parallel: int | None = None
+    compress_over_bytes: int = _default("compress_over_bytes")
 
     @classmethod
     def resolve(cls, raw: Mapping[str, Any] | None) -> Limits:

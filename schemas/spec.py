@@ -280,6 +280,7 @@ class LimitsSchema(Schema):
     tool_memory_bytes = _limit_field("tool_memory_bytes")
     max_tool_retries = _limit_field("max_tool_retries", least=0)
     max_parallel = _limit_field("max_parallel")
+    compress_over_bytes = _limit_field("compress_over_bytes")
     max_tool_calls = _limit_field("max_tool_calls")
     tool_timeout_ms = _limit_field("tool_timeout_ms")
 

@@ -429,3 +429,28 @@ def test_no_tool_may_take_the_name_unreadable_calls_are_kept_under() -> None:
     with pytest.raises(ValidationError) as info:
         SessionSpecSchema().load({"id": "a", "model": "m", "messages": [USER], "tools": [tool]})
     assert "Reserved" in str(info.value.messages)
+
+
+# Long results -------------------------------------------------------------------------------
+
+
+def test_a_long_output_reaches_the_model_as_an_excerpt_that_says_so() -> None:
+    from worker.session.outcomes import excerpt
+
+    text = "é" + "x" * 49_998 + "€"  # multi-byte at both ends: the cut stays on characters
+    cut = excerpt(text, 3_000)
+    head, _, rest = cut.partition("\n[... ")
+    omitted, _, tail = rest.partition(" bytes omitted ...]\n")
+    assert text.startswith(head) and text.endswith(tail)
+    assert len(head.encode()) + int(omitted) + len(tail.encode()) == len(text.encode())
+    assert len(head.encode()) <= 2_000 and len(tail.encode()) <= 1_000
+    envelope = json.loads(ToolOutcome.success(text).message(True, 3_000, ref="call_9"))
+    assert envelope["data"] == cut
+    assert (envelope["truncated"], envelope["bytes"], envelope["ref"]) == (
+        True,
+        len(text.encode()),
+        "call_9",
+    )
+    short = json.loads(ToolOutcome.success('{"a":1}').message(True, 3_000, ref="c"))
+    assert "truncated" not in short and short["data"] == {"a": 1}
+    assert ToolOutcome.success(text).message(False, 3_000, ref="c") == text  # raw: whole

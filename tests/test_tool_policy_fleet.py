@@ -240,3 +240,32 @@ def test_cchatq_trace_lists_a_mixed_sessions_events_in_order_and_no_text(
         env=env, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert follow.stdout == traced.stdout  # a finished session: --follow returns at its end
+
+
+def test_a_200_kib_output_reaches_the_model_as_an_excerpt_and_the_store_keeps_it_whole(
+    wide_tools: Running, tmp_path: Path
+) -> None:
+    big = {
+        "module": "large_output.wasm",
+        "export": "big_output",
+        "function": {"name": "big_output", "parameters": {"type": "object"}},
+    }
+    n = 200 * 1024
+    spec = calling(("big_output", {"bytes": n}), tools=[big], limits={"max_tool_output_bytes": n})
+    record = run_one(wide_tools, spec, tmp_path)
+    [answer] = envelopes(record)
+    assert (answer["truncated"], answer["bytes"]) == (True, n)
+    assert len(answer["data"].encode()) < 17_000 and "bytes omitted" in answer["data"]
+    call_id = answer["ref"]
+    env = {**os.environ, "REDIS_URL": wide_tools.redis_url}
+    whole = subprocess.run(
+        [sys.executable, "-m", "producer.cli", "result", spec["id"], "--tool-output", call_id],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert whole.returncode == 0, whole.stderr
+    assert whole.stdout == ("0123456789" * (n // 10 + 1))[:n]
+    missing = subprocess.run(
+        [sys.executable, "-m", "producer.cli", "result", spec["id"], "--tool-output", "nope"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert missing.returncode == 1 and "no output of call nope" in missing.stderr

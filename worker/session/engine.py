@@ -365,7 +365,9 @@ def transcript(session: Session, missing: ToolOutcome | None = None) -> list[dic
                 {
                     "role": "tool",
                     "tool_call_id": call["id"],
-                    "content": tool_message_content(outcome.message(envelope)),
+                    "content": tool_message_content(
+                        outcome.message(envelope, session.limits.compress_over_bytes, call["id"])
+                    ),
                 }
             )
     return messages

@@ -58,11 +58,18 @@ class ToolOutcome:
 
     # the tool message --------------------------------------------------------------------
 
-    def message(self, envelope: bool) -> str:
+    def message(self, envelope: bool, excerpt_over: int | None = None, ref: str = "") -> str:
         """The tool message content: the envelope, or the raw output (an error body when
-        the call failed, as before envelopes)."""
+        the call failed, as before envelopes). In the envelope, an output over
+        `excerpt_over` bytes is a head-and-tail excerpt that says it was cut, how long the
+        whole is and how to ask for it (`ref`, the call id: the store keeps it whole)."""
         if envelope:
-            return json.dumps(self.envelope(), separators=(",", ":"), ensure_ascii=False)
+            body = self.envelope()
+            size = self.output_bytes
+            if excerpt_over is not None and size > excerpt_over:
+                body["data"] = excerpt(self.output or "", excerpt_over)
+                body.update(truncated=True, bytes=size, ref=ref)
+            return json.dumps(body, separators=(",", ":"), ensure_ascii=False)
         if self.failure is not None:
             error = {"code": self.failure.code, "message": self.failure.message}
             return tool_message_content({"error": error})
@@ -109,6 +116,21 @@ class ToolOutcome:
             ran=bool(raw.get("ran", False)),
             fallback=raw.get("fallback"),
         )
+
+
+EXCERPT_GAP = "\n[... {omitted} bytes omitted ...]\n"
+
+
+def excerpt(text: str, budget_bytes: int) -> str:
+    """The head (two thirds) and the tail (one third) of `text` in about `budget_bytes` of
+    UTF-8, cut on character boundaries, with the size of what was left out between."""
+    raw = text.encode()
+    head_end = budget_bytes * 2 // 3
+    tail_start = len(raw) - (budget_bytes - head_end)
+    head = raw[:head_end].decode(errors="ignore")
+    tail = raw[tail_start:].decode(errors="ignore")
+    omitted = len(raw) - len(head.encode()) - len(tail.encode())
+    return head + EXCERPT_GAP.format(omitted=omitted) + tail
 
 
 def _data(output: str | None) -> Any:
