@@ -30,6 +30,8 @@ WORKER_PROFILES: dict[str, tuple[str, int]] = {
     "tools": ("prefork", os.cpu_count() or 2),
     "control": ("threads", 8),
     "programs": ("threads", 16),
+    # long calls that mostly wait: wasmtime runs outside the GIL (ctypes), so threads suffice
+    "background": ("threads", 16),
 }
 
 
@@ -197,7 +199,7 @@ class Fleet:
         return proc
 
     def start_workers(self, extra_env: dict[str, str] | None = None) -> None:
-        for queue in ("llm", "tools", "control", "programs"):
+        for queue in ("llm", "tools", "control", "programs", "background"):
             self.start_worker(queue, extra_env=extra_env)
 
     def kill(self, proc: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:

@@ -169,5 +169,11 @@ def start_step(batch: str, chunk_no: int) -> str:
     return f"{batch}.c{chunk_no}"
 
 
+def background_step(sk: str, round_no: int, index: int) -> str:
+    """A background tool's call, run on the background queue after its tool step handed it
+    over (a step of its own: the tool step is published once it has handed over)."""
+    return f"{tool_step(sk, round_no, index)}.bg"
+
+
 def program_step(sk: str) -> str:
     return f"{sk}.prog"

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 TOOL_TIMEOUT_CAP_MS = 120_000
+BACKGROUND_TIMEOUT_CAP_MS = 6 * 3_600_000  # a background tool's call: up to 6 hours
 MAX_TOOL_RETRIES_CAP = 10
 RETRY_BACKOFF_CAP_MS = 60_000
 

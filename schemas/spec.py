@@ -22,6 +22,7 @@ from marshmallow import (
 )
 
 from schemas.limits import (
+    BACKGROUND_TIMEOUT_CAP_MS,
     LIMIT_ALIASES,
     LIMIT_BOUNDS,
     MAX_TOOL_RETRIES_CAP,
@@ -146,13 +147,17 @@ class FunctionSchema(Schema):
             raise ValidationError(problem[0].upper() + problem[1:])
 
 
+TIMEOUT_RANGE = (
+    f"Must be between 1 and {TOOL_TIMEOUT_CAP_MS} "
+    f"(up to {BACKGROUND_TIMEOUT_CAP_MS} with background: true)."
+)
+
+
 class ToolPolicySchema(Schema):
     """A tool's execution policy (schemas.spec_types.ToolPolicy)."""
 
     timeout_ms = _strict_int(
-        validate=validate.Range(
-            min=1, max=TOOL_TIMEOUT_CAP_MS, error=f"Must be between 1 and {TOOL_TIMEOUT_CAP_MS}."
-        )
+        validate=validate.Range(min=1, max=BACKGROUND_TIMEOUT_CAP_MS, error=TIMEOUT_RANGE)
     )
     max_retries = _strict_int(
         validate=validate.Range(
@@ -165,10 +170,16 @@ class ToolPolicySchema(Schema):
         )
     )
     idempotent = StrictBool()
+    background = StrictBool()
     risk_level = fields.String(validate=validate.OneOf(RISK_LEVELS))
     fallback = fields.String(
         validate=validate.Regexp(FUNCTION_NAME_PATTERN, error="Must name a tool of this session.")
     )
+
+    @validates_schema
+    def _check_timeout(self, data: dict[str, Any], **kwargs: Any) -> None:
+        if not data.get("background") and data.get("timeout_ms", 0) > TOOL_TIMEOUT_CAP_MS:
+            raise ValidationError(TIMEOUT_RANGE, "timeout_ms")
 
 
 def _globs() -> fields.List[str]:

@@ -104,6 +104,9 @@ class ToolPolicy:
     idempotent: bool = True
     fallback: str | None = None  # another tool of the session, called with the same arguments
     risk_level: str = "low"  # low | medium | high: high runs only with a grant in the spec
+    # runs on the background queue, with a timeout_ms of up to hours; the round waits for it
+    # without holding a worker slot, and it reports progress (cchatq_progress)
+    background: bool = False
 
     @classmethod
     def from_json(cls, raw: dict[str, Any] | None) -> ToolPolicy:

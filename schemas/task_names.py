@@ -5,6 +5,7 @@ from __future__ import annotations
 START = "cchatq.start"
 ROUND = "cchatq.round"
 TOOL = "cchatq.tool"
+BACKGROUND_TOOL = "cchatq.background_tool"  # a `background` tool's call, up to hours
 FINISH = "cchatq.finish"
 PROGRAM = "cchatq.program"
 NUDGE = "cchatq.nudge"
@@ -13,12 +14,14 @@ QUEUE_LLM = "llm"
 QUEUE_TOOLS = "tools"
 QUEUE_CONTROL = "control"
 QUEUE_PROGRAMS = "programs"
-ALL_QUEUES = (QUEUE_LLM, QUEUE_TOOLS, QUEUE_CONTROL, QUEUE_PROGRAMS)
+QUEUE_BACKGROUND = "background"
+ALL_QUEUES = (QUEUE_LLM, QUEUE_TOOLS, QUEUE_CONTROL, QUEUE_PROGRAMS, QUEUE_BACKGROUND)
 
 ROUTES: dict[str, str] = {
     START: QUEUE_CONTROL,
     ROUND: QUEUE_LLM,
     TOOL: QUEUE_TOOLS,
+    BACKGROUND_TOOL: QUEUE_BACKGROUND,
     FINISH: QUEUE_CONTROL,
     PROGRAM: QUEUE_PROGRAMS,
     NUDGE: QUEUE_CONTROL,

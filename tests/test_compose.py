@@ -37,7 +37,13 @@ pytestmark = pytest.mark.fleet
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE: dict[str, Any] = yaml.safe_load((ROOT / "compose.yaml").read_text())
 SERVICES: dict[str, dict[str, Any]] = COMPOSE["services"]
-WORKER_QUEUES = {"worker-llm": "llm", "worker-tools": "tools", "worker-control": "control"}
+WORKER_QUEUES = {
+    "worker-llm": "llm",
+    "worker-tools": "tools",
+    "worker-control": "control",
+    "worker-programs": "programs",
+    "worker-background": "background",
+}
 PYTHON_SERVICES = {"replay", "flower", *WORKER_QUEUES}
 WAIT_S = 30.0  # per service
 STOP_GRACE_S = 10.0

@@ -91,6 +91,8 @@ class Pipeline:
             self.runner.round(sk, rest[0])
         elif kind == "tool":
             self.runner.tool(sk, rest[0], rest[1])
+        elif kind == "background":
+            self.runner.tool(sk, rest[0], rest[1], background=True)
         elif kind == "finish":
             self.runner.finish(sk)
         elif kind == "start":

@@ -381,7 +381,7 @@ def test_a_policy_object_is_checked_at_submit() -> None:
         "tools": [
             {"module": "w.wasm", "export": "a", "function": {"name": "a"},
              "policy": {"timeout_ms": 0, "max_retries": 11, "idempotent": "yes",
-                        "fallback": "zz", "background": True}},
+                        "fallback": "zz", "colour": "red"}},
         ],
     }  # fmt: skip
     with pytest.raises(ValidationError) as info:
@@ -390,10 +390,12 @@ def test_a_policy_object_is_checked_at_submit() -> None:
         "tools": {
             0: {
                 "policy": {
-                    "timeout_ms": ["Must be between 1 and 120000."],
+                    "timeout_ms": [
+                        "Must be between 1 and 120000 (up to 21600000 with background: true)."
+                    ],
                     "max_retries": ["Must be between 0 and 10."],
                     "idempotent": ["Not a valid boolean."],
-                    "background": ["Unknown field."],
+                    "colour": ["Unknown field."],
                 }
             }
         }

@@ -20,7 +20,7 @@ from producer.client import Client
 from producer.fleet import Fleet
 from schemas import keys
 from tests.conftest import Running
-from tests.test_pipeline import run_specs
+from tests.test_pipeline import run_specs, submit_specs, wait_for
 
 pytestmark = pytest.mark.fleet
 
@@ -41,7 +41,7 @@ def wide_tools(base_fleet: Fleet) -> Iterator[Running]:
     client.redis.flushdb()
     try:
         fleet.start_worker("tools", pool="threads", concurrency=TOOLS_THREADS)
-        for queue in ("llm", "control"):
+        for queue in ("llm", "control", "background"):
             fleet.start_worker(queue)
         yield Running(fleet=fleet, redis_url=url, client=client)
     finally:
@@ -269,3 +269,32 @@ def test_a_200_kib_output_reaches_the_model_as_an_excerpt_and_the_store_keeps_it
         env=env, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert missing.returncode == 1 and "no output of call nope" in missing.stderr
+
+
+def test_a_background_tool_runs_for_seconds_with_progress_while_other_sessions_finish(
+    wide_tools: Running, tmp_path: Path
+) -> None:
+    """Wait mode: the round waits for a 5 s background call without holding a worker slot;
+    a session submitted after it, on the same workers, finishes before it."""
+    long_call = calling(
+        ("nap", {"ms": 5000, "progress": 1, "tag": "bg"}),
+        tools=[nap(background=True, timeout_ms=600_000)],
+    )
+    quick = calling(("nap", {"tag": "quick"}), tools=[nap()])
+    client = wide_tools.client
+    first = submit_specs(client, [long_call], tmp_path, name="long.jsonl")
+    wait_for(lambda: any(e["event"] == "task.progress" for e in client.trace(long_call["id"])))
+    second = submit_specs(client, [quick], tmp_path, name="quick.jsonl")
+    [(_, quick_record)] = list(client.wait(second, timeout_s=60))
+    assert quick_record["status"] == "ok"
+    assert (client.status(long_call["id"]) or {}).get("state") != "done"  # still napping
+    [(_, record)] = list(client.wait(first, timeout_s=60))
+    [answer] = envelopes(record)
+    assert answer["ok"] and answer["data"] == {"tag": "bg", "attempt": 0}
+    assert answer["metrics"]["latency_ms"] >= 5000
+    events = list(client.trace(long_call["id"]))
+    names = [e["event"] for e in events]
+    assert names.index("task.submitted") < names.index("tool.call.started")
+    assert names.index("task.completed") > names.index("tool.call.finished")
+    percents = [e["percent"] for e in events if e["event"] == "task.progress"]
+    assert percents[-1] == 100 and len(percents) >= 3 and percents == sorted(percents)

@@ -7,11 +7,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from fixtures.replay.conversation import read_envelope
 from tests.test_engine import WEATHER_FN
 from tests.test_steps import SK, pipeline, reply, submit
 from tests.test_steps import spec as pipeline_spec
 from worker.config import Settings
 from worker.errors import ToolRuntimeError
+from worker.session.ports import ToolCall
 
 CANARY = "canary-7f3a"
 
@@ -87,3 +89,53 @@ def test_trace_off_writes_no_event() -> None:
     submit(p, pipeline_spec())
     p.drain()
     assert p.store.traces == {}
+
+
+class ReportingTools:
+    """A ToolRuntime whose call reports its progress, as a background WASM tool would."""
+
+    def __init__(self) -> None:
+        self.calls: list[ToolCall] = []
+
+    def run(self, call: ToolCall) -> str:
+        self.calls.append(call)
+        assert call.progress is not None  # a background call hears progress
+        for percent in (0, 50, 100):
+            call.progress(percent, "working")
+        return "done"
+
+
+def test_a_background_tool_is_handed_over_and_reports_its_progress() -> None:
+    p = pipeline([weather_model_once, weather_model_once])
+    runtime = ReportingTools()
+    p.runner.tools = lambda: runtime
+    session_spec = pipeline_spec(WEATHER_FN)
+    session_spec["tools"][0]["policy"] = {"background": True, "timeout_ms": 600_000}
+    submit(p, session_spec)
+    kinds = []
+    while p.queue.pending:
+        kinds.append(p.queue.run_next(p.run)[0])
+    assert kinds == ["round", "tool", "background", "round"]
+    assert [c.timeout_ms for c in runtime.calls] == [600_000]  # over the 120 s of a tool step
+    assert p.body()["choices"][0]["message"]["content"] == "Tool said: done"
+    events = [e.to_json() for e in p.store.traces[SK]]
+    names = [e["event"] for e in events]
+    assert names[names.index("task.submitted") :] == [
+        "task.submitted",
+        "tool.call.started",
+        "task.progress",  # 0 %; 50 % comes too soon after it; 100 % always
+        "task.progress",
+        "tool.call.finished",
+        "task.completed",
+        "model.call.started",
+        "model.call.finished",
+        "session.finished",
+    ]
+    progress = [e for e in events if e["event"] == "task.progress"]
+    assert [(e["percent"], e["message"]) for e in progress] == [(0, "working"), (100, "working")]
+
+
+def weather_model_once(request: Any) -> dict[str, Any]:
+    if request.messages[-1]["role"] == "tool":
+        return reply(f"Tool said: {read_envelope(request.messages[-1]['content'])}")
+    return reply(None, ("call_1", "get_weather", '{"city":"Paris"}'))

@@ -12,6 +12,7 @@ from celery import Celery, Task
 from celery.signals import celeryd_init
 
 from schemas import task_names
+from schemas.limits import BACKGROUND_TIMEOUT_CAP_MS
 from worker.config import load_settings
 from worker.errors import RetryLater
 from worker.session.steps import StepRunner
@@ -54,6 +55,16 @@ def round_(self: Task, sk: str, round_no: int) -> None:
 @app.task(name=task_names.TOOL, **STEP_OPTIONS)
 def tool(self: Task, sk: str, round_no: int, index: int) -> None:
     _run(self, lambda r: StepRunner.tool(r, sk, round_no, index))
+
+
+@app.task(
+    name=task_names.BACKGROUND_TOOL,
+    # a background call may run for hours (its own timeout_ms, up to 6 h): its own limit
+    time_limit=BACKGROUND_TIMEOUT_CAP_MS // 1000 + 120,
+    **STEP_OPTIONS,
+)
+def background_tool(self: Task, sk: str, round_no: int, index: int) -> None:
+    _run(self, lambda r: StepRunner.tool(r, sk, round_no, index, background=True))
 
 
 @app.task(name=task_names.FINISH, **STEP_OPTIONS)

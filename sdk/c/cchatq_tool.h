@@ -82,6 +82,15 @@ __attribute__((import_module("cchatq"), import_name("attempt")))
 int32_t cchatq_attempt(void);
 
 /*
+ * How far a long call is: percent (0..100) and a short message (up to 200
+ * bytes are kept). A background tool's reports become task.progress trace
+ * events (`cchatq trace ID`); other tools may call it too. Returns 0, or
+ * -CCHATQ_EINVAL for a percent outside 0..100.
+ */
+__attribute__((import_module("cchatq"), import_name("progress")))
+int32_t cchatq_progress(int32_t percent, const char *msg, uint32_t msg_len);
+
+/*
  * CCHATQ_TOOL(name) { ... } defines and exports the tool `name` with the
  * parameters: const char *args, int32_t args_len, char *out, uint32_t *out_len.
  * (Pointers are 32-bit on wasm32, so this matches the i32 ABI exactly.)

@@ -84,6 +84,10 @@ def _task(step: NextStep) -> tuple[str, str]:
         return task_names.ROUND, keys.round_step(str(args[0]), int(args[1]))
     if step.kind == "tool":
         return task_names.TOOL, keys.tool_step(str(args[0]), int(args[1]), int(args[2]))
+    if step.kind == "background":
+        return task_names.BACKGROUND_TOOL, keys.background_step(
+            str(args[0]), int(args[1]), int(args[2])
+        )
     if step.kind == "finish":
         return task_names.FINISH, keys.finish_step(str(args[0]))
     if step.kind == "program":

@@ -84,6 +84,7 @@ class ToolInvocation:
     max_output_bytes: int = 65_536
     fork: ProgramFork | None = None  # a program's tool: run in a fork of the program
     attempt: int = 0  # what the tool's `cchatq::attempt` import answers
+    progress: Callable[[int, str], None] | None = None  # hears `cchatq::progress`
 
 
 @dataclass
@@ -160,6 +161,7 @@ class WasmToolRuntime:
                 max_output_bytes=call.max_output_bytes,
                 fork=fork,
                 attempt=call.attempt,
+                progress=call.progress,
             )
         )
 
@@ -174,6 +176,7 @@ class WasmToolRuntime:
         host = ToolModeHost() if host is None else host
         host.deadline = deadline
         host.attempt = inv.attempt
+        host.on_progress = inv.progress
         state = self._engine_state()
         pre = self._prepared(state, inv.module_sha256)
         cap = max(0, min(self._initial_output_bytes, inv.max_output_bytes))

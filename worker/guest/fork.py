@@ -16,7 +16,7 @@ import struct
 import threading
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +33,7 @@ _BLOB_HEAD = struct.Struct("<4sI")  # magic, length of the JSON header that foll
 _BLOB_MAX_HEADER = 1 << 20
 _BLOB_MAX_SNAPSHOT = 4 << 30  # a wasm32 memory is at most 4 GiB
 _DENIED = ("cchat_", "spear_fd_ctl", "spear_epoll_")
+PROGRESS_MAX_BYTES = 200  # a progress message, as trace events carry it
 
 
 @dataclass(frozen=True)
@@ -182,6 +183,7 @@ class ToolModeHost:
     def __init__(self, deadline: float | None = None, max_log_bytes: int = 256 << 10) -> None:
         self.deadline = deadline
         self.attempt = 0  # the call's retry number, for `cchatq::attempt`
+        self.on_progress: Callable[[int, str], None] | None = None  # `cchatq::progress`
         self.logs: list[tuple[int, str]] = []
         self.dropped_logs = 0
         self._log_room = max_log_bytes
@@ -191,6 +193,8 @@ class ToolModeHost:
             return -EPERM  # a tool cannot start chats or touch the program's fds
         if name == "cchatq.attempt":
             return self.attempt
+        if name == "cchatq.progress":
+            return self._progress(mem, *args)
         if name == "log":
             return self._log(mem, *args)
         if name == "time_now_ms":
@@ -203,6 +207,15 @@ class ToolModeHost:
             self._sleep(args[0])
             return None
         return -ENOSYS  # define_spear links no other name to a host
+
+    def _progress(self, mem: GuestMemory, percent: int, ptr: int, length: int) -> int:
+        """A tool's progress report: 0..100 and a short message (cut at PROGRESS_MAX_BYTES)."""
+        if not 0 <= percent <= 100 or not length >= 0:
+            return -EINVAL
+        text = mem.read(ptr, min(length, PROGRESS_MAX_BYTES)).decode(errors="replace")
+        if self.on_progress is not None:
+            self.on_progress(percent, text)
+        return 0
 
     def _log(self, mem: GuestMemory, level: int, ptr: int, length: int) -> int:
         if length & 0xFFFF_FFFF > LOG_MAX_BYTES or not 0 <= level <= 4:

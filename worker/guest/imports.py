@@ -152,7 +152,10 @@ def define_spear(linker: wasmtime.Linker, module: wasmtime.Module, host: SpearHo
 
 
 # The tool ABI's own imports (sdk/c/cchatq_tool.h), module `cchatq`: name -> (params, results)
-TOOL_IMPORTS: dict[str, tuple[list[str], list[str]]] = {"attempt": ([], ["i32"])}
+TOOL_IMPORTS: dict[str, tuple[list[str], list[str]]] = {
+    "attempt": ([], ["i32"]),
+    "progress": (["i32", "i32", "i32"], ["i32"]),  # percent, message pointer, length
+}
 
 
 def define_tool_imports(linker: wasmtime.Linker, module: wasmtime.Module, host: SpearHost) -> None:

@@ -6,7 +6,7 @@ and are tested with no Redis and no workers.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from schemas.keys import ChunkMember
@@ -71,6 +71,8 @@ class ToolCall:
     memory_bytes: int
     max_output_bytes: int
     attempt: int = 0  # 0 on the first try, then the retry number (the tool can ask for it)
+    # hears the tool's progress reports (percent, message): a background tool's task.progress
+    progress: Callable[[int, str], None] | None = field(default=None, compare=False)
 
 
 class SessionStore(Protocol):

@@ -18,10 +18,8 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from schemas import keys
-from schemas.bodies import dump_body, is_error_body
-from schemas.limits import max_parallel
+from schemas.bodies import dump_body
 from schemas.spec_types import ProgramSpec, SessionSpec
-from worker.codecs.openai_chat import tool_calls_of
 from worker.codecs.protocol import ChatRequest, Delta
 from worker.config import BackendConfig, Settings
 from worker.errors import (
@@ -31,17 +29,14 @@ from worker.errors import (
     RateLimited,
     StoreError,
 )
-from worker.session.decisions import Decision, Ending, after_tool, decide
+from worker.session.decisions import Decision, Ending, decide
 from worker.session.engine import (
     CallModel,
     Round,
     Session,
-    ToolRun,
     next_call,
-    tool_run,
 )
 from worker.session.guard import StepGuard
-from worker.session.outcomes import ToolOutcome
 from worker.session.ports import (
     CompletionProvider,
     Dispatcher,
@@ -51,16 +46,14 @@ from worker.session.ports import (
     RoundReads,
     SessionStore,
     StepStart,
-    ToolReads,
     ToolRuntime,
 )
 from worker.session.records import ending, failed_program_record
-from worker.session.tool_policy import ToolCaller, step_lease_ms
+from worker.session.tool_step import ToolStep
 from worker.session.trace import (
     TraceEvent,
     event,
     model_call_ended,
-    tool_call_ended,
     unrun_calls,
 )
 
@@ -273,50 +266,10 @@ class StepRunner:
 
     # tool ----------------------------------------------------------------------------------
 
-    def tool(self, sk: str, round_no: int, index: int) -> None:
-        def lease_ms() -> int:
-            # read before the reply says which tool runs: the longest any tool may take
-            spec = self.spec_of(sk, SessionSpec)
-            fleet = self.settings.tool_defaults
-            return max((step_lease_ms(spec, t, fleet) for t in spec.tools), default=0) or (
-                step_lease_ms(spec, None, fleet)
-            )
-
-        def body(start: StepStart, outbox: Outbox) -> None:
-            spec = self.spec_of(sk, SessionSpec)
-            reply, outcome = start.tool_inputs or self.store.tool_inputs(sk, round_no, index)
-            if reply is None or is_error_body(reply):
-                raise StoreError(f"round {round_no} reply missing for tool step")
-            if outcome is None:
-                run = tool_run(spec, reply, index)
-                if run is None:
-                    raise InternalError(f"call {index} of round {round_no} is not a tool run")
-                outcome = self._run_tool(sk, spec, round_no, run, outbox)
-            calls = len(tool_calls_of(reply))
-            window = max_parallel(spec.limits, self.settings.tool_defaults)
-            self.apply(sk, after_tool(round_no, index, outcome, calls, window), dispatch=outbox)
-
-        step = keys.tool_step(sk, round_no, index)
-        self.guard.run(step, sk, lease_ms, body, reads=ToolReads(round_no, index))
-
-    def _run_tool(
-        self, sk: str, spec: SessionSpec, round_no: int, run: ToolRun, outbox: Outbox
-    ) -> ToolOutcome:
-        if not self.settings.trace:
-            return ToolCaller(self.tools(), self.settings.tool_defaults).run(spec, run)
-        where = {"round": round_no, "call_id": run.call_id}
-        self.guard.trace_now(sk, event("tool.call.started", spec.id, tool=run.name, **where))
-
-        def retried(tool: str, attempt: int, code: str) -> None:
-            outbox.events.append(
-                event("tool.call.retried", spec.id, tool=tool, attempt=attempt, error=code, **where)
-            )
-
-        outcome = ToolCaller(self.tools(), self.settings.tool_defaults, on_retry=retried).run(
-            spec, run
-        )
-        outbox.events.append(tool_call_ended(spec.id, round_no, run.call_id, run.name, outcome))
-        return outcome
+    def tool(self, sk: str, round_no: int, index: int, background: bool = False) -> None:
+        """A tool call's step (worker.session.tool_step); `background`: the call of a
+        background tool, run on the background queue after its tool step handed it over."""
+        ToolStep(self, sk, round_no, index, background).run()
 
     def spec_of(self, sk: str, kind: type[SpecT]) -> SpecT:
         """A session's spec, of the kind its step expects (a chat or a program run)."""

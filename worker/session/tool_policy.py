@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from schemas.limits import RETRY_BACKOFF_CAP_MS, Limits, ToolDefaults
+from schemas.limits import BACKGROUND_TIMEOUT_CAP_MS, RETRY_BACKOFF_CAP_MS, Limits, ToolDefaults
 from schemas.spec_types import SessionSpec, ToolSpec
 from worker.errors import GuestError, ToolError, ToolRuntimeError
 from worker.session.engine import ToolRun, argument_problem
@@ -18,8 +18,9 @@ from worker.session.permissions import permission_problem
 from worker.session.ports import ToolCall, ToolRuntime
 
 # A tool step's retries stop where one more attempt could outlive this (the task time limit,
-# CCHATQ_VISIBILITY_TIMEOUT_S, defaults to 300 s).
+# CCHATQ_VISIBILITY_TIMEOUT_S, defaults to 300 s); a background tool's, at its own cap.
 STEP_BUDGET_MS = 240_000
+BACKGROUND_BUDGET_MS = BACKGROUND_TIMEOUT_CAP_MS
 LEASE_MARGIN_MS = 5_000  # the lease outlives the budget: an ENOSPC rerun, the writes after
 
 
@@ -61,7 +62,12 @@ def step_lease_ms(spec: SessionSpec, tool: ToolSpec | None, fleet: ToolDefaults)
     fallback = spec.tool(tool.policy.fallback) if tool.policy.fallback else None
     if fallback is not None:
         budget += call_policy(fallback, spec.limits, fleet).budget_ms()
-    return min(budget, STEP_BUDGET_MS) + LEASE_MARGIN_MS
+    return min(budget, budget_ms(tool)) + LEASE_MARGIN_MS
+
+
+def budget_ms(tool: ToolSpec) -> int:
+    """The longest a call of `tool` may take, retries and fallback included."""
+    return BACKGROUND_BUDGET_MS if tool.policy.background else STEP_BUDGET_MS
 
 
 @dataclass
@@ -74,10 +80,15 @@ class ToolCaller:
     on_retry: Callable[[str, int, str], None] | None = None
     sleep: Callable[[float], None] = time.sleep
     clock: Callable[[], float] = time.monotonic
+    _progress: Callable[[int, str], None] | None = None
 
-    def run(self, spec: SessionSpec, run: ToolRun) -> ToolOutcome:
+    def run(
+        self, spec: SessionSpec, run: ToolRun, progress: Callable[[int, str], None] | None = None
+    ) -> ToolOutcome:
+        """Run the call; `progress` hears the tool's cchatq_progress reports."""
         started = self.clock()
-        deadline = started + STEP_BUDGET_MS / 1000
+        deadline = started + budget_ms(run.tool) / 1000
+        self._progress = progress
         outcome = self._with_retries(spec, run.tool, run.arguments, deadline)
         fallback = spec.tool(run.tool.policy.fallback) if run.tool.policy.fallback else None
         if fallback is not None and permission_problem(fallback, spec.permissions, self.fleet):
@@ -111,6 +122,7 @@ class ToolCaller:
                 memory_bytes=limits.tool_memory_bytes,
                 max_output_bytes=limits.max_tool_output_bytes,
                 attempt=retry,
+                progress=self._progress,
             )
             try:
                 return ToolOutcome.success(self.runtime.run(call), retries=retry)

@@ -3,7 +3,8 @@ times, never prompts, arguments or outputs. The steps make them; the store keeps
 session's stream and the fleet's (`cchatq trace ID`), and each is one structured log line.
 
 Events: session.started, model.call.started / finished / failed, tool.call.started /
-finished / failed / retried, session.finished. A redelivered step may repeat one (at least
+finished / failed / retried, session.finished; for a background tool's call, task.submitted /
+progress / completed / failed too. A redelivered step may repeat one (at least
 once, like the steps themselves).
 """
 
@@ -34,6 +35,8 @@ class TraceEvent:
     error: str | None = None  # the error class or body code, never its message
     output_bytes: int | None = None
     request_id: str | None = None  # the provider's id of the reply
+    percent: int | None = None  # task.progress: how far a background call is
+    message: str | None = None  # task.progress: the tool's own words (cut at 200 bytes)
 
     def to_json(self) -> dict[str, Any]:
         """The fields that are set (a stream entry, a log line, a `cchatq trace` line)."""

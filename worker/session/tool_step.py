@@ -1,0 +1,126 @@
+"""The step of one tool call (architecture.md section 2): read the round's reply and the call's
+stored outcome, run the call under its policy if it has none, store it, and publish the next
+round once every call of the round is answered (or the next waiting call, under max_parallel).
+
+A `background` tool's call is handed over instead: its tool step publishes a background step
+(its own step id, on the background queue) and ends; that step runs the call with the tool's
+long timeout, reports its progress as task.progress events, and does the rest as above. The
+round waits for it without holding a worker slot.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from schemas import keys
+from schemas.bodies import is_error_body
+from schemas.limits import max_parallel
+from schemas.spec_types import SessionSpec
+from worker.codecs.openai_chat import tool_calls_of
+from worker.errors import InternalError, StoreError
+from worker.session.decisions import after_tool
+from worker.session.engine import ToolRun, tool_run
+from worker.session.outcomes import ToolOutcome
+from worker.session.ports import NextStep, Outbox, StepStart, ToolReads
+from worker.session.tool_policy import ToolCaller, step_lease_ms
+from worker.session.trace import event, tool_call_ended
+
+if TYPE_CHECKING:
+    from worker.session.steps import StepRunner
+
+PROGRESS_EVERY_S = 0.5  # task.progress events of one call, at most this often
+
+
+@dataclass
+class ToolStep:
+    runner: StepRunner
+    sk: str
+    round_no: int
+    index: int
+    background: bool = False
+
+    def run(self) -> None:
+        sk, round_no, index = self.sk, self.round_no, self.index
+        step = (keys.background_step if self.background else keys.tool_step)(sk, round_no, index)
+        self.runner.guard.run(
+            step, sk, self._lease_ms, self._body, reads=ToolReads(round_no, index)
+        )
+
+    def _lease_ms(self) -> int:
+        # read before the reply says which tool runs: the longest any tool may take
+        spec = self.runner.spec_of(self.sk, SessionSpec)
+        fleet = self.runner.settings.tool_defaults
+        return max((step_lease_ms(spec, t, fleet) for t in spec.tools), default=0) or (
+            step_lease_ms(spec, None, fleet)
+        )
+
+    def _body(self, start: StepStart, outbox: Outbox) -> None:
+        runner, round_no, index = self.runner, self.round_no, self.index
+        spec = runner.spec_of(self.sk, SessionSpec)
+        reply, outcome = start.tool_inputs or runner.store.tool_inputs(self.sk, round_no, index)
+        if reply is None or is_error_body(reply):
+            raise StoreError(f"round {round_no} reply missing for tool step")
+        if outcome is None:
+            run = tool_run(spec, reply, index)
+            if run is None:
+                raise InternalError(f"call {index} of round {round_no} is not a tool run")
+            if run.tool.policy.background and not self.background:
+                self._hand_over(spec, run, outbox)
+                return
+            outcome = self._call(spec, run, outbox)
+        calls = len(tool_calls_of(reply))
+        window = max_parallel(spec.limits, runner.settings.tool_defaults)
+        runner.apply(self.sk, after_tool(round_no, index, outcome, calls, window), dispatch=outbox)
+
+    def _hand_over(self, spec: SessionSpec, run: ToolRun, outbox: Outbox) -> None:
+        outbox.publish([NextStep("background", (self.sk, self.round_no, self.index))])
+        if self.runner.settings.trace:
+            outbox.events.append(
+                event("task.submitted", spec.id, tool=run.name, **self._where(run))
+            )
+
+    def _call(self, spec: SessionSpec, run: ToolRun, outbox: Outbox) -> ToolOutcome:
+        runner = self.runner
+        fleet = runner.settings.tool_defaults
+        if not runner.settings.trace:
+            return ToolCaller(runner.tools(), fleet).run(spec, run)
+        where = self._where(run)
+        runner.guard.trace_now(self.sk, event("tool.call.started", spec.id, tool=run.name, **where))
+
+        def retried(tool: str, attempt: int, code: str) -> None:
+            outbox.events.append(
+                event("tool.call.retried", spec.id, tool=tool, attempt=attempt, error=code, **where)
+            )
+
+        caller = ToolCaller(runner.tools(), fleet, on_retry=retried)
+        outcome = caller.run(spec, run, self._progress(spec, run) if self.background else None)
+        outbox.events.append(
+            tool_call_ended(spec.id, self.round_no, run.call_id, run.name, outcome)
+        )
+        if self.background:
+            done = "task.completed" if outcome.ok else "task.failed"
+            outbox.events.append(event(done, spec.id, tool=run.name, error=outcome.code, **where))
+        return outcome
+
+    def _progress(self, spec: SessionSpec, run: ToolRun) -> Any:
+        """task.progress events of a background call, written as they come (at most one every
+        PROGRESS_EVERY_S, and always the 100%)."""
+        last = [0.0]
+
+        def report(percent: int, message: str) -> None:
+            now = time.monotonic()
+            if percent < 100 and now - last[0] < PROGRESS_EVERY_S:
+                return
+            last[0] = now
+            progress = event(
+                "task.progress", spec.id, tool=run.name, percent=percent, message=message,
+                **self._where(run),
+            )  # fmt: skip
+            self.runner.guard.trace_now(self.sk, progress)
+
+        return report
+
+    def _where(self, run: ToolRun) -> dict[str, Any]:
+        return {"round": self.round_no, "call_id": run.call_id}
