@@ -62,6 +62,11 @@ def trace(sk: str) -> str:
     return f"{PREFIX}:trace:{sk}"
 
 
+def task(sk: str, task_id: str) -> str:
+    """An async background task's state (a hash: status, percent, message, outcome)."""
+    return f"{PREFIX}:task:{sk}:{task_id}"
+
+
 def tool_queued(sk: str, round_no: int, index: int) -> str:
     """Set when a call is published under max_parallel: it holds a place in the window."""
     return f"{PREFIX}:queued:{sk}:{round_no}:t{index}"

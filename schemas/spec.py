@@ -32,6 +32,7 @@ from schemas.limits import (
 from schemas.spec_types import (
     INVALID_CALL_NAME,
     RISK_LEVELS,
+    TASK_STATUS,
     SessionSpec,
     default_parameters,
     spec_from_json,
@@ -171,6 +172,7 @@ class ToolPolicySchema(Schema):
     )
     idempotent = StrictBool()
     background = StrictBool()
+    background_mode = fields.String(validate=validate.OneOf(("wait", "async")))
     risk_level = fields.String(validate=validate.OneOf(RISK_LEVELS))
     fallback = fields.String(
         validate=validate.Regexp(FUNCTION_NAME_PATTERN, error="Must name a tool of this session.")
@@ -180,6 +182,8 @@ class ToolPolicySchema(Schema):
     def _check_timeout(self, data: dict[str, Any], **kwargs: Any) -> None:
         if not data.get("background") and data.get("timeout_ms", 0) > TOOL_TIMEOUT_CAP_MS:
             raise ValidationError(TIMEOUT_RANGE, "timeout_ms")
+        if "background_mode" in data and not data.get("background"):
+            raise ValidationError("Only with background: true.", "background_mode")
 
 
 def _globs() -> fields.List[str]:
@@ -322,6 +326,23 @@ class SessionSpecSchema(Schema):
     limits = fields.Nested(LimitsSchema)
     metadata = fields.Dict(keys=fields.String(), load_default=dict)
     permissions = fields.Nested(PermissionsSchema)
+
+    @validates_schema
+    def _check_builtin_names(self, data: dict[str, Any], **kwargs: Any) -> None:
+        tools = [t for t in data.get("tools") or [] if t]
+        if not any((t.get("policy") or {}).get("background_mode") == "async" for t in tools):
+            return
+        taken = {
+            n: {
+                "function": {
+                    "name": [f"Reserved: '{TASK_STATUS}' is the built-in tool of async tasks."]
+                }
+            }
+            for n, t in enumerate(tools)
+            if t["function"]["name"] == TASK_STATUS
+        }
+        if taken:
+            raise ValidationError({"tools": taken})
 
     @validates_schema
     def _check_grants(self, data: dict[str, Any], **kwargs: Any) -> None:

@@ -107,6 +107,9 @@ class ToolPolicy:
     # runs on the background queue, with a timeout_ms of up to hours; the round waits for it
     # without holding a worker slot, and it reports progress (cchatq_progress)
     background: bool = False
+    # wait: the round waits for the call; async: the model gets a task id at once and asks
+    # the built-in task_status tool for the outcome
+    background_mode: str = "wait"
 
     @classmethod
     def from_json(cls, raw: dict[str, Any] | None) -> ToolPolicy:
@@ -232,6 +235,41 @@ def spec_from_json(obj: dict[str, Any]) -> Spec:
         metadata=dict(obj.get("metadata") or {}),
         permissions=Permissions.from_json(obj.get("permissions")),
     )
+
+
+TASK_STATUS = "task_status"  # the built-in tool of a session with async background tools
+BUILTIN_MODULE = "builtin"  # the module of a tool the workers answer themselves
+
+
+def task_status_tool() -> ToolSpec:
+    return ToolSpec(
+        function=FunctionSpec(
+            name=TASK_STATUS,
+            description=(
+                "The status of a background task a tool call started (its result said "
+                "status: submitted): running with its progress, completed with its result, "
+                "or failed with its error."
+            ),
+            parameters={
+                "type": "object",
+                "properties": {"task_id": {"type": "string"}},
+                "required": ["task_id"],
+            },
+        ),
+        module=BUILTIN_MODULE,
+        export=TASK_STATUS,
+    )
+
+
+def has_async_tools(spec: SessionSpec) -> bool:
+    return any(t.policy.background and t.policy.background_mode == "async" for t in spec.tools)
+
+
+def with_builtins(spec: Spec) -> Spec:
+    """The spec as the workers run it: one with async background tools offers task_status."""
+    if isinstance(spec, SessionSpec) and has_async_tools(spec) and spec.tool(TASK_STATUS) is None:
+        return replace(spec, tools=(*spec.tools, task_status_tool()))
+    return spec
 
 
 @overload

@@ -456,3 +456,34 @@ def test_a_long_output_reaches_the_model_as_an_excerpt_that_says_so() -> None:
     short = json.loads(ToolOutcome.success('{"a":1}').message(True, 3_000, ref="c"))
     assert "truncated" not in short and short["data"] == {"a": 1}
     assert ToolOutcome.success(text).message(False, 3_000, ref="c") == text  # raw: whole
+
+
+def test_background_modes_are_checked_at_submit_and_task_status_is_reserved() -> None:
+    from marshmallow import ValidationError
+
+    from schemas.spec import SessionSpecSchema
+    from schemas.spec_types import TASK_STATUS, with_builtins
+
+    def load(*tools: dict[str, Any]) -> Any:
+        return SessionSpecSchema().load(
+            {"id": "a", "model": "m", "messages": [USER], "tools": tools}
+        )
+
+    def tool(name: str, **policy: Any) -> dict[str, Any]:
+        return {"module": "w.wasm", "export": "x", "function": {"name": name}, "policy": policy}
+
+    with pytest.raises(ValidationError) as info:
+        load(tool("a", background_mode="async"))
+    assert info.value.messages == {
+        "tools": {0: {"policy": {"background_mode": ["Only with background: true."]}}}
+    }
+    with pytest.raises(ValidationError) as info:
+        load(tool("a", background=True, background_mode="later"))
+    assert "Must be one of: wait, async." in str(info.value.messages)
+    with pytest.raises(ValidationError) as info:
+        load(tool("a", background=True, background_mode="async"), tool(TASK_STATUS))
+    assert "Reserved" in str(info.value.messages)
+    assert load(tool(TASK_STATUS)).tool(TASK_STATUS) is not None  # no async tool: a name
+    spec = load(tool("a", background=True, background_mode="async"))
+    assert [t.name for t in with_builtins(spec).tools] == ["a", TASK_STATUS]  # type: ignore[union-attr]
+    assert with_builtins(with_builtins(spec)) == with_builtins(spec)

@@ -298,3 +298,27 @@ def test_a_background_tool_runs_for_seconds_with_progress_while_other_sessions_f
     assert names.index("task.completed") > names.index("tool.call.finished")
     percents = [e["percent"] for e in events if e["event"] == "task.progress"]
     assert percents[-1] == 100 and len(percents) >= 3 and percents == sorted(percents)
+
+
+def test_an_async_background_task_answers_at_once_and_task_status_delivers_it(
+    wide_tools: Running, tmp_path: Path
+) -> None:
+    spec = calling(
+        ("nap", {"ms": 2000, "progress": 1, "tag": "async"}),
+        tools=[nap(background=True, background_mode="async")],
+        limits={"max_iterations": 60},
+    )
+    spec["model"] = "replay/poll"
+    spec["messages"][0]["content"] += " [[latency_ms:200]]"
+    record = run_one(wide_tools, spec, tmp_path)
+    answers = [e["data"] for e in envelopes(record)]
+    assert answers[0] == {"task_id": "task-0-0", "status": "submitted"}
+    assert any(a["status"] == "running" and "percent" in a for a in answers[1:-1])
+    assert answers[-1] == {
+        "task_id": "task-0-0",
+        "status": "completed",
+        "result": {"tag": "async", "attempt": 0},
+        "error": None,
+    }
+    said = record["body"]["choices"][0]["message"]["content"]
+    assert said.startswith("Tool said: ") and '"status":"completed"' in said

@@ -139,3 +139,65 @@ def weather_model_once(request: Any) -> dict[str, Any]:
     if request.messages[-1]["role"] == "tool":
         return reply(f"Tool said: {read_envelope(request.messages[-1]['content'])}")
     return reply(None, ("call_1", "get_weather", '{"city":"Paris"}'))
+
+
+def polling_model(request: Any) -> dict[str, Any]:
+    """Starts the async task, then asks task_status until it is done, then answers."""
+    last = request.messages[-1]
+    if last["role"] != "tool":
+        return reply(None, ("call_0", "get_weather", '{"city":"Paris"}'))
+    data = json.loads(last["content"])["data"]
+    if data["status"] in ("submitted", "running"):
+        turn = sum(m["role"] == "assistant" for m in request.messages)
+        args = json.dumps({"task_id": data["task_id"]})
+        return reply(None, (f"call_{turn}", "task_status", args))
+    return reply(f"Task said: {json.dumps(data['result'])}")
+
+
+def run_pending(p: Any, kind: str) -> None:
+    step = next(s for s in p.queue.pending if s[0] == kind)
+    p.queue.pending.remove(step)
+    p.run(step)
+
+
+def test_an_async_background_task_is_asked_for_with_task_status() -> None:
+    p = pipeline([polling_model] * 4)
+    runtime = ReportingTools()
+    p.runner.tools = lambda: runtime
+    session_spec = pipeline_spec(WEATHER_FN)
+    policy = {"background": True, "background_mode": "async"}
+    session_spec["tools"][0]["policy"] = policy
+    submit(p, session_spec)
+    run_pending(p, "round")  # the model starts the task
+    run_pending(p, "tool")  # answered at once: submitted; the round goes on
+    assert sorted(s[0] for s in p.queue.pending) == ["background", "round"]
+    run_pending(p, "round")  # the model asks
+    run_pending(p, "tool")  # task_status: not started yet
+    run_pending(p, "background")  # the task runs, reporting progress
+    p.drain()  # the model asks again: completed, with the result; then it answers
+    assert p.body()["choices"][0]["message"]["content"] == 'Task said: "done"'
+    answers = [json.loads(m["content"])["data"] for m in p.transcript() if m["role"] == "tool"]
+    assert answers == [
+        {"task_id": "task-0-0", "status": "submitted"},
+        {"task_id": "task-0-0", "status": "submitted"},
+        {"task_id": "task-0-0", "status": "completed", "result": "done", "error": None},
+    ]
+    assert len(runtime.calls) == 1
+    offered = p.provider.requests[0].tools
+    assert [t["function"]["name"] for t in offered] == ["get_weather", "task_status"]
+    unknown = {"task_id": "task-9-9"}
+    assert p.runner.store.task_state(SK, unknown["task_id"]) is None
+
+
+def test_task_status_of_an_unknown_task_is_a_validation_error() -> None:
+    def asks(request: Any) -> dict[str, Any]:
+        if request.messages[-1]["role"] == "tool":
+            return reply(f"said {json.loads(request.messages[-1]['content'])['error']['code']}")
+        return reply(None, ("call_1", "task_status", '{"task_id":"task-7-7"}'))
+
+    p = pipeline([asks, asks])
+    session_spec = pipeline_spec(WEATHER_FN)
+    session_spec["tools"][0]["policy"] = {"background": True, "background_mode": "async"}
+    submit(p, session_spec)
+    p.drain()
+    assert p.body()["choices"][0]["message"]["content"] == "said VALIDATION_ERROR"

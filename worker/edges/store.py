@@ -17,7 +17,7 @@ import redis
 
 from schemas import keys
 from schemas.bodies import dump_body
-from schemas.spec_types import SessionSpec, Spec, spec_from_json
+from schemas.spec_types import SessionSpec, Spec, spec_from_json, with_builtins
 from worker.errors import StoreError
 from worker.session.engine import Round, Session
 from worker.session.outcomes import ToolOutcome
@@ -91,7 +91,7 @@ class RedisStore:
             raise StoreError(f"session {sk}: spec not found (expired or never submitted)")
         if len(self._specs) >= SPEC_CACHE_SIZE:
             self._specs.pop(next(iter(self._specs)))
-        spec = self._specs[sk] = spec_from_json(raw)
+        spec = self._specs[sk] = with_builtins(spec_from_json(raw))
         return spec
 
     @_translated
@@ -250,6 +250,18 @@ class RedisStore:
     @_translated
     def uncount_try(self, step: str) -> None:
         self.client.decr(keys.tries(step))
+
+    @_translated
+    def task_state(self, sk: str, task_id: str) -> dict[str, str] | None:
+        raw = self.client.hgetall(keys.task(sk, task_id))
+        return {k.decode(): v.decode() for k, v in raw.items()} or None
+
+    @_translated
+    def update_task(self, sk: str, task_id: str, fields: dict[str, str]) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hset(keys.task(sk, task_id), mapping=fields)
+        pipe.expire(keys.task(sk, task_id), self.ttl_s)
+        pipe.execute()
 
     @_translated
     def trace(self, write: TraceWrite) -> None:

@@ -17,7 +17,7 @@ import jsonschema
 from schemas import tool_schema
 from schemas.bodies import is_error_body
 from schemas.limits import Limits, ToolDefaults
-from schemas.spec_types import INVALID_CALL_NAME, Flags, SessionSpec, ToolSpec
+from schemas.spec_types import INVALID_CALL_NAME, TASK_STATUS, Flags, SessionSpec, ToolSpec
 from worker.codecs.openai_chat import decode_arguments, tool_calls_of, tool_message_content
 from worker.codecs.protocol import ToolChoice
 from worker.errors import (
@@ -258,8 +258,9 @@ def _presets(
             presets[i] = ToolOutcome.error(
                 ToolValidationError("arguments truncated (finish_reason length), not executed")
             )
-        elif _repeats(session, call) >= REPEAT_LIMIT - 1:
+        elif name != TASK_STATUS and _repeats(session, call) >= REPEAT_LIMIT - 1:
             # conformance B7 68: the model keeps asking the same thing; tell it, do not rerun
+            # (asking a task how it is going again is polling, not repeating)
             presets[i] = ToolOutcome.error(
                 RepeatedCallError(
                     f"this exact call was made {REPEAT_LIMIT} times in a row; "

@@ -10,6 +10,7 @@ round waits for it without holding a worker slot.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -17,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 from schemas import keys
 from schemas.bodies import is_error_body
 from schemas.limits import max_parallel
-from schemas.spec_types import SessionSpec
+from schemas.spec_types import BUILTIN_MODULE, SessionSpec
 from worker.codecs.openai_chat import tool_calls_of
-from worker.errors import InternalError, StoreError
+from worker.errors import InternalError, StoreError, ToolValidationError
 from worker.session.decisions import after_tool
 from worker.session.engine import ToolRun, tool_run
 from worker.session.outcomes import ToolOutcome
@@ -62,17 +63,65 @@ class ToolStep:
         reply, outcome = start.tool_inputs or runner.store.tool_inputs(self.sk, round_no, index)
         if reply is None or is_error_body(reply):
             raise StoreError(f"round {round_no} reply missing for tool step")
+        run = tool_run(spec, reply, index)
+        if run is None:
+            raise InternalError(f"call {index} of round {round_no} is not a tool run")
+        policy = run.tool.policy
+        if self.background and policy.background_mode == "async":
+            self._run_task(spec, run, outbox)  # its call was answered "submitted" long ago
+            return
         if outcome is None:
-            run = tool_run(spec, reply, index)
-            if run is None:
-                raise InternalError(f"call {index} of round {round_no} is not a tool run")
-            if run.tool.policy.background and not self.background:
+            if run.tool.module == BUILTIN_MODULE:
+                outcome = self._task_status(run)
+            elif policy.background and not self.background:
                 self._hand_over(spec, run, outbox)
-                return
-            outcome = self._call(spec, run, outbox)
+                if policy.background_mode != "async":
+                    return  # the round waits: the background step stores the outcome
+                outcome = self._submitted(run)
+            else:
+                outcome = self._call(spec, run, outbox)
         calls = len(tool_calls_of(reply))
         window = max_parallel(spec.limits, runner.settings.tool_defaults)
         runner.apply(self.sk, after_tool(round_no, index, outcome, calls, window), dispatch=outbox)
+
+    # async background tasks ----------------------------------------------------------------
+
+    def _task_id(self) -> str:
+        return f"task-{self.round_no}-{self.index}"
+
+    def _submitted(self, run: ToolRun) -> ToolOutcome:
+        """An async call's answer at once: its task id, to ask task_status with."""
+        task_id = self._task_id()
+        self.runner.store.update_task(self.sk, task_id, {"status": "submitted"})
+        return ToolOutcome.success(_compact({"task_id": task_id, "status": "submitted"}))
+
+    def _run_task(self, spec: SessionSpec, run: ToolRun, outbox: Outbox) -> None:
+        """An async call on the background queue: its outcome goes to its task, not to the
+        round (which went on long ago)."""
+        store, task_id = self.runner.store, self._task_id()
+        state = store.task_state(self.sk, task_id) or {}
+        if state.get("status") in ("completed", "failed"):
+            return  # a redelivery after the work was done
+        store.update_task(self.sk, task_id, {"status": "running"})
+        outcome = self._call(spec, run, outbox)
+        status = "completed" if outcome.ok else "failed"
+        store.update_task(
+            self.sk, task_id, {"status": status, "outcome": _compact(outcome.to_json())}
+        )
+
+    def _task_status(self, run: ToolRun) -> ToolOutcome:
+        """The built-in task_status tool: a task's status, with its progress or outcome."""
+        task_id = json.loads(run.arguments).get("task_id")
+        state = self.runner.store.task_state(self.sk, task_id) if isinstance(task_id, str) else None
+        if state is None:
+            return ToolOutcome.error(ToolValidationError(f"unknown task_id {task_id!r}"))
+        answer: dict[str, Any] = {"task_id": task_id, "status": state["status"]}
+        if "outcome" in state:
+            done = ToolOutcome.from_json(json.loads(state["outcome"])).envelope()
+            answer.update(result=done["data"], error=done["error"])
+        elif "percent" in state:
+            answer.update(percent=int(state["percent"]), message=state.get("message", ""))
+        return ToolOutcome(ok=True, output=_compact(answer))  # ran no tool: not counted
 
     def _hand_over(self, spec: SessionSpec, run: ToolRun, outbox: Outbox) -> None:
         outbox.publish([NextStep("background", (self.sk, self.round_no, self.index))])
@@ -84,8 +133,9 @@ class ToolStep:
     def _call(self, spec: SessionSpec, run: ToolRun, outbox: Outbox) -> ToolOutcome:
         runner = self.runner
         fleet = runner.settings.tool_defaults
+        progress = self._progress(spec, run) if self.background else None
         if not runner.settings.trace:
-            return ToolCaller(runner.tools(), fleet).run(spec, run)
+            return ToolCaller(runner.tools(), fleet).run(spec, run, progress)
         where = self._where(run)
         runner.guard.trace_now(self.sk, event("tool.call.started", spec.id, tool=run.name, **where))
 
@@ -95,7 +145,7 @@ class ToolStep:
             )
 
         caller = ToolCaller(runner.tools(), fleet, on_retry=retried)
-        outcome = caller.run(spec, run, self._progress(spec, run) if self.background else None)
+        outcome = caller.run(spec, run, progress)
         outbox.events.append(
             tool_call_ended(spec.id, self.round_no, run.call_id, run.name, outcome)
         )
@@ -105,8 +155,9 @@ class ToolStep:
         return outcome
 
     def _progress(self, spec: SessionSpec, run: ToolRun) -> Any:
-        """task.progress events of a background call, written as they come (at most one every
-        PROGRESS_EVERY_S, and always the 100%)."""
+        """A background call's progress, kept as it comes (at most once every
+        PROGRESS_EVERY_S, and always the 100%): a task.progress event, and for an async task
+        what task_status answers."""
         last = [0.0]
 
         def report(percent: int, message: str) -> None:
@@ -114,13 +165,21 @@ class ToolStep:
             if percent < 100 and now - last[0] < PROGRESS_EVERY_S:
                 return
             last[0] = now
-            progress = event(
-                "task.progress", spec.id, tool=run.name, percent=percent, message=message,
-                **self._where(run),
-            )  # fmt: skip
-            self.runner.guard.trace_now(self.sk, progress)
+            if run.tool.policy.background_mode == "async":  # what task_status answers
+                fields = {"percent": str(percent), "message": message}
+                self.runner.store.update_task(self.sk, self._task_id(), fields)
+            if self.runner.settings.trace:
+                progress = event(
+                    "task.progress", spec.id, tool=run.name, percent=percent, message=message,
+                    **self._where(run),
+                )  # fmt: skip
+                self.runner.guard.trace_now(self.sk, progress)
 
         return report
 
     def _where(self, run: ToolRun) -> dict[str, Any]:
         return {"round": self.round_no, "call_id": run.call_id}
+
+
+def _compact(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)

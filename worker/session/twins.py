@@ -22,7 +22,7 @@ from typing import Any
 from schemas import keys
 from schemas.bodies import dump_body
 from schemas.keys import ChunkMember
-from schemas.spec_types import SessionSpec, Spec, spec_from_json, spec_to_json
+from schemas.spec_types import SessionSpec, Spec, spec_from_json, spec_to_json, with_builtins
 from worker.codecs.protocol import ChatRequest, Delta
 from worker.config import BackendConfig
 from worker.errors import ProviderRequestError, RetryLater, StoreError, ToolRuntimeError
@@ -51,6 +51,7 @@ class MemoryStore:
     outcomes: dict[tuple[str, int, int], bytes] = field(default_factory=dict)
     queued: set[tuple[str, int, int]] = field(default_factory=set)  # calls under max_parallel
     traces: dict[str, list[TraceEvent]] = field(default_factory=dict)
+    tasks: dict[tuple[str, str], dict[str, str]] = field(default_factory=dict)
     leases: dict[str, float] = field(default_factory=dict)  # step -> monotonic expiry
     published: set[str] = field(default_factory=set)
     tries: dict[str, int] = field(default_factory=dict)
@@ -101,7 +102,7 @@ class MemoryStore:
         raw = self.specs.get(sk)
         if raw is None:
             raise StoreError(f"session {sk}: spec not found (expired or never submitted)")
-        return spec_from_json(raw)
+        return with_builtins(spec_from_json(raw))
 
     def load_session(self, sk: str, backend: str, upto_round: int | None = None) -> Session:
         spec = self.load_spec(sk)
@@ -178,6 +179,15 @@ class MemoryStore:
     def uncount_try(self, step: str) -> None:
         with self._cond:
             self.tries[step] = self.tries.get(step, 0) - 1
+
+    def task_state(self, sk: str, task_id: str) -> dict[str, str] | None:
+        with self._cond:
+            state = self.tasks.get((sk, task_id))
+            return dict(state) if state else None
+
+    def update_task(self, sk: str, task_id: str, fields: dict[str, str]) -> None:
+        with self._cond:
+            self.tasks.setdefault((sk, task_id), {}).update(fields)
 
     def trace(self, write: TraceWrite) -> None:
         with self._cond:
