@@ -322,3 +322,21 @@ def test_an_async_background_task_answers_at_once_and_task_status_delivers_it(
     }
     said = record["body"]["choices"][0]["message"]["content"]
     assert said.startswith("Tool said: ") and '"status":"completed"' in said
+
+
+def test_cchatq_cancel_stops_a_running_background_call(wide_tools: Running, tmp_path: Path) -> None:
+    """A 60 s background call, cancelled once it reports progress: the session ends cancelled
+    at once, and the call stops at its next report (well inside wait_for's 20 s)."""
+    spec = calling(
+        ("nap", {"ms": 60_000, "progress": 1}),
+        tools=[nap(background=True, timeout_ms=120_000)],
+    )
+    client = wide_tools.client
+    sub = submit_specs(client, [spec], tmp_path, name="cancel.jsonl")
+    wait_for(lambda: any(e["event"] == "task.progress" for e in client.trace(spec["id"])))
+    assert client.cancel(spec["id"])
+    [(_, record)] = list(client.wait(sub, timeout_s=30))
+    assert record["body"]["error"]["code"] == "cancelled"
+    wait_for(lambda: any(e["event"] == "task.failed" for e in client.trace(spec["id"])))
+    [stopped] = [e for e in client.trace(spec["id"]) if e["event"] == "tool.call.failed"]
+    assert stopped["error"] == "NOT_RUN" and stopped["latency_ms"] < 20_000

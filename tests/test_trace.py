@@ -99,9 +99,10 @@ class ReportingTools:
 
     def run(self, call: ToolCall) -> str:
         self.calls.append(call)
-        assert call.progress is not None  # a background call hears progress
+        assert call.watcher is not None  # a background call is watched
         for percent in (0, 50, 100):
-            call.progress(percent, "working")
+            call.watcher.check()
+            call.watcher.progress(percent, "working")
         return "done"
 
 
@@ -201,3 +202,28 @@ def test_task_status_of_an_unknown_task_is_a_validation_error() -> None:
     submit(p, session_spec)
     p.drain()
     assert p.body()["choices"][0]["message"]["content"] == "said VALIDATION_ERROR"
+
+
+def test_a_cancel_stops_a_running_background_call() -> None:
+    class CancelledMidway:
+        def __init__(self, store: Any) -> None:
+            self.store = store
+
+        def run(self, call: ToolCall) -> str:
+            assert call.watcher is not None
+            call.watcher.progress(10, "started")
+            self.store.cancel(SK)  # `cchatq cancel` while the call runs
+            call.watcher.check()
+            raise AssertionError("the watcher should have stopped the call")
+
+    p = pipeline([weather_model_once])
+    p.runner.tools = lambda: CancelledMidway(p.store)
+    session_spec = pipeline_spec(WEATHER_FN)
+    session_spec["tools"][0]["policy"] = {"background": True}
+    submit(p, session_spec)
+    p.drain()
+    assert p.body()["error"]["code"] == "cancelled"
+    names = [e.event for e in p.store.traces[SK]]
+    assert "task.failed" in names
+    tool_message = next(m for m in p.transcript() if m["role"] == "tool")
+    assert json.loads(tool_message["content"])["error"]["code"] == "NOT_RUN"

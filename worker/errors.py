@@ -173,8 +173,8 @@ class RepeatedCallError(ToolError):
 class ToolNotRunError(ToolError):
     code = "NOT_RUN"
     raised_when = (
-        "the session ended (cancelled, a limit, a failed step) before this call ran: "
-        "the transcript still answers every call"
+        "the session ended (cancelled, a limit, a failed step) before this call ran, or a "
+        "cancel stopped it while it ran: the transcript still answers every call"
     )
 
 

@@ -64,7 +64,7 @@ from worker.guest.imports import (
     wasmtime_reason,
 )
 from worker.guest.memory import as_i32, pack_u32, unpack_u32
-from worker.session.ports import ToolCall
+from worker.session.ports import CallWatcher, ToolCall
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class ToolInvocation:
     max_output_bytes: int = 65_536
     fork: ProgramFork | None = None  # a program's tool: run in a fork of the program
     attempt: int = 0  # what the tool's `cchatq::attempt` import answers
-    progress: Callable[[int, str], None] | None = None  # hears `cchatq::progress`
+    watcher: CallWatcher | None = None  # hears `cchatq::progress`, may stop the call
 
 
 @dataclass
@@ -161,7 +161,7 @@ class WasmToolRuntime:
                 max_output_bytes=call.max_output_bytes,
                 fork=fork,
                 attempt=call.attempt,
-                progress=call.progress,
+                watcher=call.watcher,
             )
         )
 
@@ -176,7 +176,7 @@ class WasmToolRuntime:
         host = ToolModeHost() if host is None else host
         host.deadline = deadline
         host.attempt = inv.attempt
-        host.on_progress = inv.progress
+        host.watcher = inv.watcher
         state = self._engine_state()
         pre = self._prepared(state, inv.module_sha256)
         cap = max(0, min(self._initial_output_bytes, inv.max_output_bytes))

@@ -16,7 +16,7 @@ import struct
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +27,7 @@ from worker.errors import ToolRuntimeError
 from worker.guest.abi import EINVAL, ENOSYS, EPERM, LOG_MAX_BYTES
 from worker.guest.imports import GuestMemory, SpearHost
 from worker.guest.memory import ToolBuffers, as_i32, plan_arena, plan_scratch
+from worker.session.ports import CallWatcher
 
 _BLOB_MAGIC = b"CQF1"
 _BLOB_HEAD = struct.Struct("<4sI")  # magic, length of the JSON header that follows
@@ -34,6 +35,7 @@ _BLOB_MAX_HEADER = 1 << 20
 _BLOB_MAX_SNAPSHOT = 4 << 30  # a wasm32 memory is at most 4 GiB
 _DENIED = ("cchat_", "spear_fd_ctl", "spear_epoll_")
 PROGRESS_MAX_BYTES = 200  # a progress message, as trace events carry it
+SLEEP_SLICE_S = 1.0  # a sleeping tool's watcher is asked this often whether it may go on
 
 
 @dataclass(frozen=True)
@@ -183,7 +185,7 @@ class ToolModeHost:
     def __init__(self, deadline: float | None = None, max_log_bytes: int = 256 << 10) -> None:
         self.deadline = deadline
         self.attempt = 0  # the call's retry number, for `cchatq::attempt`
-        self.on_progress: Callable[[int, str], None] | None = None  # `cchatq::progress`
+        self.watcher: CallWatcher | None = None  # a background call's: progress, cancel
         self.logs: list[tuple[int, str]] = []
         self.dropped_logs = 0
         self._log_room = max_log_bytes
@@ -213,8 +215,9 @@ class ToolModeHost:
         if not 0 <= percent <= 100 or not length >= 0:
             return -EINVAL
         text = mem.read(ptr, min(length, PROGRESS_MAX_BYTES)).decode(errors="replace")
-        if self.on_progress is not None:
-            self.on_progress(percent, text)
+        if self.watcher is not None:
+            self.watcher.check()
+            self.watcher.progress(percent, text)
         return 0
 
     def _log(self, mem: GuestMemory, level: int, ptr: int, length: int) -> int:
@@ -232,8 +235,11 @@ class ToolModeHost:
         seconds = max(0, ms) / 1000
         if self.deadline is not None:
             seconds = min(seconds, max(0.0, self.deadline - time.monotonic()))
-        if seconds > 0:
-            time.sleep(seconds)
+        until = time.monotonic() + seconds
+        while (left := until - time.monotonic()) > 0:  # a watcher may stop a long sleep
+            if self.watcher is not None:
+                self.watcher.check()
+            time.sleep(min(left, SLEEP_SLICE_S))
 
 
 class HostSwitch:

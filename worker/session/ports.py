@@ -58,6 +58,14 @@ class Permit:
     member: str
 
 
+class CallWatcher(Protocol):
+    """Watches a running tool call: hears its `cchatq_progress` reports and is asked, at each
+    report and while the tool sleeps, whether it may go on (raises a ToolError to stop it)."""
+
+    def progress(self, percent: int, message: str) -> None: ...
+    def check(self) -> None: ...
+
+
 @dataclass(frozen=True)
 class ToolCall:
     """One tool call as the tool runtime runs it: what to run and its bounds."""
@@ -71,8 +79,8 @@ class ToolCall:
     memory_bytes: int
     max_output_bytes: int
     attempt: int = 0  # 0 on the first try, then the retry number (the tool can ask for it)
-    # hears the tool's progress reports (percent, message): a background tool's task.progress
-    progress: Callable[[int, str], None] | None = field(default=None, compare=False)
+    # a background call's watcher: hears its progress, and may stop it (cancel)
+    watcher: CallWatcher | None = field(default=None, compare=False)
 
 
 class SessionStore(Protocol):

@@ -15,7 +15,7 @@ from worker.errors import GuestError, ToolError, ToolRuntimeError
 from worker.session.engine import ToolRun, argument_problem
 from worker.session.outcomes import ToolOutcome
 from worker.session.permissions import permission_problem
-from worker.session.ports import ToolCall, ToolRuntime
+from worker.session.ports import CallWatcher, ToolCall, ToolRuntime
 
 # A tool step's retries stop where one more attempt could outlive this (the task time limit,
 # CCHATQ_VISIBILITY_TIMEOUT_S, defaults to 300 s); a background tool's, at its own cap.
@@ -80,15 +80,15 @@ class ToolCaller:
     on_retry: Callable[[str, int, str], None] | None = None
     sleep: Callable[[float], None] = time.sleep
     clock: Callable[[], float] = time.monotonic
-    _progress: Callable[[int, str], None] | None = None
+    _watcher: CallWatcher | None = None
 
     def run(
-        self, spec: SessionSpec, run: ToolRun, progress: Callable[[int, str], None] | None = None
+        self, spec: SessionSpec, run: ToolRun, watcher: CallWatcher | None = None
     ) -> ToolOutcome:
-        """Run the call; `progress` hears the tool's cchatq_progress reports."""
+        """Run the call; `watcher` hears its progress reports and may stop it."""
         started = self.clock()
         deadline = started + budget_ms(run.tool) / 1000
-        self._progress = progress
+        self._watcher = watcher
         outcome = self._with_retries(spec, run.tool, run.arguments, deadline)
         fallback = spec.tool(run.tool.policy.fallback) if run.tool.policy.fallback else None
         if fallback is not None and permission_problem(fallback, spec.permissions, self.fleet):
@@ -122,7 +122,7 @@ class ToolCaller:
                 memory_bytes=limits.tool_memory_bytes,
                 max_output_bytes=limits.max_tool_output_bytes,
                 attempt=retry,
-                progress=self._progress,
+                watcher=self._watcher,
             )
             try:
                 return ToolOutcome.success(self.runtime.run(call), retries=retry)

@@ -20,7 +20,7 @@ from schemas.bodies import is_error_body
 from schemas.limits import max_parallel
 from schemas.spec_types import BUILTIN_MODULE, SessionSpec
 from worker.codecs.openai_chat import tool_calls_of
-from worker.errors import InternalError, StoreError, ToolValidationError
+from worker.errors import InternalError, StoreError, ToolNotRunError, ToolValidationError
 from worker.session.decisions import after_tool
 from worker.session.engine import ToolRun, tool_run
 from worker.session.outcomes import ToolOutcome
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from worker.session.steps import StepRunner
 
 PROGRESS_EVERY_S = 0.5  # task.progress events of one call, at most this often
+CANCEL_CHECK_S = 1.0  # a background call reads its session's cancel flag at most this often
 
 
 @dataclass
@@ -86,19 +87,19 @@ class ToolStep:
 
     # async background tasks ----------------------------------------------------------------
 
-    def _task_id(self) -> str:
+    def task_id(self) -> str:
         return f"task-{self.round_no}-{self.index}"
 
     def _submitted(self, run: ToolRun) -> ToolOutcome:
         """An async call's answer at once: its task id, to ask task_status with."""
-        task_id = self._task_id()
+        task_id = self.task_id()
         self.runner.store.update_task(self.sk, task_id, {"status": "submitted"})
         return ToolOutcome.success(_compact({"task_id": task_id, "status": "submitted"}))
 
     def _run_task(self, spec: SessionSpec, run: ToolRun, outbox: Outbox) -> None:
         """An async call on the background queue: its outcome goes to its task, not to the
         round (which went on long ago)."""
-        store, task_id = self.runner.store, self._task_id()
+        store, task_id = self.runner.store, self.task_id()
         state = store.task_state(self.sk, task_id) or {}
         if state.get("status") in ("completed", "failed"):
             return  # a redelivery after the work was done
@@ -126,17 +127,15 @@ class ToolStep:
     def _hand_over(self, spec: SessionSpec, run: ToolRun, outbox: Outbox) -> None:
         outbox.publish([NextStep("background", (self.sk, self.round_no, self.index))])
         if self.runner.settings.trace:
-            outbox.events.append(
-                event("task.submitted", spec.id, tool=run.name, **self._where(run))
-            )
+            outbox.events.append(event("task.submitted", spec.id, tool=run.name, **self.where(run)))
 
     def _call(self, spec: SessionSpec, run: ToolRun, outbox: Outbox) -> ToolOutcome:
         runner = self.runner
         fleet = runner.settings.tool_defaults
-        progress = self._progress(spec, run) if self.background else None
+        watcher = BackgroundWatch(self, spec, run) if self.background else None
         if not runner.settings.trace:
-            return ToolCaller(runner.tools(), fleet).run(spec, run, progress)
-        where = self._where(run)
+            return ToolCaller(runner.tools(), fleet).run(spec, run, watcher)
+        where = self.where(run)
         runner.guard.trace_now(self.sk, event("tool.call.started", spec.id, tool=run.name, **where))
 
         def retried(tool: str, attempt: int, code: str) -> None:
@@ -145,7 +144,7 @@ class ToolStep:
             )
 
         caller = ToolCaller(runner.tools(), fleet, on_retry=retried)
-        outcome = caller.run(spec, run, progress)
+        outcome = caller.run(spec, run, watcher)
         outbox.events.append(
             tool_call_ended(spec.id, self.round_no, run.call_id, run.name, outcome)
         )
@@ -154,32 +153,43 @@ class ToolStep:
             outbox.events.append(event(done, spec.id, tool=run.name, error=outcome.code, **where))
         return outcome
 
-    def _progress(self, spec: SessionSpec, run: ToolRun) -> Any:
-        """A background call's progress, kept as it comes (at most once every
-        PROGRESS_EVERY_S, and always the 100%): a task.progress event, and for an async task
-        what task_status answers."""
-        last = [0.0]
-
-        def report(percent: int, message: str) -> None:
-            now = time.monotonic()
-            if percent < 100 and now - last[0] < PROGRESS_EVERY_S:
-                return
-            last[0] = now
-            if run.tool.policy.background_mode == "async":  # what task_status answers
-                fields = {"percent": str(percent), "message": message}
-                self.runner.store.update_task(self.sk, self._task_id(), fields)
-            if self.runner.settings.trace:
-                progress = event(
-                    "task.progress", spec.id, tool=run.name, percent=percent, message=message,
-                    **self._where(run),
-                )  # fmt: skip
-                self.runner.guard.trace_now(self.sk, progress)
-
-        return report
-
-    def _where(self, run: ToolRun) -> dict[str, Any]:
+    def where(self, run: ToolRun) -> dict[str, Any]:
         return {"round": self.round_no, "call_id": run.call_id}
 
 
 def _compact(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+class BackgroundWatch:
+    """A background call's CallWatcher. Its progress is kept as it comes (at most once every
+    PROGRESS_EVERY_S, and always the 100%): a task.progress event, and for an async task what
+    task_status answers. Its session's cancel flag is read at most once every CANCEL_CHECK_S,
+    at the tool's reports and while it sleeps: a cancel stops the call (NOT_RUN)."""
+
+    def __init__(self, step: ToolStep, spec: SessionSpec, run: ToolRun) -> None:
+        self.step, self.spec, self.run = step, spec, run
+        self.reported = self.checked = 0.0
+
+    def progress(self, percent: int, message: str) -> None:
+        step, now = self.step, time.monotonic()
+        if percent < 100 and now - self.reported < PROGRESS_EVERY_S:
+            return
+        self.reported = now
+        if self.run.tool.policy.background_mode == "async":  # what task_status answers
+            fields = {"percent": str(percent), "message": message}
+            step.runner.store.update_task(step.sk, step.task_id(), fields)
+        if step.runner.settings.trace:
+            progress = event(
+                "task.progress", self.spec.id, tool=self.run.name, percent=percent,
+                message=message, **step.where(self.run),
+            )  # fmt: skip
+            step.runner.guard.trace_now(step.sk, progress)
+
+    def check(self) -> None:
+        now = time.monotonic()
+        if now - self.checked < CANCEL_CHECK_S:
+            return
+        self.checked = now
+        if self.step.runner.store.is_cancelled(self.step.sk):
+            raise ToolNotRunError("the session was cancelled while this call ran", ran=True)
