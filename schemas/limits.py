@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 TOOL_TIMEOUT_CAP_MS = 120_000
+COMPRESS_MODES = ("excerpt", "summarize")
 BACKGROUND_TIMEOUT_CAP_MS = 6 * 3_600_000  # a background tool's call: up to 6 hours
 MAX_TOOL_RETRIES_CAP = 10
 RETRY_BACKOFF_CAP_MS = 60_000
@@ -90,12 +91,20 @@ class Limits:
     max_tool_retries: int | None = None
     max_parallel: int | None = None
     compress_over_bytes: int = _default("compress_over_bytes")
+    # how a longer output reaches the model: an excerpt, or a summary a model writes (on
+    # compress_backend, else the session's own)
+    compress: str = "excerpt"
+    compress_backend: str | None = None
+    compress_model: str | None = None  # else the session's model
 
     @classmethod
     def resolve(cls, raw: Mapping[str, Any] | None) -> Limits:
         """Apply defaults, aliases and caps; values below 1 fall back to the default (0 is
         a value for max_tool_retries)."""
-        values: dict[str, int | None] = {}
+        values: dict[str, Any] = {}
+        for key in ("compress", "compress_backend", "compress_model"):  # no numbers
+            if isinstance((raw or {}).get(key), str):
+                values[key] = (raw or {})[key]
         for key, value in (raw or {}).items():
             name = LIMIT_ALIASES.get(key, key)
             if name not in LIMIT_BOUNDS or isinstance(value, bool) or value is None:
@@ -107,9 +116,9 @@ class Limits:
             default, cap = LIMIT_BOUNDS[name]
             least = 0 if name == "max_tool_retries" else 1
             values[name] = min(number, cap) if number >= least else default
-        return cls(**values)  # type: ignore[arg-type]
+        return cls(**values)
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, Any]:
         """The limits that are set (a fleet default stays the fleet's)."""
         return {k: v for k, v in _as_dict(self).items() if v is not None}
 

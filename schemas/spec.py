@@ -23,6 +23,7 @@ from marshmallow import (
 
 from schemas.limits import (
     BACKGROUND_TIMEOUT_CAP_MS,
+    COMPRESS_MODES,
     LIMIT_ALIASES,
     LIMIT_BOUNDS,
     MAX_TOOL_RETRIES_CAP,
@@ -287,7 +288,7 @@ def _limit_field(name: str, least: int = 1) -> fields.Integer:
 
 class LimitsSchema(Schema):
     # Declared one by one so mypy sees a real class; tests/test_spec_schema.py checks the
-    # field set equals LIMIT_BOUNDS plus LIMIT_ALIASES.
+    # field set equals LIMIT_BOUNDS plus LIMIT_ALIASES and the compress strings.
     max_iterations = _limit_field("max_iterations")
     max_total_tool_calls = _limit_field("max_total_tool_calls")
     max_tool_output_bytes = _limit_field("max_tool_output_bytes")
@@ -296,6 +297,9 @@ class LimitsSchema(Schema):
     max_tool_retries = _limit_field("max_tool_retries", least=0)
     max_parallel = _limit_field("max_parallel")
     compress_over_bytes = _limit_field("compress_over_bytes")
+    compress = fields.String(validate=validate.OneOf(COMPRESS_MODES))
+    compress_backend = fields.String(validate=validate.Length(min=1, max=200))
+    compress_model = fields.String(validate=validate.Length(min=1, max=200))
     max_tool_calls = _limit_field("max_tool_calls")
     tool_timeout_ms = _limit_field("tool_timeout_ms")
 

@@ -33,7 +33,10 @@ ARCH_EXAMPLE = """
  "limits": {"max_iterations": 8, "max_total_tool_calls": 32}}
 """
 
-DEFAULT_LIMITS = {name: d for name, (d, _) in LIMIT_BOUNDS.items() if d is not None}
+DEFAULT_LIMITS = {
+    **{name: d for name, (d, _) in LIMIT_BOUNDS.items() if d is not None},
+    "compress": "excerpt",
+}
 
 
 def spec(**overrides: Any) -> dict[str, Any]:
@@ -290,7 +293,11 @@ def test_bad_limits(limits: dict[str, Any], field: str) -> None:
 
 
 def test_limits_schema_matches_limit_bounds() -> None:
-    assert set(LimitsSchema().fields) == set(LIMIT_BOUNDS) | set(LIMIT_ALIASES)
+    assert set(LimitsSchema().fields) == set(LIMIT_BOUNDS) | set(LIMIT_ALIASES) | {
+        "compress",
+        "compress_backend",
+        "compress_model",
+    }
 
 
 def test_flags_are_strict_booleans() -> None:

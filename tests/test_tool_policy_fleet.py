@@ -340,3 +340,20 @@ def test_cchatq_cancel_stops_a_running_background_call(wide_tools: Running, tmp_
     wait_for(lambda: any(e["event"] == "task.failed" for e in client.trace(spec["id"])))
     [stopped] = [e for e in client.trace(spec["id"]) if e["event"] == "tool.call.failed"]
     assert stopped["error"] == "NOT_RUN" and stopped["latency_ms"] < 20_000
+
+
+def test_a_long_output_summed_up_by_a_model(wide_tools: Running, tmp_path: Path) -> None:
+    big = {
+        "module": "large_output.wasm",
+        "export": "big_output",
+        "function": {"name": "big_output", "parameters": {"type": "object"}},
+    }
+    limits = {
+        "compress": "summarize",
+        "compress_model": "replay/summary",
+        "max_tool_output_bytes": 65536,
+    }
+    spec = calling(("big_output", {"bytes": 40_000}), tools=[big], limits=limits)
+    [answer] = envelopes(run_one(wide_tools, spec, tmp_path))
+    assert answer["data"] == "Summary of 40000 characters: 01234567890123456789"
+    assert (answer["truncated"], answer["summarized"], answer["bytes"]) == (True, True, 40_000)

@@ -227,3 +227,40 @@ def test_a_cancel_stops_a_running_background_call() -> None:
     assert "task.failed" in names
     tool_message = next(m for m in p.transcript() if m["role"] == "tool")
     assert json.loads(tool_message["content"])["error"]["code"] == "NOT_RUN"
+
+
+def test_a_long_output_can_reach_the_model_as_a_summary() -> None:
+    long_text = "x" * 20_000
+
+    def summary(request: Any) -> dict[str, Any]:
+        assert request.messages[1]["content"] == long_text  # the whole output, to sum up
+        return reply("twenty thousand x")
+
+    p = pipeline([weather_model_once, summary, weather_model_once])
+    p.tools.functions["get_weather"] = lambda args: long_text
+    session_spec = pipeline_spec(WEATHER_FN, limits={"compress": "summarize"})
+    submit(p, session_spec)
+    p.drain()
+    tool_message = next(m for m in p.transcript() if m["role"] == "tool")
+    envelope = json.loads(tool_message["content"])
+    assert envelope["data"] == "twenty thousand x"
+    assert (envelope["truncated"], envelope["summarized"], envelope["bytes"]) == (
+        True,
+        True,
+        20_000,
+    )
+    assert p.body()["choices"][0]["message"]["content"] == "Tool said: twenty thousand x"
+    stored = p.store.outcomes[(SK, 0, 0)]
+    assert json.loads(stored)["output"] == long_text  # kept whole
+
+
+def test_a_summary_that_fails_leaves_the_excerpt() -> None:
+    from worker.errors import ProviderRequestError
+
+    p = pipeline([weather_model_once, ProviderRequestError("no"), weather_model_once])
+    p.tools.functions["get_weather"] = lambda args: "y" * 20_000
+    submit(p, pipeline_spec(WEATHER_FN, limits={"compress": "summarize"}))
+    p.drain()
+    envelope = json.loads(next(m for m in p.transcript() if m["role"] == "tool")["content"])
+    assert envelope["truncated"] and "summarized" not in envelope
+    assert "bytes omitted" in envelope["data"]

@@ -37,6 +37,7 @@ class ToolOutcome:
     retries: int = 0
     ran: bool = False
     fallback: str | None = None  # the tool that answered instead, after the call failed
+    summary: str | None = None  # a long output as a model summed it up (limits.compress)
 
     @classmethod
     def success(cls, output: str, **metrics: Any) -> ToolOutcome:
@@ -67,8 +68,10 @@ class ToolOutcome:
             body = self.envelope()
             size = self.output_bytes
             if excerpt_over is not None and size > excerpt_over:
-                body["data"] = excerpt(self.output or "", excerpt_over)
+                body["data"] = self.summary or excerpt(self.output or "", excerpt_over)
                 body.update(truncated=True, bytes=size, ref=ref)
+                if self.summary is not None:
+                    body["summarized"] = True
             return json.dumps(body, separators=(",", ":"), ensure_ascii=False)
         if self.failure is not None:
             error = {"code": self.failure.code, "message": self.failure.message}
@@ -98,6 +101,8 @@ class ToolOutcome:
             out["error"] = {"code": self.failure.code, "message": self.failure.message}
         if self.fallback is not None:
             out["fallback"] = self.fallback
+        if self.summary is not None:
+            out["summary"] = self.summary
         return out
 
     @classmethod
@@ -115,6 +120,7 @@ class ToolOutcome:
             retries=int(raw.get("retries", 0)),
             ran=bool(raw.get("ran", False)),
             fallback=raw.get("fallback"),
+            summary=raw.get("summary"),
         )
 
 

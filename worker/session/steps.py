@@ -183,7 +183,7 @@ class StepRunner:
 
     def round(self, sk: str, round_no: int) -> None:
         def lease_ms() -> int:
-            backend = self._backend(self.store.load_spec(sk).provider)
+            backend = self.backend(self.store.load_spec(sk).provider)
             return int((backend.total_timeout_s if backend else 60) * 1000) + 10_000
 
         def body(start: StepStart, outbox: Outbox) -> None:
@@ -222,14 +222,14 @@ class StepRunner:
             read = self.store.load_session(sk, self._default_backend(), upto_round=upto_round)
         return replace(read, fleet=self.settings.tool_defaults)
 
-    def _backend(self, provider: str | None) -> BackendConfig | None:
+    def backend(self, provider: str | None) -> BackendConfig | None:
         try:
             return self.settings.backend(provider)
         except (KeyError, TypeError):  # unknown, or not a name at all: the round ends it
             return None
 
     def _call_model(self, sk: str, session: Session, step: CallModel) -> dict[str, Any]:
-        backend = self._backend(session.spec.provider)
+        backend = self.backend(session.spec.provider)
         if backend is None:
             name = session.spec.provider
             return ProviderError(

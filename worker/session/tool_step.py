@@ -25,6 +25,7 @@ from worker.session.decisions import after_tool
 from worker.session.engine import ToolRun, tool_run
 from worker.session.outcomes import ToolOutcome
 from worker.session.ports import NextStep, Outbox, StepStart, ToolReads
+from worker.session.summaries import summarized
 from worker.session.tool_policy import ToolCaller, step_lease_ms
 from worker.session.trace import event, tool_call_ended
 
@@ -80,7 +81,7 @@ class ToolStep:
                     return  # the round waits: the background step stores the outcome
                 outcome = self._submitted(run)
             else:
-                outcome = self._call(spec, run, outbox)
+                outcome = summarized(runner, spec, run, self._call(spec, run, outbox))
         calls = len(tool_calls_of(reply))
         window = max_parallel(spec.limits, runner.settings.tool_defaults)
         runner.apply(self.sk, after_tool(round_no, index, outcome, calls, window), dispatch=outbox)
@@ -104,7 +105,7 @@ class ToolStep:
         if state.get("status") in ("completed", "failed"):
             return  # a redelivery after the work was done
         store.update_task(self.sk, task_id, {"status": "running"})
-        outcome = self._call(spec, run, outbox)
+        outcome = summarized(self.runner, spec, run, self._call(spec, run, outbox))
         status = "completed" if outcome.ok else "failed"
         store.update_task(
             self.sk, task_id, {"status": status, "outcome": _compact(outcome.to_json())}
@@ -118,8 +119,11 @@ class ToolStep:
             return ToolOutcome.error(ToolValidationError(f"unknown task_id {task_id!r}"))
         answer: dict[str, Any] = {"task_id": task_id, "status": state["status"]}
         if "outcome" in state:
-            done = ToolOutcome.from_json(json.loads(state["outcome"])).envelope()
-            answer.update(result=done["data"], error=done["error"])
+            done = ToolOutcome.from_json(json.loads(state["outcome"]))
+            limit = self.runner.spec_of(self.sk, SessionSpec).limits.compress_over_bytes
+            shown = json.loads(done.message(True, limit, ref=task_id))  # a long one cut too
+            answer.update(result=shown["data"], error=shown["error"])
+            answer.update({k: shown[k] for k in ("truncated", "bytes", "summarized") if k in shown})
         elif "percent" in state:
             answer.update(percent=int(state["percent"]), message=state.get("message", ""))
         return ToolOutcome(ok=True, output=_compact(answer))  # ran no tool: not counted

@@ -1,0 +1,75 @@
+"""Long tool results summed up by a model (issue 9, point 5, `limits.compress: "summarize"`):
+the tool step asks the session's backend (or `compress_backend`, with `compress_model`) for a
+summary of an output over `compress_over_bytes`, and stores it with the outcome, so the model
+reads the summary and the store keeps the output whole. No summary (no backend, no room under
+its rate limit, a failed call, an empty answer) leaves the excerpt."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from schemas.spec_types import SessionSpec
+from worker.codecs.protocol import ChatRequest
+from worker.errors import ProviderError
+from worker.session.engine import ToolRun
+from worker.session.outcomes import ToolOutcome, excerpt
+from worker.session.ports import Permit
+
+if TYPE_CHECKING:
+    from worker.session.steps import StepRunner
+
+log = logging.getLogger(__name__)
+SUMMARY_INPUT_BYTES = 200_000  # the most of an output sent to be summed up (an excerpt beyond)
+PROMPT = (
+    "You sum up the output of the tool `{tool}` for the assistant that called it. Keep every "
+    "fact, number, name and error it may need; drop repetition and markup. Answer with the "
+    "summary only, in at most {words} words."
+)
+
+
+def summarized(
+    runner: StepRunner, spec: SessionSpec, run: ToolRun, outcome: ToolOutcome
+) -> ToolOutcome:
+    limits = spec.limits
+    output = outcome.output or ""
+    if (
+        limits.compress != "summarize"
+        or not outcome.ok
+        or outcome.output_bytes <= limits.compress_over_bytes
+    ):
+        return outcome
+    backend = runner.backend(limits.compress_backend or spec.provider)
+    if backend is None:
+        return outcome
+    text = (
+        output
+        if len(output.encode()) <= SUMMARY_INPUT_BYTES
+        else excerpt(output, SUMMARY_INPUT_BYTES)
+    )
+    chat = ChatRequest(
+        model=limits.compress_model or spec.model,
+        messages=[
+            {
+                "role": "system",
+                "content": PROMPT.format(tool=run.name, words=limits.compress_over_bytes // 8),
+            },
+            {"role": "user", "content": text},
+        ],
+        tools=[],
+        params={},
+    )
+    permit = runner.rate_limiter.acquire(backend, len(text) // 4 + 100)
+    if not isinstance(permit, Permit):
+        return outcome  # no room now: the excerpt will do
+    try:
+        reply = dict(runner.provider_for(backend).complete(chat).completion)
+    except ProviderError as exc:
+        log.info("summary of call %s failed: %s", run.call_id, exc.code)
+        return outcome
+    runner.rate_limiter.settle(permit, int((reply.get("usage") or {}).get("total_tokens", 0)))
+    message = ((reply.get("choices") or [{}])[0].get("message") or {}).get("content")
+    if not isinstance(message, str) or not message.strip():
+        return outcome
+    return replace(outcome, summary=message.strip())
