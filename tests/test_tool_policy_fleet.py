@@ -303,14 +303,23 @@ def test_a_background_tool_runs_for_seconds_with_progress_while_other_sessions_f
 def test_an_async_background_task_answers_at_once_and_task_status_delivers_it(
     wide_tools: Running, tmp_path: Path
 ) -> None:
+    """A 5 s async task, polled every ~200 ms: a session submitted after it, on the same
+    workers, finishes first."""
     spec = calling(
-        ("nap", {"ms": 2000, "progress": 1, "tag": "async"}),
+        ("nap", {"ms": 5000, "progress": 1, "tag": "async"}),
         tools=[nap(background=True, background_mode="async")],
-        limits={"max_iterations": 60},
+        limits={"max_iterations": 80},
     )
     spec["model"] = "replay/poll"
     spec["messages"][0]["content"] += " [[latency_ms:200]]"
-    record = run_one(wide_tools, spec, tmp_path)
+    client = wide_tools.client
+    first = submit_specs(client, [spec], tmp_path, name="async.jsonl")
+    wait_for(lambda: any(e["event"] == "task.progress" for e in client.trace(spec["id"])))
+    quick = calling(("nap", {"tag": "quick"}), tools=[nap()])
+    [(_, quick_record)] = list(client.wait(submit_specs(client, [quick], tmp_path), timeout_s=60))
+    assert quick_record["status"] == "ok"
+    assert (client.status(spec["id"]) or {}).get("state") != "done"
+    [(_, record)] = list(client.wait(first, timeout_s=60))
     answers = [e["data"] for e in envelopes(record)]
     assert answers[0] == {"task_id": "task-0-0", "status": "submitted"}
     assert any(a["status"] == "running" and "percent" in a for a in answers[1:-1])
