@@ -22,7 +22,7 @@ MODELS = {"gemini": "replay-parallel", "openai-text-tags": "replay-tags/parallel
 HEADERS = {"anthropic": {"anthropic-version": "2023-06-01"}}
 
 
-def _median_us(fn: Callable[[], Any], runs: int = 300) -> float:
+def median_us(fn: Callable[[], Any], runs: int = 300) -> float:
     for _ in range(20):
         fn()
     samples = []
@@ -71,8 +71,8 @@ def _protocol_rows(server: ReplayServer, protocol: str, codec: Codec) -> list[tu
             assembler.feed(event)
         assembler.result()
 
-    loads, decode = _median_us(loads_reply), _median_us(round_trip)
-    loads_stream, assembled = _median_us(loads_events), _median_us(assemble)
+    loads, decode = median_us(loads_reply), median_us(round_trip)
+    loads_stream, assembled = median_us(loads_events), median_us(assemble)
     return [
         (f"{protocol}: json.loads of a tool-call reply ({len(body)} B)", f"{loads:.1f} us"),
         ("  encode + decode that round", f"{decode:.1f} us ({decode / loads:.1f}x)"),

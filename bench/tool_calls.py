@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import fixtures
+from bench.codecs import median_us
 from schemas.limits import ToolDefaults
 from schemas.spec_types import SessionSpec, spec_from_json
 from worker.edges.wasm_runtime import WasmToolRuntime
@@ -21,19 +20,6 @@ from worker.session.tool_policy import ToolCaller
 from worker.session.trace import event, tool_call_ended
 
 GUESTS = Path(fixtures.__file__).parent / "guests"
-REPEATS = 300
-
-
-def _median_ms(fn: object) -> float:
-    assert callable(fn)
-    for _ in range(30):
-        fn()
-    samples = []
-    for _ in range(REPEATS):
-        started = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - started) * 1000)
-    return statistics.median(samples)
 
 
 def tool_call_rows(rows: list[tuple[str, str]]) -> None:
@@ -83,7 +69,7 @@ def tool_call_rows(rows: list[tuple[str, str]]) -> None:
         for made in (started, ended):
             json.dumps(made.to_json(), separators=(",", ":"))
 
-    bare_ms, full_ms = _median_ms(bare), _median_ms(full)
+    bare_ms, full_ms = median_us(bare) / 1000, median_us(full) / 1000
     rows.append(
         ("tool call, the WASM call alone (the tool step before issue 9)", f"{bare_ms:.3f} ms")
     )

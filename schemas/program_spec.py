@@ -15,7 +15,7 @@ from typing import Any
 from marshmallow import RAISE, Schema, fields, post_load, validate
 
 from schemas.limits import RUN_LIMIT_BOUNDS
-from schemas.spec import ID_PATTERN
+from schemas.spec import ID_PATTERN, PermissionsSchema
 from schemas.spec_types import PROGRAM_KIND, ProgramSpec, spec_from_json
 
 
@@ -64,6 +64,7 @@ class ProgramSpecSchema(Schema):
     model = fields.String(load_default=None, allow_none=True, validate=validate.Length(min=1))
     limits = fields.Nested(RunLimitsSchema, load_default=dict)
     metadata = fields.Dict(keys=fields.String(), load_default=dict)
+    permissions = fields.Nested(PermissionsSchema)  # for the tools its chats register
 
     @post_load
     def _typed(self, data: dict[str, Any], **kwargs: Any) -> ProgramSpec:

@@ -176,6 +176,7 @@ class ProgramSpec:
     model: str | None = None
     limits: RunLimits = field(default_factory=RunLimits)
     metadata: dict[str, Any] = field(default_factory=dict)
+    permissions: Permissions = field(default_factory=Permissions)  # its chats' tools
 
 
 Spec = SessionSpec | ProgramSpec
@@ -194,6 +195,7 @@ def spec_to_json(spec: Spec) -> dict[str, Any]:
             "model": spec.model,
             "limits": spec.limits.as_dict(),
             "metadata": spec.metadata,
+            "permissions": spec.permissions.to_json(),
         }
     return {
         "id": spec.id,
@@ -222,6 +224,7 @@ def spec_from_json(obj: dict[str, Any]) -> Spec:
             model=obj.get("model"),
             limits=RunLimits.resolve(obj.get("limits")),
             metadata=dict(obj.get("metadata") or {}),
+            permissions=Permissions.from_json(obj.get("permissions")),
         )
     return SessionSpec(
         id=obj["id"],

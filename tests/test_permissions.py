@@ -150,3 +150,13 @@ def test_environments_in_the_configuration_are_checked_when_it_loads() -> None:
     ]:
         with pytest.raises(ValueError, match=message):
             tool_defaults(bad)
+
+
+def test_a_program_spec_carries_the_permissions_of_its_chats_tools() -> None:
+    from schemas.program_spec import ProgramSpecSchema
+    from schemas.spec_types import ProgramSpec, spec_to_json
+
+    raw = {"id": "p/1", "program": {"module": "agent.wasm"}, "permissions": {"grant": ["sum"]}}
+    spec = ProgramSpecSchema().load(raw)
+    assert isinstance(spec, ProgramSpec) and spec.permissions == Permissions(grant=("sum",))
+    assert spec_from_json(spec_to_json(spec)) == spec

@@ -18,13 +18,13 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from schemas import keys
 from schemas.bodies import dump_body
 from schemas.limits import LIMIT_ALIASES, LIMIT_BOUNDS, Limits
-from schemas.spec_types import Flags, FunctionSpec, SessionSpec, ToolSpec
+from schemas.spec_types import Flags, FunctionSpec, Permissions, SessionSpec, ToolSpec
 from schemas.tool_schema import schema_problem
 from worker.errors import (
     CancelledError,
@@ -66,6 +66,7 @@ class ChatDefaults:
     backend: str | None
     model: str | None
     deadline: float  # time.monotonic() at which the run ends
+    permissions: Permissions = field(default_factory=Permissions)  # the spec's, for its chats
 
 
 class ProgramHost:
@@ -271,6 +272,7 @@ class ProgramHost:
                 tool_result_envelope=consumed.get("tool_result_envelope") is True,
             ),
             limits=Limits.resolve(consumed),
+            permissions=self.d.permissions,
         )
 
     def _wait(self, ready: Callable[[], bool], until: float | None = None) -> bool:

@@ -48,6 +48,7 @@ class ProgramSteps:
                         backend=spec.provider,
                         model=spec.model,
                         deadline=started + spec.limits.run_timeout_ms / 1000,
+                        permissions=spec.permissions,
                     ),
                     self.programs,
                     self.runner.dispatch,

@@ -191,6 +191,11 @@ class StepRunner:
             if len(session.rounds) < round_no:
                 return  # out of order: published before its round could be (never by us)
             if len(session.rounds) == round_no:
+                if self.settings.trace:  # written with the step's end, as its other events
+                    spec_id = session.spec.id
+                    if round_no == 0:
+                        outbox.events.append(event("session.started", spec_id))
+                    outbox.events.append(event("model.call.started", spec_id, round=round_no))
                 started = time.monotonic()
                 reply = self._call_model(sk, session, next_call(session))
                 winner = self.store.store_model_reply(sk, round_no, reply)
@@ -248,11 +253,6 @@ class StepRunner:
         permit = self.rate_limiter.acquire(backend, estimate_tokens(chat))
         if not isinstance(permit, Permit):
             raise RateLimited(permit)
-        if self.settings.trace:
-            spec_id, first = session.spec.id, step.round_no == 0
-            starting = [event("session.started", spec_id)] if first else []
-            starting.append(event("model.call.started", spec_id, round=step.round_no))
-            self.guard.trace_now(sk, *starting, expire=first)
         partial = PartialText(self.store, sk) if backend.stream else None
         try:
             reply = dict(self.provider_for(backend).complete(chat, partial).completion)

@@ -80,7 +80,6 @@ class ToolCaller:
     on_retry: Callable[[str, int, str], None] | None = None
     sleep: Callable[[float], None] = time.sleep
     clock: Callable[[], float] = time.monotonic
-    _watcher: CallWatcher | None = None
 
     def run(
         self, spec: SessionSpec, run: ToolRun, watcher: CallWatcher | None = None
@@ -88,8 +87,7 @@ class ToolCaller:
         """Run the call; `watcher` hears its progress reports and may stop it."""
         started = self.clock()
         deadline = started + budget_ms(run.tool) / 1000
-        self._watcher = watcher
-        outcome = self._with_retries(spec, run.tool, run.arguments, deadline)
+        outcome = self._with_retries(spec, run.tool, run.arguments, deadline, watcher)
         fallback = spec.tool(run.tool.policy.fallback) if run.tool.policy.fallback else None
         if fallback is not None and permission_problem(fallback, spec.permissions, self.fleet):
             fallback = None  # a fallback is no way around a denial
@@ -99,14 +97,19 @@ class ToolCaller:
             and fallback is not None
             and argument_problem(run.arguments, fallback.function.parameters) is None
         ):
-            second = self._with_retries(spec, fallback, run.arguments, deadline)
+            second = self._with_retries(spec, fallback, run.arguments, deadline, watcher)
             outcome = replace(
                 second, retries=outcome.retries + second.retries, fallback=fallback.name
             )
         return replace(outcome, latency_ms=round((self.clock() - started) * 1000))
 
     def _with_retries(
-        self, spec: SessionSpec, tool: ToolSpec, arguments: str, deadline: float
+        self,
+        spec: SessionSpec,
+        tool: ToolSpec,
+        arguments: str,
+        deadline: float,
+        watcher: CallWatcher | None,
     ) -> ToolOutcome:
         policy = call_policy(tool, spec.limits, self.fleet)
         limits = spec.limits
@@ -122,7 +125,7 @@ class ToolCaller:
                 memory_bytes=limits.tool_memory_bytes,
                 max_output_bytes=limits.max_tool_output_bytes,
                 attempt=retry,
-                watcher=self._watcher,
+                watcher=watcher,
             )
             try:
                 return ToolOutcome.success(self.runtime.run(call), retries=retry)

@@ -140,7 +140,11 @@ class ToolStep:
         if not runner.settings.trace:
             return ToolCaller(runner.tools(), fleet).run(spec, run, watcher)
         where = self.where(run)
-        runner.guard.trace_now(self.sk, event("tool.call.started", spec.id, tool=run.name, **where))
+        started = event("tool.call.started", spec.id, tool=run.name, **where)
+        if self.background:  # a long call: seen as it starts (its progress too)
+            runner.guard.trace_now(self.sk, started)
+        else:  # written with the step's end, as its other events: no round trip of its own
+            outbox.events.append(started)
 
         def retried(tool: str, attempt: int, code: str) -> None:
             outbox.events.append(
