@@ -127,7 +127,7 @@ class StepGuard:
                 self.store.trace(trace)
 
     def trace_now(self, sk: str, *events: TraceEvent, expire: bool = False) -> None:
-        """Events written as they happen (a call starting, the session ending)."""
+        """Events written at once, not with the step's end (a background call's progress)."""
         if self.settings.trace:
             self.store.trace(TraceWrite(sk, events, expire))
 
