@@ -321,3 +321,20 @@ def test_a_nudge_leaves_a_step_that_is_running_or_done_alone() -> None:
     assert list(p.queue.pending) == [("tool", SK, 0, 0)]
     p.drain()
     assert p.body()["choices"][0]["message"]["content"] == "Tool said: sunny"
+
+
+def test_deliveries_that_find_the_step_leased_spend_no_try() -> None:
+    """Issue 10: duplicates of a step held by a slow (or dead) worker wait for its lease; they
+    are not counted, so they never dead-letter a healthy step (max_step_attempts is 3 here)."""
+    p = pipeline(WEATHER_SCRIPT)
+    submit(p, spec(WEATHER_FN))
+    p.queue.run_next(p.run)  # round 0 ran and published its tool step
+    step = keys.tool_step(SK, 0, 0)
+    p.store.begin_step(step, 60_000, None, SK)  # another worker holds it
+    for _ in range(10):  # redeliveries (nudges, a restored message): each waits
+        p.queue.run_next(p.run)
+    assert p.queue.retries == 10 and p.store.deadletters == []
+    p.store.release_lease(step)  # that worker died: its lease ran out
+    p.drain()
+    assert p.body()["choices"][0]["message"]["content"] == "Tool said: sunny"
+    assert p.store.tries[step] == 2  # the worker that died, and the one that ran it

@@ -221,7 +221,14 @@ class RedisStore:
             pipe.hset(keys.meta(sk), mapping=dict(meta))
         replies = pipe.execute()
         before, counted = replies[0], replies[1]
-        tries = 1 if counted is None else int(self.client.incr(keys.tries(step)))
+        # a delivery counts only when it runs the step: one that finds it leased by another
+        # (which waits for that lease) or published (which does nothing) spends no try
+        if counted is None:
+            tries = 1
+        elif before is None:
+            tries = int(self.client.incr(keys.tries(step)))
+        else:
+            tries = int(counted)
         read: list[bytes | None] = replies[2] if sk else [None]
         start = StepStart(before == keys.STEP_DONE, before is None, tries, read[-1] is not None)
         try:

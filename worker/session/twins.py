@@ -164,7 +164,8 @@ class MemoryStore:
             leased = self.leases.get(step, 0.0) <= now
             if leased and not published:
                 self.leases[step] = now + lease_ms / 1000
-            self.tries[step] = self.tries.get(step, 0) + 1
+            if (leased and not published) or step not in self.tries:  # it runs the step
+                self.tries[step] = self.tries.get(step, 0) + 1
             if sk and meta:
                 self.meta_of.setdefault(sk, {}).update({k: str(v) for k, v in meta.items()})
             cancelled = bool(sk) and sk in self.cancelled
