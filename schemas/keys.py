@@ -76,7 +76,9 @@ def step_state(step: str) -> str:
     return f"{PREFIX}:step:{step}"
 
 
-STEP_LEASED = b"lease"  # step_state while a delivery runs the step (PX = its longest run)
+# step_state while a delivery runs the step: `lease:<token>`, PX a few seconds, renewed by the
+# worker holding it while it lives (so a dead worker's step is free again within seconds)
+STEP_LEASED = b"lease"
 STEP_DONE = b"done"  # step_state once its continuation is published (EX = the TTL)
 
 

@@ -155,3 +155,36 @@ def test_a_step_longer_than_the_dead_after_time_runs_once_while_its_worker_lives
     assert record["status"] == "ok"
     sk = keys.session_key(f"{fresh_id}/long")
     assert crashable.client.redis.get(keys.tries(keys.tool_step(sk, 0, 0))) == b"1"
+
+
+def test_an_llm_worker_killed_during_a_model_call_is_taken_over_quickly(
+    crashable: Running, tmp_path: Path, fresh_id: str
+) -> None:
+    """Issue 10: the killed worker's round step is leased for 15 s at most (its lease is short
+    and was renewed only while it lived), not for the model's 120 s timeout; its message comes
+    back once its consumer stops beating (5 s here). The session finishes ok within 30 s of the
+    kill, and the round it was in is not counted as a failed try."""
+    spec: dict[str, Any] = {
+        "id": f"{fresh_id}/llm-kill",
+        "model": "replay/plain",
+        "messages": [{"role": "user", "content": f"Hello {fresh_id} [[latency_ms:3000]]"}],
+    }
+    sub = submit_specs(crashable.client, [spec], tmp_path)
+    sk = keys.session_key(spec["id"])
+    step = keys.round_step(sk, 0)
+
+    def leased() -> bool:
+        state = crashable.client.redis.get(keys.step_state(step))
+        return state is not None and state.startswith(b"lease")
+
+    deadline = time.monotonic() + 30
+    while not leased():  # the model call is in flight
+        assert time.monotonic() < deadline, "the round never started"
+        time.sleep(0.02)
+    llm = next(p for name, p in crashable.fleet.workers.items() if name.startswith("llm"))
+    crashable.fleet.kill(llm)
+    crashable.fleet.start_worker("llm")
+    (record,) = dict(crashable.client.wait(sub, timeout_s=30)).values()
+    assert record["status"] == "ok"
+    assert record["body"]["choices"][0]["message"]["content"] == f"Echo: Hello {fresh_id}"
+    assert int(crashable.client.redis.get(keys.tries(step))) == 2  # the killed try and this one

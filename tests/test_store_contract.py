@@ -265,3 +265,33 @@ def test_calls_under_max_parallel_are_queued_claimed_once_and_counted_until_answ
     # a call whose step is leased holds a place too (a nudge published it)
     assert store.begin_step(keys.tool_step(sk, 0, 3), 60_000, None, sk).leased
     assert store.unstarted_calls(sk, 0, 4) == ([], 3)
+
+
+@pytest.mark.fleet
+def test_a_held_lease_is_renewed_and_a_dead_holders_runs_out(base_fleet: Fleet, sk: str) -> None:
+    """Issue 10: leases are short and renewed while their worker lives. Here a lease of 600 ms,
+    renewed every 200 ms: it outlives many of its lengths while held, and runs out once its
+    holder stops renewing (a worker that died), so another delivery takes the step over."""
+    from tests.test_pipeline import wait_for
+    from worker.edges.store import LeaseKeeper
+
+    backend = _redis(base_fleet)
+    store = backend.store
+    assert isinstance(store, RedisStore)
+    store._keeper = LeaseKeeper(store.client, lease_ms=600)
+    step, key = keys.round_step(sk, 0), keys.step_state(keys.round_step(sk, 0))
+    start = store.begin_step(step, 600, None, sk)
+    assert start.leased and start.lease
+    with store.hold(step, start.lease):
+        lowest = [600]
+
+        def renewed() -> bool:  # the remaining time went down, then back up
+            left = int(store.client.pttl(key))
+            lowest[0] = min(lowest[0], left)
+            return left > lowest[0] + 150
+
+        for _ in range(3):
+            lowest[0] = 600
+            wait_for(renewed, timeout_s=5)
+        assert store.begin_step(step, 600, None, sk).leased is False  # still held
+    wait_for(lambda: store.begin_step(step, 600, None, sk).leased, timeout_s=5)

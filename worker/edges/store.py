@@ -8,8 +8,13 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
+import os
+import threading
 import time
-from collections.abc import Callable, Iterable
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import replace
 from typing import Any, ParamSpec, TypeVar
 
@@ -21,9 +26,17 @@ from schemas.spec_types import SessionSpec, Spec, spec_from_json, with_builtins
 from worker.errors import StoreError
 from worker.session.engine import Round, Session
 from worker.session.outcomes import ToolOutcome
-from worker.session.ports import RoundReads, StepStart, ToolInputs, ToolReads, TraceWrite
+from worker.session.ports import (
+    STEP_LEASE_MS,
+    RoundReads,
+    StepStart,
+    ToolInputs,
+    ToolReads,
+    TraceWrite,
+)
 
 P = ParamSpec("P")
+log = logging.getLogger(__name__)
 SPEC_CACHE_SIZE = 4096
 GUESSED_CALLS = 4  # outcome keys read with the replies, per round
 TRACE_SESSION_MAXLEN = 2_000  # events kept per session
@@ -59,6 +72,58 @@ def _tool_inputs(raw: list[bytes | None]) -> ToolInputs:
     )
 
 
+# renews every lease still held by the delivery that took it, one round trip for all of them
+_RENEW = """
+local renewed = 0
+for i, key in ipairs(KEYS) do
+  if redis.call('get', key) == ARGV[i + 1] then
+    redis.call('pexpire', key, ARGV[1])
+    renewed = renewed + 1
+  end
+end
+return renewed
+"""
+
+
+class LeaseKeeper:
+    """A process's step leases, renewed while their steps run: a lease lasts STEP_LEASE_MS and
+    is renewed every third of it, so a worker that dies frees its steps within STEP_LEASE_MS,
+    whatever the model's timeout. One thread per process (a prefork child starts its own)."""
+
+    def __init__(self, client: Any, lease_ms: int = STEP_LEASE_MS) -> None:
+        self.client = client
+        self.lease_ms = lease_ms
+        self.held: dict[str, bytes] = {}  # step_state key -> the lease value this process holds
+        self._lock = threading.Lock()
+        self._pid = 0
+        self._renew = client.register_script(_RENEW)
+
+    @contextmanager
+    def hold(self, key: str, token: str) -> Iterator[None]:
+        with self._lock:
+            self.held[key] = keys.STEP_LEASED + b":" + token.encode()
+            if self._pid != os.getpid():  # first lease of this process: start its renewer
+                self._pid = os.getpid()
+                threading.Thread(target=self._loop, name="lease-keeper", daemon=True).start()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.held.pop(key, None)
+
+    def _loop(self) -> None:
+        while True:
+            time.sleep(self.lease_ms / 3000)
+            with self._lock:
+                held = dict(self.held)
+            if not held:
+                continue
+            try:
+                self._renew(keys=list(held), args=[self.lease_ms, *held.values()])
+            except redis.RedisError as exc:  # the next round tries again; a lost lease is
+                log.warning("lease renewal failed: %s", type(exc).__name__)  # taken over
+
+
 class RedisStore:
     def __init__(self, client: redis.Redis, ttl_s: int) -> None:
         # Any: redis-py annotates replies as bytes | str whatever decode_responses says;
@@ -66,6 +131,7 @@ class RedisStore:
         self.client: Any = client
         self.ttl_s = ttl_s
         self._specs: dict[str, Spec] = {}
+        self._keeper = LeaseKeeper(self.client)
 
     @classmethod
     def from_url(cls, url: str, ttl_s: int, max_connections: int = 100) -> RedisStore:
@@ -213,7 +279,9 @@ class RedisStore:
         elif isinstance(reads, ToolReads):
             read_keys = _tool_keys(sk, reads.round_no, reads.index)
         pipe = self.client.pipeline(transaction=False)
-        pipe.set(keys.step_state(step), keys.STEP_LEASED, nx=True, px=lease_ms, get=True)
+        token = uuid.uuid4().hex
+        lease = keys.STEP_LEASED + b":" + token.encode()
+        pipe.set(keys.step_state(step), lease, nx=True, px=lease_ms, get=True)
         pipe.set(keys.tries(step), 1, nx=True, ex=self.ttl_s, get=True)
         if sk:
             pipe.mget([*read_keys, keys.cancel(sk)])
@@ -230,7 +298,10 @@ class RedisStore:
         else:
             tries = int(counted)
         read: list[bytes | None] = replies[2] if sk else [None]
-        start = StepStart(before == keys.STEP_DONE, before is None, tries, read[-1] is not None)
+        start = StepStart(
+            before == keys.STEP_DONE, before is None, tries, read[-1] is not None,
+            lease=token if before is None else "",
+        )  # fmt: skip
         try:
             if session_reads is not None and isinstance(reads, RoundReads):
                 spec, last, _ = session_reads
@@ -253,6 +324,10 @@ class RedisStore:
             return self._session_reads(sk, reads.round_no)
         except StoreError:
             return None
+
+    def hold(self, step: str, token: str) -> AbstractContextManager[None]:
+        """Keep renewing this delivery's lease while the step runs (LeaseKeeper)."""
+        return self._keeper.hold(keys.step_state(step), token)
 
     @_translated
     def uncount_try(self, step: str) -> None:
@@ -301,7 +376,8 @@ class RedisStore:
         pipe.get(keys.step_state(step))
         pipe.pttl(keys.step_state(step))
         state, left_ms = pipe.execute()
-        return max(int(left_ms), 0) if state == keys.STEP_LEASED else 0
+        leased = state is not None and state.startswith(keys.STEP_LEASED)
+        return max(int(left_ms), 0) if leased else 0
 
     @_translated
     def unstarted_calls(self, sk: str, round_no: int, calls: int) -> tuple[list[int], int]:

@@ -20,7 +20,6 @@ from worker.session.ports import Outbox, StepStart
 from worker.session.records import failed_program_record
 from worker.session.steps import StepRunner
 
-LEASE_MARGIN_MS = 15_000
 LOG_LEVELS = ("trace", "debug", "info", "warn", "error")
 
 
@@ -31,9 +30,6 @@ class ProgramSteps:
     source: ModuleSource
 
     def program(self, sk: str) -> None:
-        def lease_ms() -> int:
-            return self.runner.spec_of(sk, ProgramSpec).limits.run_timeout_ms + LEASE_MARGIN_MS
-
         def body(_: StepStart, __: Outbox) -> None:
             spec = self.runner.spec_of(sk, ProgramSpec)
             started = time.monotonic()
@@ -60,7 +56,7 @@ class ProgramSteps:
             self.runner.apply(sk, Decision(ending=Ending(record["body"], record)))
 
         self.runner.guard.run(
-            keys.program_step(sk), sk, lease_ms, body, stop_if_cancelled=False, state="running"
+            keys.program_step(sk), sk, body, stop_if_cancelled=False, state="running"
         )
 
 

@@ -16,6 +16,7 @@ from schemas.bodies import dump_body
 from worker.config import Settings
 from worker.errors import RateLimited, RetryLater, StepFailedError, StoreError
 from worker.session.ports import (
+    STEP_LEASE_MS,
     Dispatcher,
     Outbox,
     RoundReads,
@@ -29,7 +30,6 @@ from worker.session.trace import TraceEvent
 
 log = logging.getLogger(__name__)
 
-DEFAULT_LEASE_MS = 130_000  # when a step's own lease cannot be read: the longest model call
 GUARD_RETRY_S = 1.0
 
 
@@ -43,7 +43,6 @@ class StepGuard:
         self,
         step: str,
         sk: str,
-        lease_ms: Callable[[], int],
         body: Callable[[StepStart, Outbox], None],
         stop_if_cancelled: bool = True,
         targets: Callable[[], list[str]] | None = None,
@@ -56,7 +55,7 @@ class StepGuard:
         message is never acknowledged with its work undone. What `reads` names is read with
         the lease, in the same round trip, and handed to `body` in its StepStart."""
         try:
-            self._run(step, sk, lease_ms, body, stop_if_cancelled, targets, reads, dict(meta))
+            self._run(step, sk, body, stop_if_cancelled, targets, reads, dict(meta))
         except RetryLater:
             raise
         except Exception as exc:
@@ -67,7 +66,6 @@ class StepGuard:
         self,
         step: str,
         sk: str,
-        lease_ms: Callable[[], int],
         body: Callable[[StepStart, Outbox], None],
         stop_if_cancelled: bool,
         targets: Callable[[], list[str]] | None,
@@ -75,11 +73,7 @@ class StepGuard:
         meta: dict[str, str | int],
     ) -> None:
         sessions = targets or (lambda: [sk])
-        try:
-            lease = lease_ms()
-        except Exception:  # the lease is advisory: the body reads again, under the guard
-            lease = DEFAULT_LEASE_MS
-        start = self.store.begin_step(step, lease, meta, sk, reads)
+        start = self.store.begin_step(step, STEP_LEASE_MS, meta, sk, reads)
         if start.published:
             return
         if not start.leased:
@@ -94,6 +88,18 @@ class StepGuard:
             self.poison(step, sessions(), f"delivered {start.tries} times")
             return
         outbox = Outbox()
+        with self.store.hold(step, start.lease):  # renewed while this worker lives
+            self._body(step, sk, body, start, outbox, sessions)
+
+    def _body(
+        self,
+        step: str,
+        sk: str,
+        body: Callable[[StepStart, Outbox], None],
+        start: StepStart,
+        outbox: Outbox,
+        sessions: Callable[[], list[str]],
+    ) -> None:
         try:
             body(start, outbox)
         except RateLimited as exc:

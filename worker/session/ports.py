@@ -6,6 +6,7 @@ and are tested with no Redis and no workers.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -16,6 +17,10 @@ from worker.config import BackendConfig
 from worker.session.engine import Session
 from worker.session.outcomes import ToolOutcome
 from worker.session.trace import TraceEvent
+
+# A step's lease: a delivery holds it while it runs, and its worker renews it (SessionStore.hold)
+# every third of it, so a worker that dies frees its step within this, whatever the step does.
+STEP_LEASE_MS = 15_000
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,7 @@ class StepStart:
     cancelled: bool
     session: Session | None = None  # asked with RoundReads
     tool_inputs: ToolInputs | None = None  # asked with ToolReads
+    lease: str = ""  # this delivery's lease token, when it holds the lease
 
 
 @dataclass(frozen=True)
@@ -110,6 +116,10 @@ class SessionStore(Protocol):
         reads: RoundReads | ToolReads | None = None,
     ) -> StepStart: ...
     def uncount_try(self, step: str) -> None: ...
+    def hold(self, step: str, token: str) -> AbstractContextManager[None]:
+        """Keep this delivery's lease of `step` alive while the step runs."""
+        ...
+
     def unstarted_calls(self, sk: str, round_no: int, calls: int) -> tuple[list[int], int]:
         """Of a round's first `calls` calls, under max_parallel: those waiting for room (no
         outcome, never queued, no step leased), and how many hold a place (queued or

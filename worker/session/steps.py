@@ -60,8 +60,6 @@ from worker.session.trace import (
 log = logging.getLogger(__name__)
 SpecT = TypeVar("SpecT", SessionSpec, ProgramSpec)
 
-START_LEASE_MS = 60_000
-FINISH_LEASE_MS = 30_000
 PARTIAL_EVERY_S = 0.25
 
 
@@ -177,15 +175,11 @@ class StepRunner:
 
         # sk "": a chunk is no session (no cancel flag, no meta); its poison ends them all
         step = keys.start_step(batch, chunk_no)
-        self.guard.run(step, "", lambda: START_LEASE_MS, body, targets=sessions)
+        self.guard.run(step, "", body, targets=sessions)
 
     # round ---------------------------------------------------------------------------------
 
     def round(self, sk: str, round_no: int) -> None:
-        def lease_ms() -> int:
-            backend = self.backend(self.store.load_spec(sk).provider)
-            return int((backend.total_timeout_s if backend else 60) * 1000) + 10_000
-
         def body(start: StepStart, outbox: Outbox) -> None:
             session = self._session(sk, start.session, upto_round=round_no)
             if len(session.rounds) < round_no:
@@ -216,7 +210,7 @@ class StepRunner:
 
         step = keys.round_step(sk, round_no)
         reads = RoundReads(round_no, self._default_backend())
-        self.guard.run(step, sk, lease_ms, body, reads=reads, state=f"round {round_no}")
+        self.guard.run(step, sk, body, reads=reads, state=f"round {round_no}")
 
     def _session(
         self, sk: str, read: Session | None = None, upto_round: int | None = None
@@ -326,7 +320,7 @@ class StepRunner:
             self._end(sk, self._session(sk), outbox.events)
 
         step = keys.finish_step(sk)
-        self.guard.run(step, sk, lambda: FINISH_LEASE_MS, body, stop_if_cancelled=False)
+        self.guard.run(step, sk, body, stop_if_cancelled=False)
 
     def _end(self, sk: str, session: Session, events: list[TraceEvent] | None = None) -> None:
         """Write a chat session's ending (the ending rules read its failure, cancel, meta).

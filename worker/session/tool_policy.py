@@ -21,7 +21,6 @@ from worker.session.ports import CallWatcher, ToolCall, ToolRuntime
 # CCHATQ_VISIBILITY_TIMEOUT_S, defaults to 300 s); a background tool's, at its own cap.
 STEP_BUDGET_MS = 240_000
 BACKGROUND_BUDGET_MS = BACKGROUND_TIMEOUT_CAP_MS
-LEASE_MARGIN_MS = 5_000  # the lease outlives the budget: an ENOSPC rerun, the writes after
 
 
 @dataclass(frozen=True)
@@ -37,11 +36,6 @@ class CallPolicy:
         """The wait before retry number `retry` (1, 2, ...): doubling, capped."""
         return int(min(self.retry_backoff_ms * 2 ** (retry - 1), RETRY_BACKOFF_CAP_MS))
 
-    def budget_ms(self) -> int:
-        """The longest its calls can take: every attempt timing out, every backoff waited."""
-        waits = sum(self.backoff_ms(k) for k in range(1, self.max_retries + 1))
-        return (self.max_retries + 1) * self.timeout_ms + waits
-
 
 def call_policy(tool: ToolSpec, limits: Limits, fleet: ToolDefaults) -> CallPolicy:
     """The tool's own policy, else the session's limits, else the fleet's defaults."""
@@ -52,17 +46,6 @@ def call_policy(tool: ToolSpec, limits: Limits, fleet: ToolDefaults) -> CallPoli
         retry_backoff_ms=_first(own.retry_backoff_ms, fleet.retry_backoff_ms),
         idempotent=own.idempotent,
     )
-
-
-def step_lease_ms(spec: SessionSpec, tool: ToolSpec | None, fleet: ToolDefaults) -> int:
-    """How long a tool step may hold its lease: its call, then its fallback's, bounded."""
-    if tool is None:  # a call of no tool: the step fails at once
-        return (spec.limits.default_tool_timeout_ms or fleet.timeout_ms) + LEASE_MARGIN_MS
-    budget = call_policy(tool, spec.limits, fleet).budget_ms()
-    fallback = spec.tool(tool.policy.fallback) if tool.policy.fallback else None
-    if fallback is not None:
-        budget += call_policy(fallback, spec.limits, fleet).budget_ms()
-    return min(budget, budget_ms(tool)) + LEASE_MARGIN_MS
 
 
 def budget_ms(tool: ToolSpec) -> int:

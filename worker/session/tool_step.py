@@ -26,7 +26,7 @@ from worker.session.engine import ToolRun, tool_run
 from worker.session.outcomes import ToolOutcome
 from worker.session.ports import NextStep, Outbox, StepStart, ToolReads
 from worker.session.summaries import summarized
-from worker.session.tool_policy import ToolCaller, step_lease_ms
+from worker.session.tool_policy import ToolCaller
 from worker.session.trace import event, tool_call_ended
 
 if TYPE_CHECKING:
@@ -47,17 +47,7 @@ class ToolStep:
     def run(self) -> None:
         sk, round_no, index = self.sk, self.round_no, self.index
         step = (keys.background_step if self.background else keys.tool_step)(sk, round_no, index)
-        self.runner.guard.run(
-            step, sk, self._lease_ms, self._body, reads=ToolReads(round_no, index)
-        )
-
-    def _lease_ms(self) -> int:
-        # read before the reply says which tool runs: the longest any tool may take
-        spec = self.runner.spec_of(self.sk, SessionSpec)
-        fleet = self.runner.settings.tool_defaults
-        return max((step_lease_ms(spec, t, fleet) for t in spec.tools), default=0) or (
-            step_lease_ms(spec, None, fleet)
-        )
+        self.runner.guard.run(step, sk, self._body, reads=ToolReads(round_no, index))
 
     def _body(self, start: StepStart, outbox: Outbox) -> None:
         runner, round_no, index = self.runner, self.round_no, self.index

@@ -10,12 +10,14 @@ published and runs it (`drain`), turning `RetryLater` into a requeue, as Celery'
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -176,6 +178,9 @@ class MemoryStore:
         if isinstance(reads, ToolReads):
             return replace(start, tool_inputs=self.tool_inputs(sk, reads.round_no, reads.index))
         return start
+
+    def hold(self, step: str, token: str) -> AbstractContextManager[None]:
+        return contextlib.nullcontext()  # twin leases last as long as begin_step asked
 
     def uncount_try(self, step: str) -> None:
         with self._cond:
