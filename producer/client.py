@@ -102,13 +102,14 @@ class Client:
                     }
                     pipe.hset(keys.meta(sk), mapping=meta)
                     pipe.expire(keys.meta(sk), self.ttl_s)
+                    pipe.zadd(keys.ACTIVE, {sk: now_ms})  # the fleet's reconciler watches it
                 else:
                     pipe.exists(keys.response(sk))
             results = iter(pipe.execute())
             for spec, won in zip(part, claimed, strict=True):
                 sk = keys.session_key(spec.id)
                 if won:
-                    next(results), next(results)
+                    next(results), next(results), next(results)
                 elif next(results):
                     sub.done.add(sk)
         self._admit(sub)
@@ -125,6 +126,7 @@ class Client:
         for n, members in enumerate(chunks):
             pipe.rpush(keys.chunk(sub.batch, n), *members)
             pipe.expire(keys.chunk(sub.batch, n), self.ttl_s)
+        pipe.expire(keys.ACTIVE, self.ttl_s)
         pipe.execute()
         for n in range(len(chunks)):
             self.celery.send_task(

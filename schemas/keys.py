@@ -34,6 +34,9 @@ from dataclasses import dataclass
 PREFIX = "cq"
 DEADLETTER = f"{PREFIX}:deadletter"
 TRACE = f"{PREFIX}:trace"  # the fleet's trace events, capped (TRACE_FLEET_MAXLEN)
+# sessions not finished yet, scored by their last sign of progress (ms): the reconciler's index
+ACTIVE = f"{PREFIX}:active"
+RECONCILER_LOCK = f"{PREFIX}:reconciler"  # held by the one worker reconciling this round
 TRACE_FIELD = "event"  # a trace stream entry's one field: the event as JSON
 
 

@@ -188,3 +188,47 @@ def test_an_llm_worker_killed_during_a_model_call_is_taken_over_quickly(
     assert record["status"] == "ok"
     assert record["body"]["choices"][0]["message"]["content"] == f"Echo: Hello {fresh_id}"
     assert int(crashable.client.redis.get(keys.tries(step))) == 2  # the killed try and this one
+
+
+@pytest.fixture()
+def reconciled(base_fleet: Fleet) -> Iterator[Running]:
+    """Workers whose reconciler looks every second for sessions quiet for 2 s."""
+    env = {"CCHATQ_RECONCILE_EVERY_S": "1", "CCHATQ_STALL_AFTER_S": "2"}
+    yield from _workers(base_fleet, db=4, extra_env=env)
+
+
+def test_a_no_wait_batch_with_a_lost_message_finishes_with_no_producer(
+    reconciled: Running, tmp_path: Path, fresh_id: str
+) -> None:
+    """Issue 10: the start message goes to a broker no worker reads, and nobody waits (a
+    `--no-wait` submit, a producer that died): the fleet's reconciler finds the session quiet
+    and publishes its next step from stored state."""
+    lost = Client(reconciled.redis_url)
+    lost.celery.conf.broker_url = reconciled.redis_url.rsplit("/", 1)[0] + "/9"  # a black hole
+    specs: list[dict[str, Any]] = [
+        {
+            "id": f"{fresh_id}/nowait/{n}",
+            "model": "replay/weather",
+            "messages": [{"role": "user", "content": f"Weather in {CITIES[n]}?"}],
+            "tools": [{**WEATHER, "module": str(GUESTS / "weather.wasm")}],
+        }
+        for n in range(3)
+    ]
+    path = tmp_path / "nowait.jsonl"
+    path.write_text("".join(json.dumps(s) + "\n" for s in specs))
+    lost.submit([s.spec for s in load_spec_file(path)])  # and no wait
+    lost.close()
+    client = reconciled.client
+    deadline = time.monotonic() + 40
+    while any(client.record(s["id"]) is None for s in specs):  # reading results, not waiting
+        assert time.monotonic() < deadline, diagnose(
+            reconciled, [keys.session_key(s["id"]) for s in specs if client.record(s["id"]) is None]
+        )
+        time.sleep(0.1)
+    for n, s in enumerate(specs):
+        record = client.record(s["id"])
+        assert record is not None and record["status"] == "ok"
+        assert record["body"]["choices"][0]["message"]["content"] == (
+            f"Weather report: {weather_json(CITIES[n])}"
+        )
+    assert client.redis.zscore(keys.ACTIVE, keys.session_key(specs[0]["id"])) is None

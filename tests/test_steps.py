@@ -338,3 +338,37 @@ def test_deliveries_that_find_the_step_leased_spend_no_try() -> None:
     p.drain()
     assert p.body()["choices"][0]["message"]["content"] == "Tool said: sunny"
     assert p.store.tries[step] == 2  # the worker that died, and the one that ran it
+
+
+class ReconcileTwin:
+    """The reconciler's store port over the twin: every unfinished session counts as stalled."""
+
+    def __init__(self, store: MemoryStore, sks: list[str]) -> None:
+        self.store, self.sks, self.turns = store, sks, 0
+        self.forgotten: list[str] = []
+
+    def take_reconciler_turn(self, hold_ms: int) -> bool:
+        self.turns += 1
+        return self.turns % 2 == 1  # another worker holds every other turn
+
+    def stalled(self, quiet_ms: int, most: int) -> list[str]:
+        return [sk for sk in self.sks if self.store.result(sk) is None]
+
+    def forget_session(self, sk: str) -> None:
+        self.forgotten.append(sk)
+
+
+def test_the_reconciler_recovers_a_lost_message_with_no_producer() -> None:
+    from worker.session.reconciler import Reconciler
+
+    p = pipeline(WEATHER_SCRIPT)
+    submit(p, spec(WEATHER_FN))
+    p.queue.run_next(p.run)  # round 0 ran and published its tool step ...
+    p.queue.pending.clear()  # ... which the broker lost
+    twin = ReconcileTwin(p.store, [SK, "gone"])
+    reconciler = Reconciler(p.runner, twin)
+    assert reconciler.turn() == 1  # it nudged SK; "gone" has no spec: forgotten
+    assert twin.forgotten == ["gone"]
+    assert reconciler.turn() == 0  # not its turn: another worker reconciles
+    p.drain()
+    assert p.body()["choices"][0]["message"]["content"] == "Tool said: sunny"

@@ -18,6 +18,8 @@ Environment variables:
     CCHATQ_MODULE_CACHE_DIR   serialized compiled modules (default ~/.cache/cchatq/modules)
     CCHATQ_MAX_STEP_ATTEMPTS  deliveries of one step before it is dead-lettered (default 5)
     CCHATQ_TRACE              `off`: no trace events (default on)
+    CCHATQ_RECONCILE_EVERY_S  how often a control worker looks for stalled sessions (10)
+    CCHATQ_STALL_AFTER_S      a session with no progress this long is nudged (30)
 """
 
 from __future__ import annotations
@@ -91,6 +93,8 @@ class Settings:
     max_step_attempts: int = 5
     tool_defaults: ToolDefaults = field(default_factory=ToolDefaults)
     trace: bool = True  # trace events (issue 9): the session's stream, the fleet's, log lines
+    reconcile_every_s: float = 10.0  # how often the fleet's reconciler looks (issue 10)
+    stall_after_ms: int = 30_000  # a session with no progress this long is nudged
 
     def backend(self, name: str | None) -> BackendConfig:
         key = name or self.default_backend
@@ -130,6 +134,8 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         ),
         max_step_attempts=int(env.get("CCHATQ_MAX_STEP_ATTEMPTS", "5")),
         trace=env.get("CCHATQ_TRACE", "on") != "off",
+        reconcile_every_s=float(env.get("CCHATQ_RECONCILE_EVERY_S", "10")),
+        stall_after_ms=int(float(env.get("CCHATQ_STALL_AFTER_S", "30")) * 1000),
     )
 
 

@@ -9,14 +9,20 @@ from __future__ import annotations
 from typing import Any
 
 from celery import Celery, Task
-from celery.signals import celeryd_init
+from celery.signals import celeryd_init, worker_ready
 
 from schemas import task_names
 from schemas.limits import BACKGROUND_TIMEOUT_CAP_MS
 from worker.config import load_settings
 from worker.errors import RetryLater
 from worker.session.steps import StepRunner
-from worker.wiring import celery_config, program_steps, runner, set_worker_concurrency
+from worker.wiring import (
+    celery_config,
+    program_steps,
+    runner,
+    set_worker_concurrency,
+    start_reconciler,
+)
 
 app = Celery("cchatq")
 app.conf.update(celery_config(load_settings()))
@@ -27,6 +33,14 @@ def _record_concurrency(conf: Any = None, options: Any = None, **_: Any) -> None
     """Size the worker's Redis pool to its concurrency (`-c`) before any task runs."""
     configured = conf.worker_concurrency if conf is not None else None
     set_worker_concurrency((options or {}).get("concurrency") or configured)
+
+
+@worker_ready.connect
+def _start_reconciler(sender: Any = None, **_: Any) -> None:
+    """A control worker runs the fleet's reconciler (a Redis lock lets one act at a time)."""
+    queues = {q.name for q in sender.task_consumer.queues} if sender is not None else set()
+    if task_names.QUEUE_CONTROL in queues:
+        start_reconciler(app)
 
 
 # Unbounded here: a step's deliveries are counted in Redis (StepRunner) and a step that keeps

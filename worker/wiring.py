@@ -3,8 +3,10 @@ connections, HTTP sessions and the wasmtime engine are created lazily in the chi
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +26,7 @@ from worker.edges.store import RedisStore
 from worker.edges.store_programs import ProgramStore
 from worker.edges.wasm_runtime import WasmToolRuntime
 from worker.guest.step import ProgramSteps
+from worker.session.reconciler import Reconciler
 from worker.session.steps import StepRunner
 
 CODECS: dict[str, Callable[[], Codec]] = {
@@ -104,6 +107,7 @@ def set_worker_concurrency(concurrency: int | None) -> None:
         worker_concurrency = int(concurrency)
 
 
+log = logging.getLogger(__name__)
 _wiring: tuple[int, Wiring] | None = None
 _wiring_lock = threading.Lock()
 
@@ -123,6 +127,30 @@ def runner(app: Celery) -> StepRunner:
 
 def program_steps(app: Celery) -> ProgramSteps:
     return _current(app).program_steps
+
+
+def start_reconciler(app: Celery) -> threading.Thread:
+    """The reconciler's loop, in a control worker (one of them reconciles at a time)."""
+    settings = load_settings()
+
+    def loop() -> None:
+        wiring = _current(app)
+        reconciler = Reconciler(
+            wiring.runner,
+            wiring.store,
+            every_s=settings.reconcile_every_s,
+            quiet_ms=settings.stall_after_ms,
+        )
+        while True:
+            time.sleep(settings.reconcile_every_s)
+            try:
+                reconciler.turn()
+            except Exception as exc:  # Redis away: the next turn tries again
+                log.warning("reconciler turn failed: %s", type(exc).__name__)
+
+    thread = threading.Thread(target=loop, name="cchatq-reconciler", daemon=True)
+    thread.start()
+    return thread
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:

@@ -285,8 +285,9 @@ class RedisStore:
         pipe.set(keys.tries(step), 1, nx=True, ex=self.ttl_s, get=True)
         if sk:
             pipe.mget([*read_keys, keys.cancel(sk)])
-        if sk and meta:
+        if sk and meta:  # a round or a program run starting: a sign of progress
             pipe.hset(keys.meta(sk), mapping=dict(meta))
+            pipe.zadd(keys.ACTIVE, {sk: int(time.time() * 1000)}, xx=True)
         replies = pipe.execute()
         before, counted = replies[0], replies[1]
         # a delivery counts only when it runs the step: one that finds it leased by another
@@ -483,8 +484,9 @@ class RedisStore:
         pipe.set(keys.record(sk), dump_body(record), nx=True, ex=self.ttl_s)
         pipe.set(keys.response(sk), body, nx=True, ex=self.ttl_s)
         pipe.hset(keys.meta(sk), mapping={"state": "done", "finished_ms": int(time.time() * 1000)})
+        pipe.zrem(keys.ACTIVE, sk)
         pipe.smembers(keys.watchers(sk))
-        _, wrote, _, batches = pipe.execute()
+        _, wrote, _, _, batches = pipe.execute()
         self.notify(sk, (b.decode() for b in batches))
         return bool(wrote)
 
@@ -503,6 +505,30 @@ class RedisStore:
     def chunk_members(self, batch: str, chunk_no: int) -> list[keys.ChunkMember]:
         raw = self.client.lrange(keys.chunk(batch, chunk_no), 0, -1)
         return [keys.ChunkMember.decode(m.decode()) for m in raw]
+
+    # the reconciler ------------------------------------------------------------------------
+
+    @_translated
+    def take_reconciler_turn(self, hold_ms: int) -> bool:
+        """Whether this process reconciles now: one in the fleet at a time, for `hold_ms`."""
+        return bool(self.client.set(keys.RECONCILER_LOCK, os.getpid(), nx=True, px=hold_ms))
+
+    @_translated
+    def stalled(self, quiet_ms: int, most: int) -> list[str]:
+        """Unfinished sessions with no sign of progress for `quiet_ms`, oldest first; each is
+        marked as just seen, so the next turns look at others first."""
+        now = int(time.time() * 1000)
+        found = [
+            sk.decode() for sk in self.client.zrangebyscore(keys.ACTIVE, 0, now - quiet_ms, 0, most)
+        ]
+        if found:
+            self.client.zadd(keys.ACTIVE, dict.fromkeys(found, now), xx=True)
+        return found
+
+    @_translated
+    def forget_session(self, sk: str) -> None:
+        """Not to be watched any more (its spec expired: nothing left to recover)."""
+        self.client.zrem(keys.ACTIVE, sk)
 
     @_translated
     def module_bytes(self, sha256: str) -> bytes:

@@ -284,7 +284,8 @@ class StepRunner:
             self.store.notify(sk, self.store.watcher_batches(sk))
             return
         if isinstance(self.store.load_spec(sk), ProgramSpec):
-            self.dispatch.program(sk)
+            if not self.store.active_steps([keys.program_step(sk)]):  # not running, not done
+                self.dispatch.program(sk)
             return
         try:
             decision = decide(self._session(sk))
