@@ -15,6 +15,8 @@ from typing import Any
 
 import jsonschema
 import referencing.exceptions
+import regex
+from jsonschema.exceptions import ValidationError
 
 MAX_PROBLEM_CHARS = 200
 # Keywords whose values are data, not subschemas: a "$ref" inside them is not a reference.
@@ -44,7 +46,91 @@ def schema_problem(schema: Any) -> str | None:
 def _validator_of(schema_json: str) -> jsonschema.protocols.Validator:
     schema = json.loads(schema_json)
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-    return cls(schema)
+    return _bounded(cls)(schema)
+
+
+# Patterns come from specs and values from models: a pattern like "(a+)+b" on a long value
+# backtracks for minutes and froze a worker (issue 10). Every regex of a validation runs
+# under the `regex` module's timeout; one that takes too long is a validation error.
+PATTERN_TIMEOUT_S = 0.1
+
+
+def _search(pattern: str, text: str) -> bool:
+    """re.search, bounded: TimeoutError past PATTERN_TIMEOUT_S."""
+    return regex.search(pattern, text, timeout=PATTERN_TIMEOUT_S) is not None
+
+
+def _too_slow(pattern: str) -> ValidationError:
+    ms = int(PATTERN_TIMEOUT_S * 1000)
+    return ValidationError(f"checking the pattern {pattern!r} took over {ms} ms: not accepted")
+
+
+def _pattern(validator: Any, pattern: str, instance: Any, schema: Any) -> Iterator[Any]:
+    if not validator.is_type(instance, "string"):
+        return
+    try:
+        if not _search(pattern, instance):
+            yield ValidationError(f"{instance!r} does not match {pattern!r}")
+    except TimeoutError:
+        yield _too_slow(pattern)
+
+
+def _pattern_properties(validator: Any, patterns: Any, instance: Any, schema: Any) -> Iterator[Any]:
+    if not validator.is_type(instance, "object"):
+        return
+    for pattern, subschema in patterns.items():
+        for key, value in instance.items():
+            try:
+                matches = _search(pattern, key)
+            except TimeoutError:
+                yield _too_slow(pattern)
+                return
+            if matches:
+                yield from validator.descend(value, subschema, path=key, schema_path=pattern)
+
+
+def _additional_properties(validator: Any, extra: Any, instance: Any, schema: Any) -> Iterator[Any]:
+    if not validator.is_type(instance, "object"):
+        return
+    declared = schema.get("properties", {})
+    patterns = "|".join(schema.get("patternProperties", {}))
+    extras = []
+    for key in instance:
+        if key in declared:
+            continue
+        try:
+            if patterns and _search(patterns, key):
+                continue
+        except TimeoutError:
+            yield _too_slow(patterns)
+            return
+        extras.append(key)
+    if validator.is_type(extra, "object"):
+        for key in extras:
+            yield from validator.descend(instance[key], extra, path=key)
+    elif not extra and extras:  # jsonschema's own messages
+        names = ", ".join(repr(k) for k in sorted(extras))
+        if "patternProperties" in schema:
+            verb = "does" if len(extras) == 1 else "do"
+            regexes = ", ".join(repr(p) for p in sorted(schema["patternProperties"]))
+            yield ValidationError(f"{names} {verb} not match any of the regexes: {regexes}")
+        else:
+            verb = "was" if len(extras) == 1 else "were"
+            yield ValidationError(
+                f"Additional properties are not allowed ({names} {verb} unexpected)"
+            )
+
+
+def _bounded(cls: Any) -> Any:
+    """`cls` with its regex keywords bounded in time (the others are jsonschema's own)."""
+    return jsonschema.validators.extend(
+        cls,
+        validators={
+            "pattern": _pattern,
+            "patternProperties": _pattern_properties,
+            "additionalProperties": _additional_properties,
+        },
+    )
 
 
 def validator(schema: dict[str, Any]) -> jsonschema.protocols.Validator:

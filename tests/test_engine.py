@@ -1151,3 +1151,18 @@ def test_argument_problem_is_capped_at_500_chars() -> None:
     assert problem is not None
     assert problem.startswith("city: 'xxx")
     assert len(problem) == 500
+
+
+def test_a_pattern_that_backtracks_is_stopped_not_a_frozen_worker() -> None:
+    """Issue 10: "(a|a)+$" on a long value backtracks for ages in `re`; every pattern of a
+    validation runs under a time limit, and a timeout is a validation error to the model."""
+    parameters = {
+        "type": "object",
+        "properties": {"s": {"type": "string", "pattern": "(a|a)+$"}},
+        "patternProperties": {"(a|a)+$": {"type": "string"}},
+    }
+    problem = argument_problem(json.dumps({"s": "a" * 40 + "b"}), parameters)
+    assert problem is not None and "took over 100 ms" in problem
+    key_problem = argument_problem(json.dumps({"a" * 40 + "b": "x"}), parameters)
+    assert key_problem is not None and "took over 100 ms" in key_problem
+    assert argument_problem('{"s": "aaa"}', parameters) is None
