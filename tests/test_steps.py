@@ -214,6 +214,7 @@ def test_a_step_failing_every_try_is_dead_lettered_and_the_session_ends() -> Non
     assert body["error"]["code"] == "step_failed"
     assert keys.tool_step(SK, 0, 0) in body["error"]["message"]
     assert [step for step, _ in p.store.deadletters] == [keys.tool_step(SK, 0, 0)]
+    assert p.queue.failed == [("tool", SK, 0, 0)]  # its task ends as a Celery FAILURE
     tool_message = p.transcript()[-1]
     assert tool_message["role"] == "tool"
     assert json.loads(tool_message["content"])["error"]["code"] == "NOT_RUN"

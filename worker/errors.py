@@ -30,6 +30,7 @@ CchatqError                      root; `code` is the error-body code, `errno` th
 ├── StoreError                   store_error (never in a body: the step is retried)
 └── StepControl                  not failures: how a step or a guest run changes course
     ├── RetryLater               run this delivery again later (Celery's retry)
+    ├── StepDeadLettered         the step failed for good: its task ends as a FAILURE
     ├── RateLimited              no room under the backend's rate limit yet
     ├── RunAborted               a program run ends now (deadline, cancellation)
     └── GuestFault               a guest pointer out of bounds: the hostcall returns -EFAULT
@@ -245,6 +246,11 @@ class RateLimited(StepControl):
     def __init__(self, wait_s: float) -> None:
         super().__init__(f"rate limited for {wait_s:.2f} s")
         self.wait_s = wait_s
+
+
+class StepDeadLettered(StepControl):
+    """A step failed for good and was dead-lettered (its sessions end with step_failed): its
+    task ends as a Celery FAILURE, so Flower and the task events show it. Ids only."""
 
 
 class RunAborted(StepControl):

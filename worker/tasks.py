@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from celery import Celery, Task
-from celery.signals import celeryd_init, worker_ready
+from celery.signals import after_setup_logger, celeryd_init, worker_ready
 
 from schemas import task_names
 from schemas.limits import BACKGROUND_TIMEOUT_CAP_MS
@@ -17,6 +17,7 @@ from worker.config import load_settings
 from worker.errors import RetryLater
 from worker.session.steps import StepRunner
 from worker.wiring import (
+    add_step_context,
     celery_config,
     program_steps,
     runner,
@@ -33,6 +34,13 @@ def _record_concurrency(conf: Any = None, options: Any = None, **_: Any) -> None
     """Size the worker's Redis pool to its concurrency (`-c`) before any task runs."""
     configured = conf.worker_concurrency if conf is not None else None
     set_worker_concurrency((options or {}).get("concurrency") or configured)
+
+
+@after_setup_logger.connect
+def _log_steps(logger: Any = None, **_: Any) -> None:
+    """Every log line of a worker names the step (and so the session) it was written in."""
+    if logger is not None:
+        add_step_context(list(logger.handlers))
 
 
 @worker_ready.connect
@@ -54,6 +62,7 @@ def _run(task: Task, call: Any) -> None:
         call(runner(app))
     except RetryLater as exc:
         raise task.retry(countdown=exc.countdown_s) from None
+    # StepDeadLettered goes through: the task ends as a FAILURE (its work is done and stored)
 
 
 @app.task(name=task_names.START, **STEP_OPTIONS)

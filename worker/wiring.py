@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from celery import Celery
+from celery._state import get_current_task
 
 from worker.codecs.anthropic import AnthropicCodec
 from worker.codecs.gemini import GeminiCodec
@@ -127,6 +128,27 @@ def runner(app: Celery) -> StepRunner:
 
 def program_steps(app: Celery) -> ProgramSteps:
     return _current(app).program_steps
+
+
+class StepContext(logging.Filter):
+    """Every worker log line names the step it was written in (`step=<id>`: the step id holds
+    the session key, as in `<session>.r<round>.t<call>`), or `-` outside any step."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        task = get_current_task()
+        task_id = getattr(getattr(task, "request", None), "id", None) if task else None
+        record.step = f"step={task_id}" if task_id else "-"
+        return True
+
+
+STEP_LOG_FORMAT = "[%(asctime)s: %(levelname)s/%(processName)s] %(step)s %(name)s: %(message)s"
+
+
+def add_step_context(handlers: list[logging.Handler]) -> None:
+    """Give a worker's log handlers the step of each line (after Celery set them up)."""
+    for handler in handlers:
+        handler.addFilter(StepContext())
+        handler.setFormatter(logging.Formatter(STEP_LOG_FORMAT))
 
 
 def start_reconciler(app: Celery) -> threading.Thread:

@@ -14,7 +14,13 @@ from collections.abc import Callable
 from schemas import keys
 from schemas.bodies import dump_body
 from worker.config import Settings
-from worker.errors import RateLimited, RetryLater, StepFailedError, StoreError
+from worker.errors import (
+    RateLimited,
+    RetryLater,
+    StepDeadLettered,
+    StepFailedError,
+    StoreError,
+)
 from worker.session.ports import (
     STEP_LEASE_MS,
     Dispatcher,
@@ -56,7 +62,7 @@ class StepGuard:
         the lease, in the same round trip, and handed to `body` in its StepStart."""
         try:
             self._run(step, sk, body, stop_if_cancelled, targets, reads, dict(meta))
-        except RetryLater:
+        except (RetryLater, StepDeadLettered):
             raise
         except Exception as exc:
             log.warning("step %s: guard failed: %s", step, type(exc).__name__)
@@ -90,6 +96,9 @@ class StepGuard:
         outbox = Outbox()
         with self.store.hold(step, start.lease):  # renewed while this worker lives
             self._body(step, sk, body, start, outbox, sessions)
+        if log.isEnabledFor(logging.INFO):  # one line per step that ran: ids and counts only
+            published = [s.kind for s in outbox.steps]
+            log.info("step %s done: try %d, published %s", step, start.tries, published)
 
     def _body(
         self,
@@ -153,6 +162,8 @@ class StepGuard:
                 continue
             self.dispatch.finish(sk)
         self.store.end_step(step)
+        log.warning("step %s dead-lettered: %s", step, reason.split(":", 1)[0][:100])
+        raise StepDeadLettered(f"step {step} dead-lettered")
 
     def _spec_id(self, sk: str) -> str:
         try:

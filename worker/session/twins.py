@@ -27,7 +27,13 @@ from schemas.keys import ChunkMember
 from schemas.spec_types import SessionSpec, Spec, spec_from_json, spec_to_json, with_builtins
 from worker.codecs.protocol import ChatRequest, Delta
 from worker.config import BackendConfig
-from worker.errors import ProviderRequestError, RetryLater, StoreError, ToolRuntimeError
+from worker.errors import (
+    ProviderRequestError,
+    RetryLater,
+    StepDeadLettered,
+    StoreError,
+    ToolRuntimeError,
+)
 from worker.session.engine import Round, Session
 from worker.session.outcomes import ToolOutcome
 from worker.session.ports import (
@@ -356,6 +362,7 @@ class StepQueue(StepPublisher):
     pending: deque[Published] = field(default_factory=deque)
     sent: list[Published] = field(default_factory=list)
     retries: int = 0
+    failed: list[Published] = field(default_factory=list)  # tasks that ended as FAILURE
 
     def start(self, batch: str, chunk_no: int) -> None:
         self._put(("start", batch, chunk_no))
@@ -393,6 +400,8 @@ class StepQueue(StepPublisher):
         except RetryLater:
             self.retries += 1
             self.pending.append(step)
+        except StepDeadLettered:  # a Celery FAILURE: the task is done, its sessions ended
+            self.failed.append(step)
         return step
 
 
