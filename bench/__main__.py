@@ -23,7 +23,7 @@ from typing import Any
 import fixtures
 from bench.codecs import codec_rows
 from bench.goals import in_flight_goal, throughput_goals
-from bench.tool_calls import tool_call_rows
+from bench.tool_calls import rate_limit_rows, tool_call_rows
 from fixtures.demo_batch import WEATHER
 from producer.client import Client
 from producer.fleet import WORKER_PROFILES, Fleet, replay_backends
@@ -161,6 +161,7 @@ def main() -> int:
         slow_url = slow.start_replay(latency_ms=200)
         backends = {**replay_backends(fleet.replay_url), "slow": {"base_url": slow_url}}
         fleet.env["CCHATQ_BACKENDS"] = json.dumps({"backends": backends})
+        rate_limit_rows(redis_url, rows)
         fleet.start_workers()
         client = Client(redis_url)
         run(client, [weather_spec(f"warm/{i}") for i in range(20)])  # compile + connect

@@ -157,6 +157,11 @@ def rate_tokens(backend: str) -> str:
     return f"{PREFIX}:rl:{backend}:tok"
 
 
+def rate_total(backend: str) -> str:
+    """The tokens of every entry in the window, kept as they come and go (O(1) per acquire)."""
+    return f"{PREFIX}:rl:{backend}:sum"
+
+
 def run_batch(sk: str) -> str:
     """The batch a program run's chats notify when they finish."""
     return f"run-{sk}"

@@ -71,3 +71,35 @@ def test_shared_limit_holds_across_two_worker_processes(
     assert busiest <= LIMIT, arrivals
     # the limit really bit: 14 calls at 4 per window cannot all fit in the first ones
     assert arrivals[-1] - arrivals[0] >= 3 * WINDOW_S - JITTER_S
+
+
+def test_the_token_window_is_a_running_total(base_fleet: Fleet) -> None:
+    """Issue 10, point 8: the window's tokens are summed as entries come, are settled and
+    leave, not by reading every entry on each acquire."""
+    import redis
+
+    from schemas import keys
+    from tests.test_pipeline import wait_for
+    from worker.config import BackendConfig
+    from worker.edges.rate_limit import RateLimiter
+    from worker.session.ports import Permit
+
+    client = redis.Redis.from_url(base_fleet.redis_url.rsplit("/", 1)[0] + "/11")
+    client.flushdb()
+    limiter = RateLimiter(client)
+    backend = BackendConfig(name="rt", tokens_per_minute=100, rate_window_s=1.0)
+    first, second = limiter.acquire(backend, 40), limiter.acquire(backend, 40)
+    assert isinstance(first, Permit) and isinstance(second, Permit)
+    assert not isinstance(limiter.acquire(backend, 40), Permit)  # 120 > 100: wait
+    limiter.settle(first, 10)  # it used less than estimated
+    assert int(client.get(keys.rate_total("rt")) or 0) == 50
+    assert isinstance(limiter.acquire(backend, 40), Permit)  # 90 <= 100
+    # once the window has passed, every entry has left it and taken its tokens along (the
+    # probes themselves ask for 0 tokens)
+    wait_for(
+        lambda: (
+            isinstance(limiter.acquire(backend, 0), Permit)
+            and int(client.get(keys.rate_total("rt")) or 0) == 0
+        )
+    )
+    client.flushdb()

@@ -1,5 +1,7 @@
 """A rate limit per backend shared by every worker of the fleet: at most N requests and T
-tokens in any window of W seconds (a sliding log in Redis, checked and taken atomically).
+tokens in any window of W seconds (a sliding log in Redis, checked and taken atomically). The
+window's token total is kept as a running sum, added to as entries come and taken from as they
+leave, so an acquire costs the same with 10 or 10,000 calls in the window.
 
 A round that finds no room is not run: its task is retried when room is expected, so a
 waiting session holds no worker slot (the caller raises RetryLater). Token use is reserved
@@ -18,7 +20,7 @@ from worker.config import BackendConfig
 from worker.errors import StoreError
 from worker.session.ports import Permit
 
-# KEYS: requests zset (member -> time), tokens hash (member -> tokens)
+# KEYS: requests zset (member -> time), tokens hash (member -> tokens), tokens total
 # ARGV: window, max_requests (0 = none), max_tokens (0 = none), member, tokens, ttl
 # The time is Redis's own, so workers on machines with skewed clocks agree on the window.
 _ACQUIRE = """
@@ -28,15 +30,17 @@ local window = tonumber(ARGV[1])
 local max_req, max_tok = tonumber(ARGV[2]), tonumber(ARGV[3])
 local member, tokens, ttl = ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6])
 local old = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - window)
-if #old > 0 then
+if #old > 0 then  -- each entry leaves once: amortised O(1)
+  local gone = 0
+  for _, v in ipairs(redis.call('HMGET', KEYS[2], unpack(old))) do
+    gone = gone + (tonumber(v) or 0)
+  end
   redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - window)
   redis.call('HDEL', KEYS[2], unpack(old))
+  redis.call('DECRBY', KEYS[3], gone)
 end
 local count = redis.call('ZCARD', KEYS[1])
-local used = 0
-if max_tok > 0 then
-  for _, v in ipairs(redis.call('HVALS', KEYS[2])) do used = used + tonumber(v) end
-end
+local used = tonumber(redis.call('GET', KEYS[3]) or '0')
 local full = (max_req > 0 and count >= max_req)
   or (max_tok > 0 and count > 0 and used + tokens > max_tok)
 if full then
@@ -46,9 +50,20 @@ if full then
 end
 redis.call('ZADD', KEYS[1], now, member)
 redis.call('HSET', KEYS[2], member, tokens)
+redis.call('INCRBY', KEYS[3], tokens)
 redis.call('EXPIRE', KEYS[1], ttl)
 redis.call('EXPIRE', KEYS[2], ttl)
+redis.call('EXPIRE', KEYS[3], ttl)
 return 'ok'
+"""
+
+# KEYS: tokens hash, tokens total; ARGV: member, the tokens it really used
+_SETTLE = """
+local before = redis.call('HGET', KEYS[1], ARGV[1])
+if not before then return 0 end  -- it has left the window already
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('INCRBY', KEYS[2], tonumber(ARGV[2]) - tonumber(before))
+return 1
 """
 
 
@@ -56,6 +71,7 @@ class RateLimiter:
     def __init__(self, client: redis.Redis) -> None:
         self.client: Any = client
         self._acquire = self.client.register_script(_ACQUIRE)
+        self._settle = self.client.register_script(_SETTLE)
 
     def acquire(self, backend: BackendConfig, estimated_tokens: int) -> Permit | float:
         """A permit, or the seconds to wait before there may be room."""
@@ -64,7 +80,11 @@ class RateLimiter:
         member = uuid.uuid4().hex
         try:
             answer = self._acquire(
-                keys=[keys.rate_requests(backend.name), keys.rate_tokens(backend.name)],
+                keys=[
+                    keys.rate_requests(backend.name),
+                    keys.rate_tokens(backend.name),
+                    keys.rate_total(backend.name),
+                ],
                 args=[
                     backend.rate_window_s,
                     backend.requests_per_minute or 0,
@@ -84,6 +104,9 @@ class RateLimiter:
         if not permit.member:
             return
         try:
-            self.client.hset(keys.rate_tokens(permit.backend), permit.member, max(used_tokens, 0))
+            self._settle(
+                keys=[keys.rate_tokens(permit.backend), keys.rate_total(permit.backend)],
+                args=[permit.member, max(used_tokens, 0)],
+            )
         except redis.RedisError as exc:
             raise StoreError(f"rate limit: {type(exc).__name__}") from exc
