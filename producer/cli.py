@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -141,6 +142,21 @@ def cmd_trace(args: argparse.Namespace) -> int:
         return 1
     for event in client.trace(args.id, follow=args.follow):
         print(json.dumps(event, separators=(",", ":")), flush=True)
+    return 0
+
+
+def cmd_metrics(args: argparse.Namespace) -> int:
+    from producer.metrics import Exporter
+
+    exporter = Exporter(_redis_url())
+    exporter.serve(args.port, args.address)
+    print(f"metrics on http://{args.address}:{args.port}/metrics", flush=True)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        exporter.close()
     return 0
 
 
@@ -280,6 +296,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("id")
     p.add_argument("--follow", action="store_true", help="wait for events until it finishes")
     p.set_defaults(fn=cmd_trace)
+
+    p = sub.add_parser("metrics", help="serve the fleet's Prometheus metrics (reads Redis)")
+    p.add_argument("--port", type=int, default=9808)
+    p.add_argument("--address", default="127.0.0.1")
+    p.set_defaults(fn=cmd_metrics)
 
     p = sub.add_parser("cancel", help="cancel a session at its next step boundary")
     p.add_argument("id")

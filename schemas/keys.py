@@ -192,3 +192,22 @@ def background_step(sk: str, round_no: int, index: int) -> str:
 
 def program_step(sk: str) -> str:
     return f"{sk}.prog"
+
+
+# The broker's bookkeeping (worker/edges/broker.py), outside the session keyspace like kombu's
+# own keys: no TTL, and bounded (emptied as messages are acked, consumers swept when dead).
+BROKER_CONSUMERS = "_cchatq:broker:consumers"  # consumers that may hold unacked messages
+
+
+def broker_unacked(consumer: str) -> str:
+    """delivery tag -> [message, exchange, routing key], one hash per consumer (BRPOP)."""
+    return f"_cchatq:broker:unacked:{consumer}"
+
+
+def broker_taken(consumer: str) -> str:
+    """The messages a consumer took with BLMOVE, as they were on their queue."""
+    return f"_cchatq:broker:taken:{consumer}"
+
+
+def broker_alive(consumer: str) -> str:
+    return f"_cchatq:broker:alive:{consumer}"

@@ -41,25 +41,17 @@ from typing import Any
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 
+from schemas import keys
+
 log = logging.getLogger(__name__)
 
 # Broker bookkeeping, outside the session keyspace (cq:*) like kombu's own keys: no TTL, and
 # bounded: a hash empties as its messages are acked, a consumer leaves the set when swept.
-CONSUMERS_KEY = "_cchatq:broker:consumers"  # ids of consumers that may hold unacked messages
-
-
-def unacked_key(consumer: str) -> str:
-    """delivery tag -> [message, exchange, routing key], one hash per consumer (BRPOP)."""
-    return f"_cchatq:broker:unacked:{consumer}"
-
-
-def taken_key(consumer: str) -> str:
-    """The messages a consumer took with BLMOVE, as they were on their queue."""
-    return f"_cchatq:broker:taken:{consumer}"
-
-
-def alive_key(consumer: str) -> str:
-    return f"_cchatq:broker:alive:{consumer}"
+# The key names live in schemas/keys.py: the metrics exporter reads them too.
+CONSUMERS_KEY = keys.BROKER_CONSUMERS
+unacked_key = keys.broker_unacked
+taken_key = keys.broker_taken
+alive_key = keys.broker_alive
 
 
 def taken_messages(client: Any) -> list[bytes]:

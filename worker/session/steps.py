@@ -197,7 +197,9 @@ class StepRunner:
                 if self.settings.trace:
                     took_ms = round((time.monotonic() - started) * 1000)
                     outbox.events.append(
-                        model_call_ended(session.spec.id, round_no, winner, took_ms)
+                        model_call_ended(
+                            session.spec.id, round_no, winner, took_ms, session.backend
+                        )
                     )
             # the plan runs once per round, here, on the stored reply (a redelivery too)
             decision = decide(session)

@@ -35,6 +35,9 @@ class TraceEvent:
     error: str | None = None  # the error class or body code, never its message
     output_bytes: int | None = None
     request_id: str | None = None  # the provider's id of the reply
+    backend: str | None = None  # model.call.*: the backend it went to
+    tokens_in: int | None = None  # model.call.finished: the reply's usage
+    tokens_out: int | None = None
     percent: int | None = None  # task.progress: how far a background call is
     message: str | None = None  # task.progress: the tool's own words (cut at 200 bytes)
 
@@ -56,9 +59,9 @@ def event(name: str, session: str, **values: Any) -> TraceEvent:
 
 
 def model_call_ended(
-    session: str, round_no: int, reply: dict[str, Any], latency_ms: int
+    session: str, round_no: int, reply: dict[str, Any], latency_ms: int, backend: str
 ) -> TraceEvent:
-    """model.call.finished, or .failed with the error body's code."""
+    """model.call.finished (with its token counts), or .failed with the error body's code."""
     error = reply.get("error")
     if isinstance(error, dict):
         return event(
@@ -67,15 +70,24 @@ def model_call_ended(
             round=round_no,
             latency_ms=latency_ms,
             error=str(error.get("code")),
+            backend=backend,
         )
     request_id = reply.get("id")
+    usage = reply.get("usage") or {}
     return event(
         "model.call.finished",
         session,
         round=round_no,
         latency_ms=latency_ms,
         request_id=request_id if isinstance(request_id, str) else None,
+        backend=backend,
+        tokens_in=_count(usage.get("prompt_tokens")),
+        tokens_out=_count(usage.get("completion_tokens")),
     )
+
+
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def tool_call_ended(

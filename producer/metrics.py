@@ -1,0 +1,143 @@
+"""cchatq's Prometheus metrics (issue 10), from an exporter that reads the fleet's Redis: no
+worker serves metrics or writes any of its own, so prefork pools need no multiprocess mode.
+
+- gauges read at each scrape: tasks waiting per queue, tasks taken and not acknowledged yet,
+  sessions not finished (the reconciler's index), dead letters;
+- counters and histograms kept from the fleet's trace stream (`cq:trace`), followed from the
+  moment the exporter starts: model calls by backend and outcome, tokens in and out by backend,
+  tool calls by tool and outcome (ok or the error class), tool retries, background tasks,
+  sessions finished by outcome, and model and tool call latencies.
+
+Ids, codes and counts only, as in the trace events themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import redis
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from schemas import keys
+from schemas.task_names import ALL_QUEUES
+
+log = logging.getLogger(__name__)
+LATENCY_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 600)
+
+
+class FleetGauges(Collector):
+    """What the fleet holds right now, read from Redis at each scrape."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        pipe = self.client.pipeline(transaction=False)
+        for queue in ALL_QUEUES:
+            pipe.llen(queue)
+        pipe.smembers(keys.BROKER_CONSUMERS)
+        pipe.zcard(keys.ACTIVE)
+        pipe.exists(keys.DEADLETTER)
+        *depths, consumers, active, has_dead = pipe.execute()
+        waiting = GaugeMetricFamily(
+            "cchatq_queue_depth", "Tasks waiting on each queue", labels=["queue"]
+        )
+        for queue, depth in zip(ALL_QUEUES, depths, strict=True):
+            waiting.add_metric([queue], depth)
+        yield waiting
+        taken = sum(self.client.llen(keys.broker_taken(c.decode())) for c in consumers)
+        yield GaugeMetricFamily(
+            "cchatq_tasks_unacked", "Tasks taken by workers and not acknowledged yet", taken
+        )
+        yield GaugeMetricFamily("cchatq_sessions_active", "Sessions not finished yet", active)
+        dead = self.client.xlen(keys.DEADLETTER) if has_dead else 0
+        yield GaugeMetricFamily("cchatq_dead_letters", "Steps dead-lettered (kept ones)", dead)
+
+
+class TraceCounters:
+    """Counters kept from the trace events the fleet writes, as they come."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        def counter(name: str, doc: str, labels: list[str]) -> Counter:
+            return Counter(name, doc, labels, registry=registry)
+
+        self.model_calls = counter("cchatq_model_calls", "Model calls", ["backend", "outcome"])
+        self.tokens = counter("cchatq_tokens", "Tokens by backend", ["backend", "direction"])
+        self.tool_calls = counter("cchatq_tool_calls", "Tool calls", ["tool", "outcome"])
+        self.retries = counter("cchatq_tool_retries", "Tool calls tried again", ["tool"])
+        self.tasks = counter("cchatq_background_tasks", "Background tasks", ["event"])
+        self.sessions = counter("cchatq_sessions_finished", "Sessions finished", ["outcome"])
+        self.model_seconds = Histogram(
+            "cchatq_model_call_seconds", "Model call latency", ["backend"],
+            buckets=LATENCY_BUCKETS_S, registry=registry,
+        )  # fmt: skip
+        self.tool_seconds = Histogram(
+            "cchatq_tool_call_seconds", "Tool call latency", ["tool"],
+            buckets=LATENCY_BUCKETS_S, registry=registry,
+        )  # fmt: skip
+
+    def count(self, event: dict[str, Any]) -> None:
+        name = event.get("event", "")
+        seconds = float(event.get("latency_ms") or 0) / 1000
+        if name.startswith("model.call.") and name != "model.call.started":
+            backend = str(event.get("backend") or "?")
+            self.model_calls.labels(backend, name.rsplit(".", 1)[1]).inc()
+            self.model_seconds.labels(backend).observe(seconds)
+            for direction in ("in", "out"):
+                tokens = event.get(f"tokens_{direction}")
+                if isinstance(tokens, int):
+                    self.tokens.labels(backend, direction).inc(tokens)
+        elif name in ("tool.call.finished", "tool.call.failed"):
+            tool = str(event.get("tool") or "?")
+            self.tool_calls.labels(tool, str(event.get("error") or "ok")).inc()
+            if "latency_ms" in event:
+                self.tool_seconds.labels(tool).observe(seconds)
+        elif name == "tool.call.retried":
+            self.retries.labels(str(event.get("tool") or "?")).inc()
+        elif name.startswith("task."):
+            self.tasks.labels(name.split(".", 1)[1]).inc()
+        elif name == "session.finished":
+            self.sessions.labels(str(event.get("error") or "ok")).inc()
+
+    def follow(self, client: Any, stop: threading.Event, block_ms: int = 1000) -> None:
+        """Count the fleet's events from now on, until `stop` is set."""
+        last = "$"
+        while not stop.is_set():
+            try:
+                read = client.xread({keys.TRACE: last}, count=1000, block=block_ms)
+            except redis.RedisError as exc:  # Redis away: try again (a gap in the counts)
+                log.warning("metrics: reading the trace stream failed: %s", type(exc).__name__)
+                stop.wait(1.0)
+                continue
+            for entry_id, fields in read[0][1] if read else []:
+                last = entry_id
+                self.count(json.loads(fields[keys.TRACE_FIELD.encode()]))
+
+
+class Exporter:
+    """The gauges and counters on one registry, the stream followed in a thread."""
+
+    def __init__(self, redis_url: str) -> None:
+        self.client = redis.Redis.from_url(redis_url)
+        self.registry = CollectorRegistry()
+        self.registry.register(FleetGauges(self.client))
+        self.counters = TraceCounters(self.registry)
+        self._stop = threading.Event()
+        self._follower = threading.Thread(
+            target=self.counters.follow, args=(self.client, self._stop), daemon=True
+        )
+        self._follower.start()
+
+    def serve(self, port: int, address: str = "0.0.0.0") -> None:
+        start_http_server(port, addr=address, registry=self.registry)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._follower.join(timeout=5)
+        self.client.close()
