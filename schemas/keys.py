@@ -82,6 +82,13 @@ def step_state(step: str) -> str:
 # step_state while a delivery runs the step: `lease:<token>`, PX a few seconds, renewed by the
 # worker holding it while it lives (so a dead worker's step is free again within seconds)
 STEP_LEASED = b"lease"
+
+
+def step_lease(token: str) -> bytes:
+    """The step_state value of the lease a delivery took with `token`."""
+    return STEP_LEASED + b":" + token.encode()
+
+
 STEP_DONE = b"done"  # step_state once its continuation is published (EX = the TTL)
 
 

@@ -28,6 +28,7 @@ CchatqError                      root; `code` is the error-body code, `errno` th
 ├── GuestError                   guest_error
 │   └── GuestTrapError           guest_trap
 ├── StoreError                   store_error (never in a body: the step is retried)
+│   └── SpecMissingError         a session's spec expired or was never submitted
 └── StepControl                  not failures: how a step or a guest run changes course
     ├── RetryLater               run this delivery again later (Celery's retry)
     ├── StepDeadLettered         the step failed for good: its task ends as a FAILURE
@@ -227,6 +228,10 @@ class GuestTrapError(GuestError):
 class StoreError(CchatqError):
     code = "store_error"
     raised_when = "Redis failed; never in a body: the step is retried"
+
+
+class SpecMissingError(StoreError):
+    """A session's spec is not in the store (expired, or never submitted)."""
 
 
 # Control flow -------------------------------------------------------------------------------

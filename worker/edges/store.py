@@ -23,7 +23,7 @@ import redis
 from schemas import keys
 from schemas.bodies import dump_body
 from schemas.spec_types import SessionSpec, Spec, spec_from_json, with_builtins
-from worker.errors import StoreError
+from worker.errors import SpecMissingError, StoreError
 from worker.session.engine import Round, Session
 from worker.session.outcomes import ToolOutcome
 from worker.session.ports import (
@@ -101,7 +101,7 @@ class LeaseKeeper:
     @contextmanager
     def hold(self, key: str, token: str) -> Iterator[None]:
         with self._lock:
-            self.held[key] = keys.STEP_LEASED + b":" + token.encode()
+            self.held[key] = keys.step_lease(token)
             if self._pid != os.getpid():  # first lease of this process: start its renewer
                 self._pid = os.getpid()
                 threading.Thread(target=self._loop, name="lease-keeper", daemon=True).start()
@@ -154,7 +154,7 @@ class RedisStore:
             return cached
         raw = _loads(self.client.get(keys.spec(sk)))
         if raw is None:
-            raise StoreError(f"session {sk}: spec not found (expired or never submitted)")
+            raise SpecMissingError(f"session {sk}: spec not found (expired or never submitted)")
         if len(self._specs) >= SPEC_CACHE_SIZE:
             self._specs.pop(next(iter(self._specs)))
         spec = self._specs[sk] = with_builtins(spec_from_json(raw))
@@ -280,8 +280,7 @@ class RedisStore:
             read_keys = _tool_keys(sk, reads.round_no, reads.index)
         pipe = self.client.pipeline(transaction=False)
         token = uuid.uuid4().hex
-        lease = keys.STEP_LEASED + b":" + token.encode()
-        pipe.set(keys.step_state(step), lease, nx=True, px=lease_ms, get=True)
+        pipe.set(keys.step_state(step), keys.step_lease(token), nx=True, px=lease_ms, get=True)
         pipe.set(keys.tries(step), 1, nx=True, ex=self.ttl_s, get=True)
         if sk:
             pipe.mget([*read_keys, keys.cancel(sk)])

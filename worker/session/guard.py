@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
+from typing import NoReturn
 
 from schemas import keys
 from schemas.bodies import dump_body
@@ -56,9 +57,10 @@ class StepGuard:
         **meta: str | int,
     ) -> None:
         """Run one delivery of a step under its guards. A step that keeps failing ends the
-        sessions `targets()` names (its own session by default). Nothing escapes but
-        RetryLater: a failure of the guard's own Redis calls retries the delivery, so a
-        message is never acknowledged with its work undone. What `reads` names is read with
+        sessions `targets()` names (its own session by default) and raises StepDeadLettered
+        (its task ends as a FAILURE). Nothing else escapes but RetryLater: a failure of the
+        guard's own Redis calls retries the delivery, so a message is never acknowledged
+        with its work undone. What `reads` names is read with
         the lease, in the same round trip, and handed to `body` in its StepStart."""
         try:
             self._run(step, sk, body, stop_if_cancelled, targets, reads, dict(meta))
@@ -92,7 +94,6 @@ class StepGuard:
             return
         if start.tries > self.settings.max_step_attempts:
             self.poison(step, sessions(), f"delivered {start.tries} times")
-            return
         outbox = Outbox()
         with self.store.hold(step, start.lease):  # renewed while this worker lives
             self._body(step, sk, body, start, outbox, sessions)
@@ -121,7 +122,6 @@ class StepGuard:
             self._release_quietly(step)
             if start.tries >= self.settings.max_step_attempts:
                 self.poison(step, sessions(), f"{type(exc).__name__}: {exc}")
-                return
             log.warning("step %s failed (try %d): %s", step, start.tries, type(exc).__name__)
             raise RetryLater(
                 min(0.2 * 2**start.tries, 10.0), f"{type(exc).__name__}: {exc}"
@@ -150,7 +150,7 @@ class StepGuard:
         with contextlib.suppress(StoreError):
             self.store.release_lease(step)
 
-    def poison(self, step: str, sks: list[str], reason: str) -> None:
+    def poison(self, step: str, sks: list[str], reason: str) -> NoReturn:
         """A step that keeps failing ends its sessions: dead-letter it, finish with an error.
         A failing finish step is not run again: its body is written here, bare."""
         failed = StepFailedError(f"step {step} failed for good: {reason}"[:500])

@@ -10,7 +10,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from worker.errors import StoreError
+from worker.errors import SpecMissingError
 from worker.session.ports import STEP_LEASE_MS
 
 if TYPE_CHECKING:
@@ -46,10 +46,9 @@ class Reconciler:
             try:
                 self.runner.nudge(sk)
                 nudged += 1
-            except StoreError as exc:
-                if "spec not found" not in exc.message:
-                    raise  # Redis itself failed: the next turn tries again
-                self.store.forget_session(sk)  # expired: nothing is left to recover
+            except SpecMissingError:  # expired: nothing is left to recover
+                self.store.forget_session(sk)
+            # another StoreError is Redis itself failing: the next turn tries again
         if nudged:
             log.info("reconciler: nudged %d sessions with no progress", nudged)
         return nudged

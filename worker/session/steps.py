@@ -246,14 +246,23 @@ class StepRunner:
             stream=backend.stream,
             thinking_budget_tokens=backend.thinking_budget_tokens,
         )
+        try:
+            return self.complete(backend, chat, partial_of=sk)
+        except ProviderError as exc:
+            return exc.body()
+
+    def complete(
+        self, backend: BackendConfig, chat: ChatRequest, partial_of: str | None = None
+    ) -> dict[str, Any]:
+        """One model call under the backend's rate limit (a round's, or a summary's): the
+        reply; RateLimited when there is no room yet; a ProviderError as the call raised it.
+        A streamed call of `partial_of` shows its text in `cchatq status` as it comes."""
         permit = self.rate_limiter.acquire(backend, estimate_tokens(chat))
         if not isinstance(permit, Permit):
             raise RateLimited(permit)
-        partial = PartialText(self.store, sk) if backend.stream else None
+        partial = PartialText(self.store, partial_of) if partial_of and backend.stream else None
         try:
             reply = dict(self.provider_for(backend).complete(chat, partial).completion)
-        except ProviderError as exc:
-            return exc.body()
         finally:
             if partial is not None:
                 partial.close()

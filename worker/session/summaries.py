@@ -12,10 +12,9 @@ from typing import TYPE_CHECKING
 
 from schemas.spec_types import SessionSpec
 from worker.codecs.protocol import ChatRequest
-from worker.errors import ProviderError
+from worker.errors import ProviderError, RateLimited
 from worker.session.engine import ToolRun
 from worker.session.outcomes import ToolOutcome, excerpt
-from worker.session.ports import Permit
 
 if TYPE_CHECKING:
     from worker.session.steps import StepRunner
@@ -60,15 +59,13 @@ def summarized(
         tools=[],
         params={},
     )
-    permit = runner.rate_limiter.acquire(backend, len(text) // 4 + 100)
-    if not isinstance(permit, Permit):
-        return outcome  # no room now: the excerpt will do
     try:
-        reply = dict(runner.provider_for(backend).complete(chat).completion)
+        reply = runner.complete(backend, chat)
+    except RateLimited:
+        return outcome  # no room now: the excerpt will do
     except ProviderError as exc:
         log.info("summary of call %s failed: %s", run.call_id, exc.code)
         return outcome
-    runner.rate_limiter.settle(permit, int((reply.get("usage") or {}).get("total_tokens", 0)))
     message = ((reply.get("choices") or [{}])[0].get("message") or {}).get("content")
     if not isinstance(message, str) or not message.strip():
         return outcome

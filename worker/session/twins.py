@@ -30,6 +30,7 @@ from worker.config import BackendConfig
 from worker.errors import (
     ProviderRequestError,
     RetryLater,
+    SpecMissingError,
     StepDeadLettered,
     StoreError,
     ToolRuntimeError,
@@ -109,7 +110,7 @@ class MemoryStore:
     def load_spec(self, sk: str) -> Spec:
         raw = self.specs.get(sk)
         if raw is None:
-            raise StoreError(f"session {sk}: spec not found (expired or never submitted)")
+            raise SpecMissingError(f"session {sk}: spec not found (expired or never submitted)")
         return with_builtins(spec_from_json(raw))
 
     def load_session(self, sk: str, backend: str, upto_round: int | None = None) -> Session:
