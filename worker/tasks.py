@@ -6,9 +6,11 @@ prompt, a tool argument or a key. Tasks return nothing; results live in Redis re
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from celery import Celery, Task
+from celery.exceptions import Reject
 from celery.signals import after_setup_logger, celeryd_init, worker_ready
 
 from schemas import task_names
@@ -24,6 +26,8 @@ from worker.wiring import (
     set_worker_concurrency,
     start_reconciler,
 )
+
+log = logging.getLogger(__name__)
 
 app = Celery("cchatq")
 app.conf.update(celery_config(load_settings()))
@@ -61,8 +65,21 @@ def _run(task: Task, call: Any) -> None:
     try:
         call(runner(app))
     except RetryLater as exc:
-        raise task.retry(countdown=exc.countdown_s) from None
+        _retry(task, exc)
     # StepDeadLettered goes through: the task ends as a FAILURE (its work is done and stored)
+
+
+def _retry(task: Task, later: RetryLater) -> None:
+    """Run this delivery again in `countdown_s`. Celery publishes the retry as a new message
+    and, when that fails (the broker is down), rejects this one with requeue=False: the step
+    would be gone. Here the delivery is given back instead; if even that cannot reach the
+    broker, the message stays among this consumer's taken ones, which a sweeper hands out
+    again once the consumer stops beating, and the reconciler covers the rest."""
+    try:
+        raise task.retry(countdown=later.countdown_s) from None
+    except Reject as rejected:
+        log.warning("step %s: retry not published, given back", task.request.id)
+        raise Reject(rejected.reason, requeue=True) from None
 
 
 @app.task(name=task_names.START, **STEP_OPTIONS)
@@ -105,4 +122,4 @@ def program(self: Task, sk: str) -> None:
     try:
         program_steps(app).program(sk)
     except RetryLater as exc:
-        raise self.retry(countdown=exc.countdown_s) from None
+        _retry(self, exc)

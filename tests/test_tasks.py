@@ -1,0 +1,43 @@
+"""The Celery shell (worker/tasks.py): a delivery to run again is never dropped."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from celery.exceptions import Reject, Retry
+
+from worker.errors import RetryLater
+from worker.tasks import _retry
+
+
+class _Task:
+    """A bound task whose retry publishes, or fails as Celery's does when the broker is down
+    (Task.retry: `except Exception as exc: raise Reject(exc, requeue=False)`)."""
+
+    def __init__(self, broker_up: bool) -> None:
+        self.broker_up = broker_up
+        self.request = SimpleNamespace(id="abc.r0")
+        self.countdowns: list[float] = []
+
+    def retry(self, countdown: float) -> Any:
+        self.countdowns.append(countdown)
+        if not self.broker_up:
+            raise Reject(ConnectionError("broker down"), requeue=False)
+        raise Retry(when=countdown)
+
+
+def test_a_retry_is_published_with_its_countdown() -> None:
+    task = _Task(broker_up=True)
+    with pytest.raises(Retry):
+        _retry(task, RetryLater(1.5, "step is leased"))
+    assert task.countdowns == [1.5]
+
+
+def test_a_retry_the_broker_cannot_take_gives_the_delivery_back() -> None:
+    """Celery would reject the delivery with requeue=False: the step's message gone."""
+    task = _Task(broker_up=False)
+    with pytest.raises(Reject) as rejected:
+        _retry(task, RetryLater(1.0, "store down"))
+    assert rejected.value.requeue is True
