@@ -71,29 +71,34 @@ class Client:
 
     def submit(self, specs: Sequence[Spec], batch: str | None = None) -> Submission:
         """Enqueue validated canonical specs. Idempotent by spec id: an id already submitted is
-        not run again; this batch waits for (or reads) its stored result instead."""
+        not run again; this batch waits for (or reads) its stored result instead. A new run
+        gets a session key of a new generation (keys.run_session_key)."""
         shas = self.upload_modules(specs)
         sub = Submission(batch=batch or uuid.uuid4().hex[:12], order=[], ids={})
         now_ms = int(time.time() * 1000)
         for start in range(0, len(specs), PIPELINE_SIZE):
             part = specs[start : start + PIPELINE_SIZE]
             pipe = self.redis.pipeline(transaction=False)
-            for spec in part:
-                sk = keys.session_key(spec.id)
+            fresh = [keys.run_session_key(spec.id, keys.new_generation()) for spec in part]
+            for spec, sk in zip(part, fresh, strict=True):
+                # the claim answers the sk of a run this id already has (None: ours is new)
+                pipe.set(keys.id_claim(spec.id), sk, nx=True, get=True, ex=self.ttl_s)
+            runs = [
+                (sk, True) if held is None else (held.decode(), False)
+                for sk, held in zip(fresh, pipe.execute(), strict=True)
+            ]
+            pipe = self.redis.pipeline(transaction=False)
+            for spec, (sk, won) in zip(part, runs, strict=True):
                 sub.order.append(sk)
                 sub.ids[sk] = spec.id
                 if isinstance(spec, ProgramSpec):
                     sub.programs.add(sk)
-                body = dump_body(spec_to_json(stored(spec, shas)))
-                pipe.set(keys.spec(sk), body, nx=True, ex=self.ttl_s)
                 pipe.sadd(keys.watchers(sk), sub.batch)
                 pipe.expire(keys.watchers(sk), self.ttl_s)
-            claimed = pipe.execute()[0::3]
-            pipe = self.redis.pipeline(transaction=False)
-            for spec, won in zip(part, claimed, strict=True):
-                sk = keys.session_key(spec.id)
                 if won:
                     sub.new.add(sk)
+                    body = dump_body(spec_to_json(stored(spec, shas)))
+                    pipe.set(keys.spec(sk), body, ex=self.ttl_s)
                     meta = {
                         "id": spec.id,
                         "batch": sub.batch,
@@ -106,10 +111,10 @@ class Client:
                 else:
                     pipe.exists(keys.response(sk))
             results = iter(pipe.execute())
-            for spec, won in zip(part, claimed, strict=True):
-                sk = keys.session_key(spec.id)
+            for sk, won in runs:
+                next(results), next(results)
                 if won:
-                    next(results), next(results), next(results)
+                    next(results), next(results), next(results), next(results)
                 elif next(results):
                     sub.done.add(sk)
         self._admit(sub)
@@ -225,8 +230,16 @@ class Client:
 
     # one session ---------------------------------------------------------------------------
 
+    def session_key(self, spec_id: str) -> str | None:
+        """The session key of a spec id's run, None if that id was never submitted (or its
+        run expired)."""
+        sk = self.redis.get(keys.id_claim(spec_id))
+        return None if sk is None else str(sk.decode())
+
     def status(self, spec_id: str) -> dict[str, Any] | None:
-        sk = keys.session_key(spec_id)
+        sk = self.session_key(spec_id)
+        if sk is None:
+            return None
         meta = {k.decode(): v.decode() for k, v in self.redis.hgetall(keys.meta(sk)).items()}
         if not meta:
             return None
@@ -242,22 +255,24 @@ class Client:
         return meta
 
     def response(self, spec_id: str) -> bytes | None:
-        value = self.redis.get(keys.response(keys.session_key(spec_id)))
+        sk = self.session_key(spec_id)
+        value = None if sk is None else self.redis.get(keys.response(sk))
         return None if value is None else bytes(value)
 
     def record(self, spec_id: str) -> dict[str, Any] | None:
-        return self.records([keys.session_key(spec_id)])[0]
+        sk = self.session_key(spec_id)
+        return None if sk is None else self.records([sk])[0]
 
     def tool_output(self, spec_id: str, call_id: str) -> str | None:
         """A finished session's tool call output, whole (the model may have read an excerpt),
         found by its call id; None if no call of that id produced one."""
-        sk = keys.session_key(spec_id)
-        record = self.record(spec_id)
+        sk = self.session_key(spec_id)
+        record = None if sk is None else self.records([sk])[0]
         rounds = [m for m in (record or {}).get("transcript", []) if m.get("role") == "assistant"]
         for round_no, message in enumerate(rounds):
             for index, call in enumerate(message.get("tool_calls") or []):
                 if call.get("id") == call_id:
-                    raw = self.redis.get(keys.tool_out(sk, round_no, index))
+                    raw = self.redis.get(keys.tool_out(str(sk), round_no, index))
                     output = None if raw is None else json.loads(raw).get("output")
                     return output if isinstance(output, str) else None
         return None
@@ -267,7 +282,9 @@ class Client:
     ) -> Iterator[dict[str, Any]]:
         """A session's trace events in order; with `follow`, waits for more until its
         session.finished event (or until the session is gone)."""
-        stream_sk = keys.session_key(spec_id)
+        stream_sk = self.session_key(spec_id)
+        if stream_sk is None:
+            return
         stream, last = keys.trace(stream_sk), "0-0"
         while True:
             read = self.redis.xread({stream: last}, count=1000, block=block_ms if follow else None)
@@ -285,8 +302,8 @@ class Client:
 
     def cancel(self, spec_id: str) -> bool:
         """Ask a session to stop; every step checks at its boundary. False if unknown."""
-        sk = keys.session_key(spec_id)
-        if not self.redis.exists(keys.spec(sk)):
+        sk = self.session_key(spec_id)
+        if sk is None or not self.redis.exists(keys.spec(sk)):
             return False
         self.redis.set(keys.cancel(sk), "1", ex=self.ttl_s)
         if isinstance(spec_from_json(json.loads(self.redis.get(keys.spec(sk)))), ProgramSpec):

@@ -1,9 +1,11 @@
 """Redis key layout shared by producer and worker. Every key gets a TTL when written.
 
-A session is addressed by `sk`, a short key derived from its spec id (ids may hold `/` and `:`,
-which would make task ids and Flower URLs awkward). Round r, tool call i:
+A session is addressed by `sk`, a short key: its spec id's digest (ids may hold `/` and `:`,
+which would make task ids and Flower URLs awkward) and the run's generation. Round r, tool
+call i:
 
-    cq:spec:{sk}            canonical spec JSON; SET NX at submit = the idempotency claim
+    cq:id:{digest of id}    the sk of that spec id's run; SET NX at submit = the idempotency claim
+    cq:spec:{sk}            canonical spec JSON
     cq:meta:{sk}            hash: id, batch, submitted_ms, state, round, backend
     cq:out:{sk}:{r}:m       the model reply of round r (or its error), first writer wins
     cq:out:{sk}:{r}:t{i}    tool outcome {"content","ok"} of call i of round r, first writer wins
@@ -29,6 +31,7 @@ which would make task ids and Flower URLs awkward). Round r, tool call i:
 from __future__ import annotations
 
 import hashlib
+import secrets
 from dataclasses import dataclass
 
 PREFIX = "cq"
@@ -38,10 +41,33 @@ TRACE = f"{PREFIX}:trace"  # the fleet's trace events, capped (TRACE_FLEET_MAXLE
 ACTIVE = f"{PREFIX}:active"
 RECONCILER_LOCK = f"{PREFIX}:reconciler"  # held by the one worker reconciling this round
 TRACE_FIELD = "event"  # a trace stream entry's one field: the event as JSON
+GENERATION_BYTES = 4  # of a session key's 12 bytes (hex): the run's generation
 
 
-def session_key(spec_id: str) -> str:
-    return hashlib.sha256(spec_id.encode()).hexdigest()[:24]
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def id_claim(spec_id: str) -> str:
+    """The session key of a spec id's run: SET NX at submit (the idempotency claim)."""
+    return f"{PREFIX}:id:{_digest(spec_id)}"
+
+
+def new_generation() -> str:
+    return secrets.token_hex(GENERATION_BYTES)
+
+
+def run_session_key(spec_id: str, generation: str) -> str:
+    """A run's session key: its spec id's digest and the run's generation, drawn at submit.
+    A resubmission after Redis lost its data is a new generation, so steps of the earlier
+    run still in flight write markers the new run never reads."""
+    return _digest(spec_id)[: 24 - 2 * GENERATION_BYTES] + generation
+
+
+def chat_session_key(run_sk: str, send_no: int) -> str:
+    """The session key of a program run's `send_no`-th chat: the same for every replay of
+    that run, and new with the run's generation."""
+    return _digest(f"{run_sk}#send{send_no}")
 
 
 def spec(sk: str) -> str:

@@ -17,7 +17,6 @@ import requests
 
 from fixtures.demo_batch import WEATHER
 from producer.fleet import free_port
-from schemas import keys
 from tests.conftest import Running
 from tests.test_pipeline import run_specs
 
@@ -56,7 +55,7 @@ def test_flower_lists_every_step_with_ids_only(
             run_specs(running.client, [probe], tmp_path)
             time.sleep(0.5)
             seen = (
-                f"{keys.session_key(probe_id)}.r0"
+                f"{running.client.session_key(probe_id)}.r0"
                 in requests.get(f"{base}/api/tasks", timeout=5).json()
             )
         assert seen, "Flower never received task events"
@@ -68,7 +67,7 @@ def test_flower_lists_every_step_with_ids_only(
             "tools": [dict(WEATHER)],
         }
         run_specs(running.client, [spec], tmp_path)
-        sk = keys.session_key(spec["id"])
+        sk = str(running.client.session_key(spec["id"]))
         expected = {
             f"{sk}.r0": "cchatq.round",
             f"{sk}.r0.t0": "cchatq.tool",

@@ -109,7 +109,7 @@ def test_resubmitted_id_does_not_run_twice(running: Running, tmp_path: Path, fre
     first = run_specs(running.client, [dict(spec)], tmp_path)[spec["id"]]
     requests_before = running.replay_stats()["requests"]
     sub = submit_specs(running.client, [dict(spec)], tmp_path, name="again.jsonl")
-    assert sub.new == set() and sub.done == {keys.session_key(spec["id"])}
+    assert sub.new == set() and sub.done == {running.client.session_key(spec["id"])}
     again = dict(running.client.wait(sub, timeout_s=10))
     assert list(again.values()) == [first]
     redis = running.client.redis
@@ -165,8 +165,8 @@ def test_cancelled_session_ends_with_cancelled_body(
         "model": "replay/slow",
         "messages": [{"role": "user", "content": "take your time [[latency_ms:4000]]"}],
     }
-    sk = keys.session_key(spec["id"])
     sub = submit_specs(running.client, [spec], tmp_path)
+    sk = sub.order[0]
     wait_for(lambda: running.client.redis.hget(keys.meta(sk), "state") == b"round 0")
     assert running.client.cancel(spec["id"])
     record = dict(running.client.wait(sub, timeout_s=20))[sk]
@@ -212,7 +212,7 @@ def test_malformed_spec_line_rejected_and_nothing_enqueued(
     assert proc.returncode == 2
     assert f"{path}:2: messages.0.role:" in proc.stderr
     assert f"{path}:3: invalid JSON" in proc.stderr
-    assert not running.client.redis.exists(keys.spec(keys.session_key(good["id"])))
+    assert running.client.session_key(good["id"]) is None
     assert not (tmp_path / "r.jsonl").exists()
 
 
@@ -266,7 +266,7 @@ def test_poison_step_is_dead_lettered_and_session_ends(
     path.write_text(json.dumps(spec) + "\n")
     sub = running.client.submit([s.spec for s in load_spec_file(path)])
     running.client.redis.delete(*running.client.redis.keys("cq:module:*"))
-    record = dict(running.client.wait(sub, timeout_s=60))[keys.session_key(spec["id"])]
+    record = dict(running.client.wait(sub, timeout_s=60))[sub.order[0]]
     assert record["status"] == "error"
     assert record["body"]["error"]["code"] == "step_failed"
     assert ".r0.t0 failed for good" in record["body"]["error"]["message"]
@@ -354,7 +354,7 @@ def test_a_dangling_ref_schema_is_rejected_at_submit_with_line_and_field(
         f"{path}:1: tools.0.function.parameters: Unresolvable $ref '#/$defs/city' "
         "at $.properties.city"
     ) in proc.stderr
-    assert not running.client.redis.exists(keys.spec(keys.session_key(spec["id"])))
+    assert running.client.session_key(spec["id"]) is None
 
 
 def test_a_schema_failing_only_at_call_time_is_a_validation_error_to_the_model(

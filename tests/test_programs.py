@@ -185,12 +185,12 @@ def test_cancelled_program_ends_at_its_next_hostcall_wait(
     deadline = time.monotonic() + 10
     while running.client.status(spec_id).get("state") != "running" and time.monotonic() < deadline:  # type: ignore[union-attr]
         time.sleep(0.05)
-    fds = keys.fds(keys.session_key(spec_id))
+    fds = keys.fds(sub.order[0])
     while b'"ChatResponse"' not in b"".join(running.client.redis.hvals(fds)):  # it sent
         assert time.monotonic() < deadline, "the program never sent its chat"
         time.sleep(0.02)
     assert running.client.cancel(spec_id)
-    record = dict(running.client.wait(sub, timeout_s=30))[keys.session_key(spec_id)]
+    record = dict(running.client.wait(sub, timeout_s=30))[sub.order[0]]
     assert record["body"] == {"error": {"code": "cancelled", "message": "program run cancelled"}}
     assert record["stdout"] == ""  # it never got past the send
 
@@ -257,7 +257,8 @@ def test_a_program_registering_a_dangling_ref_schema_runs_on_without_it(
     record = run_specs(running.client, [spec], tmp_path, timeout_s=60)[spec_id]
     assert record["status"] == "ok", record
     assert [r["choices"][0]["message"]["content"] for r in record["responses"]] == ["Echo: hi"]
-    fds = running.client.redis.hgetall(keys.fds(keys.session_key(spec_id)))
+    fds = running.client.redis.hgetall(keys.fds(str(running.client.session_key(spec_id))))
     assert json.loads(fds[b"1000"])["tools"] == []  # the session fd registered no tool
-    chat = json.loads(running.client.redis.get(keys.spec(keys.session_key(f"{spec_id}#send0"))))
+    chat_sk = running.client.session_key(f"{spec_id}#send0")
+    chat = json.loads(running.client.redis.get(keys.spec(str(chat_sk))))
     assert chat["tools"] == []

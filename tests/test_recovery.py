@@ -153,7 +153,7 @@ def test_a_step_longer_than_the_dead_after_time_runs_once_while_its_worker_lives
     sub = submit_specs(crashable.client, [spec], tmp_path)
     (record,) = dict(crashable.client.wait(sub, timeout_s=60)).values()
     assert record["status"] == "ok"
-    sk = keys.session_key(f"{fresh_id}/long")
+    sk = str(crashable.client.session_key(f"{fresh_id}/long"))
     assert crashable.client.redis.get(keys.tries(keys.tool_step(sk, 0, 0))) == b"1"
 
 
@@ -170,7 +170,7 @@ def test_an_llm_worker_killed_during_a_model_call_is_taken_over_quickly(
         "messages": [{"role": "user", "content": f"Hello {fresh_id} [[latency_ms:3000]]"}],
     }
     sub = submit_specs(crashable.client, [spec], tmp_path)
-    sk = keys.session_key(spec["id"])
+    sk = sub.order[0]
     step = keys.round_step(sk, 0)
 
     def leased() -> bool:
@@ -221,8 +221,9 @@ def test_a_no_wait_batch_with_a_lost_message_finishes_with_no_producer(
     client = reconciled.client
     deadline = time.monotonic() + 40
     while any(client.record(s["id"]) is None for s in specs):  # reading results, not waiting
+        unfinished = [s["id"] for s in specs if client.record(s["id"]) is None]
         assert time.monotonic() < deadline, diagnose(
-            reconciled, [keys.session_key(s["id"]) for s in specs if client.record(s["id"]) is None]
+            reconciled, [str(client.session_key(i)) for i in unfinished]
         )
         time.sleep(0.1)
     for n, s in enumerate(specs):
@@ -231,4 +232,36 @@ def test_a_no_wait_batch_with_a_lost_message_finishes_with_no_producer(
         assert record["body"]["choices"][0]["message"]["content"] == (
             f"Weather report: {weather_json(CITIES[n])}"
         )
-    assert client.redis.zscore(keys.ACTIVE, keys.session_key(specs[0]["id"])) is None
+    assert client.redis.zscore(keys.ACTIVE, str(client.session_key(specs[0]["id"]))) is None
+
+
+def test_a_resubmission_after_data_loss_never_trusts_markers_of_the_earlier_run(
+    running: Running, tmp_path: Path, fresh_id: str
+) -> None:
+    """Issue 10: Redis lost the session (its claim, spec and result) while steps of the first
+    run were still in flight; those steps then wrote their outputs and published markers.
+    The resubmitted run is a new generation (a new session key), so it runs every step
+    itself instead of finding round 0 "published" and waiting forever."""
+    spec: dict[str, Any] = {
+        "id": f"{fresh_id}/lost",
+        "model": "replay/weather",
+        "messages": [{"role": "user", "content": "Weather in Oslo?"}],
+        "tools": [dict(WEATHER)],
+    }
+    client = running.client
+    first = submit_specs(client, [dict(spec)], tmp_path)
+    assert dict(client.wait(first, timeout_s=30))[first.order[0]]["status"] == "ok"
+    old = first.order[0]
+    lost = [keys.id_claim(spec["id"]), keys.spec(old), keys.meta(old), keys.response(old)]
+    client.redis.delete(*lost, keys.record(old))
+    # what the first run's steps still write after the loss: a reply and published markers
+    assert client.redis.exists(keys.step_state(keys.round_step(old, 0)))
+    again = submit_specs(client, [dict(spec)], tmp_path, name="again.jsonl")
+    assert again.new == {again.order[0]} and again.order[0] != old
+    assert again.order[0][:16] == old[:16]  # the same spec id's digest, a new generation
+    record = dict(client.wait(again, timeout_s=30))[again.order[0]]
+    assert record["status"] == "ok"
+    assert record["body"]["choices"][0]["message"]["content"] == (
+        f"Weather report: {weather_json('Oslo')}"
+    )
+    assert client.session_key(spec["id"]) == again.order[0]

@@ -194,7 +194,7 @@ class ProgramHost:
         self._check_cancel()
         n, self.sends = self.sends, self.sends + 1
         chat_id = f"{self.d.run_id}#send{n}"
-        sk = keys.session_key(chat_id)
+        sk = keys.chat_session_key(self.d.run_sk, n)
         auto = bool(flags & abi.SEND_AUTO_TOOL_CALL)
         metrics = bool(flags & abi.SEND_METRICS)
         response = FdEntry(

@@ -1,0 +1,26 @@
+"""Session keys and step ids (schemas/keys.py): a run's generation in every key it writes."""
+
+from __future__ import annotations
+
+import re
+
+from schemas import keys
+
+
+def test_a_run_session_key_is_the_id_digest_and_its_generation() -> None:
+    first = keys.run_session_key("eval-17/0042", keys.new_generation())
+    second = keys.run_session_key("eval-17/0042", keys.new_generation())
+    assert re.fullmatch(r"[0-9a-f]{24}", first) and re.fullmatch(r"[0-9a-f]{24}", second)
+    assert first[:16] == second[:16] and first != second  # same id, new generation
+    assert keys.run_session_key("eval-17/0043", first[16:])[:16] != first[:16]
+    # every step id and marker of a run carries its generation
+    assert keys.step_state(keys.round_step(first, 0)) != keys.step_state(keys.round_step(second, 0))
+
+
+def test_a_program_chat_key_is_the_same_on_replay_and_new_with_the_run() -> None:
+    run = keys.run_session_key("agent/1", "00000001")
+    rerun = keys.run_session_key("agent/1", "00000002")
+    assert keys.chat_session_key(run, 0) == keys.chat_session_key(run, 0)
+    assert keys.chat_session_key(run, 0) != keys.chat_session_key(run, 1)
+    assert keys.chat_session_key(run, 0) != keys.chat_session_key(rerun, 0)
+    assert keys.id_claim("agent/1") == keys.id_claim("agent/1") != keys.id_claim("agent/2")
