@@ -56,7 +56,9 @@ def run_batch(
     timeout_s: float | None,
     stream: TextIO = sys.stderr,
 ) -> list[dict[str, Any]]:
-    """Submit, show progress, write one JSON line per session (input order), print the summary."""
+    """Submit, show progress, write one JSON line per session, print the summary. Each line is
+    written (and flushed) as its session finishes, so a producer that dies keeps what it had;
+    once all are in, the file is rewritten in input order."""
     started = time.monotonic()
     sub: Submission = client.submit(specs)
     reused = len(sub.order) - len(sub.new)
@@ -67,14 +69,19 @@ def run_batch(
     )
     progress = Progress(len(sub.order), stream)
     records: dict[str, dict[str, Any]] = {}
-    for sk, record in client.wait(sub, timeout_s=timeout_s):
-        records[sk] = record
-        progress.update(record)
+    with out.open("w") as arriving:
+        for sk, record in client.wait(sub, timeout_s=timeout_s):
+            records[sk] = record
+            arriving.write(dump_text(result_line(record)) + "\n")
+            arriving.flush()
+            progress.update(record)
     progress.draw(final=True)
     ordered = [records[sk] for sk in sub.order]
-    with out.open("w") as fh:
+    sorted_out = out.with_name(out.name + ".sorting")
+    with sorted_out.open("w") as fh:
         for record in ordered:
             fh.write(dump_text(result_line(record)) + "\n")
+    sorted_out.replace(out)
     stream.write(f"results: {out}\n{summary(ordered, time.monotonic() - started)}\n")
     return ordered
 

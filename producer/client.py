@@ -14,6 +14,8 @@ from typing import Any
 
 import redis
 from celery import Celery
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 from schemas import keys, task_names
 from schemas.bodies import dump_body
@@ -25,6 +27,11 @@ DEFAULT_TTL_S = 86_400
 STALL_S = 30.0  # no session of a batch moved for this long: nudge those that did not
 NUDGE_MAX = 1000
 STATE_SAMPLE = 10_000  # pending sessions whose state one look reads
+# A restart of Redis (or a failover) is ridden out: each command, pipeline or publish is tried
+# again on a connection error for about this long before the error reaches the caller.
+RECONNECT_S = 60.0
+CLIENT_NAME = "cchatq-producer"  # its connections in Redis's CLIENT LIST
+RECONNECT_BACKOFF_S = (0.05, 1.0)  # first and longest pause between two tries
 QUEUED = b"queued"  # a session's state from submit until its first round
 
 
@@ -41,11 +48,22 @@ class Submission:
 class Client:
     def __init__(self, redis_url: str, ttl_s: int = DEFAULT_TTL_S) -> None:
         # Any: redis-py annotates replies as bytes | str; this client never decodes (bytes).
-        self.redis: Any = redis.Redis.from_url(redis_url)
+        self.redis: Any = redis.Redis.from_url(
+            redis_url, client_name=CLIENT_NAME, **reconnecting()
+        )
         self.ttl_s = ttl_s
         self.celery = Celery("cchatq-producer", broker=redis_url)
+        first_s, longest_s = RECONNECT_BACKOFF_S
         self.celery.conf.update(
-            task_serializer="json", accept_content=["json"], task_ignore_result=True
+            task_serializer="json",
+            accept_content=["json"],
+            task_ignore_result=True,
+            task_publish_retry_policy={
+                "max_retries": int(RECONNECT_S / longest_s),
+                "interval_start": first_s,
+                "interval_step": first_s,
+                "interval_max": longest_s,
+            },
         )
 
     def close(self) -> None:
@@ -83,8 +101,10 @@ class Client:
             for spec, sk in zip(part, fresh, strict=True):
                 # the claim answers the sk of a run this id already has (None: ours is new)
                 pipe.set(keys.id_claim(spec.id), sk, nx=True, get=True, ex=self.ttl_s)
+            # a claim found holding our own fresh key was ours: its pipeline was sent again
+            # after a reconnect, once Redis had already run it
             runs = [
-                (sk, True) if held is None else (held.decode(), False)
+                (sk, True) if held is None or held.decode() == sk else (held.decode(), False)
                 for sk, held in zip(fresh, pipe.execute(), strict=True)
             ]
             pipe = self.redis.pipeline(transaction=False)
@@ -129,6 +149,7 @@ class Client:
         chunks = [fresh[i : i + CHUNK_SIZE] for i in range(0, len(fresh), CHUNK_SIZE)]
         pipe = self.redis.pipeline(transaction=False)
         for n, members in enumerate(chunks):
+            pipe.delete(keys.chunk(sub.batch, n))  # a pipeline sent again writes it once
             pipe.rpush(keys.chunk(sub.batch, n), *members)
             pipe.expire(keys.chunk(sub.batch, n), self.ttl_s)
         pipe.expire(keys.ACTIVE, self.ttl_s)
@@ -166,6 +187,9 @@ class Client:
         check_at = progress + stall_s / 2
         while pending:
             if time.monotonic() >= check_at:
+                # a session whose entry in the done list was lost (popped in a reply that a
+                # dropped connection never delivered, or by a Redis restart) is found here
+                ready.extend(self._finished(pending))
                 moved, stalled = self._stalled(pending, seen, stall_s, started)
                 if moved:
                     progress = time.monotonic()
@@ -189,6 +213,14 @@ class Client:
                         yield sk, record
             if deadline is not None and time.monotonic() > deadline and pending:
                 raise TimeoutError(f"{len(pending)} of {len(sub.order)} sessions still running")
+
+    def _finished(self, pending: set[str]) -> list[str]:
+        """Those of `pending` whose response fd is written."""
+        sks = sorted(pending)[:STATE_SAMPLE]
+        pipe = self.redis.pipeline(transaction=False)
+        for sk in sks:
+            pipe.exists(keys.response(sk))
+        return [sk for sk, done in zip(sks, pipe.execute(), strict=True) if done]
 
     def _stalled(
         self,
@@ -315,3 +347,15 @@ class Client:
             queue=task_names.ROUTES[task_names.FINISH],
         )
         return True
+
+
+def reconnecting() -> dict[str, Any]:
+    """redis-py client options that try a command again on a connection error, with backoff,
+    for about RECONNECT_S: a client from `from_url` otherwise does not retry at all."""
+    first_s, longest_s = RECONNECT_BACKOFF_S
+    return {
+        "retry": Retry(
+            ExponentialBackoff(cap=longest_s, base=first_s), int(RECONNECT_S / longest_s)
+        ),
+        "retry_on_error": [redis.ConnectionError, redis.TimeoutError],
+    }

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ import pytest
 
 from fixtures.demo_batch import CITIES, KINDS, WEATHER, check, demo_specs, weather_json
 from fixtures.replay.conversation import read_envelope
-from producer.client import Client
+from producer.client import CLIENT_NAME, Client
 from producer.specfile import load_spec_file
 from schemas import keys
 from schemas.task_names import ALL_QUEUES
@@ -379,3 +380,46 @@ def test_a_schema_failing_only_at_call_time_is_a_validation_error_to_the_model(
         }
     }
     assert record["metrics"]["tool_calls"] == 1 and record["metrics"]["tool_failures"] == 1
+
+
+def test_a_waiting_producer_rides_out_dropped_connections_and_lost_done_entries(
+    running: Running, tmp_path: Path, fresh_id: str
+) -> None:
+    """Issue 10: the producer's connection is killed while it blocks on the batch's done
+    list (as a Redis restart drops it), and no finished session reaches that list (as a
+    restart can lose the last second of writes, or a dropped reply an entry it popped). The
+    wait goes on and finds every finished session by its response fd."""
+    client = Client(running.fleet.redis_url)
+    specs = [
+        {
+            "id": f"{fresh_id}/reconnect/{n}",
+            "model": "replay/plain",
+            "messages": [{"role": "user", "content": f"Hello {n} [[latency_ms:1000]]"}],
+        }
+        for n in range(4)
+    ]
+    sub = submit_specs(client, specs, tmp_path)
+    side = running.client.redis
+    for sk in sub.order:  # the fleet will not tell this batch: its done list stays empty
+        side.srem(keys.watchers(sk), sub.batch)
+    got: list[str] = []
+    waiting = threading.Thread(
+        target=lambda: got.extend(sk for sk, _ in client.wait(sub, timeout_s=60, stall_s=2))
+    )
+    waiting.start()
+
+    def blocked() -> list[int]:
+        return [
+            int(c["id"])
+            for c in side.client_list()
+            if c["name"] == CLIENT_NAME and "b" in c["flags"]
+        ]
+
+    try:
+        wait_for(lambda: bool(blocked()))
+        for client_id in blocked():
+            side.client_kill_filter(_id=client_id)
+    finally:
+        waiting.join(timeout=60)
+    assert sorted(got) == sorted(sub.order)
+    client.close()
