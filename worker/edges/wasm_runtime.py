@@ -322,6 +322,23 @@ class WasmToolRuntime:
         use_arena: bool,
     ) -> _Outcome:
         store = Store(state.engine)
+        try:
+            return self._run(store, pre, inv, cap, ticks, use_arena)
+        finally:
+            # Frees the call's linear memory now. Without it a trap left the store to the
+            # cyclic GC: wasmtime-py keeps the raised Trap in a local of its own frame, which
+            # the Trap's traceback holds, and so every frame of the call (issue 10, point 7).
+            store.close()
+
+    def _run(
+        self,
+        store: Store,
+        pre: InstancePre,
+        inv: ToolInvocation,
+        cap: int,
+        ticks: int,
+        use_arena: bool,
+    ) -> _Outcome:
         store.set_limits(memory_size=max(0, inv.memory_bytes))  # negative would mean no limit
         store.set_wasi(WasiConfig())  # nothing granted: no dirs, env, args or stdio
         store.set_epoch_deadline(ticks)
@@ -412,6 +429,9 @@ class WasmToolRuntime:
     def _translate(
         err: Trap | WasmtimeError, inv: ToolInvocation, *, instantiating: bool
     ) -> CchatqError:
+        # The error's traceback is in a reference cycle (see _attempt); the translated error
+        # replaces it, so dropping it lets the call's frames go without the cyclic GC.
+        err.__traceback__ = None
         if isinstance(err, Trap):
             if err.trap_code == TrapCode.INTERRUPT:
                 return ToolTimeoutError(f"tool timed out after {inv.timeout_ms} ms")
