@@ -25,7 +25,9 @@ from worker.errors import (
     ToolTimeoutError,
 )
 from worker.guest.fork import ToolModeHost
+from worker.guest.imports import GuestMemory
 from worker.guest.memory import as_i32, plan_arena, plan_scratch
+from worker.guest.runner import ProgramRun, run_program
 
 GUESTS = Path(__file__).resolve().parents[1] / "fixtures" / "guests"
 
@@ -685,4 +687,30 @@ def test_a_trapped_calls_memory_is_freed_at_once(
         with pytest.raises(ToolRuntimeError, match=r"^tool trapped: "):
             call(c_runtime, sha, "hog_trap", args, memory_bytes=(HOG_MIB + 64) << 20)
     # kept, the three calls' memory would be 1.5 GiB
+    assert _rss_mib() - before < HOG_MIB // 4
+
+
+class _IdleHost:
+    """A program host for a run that makes no hostcalls."""
+
+    def hostcall(self, name: str, mem: GuestMemory, args: tuple[int, ...]) -> int | None:
+        raise AssertionError(f"unexpected hostcall {name}")
+
+    def attach(self, exported_globals: list[str], table_name: str | None) -> None:
+        pass
+
+    def abort_reason(self) -> None:
+        return None
+
+
+def test_a_trapped_program_runs_memory_is_freed_at_once(
+    c_runtime: WasmToolRuntime, modules: Modules, no_gc: None
+) -> None:
+    sha = c_tool(modules, "prog_hog_trap")
+    run = ProgramRun(sha, args=[str(HOG_MIB)], memory_bytes=(HOG_MIB + 64) << 20)
+    before = _rss_mib()
+    for _ in range(3):
+        outcome = run_program(c_runtime, run, _IdleHost())
+        # a trap, not exit code 12: the allocation was granted and written
+        assert (outcome.error_code, outcome.exit_code) == ("guest_trap", None)
     assert _rss_mib() - before < HOG_MIB // 4

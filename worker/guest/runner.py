@@ -69,10 +69,16 @@ def run_program(source: ModuleSource, run: ProgramRun, host: HostWithAbort) -> P
         wasi.stdout_file = str(stdout_path)
         wasi.stderr_file = str(stderr_path)
         store = wasmtime.Store(engine)
-        store.set_limits(memory_size=run.memory_bytes)
-        store.set_wasi(wasi)
-        store.set_epoch_deadline(source.deadline_ticks(run.timeout_ms))
-        code, error_code, error = _execute(store, engine, module, host, run.timeout_ms)
+        try:
+            store.set_limits(memory_size=run.memory_bytes)
+            store.set_wasi(wasi)
+            store.set_epoch_deadline(source.deadline_ticks(run.timeout_ms))
+            code, error_code, error = _execute(store, engine, module, host, run.timeout_ms)
+        finally:
+            # Frees the run's linear memory now: a trap's traceback is in a reference cycle
+            # that holds the store (wasm_runtime._attempt says how), which only the cyclic
+            # GC would free.
+            store.close()
         return ProgramOutcome(
             exit_code=code,
             stdout=_capped(stdout_path, run.max_output_bytes),
@@ -106,28 +112,31 @@ def _execute(
             return None, GuestError.code, "the program exports no _start function"
         start(store)
         return 0, None, None
-    except wasmtime.ExitTrap as exc:
+    except (wasmtime.Trap, wasmtime.WasmtimeError, RunAborted, GuestError) as exc:
+        # The run ends here. The error's traceback is in a reference cycle (a trap's, and a
+        # hostcall's error re-raised by wasmtime-py) through the run's frames and its host,
+        # which only the cyclic GC would free: dropping it lets them go now.
+        exc.__traceback__ = None
+        return _ending(exc, host, timeout_ms)
+
+
+def _ending(
+    exc: wasmtime.Trap | wasmtime.WasmtimeError | RunAborted | GuestError,
+    host: HostWithAbort,
+    timeout_ms: int,
+) -> tuple[int | None, str | None, str | None]:
+    if isinstance(exc, wasmtime.ExitTrap):
         return int(exc.code), None, None
-    except RunAborted as exc:
+    if isinstance(exc, (RunAborted, GuestError)):
         return None, exc.code, exc.message
-    except wasmtime.Trap as exc:
-        aborted = host.abort_reason()
-        if aborted is not None:
-            return None, aborted.code, aborted.message
-        if exc.trap_code == wasmtime.TrapCode.INTERRUPT:
-            return (
-                None,
-                DeadlineExceededError.code,
-                f"program exceeded its deadline of {timeout_ms} ms",
-            )
-        return None, GuestTrapError.code, f"program trapped: {wasmtime_reason(str(exc))}"
-    except GuestError as exc:
-        return None, exc.code, exc.message
-    except wasmtime.WasmtimeError as exc:
-        aborted = host.abort_reason()
-        if aborted is not None:
-            return None, aborted.code, aborted.message
+    aborted = host.abort_reason()
+    if aborted is not None:
+        return None, aborted.code, aborted.message
+    if isinstance(exc, wasmtime.WasmtimeError):
         return None, GuestError.code, f"program failed: {wasmtime_reason(str(exc))}"
+    if exc.trap_code == wasmtime.TrapCode.INTERRUPT:
+        return None, DeadlineExceededError.code, f"program exceeded its deadline of {timeout_ms} ms"
+    return None, GuestTrapError.code, f"program trapped: {wasmtime_reason(str(exc))}"
 
 
 def _capped(path: Path, limit: int) -> bytes:
