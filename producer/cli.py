@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
+from urllib.parse import urlencode
 
 import fixtures
 from producer.client import Client, Submission
@@ -22,6 +23,7 @@ from schemas.bodies import dump_text
 from schemas.spec_types import Spec, spec_from_json, spec_to_json
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+DEFAULT_FLOWER_URL = "http://127.0.0.1:5555"  # CCHATQ_FLOWER_URL: where `status` points
 DEMO_FILE = Path(fixtures.__file__).parent / "demo" / "sessions.jsonl"
 
 
@@ -118,6 +120,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     if status is None:
         print(f"unknown session id: {args.id}", file=sys.stderr)
         return 1
+    # every step task of the session shows its id as kwargs (worker/edges/dispatch.py)
+    search = f"kwargs:session={args.id}"
+    flower = os.environ.get("CCHATQ_FLOWER_URL", DEFAULT_FLOWER_URL).rstrip("/")
+    status["flower_search"] = search
+    status["flower_tasks"] = f"{flower}/api/tasks?{urlencode({'search': search})}"
     print(json.dumps(status, indent=2, sort_keys=True))
     return 0
 

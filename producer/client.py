@@ -48,9 +48,7 @@ class Submission:
 class Client:
     def __init__(self, redis_url: str, ttl_s: int = DEFAULT_TTL_S) -> None:
         # Any: redis-py annotates replies as bytes | str; this client never decodes (bytes).
-        self.redis: Any = redis.Redis.from_url(
-            redis_url, client_name=CLIENT_NAME, **reconnecting()
-        )
+        self.redis: Any = redis.Redis.from_url(redis_url, client_name=CLIENT_NAME, **reconnecting())
         self.ttl_s = ttl_s
         self.celery = Celery("cchatq-producer", broker=redis_url)
         first_s, longest_s = RECONNECT_BACKOFF_S
@@ -142,7 +140,7 @@ class Client:
 
     def _admit(self, sub: Submission) -> None:
         fresh = [
-            keys.ChunkMember(sk, program=sk in sub.programs).encode()
+            keys.ChunkMember(sk, program=sk in sub.programs, spec_id=sub.ids[sk]).encode()
             for sk in sub.order
             if sk in sub.new
         ]

@@ -148,18 +148,23 @@ def done_list(batch: str) -> str:
 
 @dataclass(frozen=True)
 class ChunkMember:
-    """A session admitted by a start task, and whether it is a program run (its task runs on
-    the programs queue). Stored as "<sk>" or "p:<sk>" in the chunk list."""
+    """A session admitted by a start task, whether it is a program run (its task runs on the
+    programs queue), and its spec id (shown with its first step's task). Stored as "<sk>" or
+    "p:<sk>", then a space and the id, in the chunk list."""
 
     sk: str
     program: bool = False
+    spec_id: str = ""
 
     def encode(self) -> str:
-        return f"p:{self.sk}" if self.program else self.sk
+        return (f"p:{self.sk}" if self.program else self.sk) + f" {self.spec_id}"
 
     @classmethod
     def decode(cls, raw: str) -> ChunkMember:
-        return cls(raw[2:], program=True) if raw.startswith("p:") else cls(raw)
+        sk, _, spec_id = raw.partition(" ")  # a spec id holds no space (schemas/spec.py)
+        if sk.startswith("p:"):
+            return cls(sk[2:], program=True, spec_id=spec_id)
+        return cls(sk, spec_id=spec_id)
 
 
 def chunk(batch: str, chunk_no: int) -> str:

@@ -4,6 +4,7 @@ Task events are off by default (they cost every hop); Flower switches them on.""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -17,8 +18,9 @@ import requests
 
 from fixtures.demo_batch import WEATHER
 from producer.fleet import free_port
+from producer.specfile import load_spec_file
 from tests.conftest import Running
-from tests.test_pipeline import run_specs
+from tests.test_pipeline import _unique_module, run_specs
 
 pytestmark = pytest.mark.fleet
 
@@ -82,7 +84,47 @@ def test_flower_lists_every_step_with_ids_only(
         for tid in expected:
             shown = f"{tasks[tid].get('args')} {tasks[tid].get('kwargs')}"
             assert sk in shown and secret not in shown
+            # the user's id, shown (never an argument): Flower's search finds the session
+            assert tasks[tid].get("kwargs") == repr({"session": spec["id"]})
+        last = settled(base, f"{sk}.r1")
+        assert (last["state"], last.get("result")) == ("SUCCESS", repr({"outcome": "ok"}))
+        found = requests.get(
+            f"{base}/api/tasks", params={"search": f"kwargs:session={spec['id']}"}, timeout=5
+        ).json()
+        assert set(expected) <= set(found)
+        # a dead-lettered step: its task is a FAILURE, and its session ends step_failed
+        module = _unique_module(tmp_path, fresh_id)
+        poison: dict[str, Any] = {
+            "id": f"{fresh_id}/flower-poison",
+            "model": "replay/weather",
+            "messages": [{"role": "user", "content": "Weather in Lima?"}],
+            "tools": [{**WEATHER, "module": str(module)}],
+        }
+        path = tmp_path / "poison.jsonl"
+        path.write_text(json.dumps(poison) + "\n")
+        sub = running.client.submit([s.spec for s in load_spec_file(path)])
+        running.client.redis.delete(*running.client.redis.keys("cq:module:*"))
+        record = dict(running.client.wait(sub, timeout_s=60))[sub.order[0]]
+        assert record["body"]["error"]["code"] == "step_failed"
+        assert settled(base, f"{sub.order[0]}.r0.t0")["state"] == "FAILURE"
+        finish = settled(base, f"{sub.order[0]}.fin")
+        assert (finish["state"], finish.get("result")) == (
+            "SUCCESS",
+            repr({"outcome": "step_failed"}),
+        )
     finally:
         os.killpg(flower.pid, signal.SIGTERM)
         flower.wait(timeout=15)
         log.close()
+
+
+def settled(base: str, task_id: str, timeout_s: float = 20) -> dict[str, Any]:
+    """A task as Flower shows it once its end event came (SUCCESS, FAILURE or RETRY)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(requests.RequestException, ValueError):
+            info = requests.get(f"{base}/api/task/info/{task_id}", timeout=5).json()
+            if info.get("state") in ("SUCCESS", "FAILURE"):
+                return dict(info)
+        assert time.monotonic() < deadline, f"task {task_id} never ended in Flower"
+        time.sleep(0.1)

@@ -306,6 +306,8 @@ def test_cli_status_and_result(running: Running, tmp_path: Path, fresh_id: str) 
     assert b", " not in response  # compact JSON, sorted keys
     status = json.loads(cli("status", spec["id"]).stdout)
     assert status["state"] == "done" and status["finished"] is True
+    assert status["flower_search"] == f"kwargs:session={spec['id']}"
+    assert status["flower_tasks"].startswith("http://127.0.0.1:5555/api/tasks?search=kwargs")
     unknown = cli("result", f"{fresh_id}/nope")
     assert unknown.returncode == 1 and "unknown session id" in unknown.stderr
 

@@ -1,7 +1,9 @@
 """The Celery app and its tasks: a thin shell over StepRunner. `celery -A worker.tasks ...`.
 
 Arguments are ids only (session key, round, call index), so Flower and the logs never see a
-prompt, a tool argument or a key. Tasks return nothing; results live in Redis response fds.
+prompt, a tool argument or a key; a step's task shows its session's spec id as its keyword
+arguments (for Flower's search) and returns the outcome code of a session it ended. Results
+live in Redis response fds.
 """
 
 from __future__ import annotations
@@ -61,12 +63,15 @@ def _start_reconciler(sender: Any = None, **_: Any) -> None:
 STEP_OPTIONS = {"bind": True, "max_retries": None}
 
 
-def _run(task: Task, call: Any) -> None:
+def _run(task: Task, call: Any) -> dict[str, str] | None:
+    """A step's task result: the outcome code of a session it ended (ids and codes only), so
+    Flower and the task events show how each session ended."""
     try:
-        call(runner(app))
+        outcome = call(runner(app))
     except RetryLater as exc:
         _retry(task, exc)
     # StepDeadLettered goes through: the task ends as a FAILURE (its work is done and stored)
+    return None if outcome is None else {"outcome": outcome}
 
 
 def _retry(task: Task, later: RetryLater) -> None:
@@ -83,18 +88,18 @@ def _retry(task: Task, later: RetryLater) -> None:
 
 
 @app.task(name=task_names.START, **STEP_OPTIONS)
-def start(self: Task, batch: str, chunk_no: int) -> None:
-    _run(self, lambda r: StepRunner.start(r, batch, chunk_no))
+def start(self: Task, batch: str, chunk_no: int) -> dict[str, str] | None:
+    return _run(self, lambda r: StepRunner.start(r, batch, chunk_no))
 
 
 @app.task(name=task_names.ROUND, **STEP_OPTIONS)
-def round_(self: Task, sk: str, round_no: int) -> None:
-    _run(self, lambda r: StepRunner.round(r, sk, round_no))
+def round_(self: Task, sk: str, round_no: int) -> dict[str, str] | None:
+    return _run(self, lambda r: StepRunner.round(r, sk, round_no))
 
 
 @app.task(name=task_names.TOOL, **STEP_OPTIONS)
-def tool(self: Task, sk: str, round_no: int, index: int) -> None:
-    _run(self, lambda r: StepRunner.tool(r, sk, round_no, index))
+def tool(self: Task, sk: str, round_no: int, index: int) -> dict[str, str] | None:
+    return _run(self, lambda r: StepRunner.tool(r, sk, round_no, index))
 
 
 @app.task(
@@ -103,13 +108,13 @@ def tool(self: Task, sk: str, round_no: int, index: int) -> None:
     time_limit=BACKGROUND_TIMEOUT_CAP_MS // 1000 + 120,
     **STEP_OPTIONS,
 )
-def background_tool(self: Task, sk: str, round_no: int, index: int) -> None:
-    _run(self, lambda r: StepRunner.tool(r, sk, round_no, index, background=True))
+def background_tool(self: Task, sk: str, round_no: int, index: int) -> dict[str, str] | None:
+    return _run(self, lambda r: StepRunner.tool(r, sk, round_no, index, background=True))
 
 
 @app.task(name=task_names.FINISH, **STEP_OPTIONS)
-def finish(self: Task, sk: str) -> None:
-    _run(self, lambda r: StepRunner.finish(r, sk))
+def finish(self: Task, sk: str) -> dict[str, str] | None:
+    return _run(self, lambda r: StepRunner.finish(r, sk))
 
 
 @app.task(name=task_names.NUDGE, bind=True, ignore_result=True)
@@ -118,8 +123,5 @@ def nudge(self: Task, sk: str) -> None:
 
 
 @app.task(name=task_names.PROGRAM, **STEP_OPTIONS)
-def program(self: Task, sk: str) -> None:
-    try:
-        program_steps(app).program(sk)
-    except RetryLater as exc:
-        _retry(self, exc)
+def program(self: Task, sk: str) -> dict[str, str] | None:
+    return _run(self, lambda _: program_steps(app).program(sk))

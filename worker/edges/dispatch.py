@@ -31,10 +31,17 @@ _EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
 
 
 def task_message(
-    name: str, args: list[str | int], task_id: str, queue: str, parent: Any = None
+    name: str,
+    args: list[str | int],
+    task_id: str,
+    queue: str,
+    parent: Any = None,
+    shown_id: str = "",
 ) -> bytes:
     """The message `app.send_task(name, args, task_id=..., queue=...)` would push, from a
-    worker running task `parent` (Flower links the steps of a session by root and parent)."""
+    worker running task `parent` (Flower links the steps of a session by root and parent).
+    `shown_id`, the session's spec id, is shown as the task's keyword arguments (Flower
+    finds it with `kwargs:session=<id>`); the task gets none."""
     body = json.dumps([args, {}, _EMBED]).encode()
     root_id = (getattr(parent, "root_id", None) or parent.id) if parent is not None else task_id
     headers = {
@@ -51,7 +58,7 @@ def task_message(
         "root_id": root_id,
         "parent_id": parent.id if parent is not None else None,
         "argsrepr": repr(args),
-        "kwargsrepr": "{}",
+        "kwargsrepr": repr({"session": shown_id}) if shown_id else "{}",
         "origin": anon_nodename(),
         "ignore_result": None,
         "replaced_task_nesting": 0,
@@ -115,7 +122,8 @@ class Dispatcher(StepPublisher):
             name, task_id = _task(step)
             queue = task_names.ROUTES[name]
             # the queue's list is the queue's name: priority 0, no key prefix (wiring's config)
-            pipe.lpush(queue, task_message(name, list(step.args), task_id, queue, parent))
+            message = task_message(name, list(step.args), task_id, queue, parent, step.shown_id)
+            pipe.lpush(queue, message)
         if published is not None:  # after the messages: a marker found means they were sent
             self.store.mark_published(pipe, published)
         if trace is not None:

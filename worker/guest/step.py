@@ -29,8 +29,8 @@ class ProgramSteps:
     programs: ProgramStore
     source: ModuleSource
 
-    def program(self, sk: str) -> None:
-        def body(_: StepStart, __: Outbox) -> None:
+    def program(self, sk: str) -> str | None:
+        def body(_: StepStart, outbox: Outbox) -> None:
             spec = self.runner.spec_of(sk, ProgramSpec)
             started = time.monotonic()
             if self.programs.is_cancelled(sk):
@@ -53,9 +53,9 @@ class ProgramSteps:
                 record = program_record(
                     spec, outcome, host, int((time.monotonic() - started) * 1000)
                 )
-            self.runner.apply(sk, Decision(ending=Ending(record["body"], record)))
+            self.runner.apply(sk, Decision(ending=Ending(record["body"], record)), dispatch=outbox)
 
-        self.runner.guard.run(
+        return self.runner.guard.run(
             keys.program_step(sk), sk, body, stop_if_cancelled=False, state="running"
         )
 

@@ -55,15 +55,16 @@ class StepGuard:
         targets: Callable[[], list[str]] | None = None,
         reads: RoundReads | ToolReads | None = None,
         **meta: str | int,
-    ) -> None:
-        """Run one delivery of a step under its guards. A step that keeps failing ends the
+    ) -> str | None:
+        """Run one delivery of a step under its guards; returns the outcome code of a session
+        it ended ("ok" or an error code: its task's result). A step that keeps failing ends the
         sessions `targets()` names (its own session by default) and raises StepDeadLettered
         (its task ends as a FAILURE). Nothing else escapes but RetryLater: a failure of the
         guard's own Redis calls retries the delivery, so a message is never acknowledged
         with its work undone. What `reads` names is read with
         the lease, in the same round trip, and handed to `body` in its StepStart."""
         try:
-            self._run(step, sk, body, stop_if_cancelled, targets, reads, dict(meta))
+            return self._run(step, sk, body, stop_if_cancelled, targets, reads, dict(meta))
         except (RetryLater, StepDeadLettered):
             raise
         except Exception as exc:
@@ -79,11 +80,11 @@ class StepGuard:
         targets: Callable[[], list[str]] | None,
         reads: RoundReads | ToolReads | None,
         meta: dict[str, str | int],
-    ) -> None:
+    ) -> str | None:
         sessions = targets or (lambda: [sk])
         start = self.store.begin_step(step, STEP_LEASE_MS, meta, sk, reads)
         if start.published:
-            return
+            return None
         if not start.leased:
             raise RetryLater(self.store.lease_left_ms(step) / 1000 + 0.05, f"step {step} is leased")
         if start.cancelled and stop_if_cancelled:
@@ -91,7 +92,7 @@ class StepGuard:
             cancel = Outbox()
             cancel.finish(sk)
             self.commit(step, sk, cancel)
-            return
+            return None
         if start.tries > self.settings.max_step_attempts:
             self.poison(step, sessions(), f"delivered {start.tries} times")
         outbox = Outbox()
@@ -100,6 +101,7 @@ class StepGuard:
         if log.isEnabledFor(logging.INFO):  # one line per step that ran: ids and counts only
             published = [s.kind for s in outbox.steps]
             log.info("step %s done: try %d, published %s", step, start.tries, published)
+        return outbox.outcome
 
     def _body(
         self,
@@ -136,7 +138,7 @@ class StepGuard:
         if outbox.events:  # a session's first or last events set its stream's TTL
             ends = any(e.event.startswith("session.") for e in outbox.events)
             trace = TraceWrite(sk, tuple(outbox.events), expire=ends)
-        if not self.dispatch.publish(outbox.steps, published=step, trace=trace):
+        if not self.dispatch.publish(outbox.shown(), published=step, trace=trace):
             self.store.end_step(step)
             if trace is not None:
                 self.store.trace(trace)

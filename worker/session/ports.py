@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from schemas.keys import ChunkMember
@@ -171,10 +171,13 @@ class TraceWrite:
 
 @dataclass(frozen=True)
 class NextStep:
-    """A step to publish: its kind (`round`, `tool`, `finish`, `program`) and its ids."""
+    """A step to publish: its kind (`round`, `tool`, `finish`, `program`) and its ids, and
+    the spec id of its session when known: shown with its task (Flower's search finds a
+    session by it), never one of its arguments."""
 
     kind: str
     args: tuple[str | int, ...]
+    shown_id: str = ""
 
 
 class Dispatcher(Protocol):
@@ -228,6 +231,14 @@ class Outbox(StepPublisher):
     def __init__(self) -> None:
         self.steps: list[NextStep] = []
         self.events: list[TraceEvent] = []  # written with the step's published marker
+        self.spec_ids: dict[str, str] = {}  # sk -> spec id, shown with the steps it publishes
+        self.outcome: str | None = None  # the code a session this step ended ended with
+
+    def shown(self) -> list[NextStep]:
+        """The steps, each with its session's spec id where this step knows it."""
+        return [
+            replace(s, shown_id=self.spec_ids.get(str(s.args[0]), s.shown_id)) for s in self.steps
+        ]
 
     def publish(
         self,

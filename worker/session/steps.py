@@ -48,10 +48,9 @@ from worker.session.ports import (
     StepStart,
     ToolRuntime,
 )
-from worker.session.records import ending, failed_program_record
+from worker.session.records import OK, ending, failed_program_record, outcome_code
 from worker.session.tool_step import ToolStep
 from worker.session.trace import (
-    TraceEvent,
     event,
     model_call_ended,
     unrun_calls,
@@ -141,12 +140,14 @@ class StepRunner:
         if decision.next_round is not None:
             send.round(sk, decision.next_round)
         if decision.finish and session is not None:
-            self._end(sk, session, send.events if isinstance(send, Outbox) else None)
+            self._end(sk, session, send if isinstance(send, Outbox) else None)
         elif decision.finish:
             send.finish(sk)
         if decision.ending is not None:
             body, record = decision.ending.body, decision.ending.record
             self.store.write_result(sk, dump_body(body), record)
+            if isinstance(send, Outbox):  # the step's task result: a code, never content
+                send.outcome = outcome_code(body)
 
     def _refill(self, sk: str, round_no: int, calls: int, window: int, send: Dispatcher) -> None:
         """A call of a max_parallel window finished: start the next waiting ones. Each is
@@ -159,12 +160,13 @@ class StepRunner:
 
     # start ---------------------------------------------------------------------------------
 
-    def start(self, batch: str, chunk_no: int) -> None:
+    def start(self, batch: str, chunk_no: int) -> str | None:
         def members() -> list[keys.ChunkMember]:
             return self.store.chunk_members(batch, chunk_no)
 
         def body(_: StepStart, outbox: Outbox) -> None:
             for member in members():
+                outbox.spec_ids[member.sk] = member.spec_id
                 if member.program:
                     outbox.program(member.sk)
                 else:
@@ -175,13 +177,14 @@ class StepRunner:
 
         # sk "": a chunk is no session (no cancel flag, no meta); its poison ends them all
         step = keys.start_step(batch, chunk_no)
-        self.guard.run(step, "", body, targets=sessions)
+        return self.guard.run(step, "", body, targets=sessions)
 
     # round ---------------------------------------------------------------------------------
 
-    def round(self, sk: str, round_no: int) -> None:
+    def round(self, sk: str, round_no: int) -> str | None:
         def body(start: StepStart, outbox: Outbox) -> None:
             session = self._session(sk, start.session, upto_round=round_no)
+            outbox.spec_ids[sk] = session.spec.id
             if len(session.rounds) < round_no:
                 return  # out of order: published before its round could be (never by us)
             if len(session.rounds) == round_no:
@@ -212,7 +215,7 @@ class StepRunner:
 
         step = keys.round_step(sk, round_no)
         reads = RoundReads(round_no, self._default_backend())
-        self.guard.run(step, sk, body, reads=reads, state=f"round {round_no}")
+        return self.guard.run(step, sk, body, reads=reads, state=f"round {round_no}")
 
     def _session(
         self, sk: str, read: Session | None = None, upto_round: int | None = None
@@ -271,10 +274,10 @@ class StepRunner:
 
     # tool ----------------------------------------------------------------------------------
 
-    def tool(self, sk: str, round_no: int, index: int, background: bool = False) -> None:
+    def tool(self, sk: str, round_no: int, index: int, background: bool = False) -> str | None:
         """A tool call's step (worker.session.tool_step); `background`: the call of a
         background tool, run on the background queue after its tool step handed it over."""
-        ToolStep(self, sk, round_no, index, background).run()
+        return ToolStep(self, sk, round_no, index, background).run()
 
     def spec_of(self, sk: str, kind: type[SpecT]) -> SpecT:
         """A session's spec, of the kind its step expects (a chat or a program run)."""
@@ -320,32 +323,35 @@ class StepRunner:
 
     # finish --------------------------------------------------------------------------------
 
-    def finish(self, sk: str) -> None:
+    def finish(self, sk: str) -> str | None:
         def body(_: StepStart, outbox: Outbox) -> None:
             spec = self.store.load_spec(sk)
             failure = self.store.failure(sk)
             if isinstance(spec, ProgramSpec):  # only a failed run is finished here
                 result = failure or CancelledError("program run cancelled").body()
                 record = failed_program_record(spec, result)
-                self.apply(sk, Decision(ending=Ending(result, record)))
+                self.apply(sk, Decision(ending=Ending(result, record)), dispatch=outbox)
                 return
-            self._end(sk, self._session(sk), outbox.events)
+            self._end(sk, self._session(sk), outbox)
 
         step = keys.finish_step(sk)
-        self.guard.run(step, sk, body, stop_if_cancelled=False)
+        return self.guard.run(step, sk, body, stop_if_cancelled=False)
 
-    def _end(self, sk: str, session: Session, events: list[TraceEvent] | None = None) -> None:
+    def _end(self, sk: str, session: Session, outbox: Outbox | None = None) -> None:
         """Write a chat session's ending (the ending rules read its failure, cancel, meta).
-        Its session.finished event joins the step's `events` (after the round's own), or is
-        written at once."""
+        Its session.finished event joins the step's `outbox` (after the round's own events),
+        or is written at once."""
         failure, cancelled, submitted_ms = self.store.ending_inputs(sk)
         latency_ms = int(time.time() * 1000) - submitted_ms
         decision = ending(session, failure, cancelled, latency_ms)
-        self.apply(sk, decision)
+        self.apply(sk, decision, dispatch=outbox)
         if self.settings.trace and decision.ending is not None:
-            code = (decision.ending.body.get("error") or {}).get("code")
-            finished = event("session.finished", session.spec.id, latency_ms=latency_ms, error=code)
-            if events is not None:
-                events.append(finished)
+            code = outcome_code(decision.ending.body)
+            error = None if code == OK else code
+            finished = event(
+                "session.finished", session.spec.id, latency_ms=latency_ms, error=error
+            )
+            if outbox is not None:
+                outbox.events.append(finished)
             else:
                 self.guard.trace_now(sk, finished, expire=True)

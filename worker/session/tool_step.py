@@ -44,14 +44,15 @@ class ToolStep:
     index: int
     background: bool = False
 
-    def run(self) -> None:
+    def run(self) -> str | None:
         sk, round_no, index = self.sk, self.round_no, self.index
         step = (keys.background_step if self.background else keys.tool_step)(sk, round_no, index)
-        self.runner.guard.run(step, sk, self._body, reads=ToolReads(round_no, index))
+        return self.runner.guard.run(step, sk, self._body, reads=ToolReads(round_no, index))
 
     def _body(self, start: StepStart, outbox: Outbox) -> None:
         runner, round_no, index = self.runner, self.round_no, self.index
         spec = runner.spec_of(self.sk, SessionSpec)
+        outbox.spec_ids[self.sk] = spec.id
         reply, outcome = start.tool_inputs or runner.store.tool_inputs(self.sk, round_no, index)
         if reply is None or is_error_body(reply):
             raise StoreError(f"round {round_no} reply missing for tool step")
