@@ -1,19 +1,30 @@
 """compose.yaml is honest: every service's `command` runs, and answers, on this machine.
 
 There is no Docker engine here, so each service's exec-form `command` is started as a plain
-subprocess with the service's compose environment. Compose host names and ports become
-127.0.0.1 and free ports, and services start in compose's `depends_on` order. Each service
-must answer within 30 s: Redis to PING, the replay server and Flower over HTTP, and each
-worker to a Celery control ping sent to its own node name while it consumes its own queue.
-Healthcheck commands run the same way, because `service_healthy` waits on them. Processes
+subprocess with the service's compose environment, in an empty directory of its own (the
+image's /app holds no source). Compose host names and ports become 127.0.0.1 and free ports,
+a bind mount's container path its directory here (so CCHATQ_CONFIG names ./config's file),
+and services start in compose's `depends_on` order. Each service must answer within 30 s:
+Redis to PING (with its AOF on), the replay server and Flower over HTTP, and each worker to a
+Celery control ping sent to its own node name while it consumes its own queue. Healthcheck
+commands run the same way, because `service_healthy` waits on them: a CMD-SHELL one in `sh`,
+with $HOSTNAME this machine's host name and the image's PATH this Python's scripts. Processes
 are stopped by pid: SIGTERM to the process group, then SIGKILL after 10 s.
+
+The file itself is checked against the Compose Specification's JSON schema (vendored in
+tests/data), and so are the Dockerfile its build names, the .dockerignore, the mounted
+configuration with the key variables .env.example documents, and the workers' stop grace
+against the longest step the worker code allows.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
+import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -26,11 +37,16 @@ from pathlib import Path
 from typing import IO, Any
 from urllib.parse import urlsplit
 
+import jsonschema
 import pytest
 import redis
 import requests
 import yaml
 from celery import Celery
+
+from schemas.limits import RUN_LIMIT_BOUNDS, TOOL_TIMEOUT_CAP_MS
+from worker.config import load_settings
+from worker.wiring import celery_config
 
 pytestmark = pytest.mark.fleet
 
@@ -54,13 +70,49 @@ LOCAL_NAMES = {"127.0.0.1", "localhost", "0.0.0.0"}
 # Only here, never in a container: Redis listens on loopback, and its working directory is ours.
 EXTRA_ARGS = {"redis": ["--bind", LOCAL]}
 HEALTHCHECKED = sorted(name for name, spec in SERVICES.items() if "healthcheck" in spec)
+SCHEMA_PATH = ROOT / "tests" / "data" / "compose_spec.json"
+# what tests/data/README.md says was vendored
+SCHEMA_SHA256 = "46b7d35f19dd93a05f8fea530291bf84d881c1791ec167ecf0e6fb94e639d496"
+DURATION = re.compile(r"(\d+(?:\.\d+)?)(us|ms|s|m|h)")
+DURATION_UNITS_S = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def command_flag(command: list[str], flag: str) -> str | None:
+    for prev, value in itertools.pairwise(command):
+        if prev == flag:
+            return value
+    return None
 
 
 def command_port(command: list[str]) -> int | None:
-    for flag, value in itertools.pairwise(command):
-        if flag == "--port":
-            return int(value)
-    return None
+    port = command_flag(command, "--port")
+    return None if port is None else int(port)
+
+
+def compose_literal(text: str) -> str:
+    """A string of compose.yaml as a container sees it. Compose interpolates `$VAR` and
+    `${VAR}` from the host's environment, so the file writes every `$` meant for a container
+    as `$$`: here a lone `$` is a mistake, and `$$` is `$`."""
+    lone = re.sub(r"\$\$", "", text)
+    assert "$" not in lone, f"compose would interpolate the host's environment into: {text}"
+    return text.replace("$$", "$")
+
+
+def duration_s(value: str) -> float:
+    """A compose duration ("5m", "1m30s", "300s") in seconds."""
+    parts = DURATION.findall(value)
+    assert parts and "".join(n + u for n, u in parts) == value, f"not a duration: {value!r}"
+    return sum(float(n) * DURATION_UNITS_S[u] for n, u in parts)
+
+
+def bind_mounts(service: str) -> dict[str, Path]:
+    """A service's bind mounts: container path -> the directory here (short syntax)."""
+    mounts: dict[str, Path] = {}
+    for volume in SERVICES[service].get("volumes") or []:
+        source, target = str(volume).split(":")[:2]
+        if source.startswith((".", "/")):
+            mounts[target] = (ROOT / source).resolve()
+    return mounts
 
 
 def free_port() -> int:
@@ -158,9 +210,15 @@ class Plan:
         }
         raw = SERVICES[service].get("environment") or {}
         assert isinstance(raw, dict), f"{service}: environment as a mapping, please"
+        mounts = bind_mounts(service)
         for key, value in raw.items():
-            text = str(value)
-            env[key] = self.url(text, service) if "://" in text else text
+            text = compose_literal(str(value))
+            if "://" in text:
+                text = self.url(text, service)
+            for target, source in mounts.items():
+                if text == target or text.startswith(target + "/"):
+                    text = str(source) + text[len(target) :]
+            env[key] = text
         env["CCHATQ_MODULE_CACHE_DIR"] = str(self.workdir / "modules")
         return env
 
@@ -187,10 +245,17 @@ class Stack:
             self.app = Celery("compose-test", broker=self.redis_url)
         return self.app
 
+    def cwd(self, service: str) -> Path:
+        """The service's working directory: an empty one of its own (Redis keeps its AOF
+        there; the image's /app is empty too)."""
+        path = self.workdir / "cwd" / service
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
     def start(self, service: str) -> None:
         log = open(self.workdir / f"{service}.log", "wb")  # noqa: SIM115 - closed in stop()
         self.logs[service] = log
-        cwd = ROOT if SERVICES[service].get("working_dir") == "/app" else self.workdir
+        cwd = self.cwd(service)
         self.started[service] = time.monotonic()
         self.procs[service] = subprocess.Popen(
             self.plan.command(service),
@@ -272,9 +337,10 @@ def http_answers(path: str, body: str) -> Callable[[Stack, str], bool]:
     return check
 
 
-def node_name(service: str) -> str:
-    """The worker's Celery node name: `cchatq worker` names it `<queue>@<hostname>`."""
-    return f"{WORKER_QUEUES[service]}@{socket.gethostname()}"
+def node_name(service: str, hostname: str | None = None) -> str:
+    """The worker's Celery node name: `cchatq worker --name N` names it `N@<hostname>`."""
+    name = command_flag(SERVICES[service]["command"], "--name") or WORKER_QUEUES[service]
+    return f"{name}@{hostname or socket.gethostname()}"
 
 
 def worker_answers(stack: Stack, service: str) -> bool:
@@ -327,7 +393,125 @@ def test_compose_lists_the_fleet() -> None:
     }
     assert len(images) == 1, f"the Python services share one image: {images}"
     assert all(SERVICES[name].get("working_dir") == "/app" for name in PYTHON_SERVICES)
-    assert "WORKDIR /app" in SERVICES["replay"]["build"]["dockerfile_inline"]
+
+
+def test_compose_file_follows_the_compose_specification() -> None:
+    raw = SCHEMA_PATH.read_bytes()
+    assert hashlib.sha256(raw).hexdigest() == SCHEMA_SHA256, "tests/data/README.md: update it"
+    schema = json.loads(raw)
+    validator = jsonschema.Draft7Validator(schema)
+    errors = [
+        f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
+        for e in validator.iter_errors(COMPOSE)
+    ]
+    assert not errors, "\n".join(errors)
+    # the schema is strict where a typo would hide: an unknown key fails
+    typo = {"services": {"worker": {"image": "x", "stop_grace_perod": "5m"}}}
+    assert not validator.is_valid(typo)
+    for text in strings(COMPOSE):  # every `$` is for a container: the host's env changes nothing
+        compose_literal(text)
+
+
+def strings(node: Any) -> Iterator[str]:
+    """Every key and value of a parsed YAML document that compose interpolates."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield str(key)
+            yield from strings(value)
+    elif isinstance(node, list):
+        for item in node:
+            yield from strings(item)
+    elif isinstance(node, str):
+        yield node
+
+
+def dockerfile_stages(text: str) -> list[list[tuple[str, str]]]:
+    """(instruction, arguments) per stage, continuation lines joined, comments dropped."""
+    joined = re.sub(r"\\\n\s*", " ", text)
+    stages: list[list[tuple[str, str]]] = []
+    for line in joined.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        instruction, _, args = line.partition(" ")
+        if instruction.upper() == "FROM":
+            stages.append([])
+        assert stages, f"an instruction before FROM: {line}"
+        stages[-1].append((instruction.upper(), args.strip()))
+    return stages
+
+
+def test_the_image_is_built_from_the_dockerfile() -> None:
+    for name in PYTHON_SERVICES:
+        build = SERVICES[name]["build"]
+        assert "dockerfile_inline" not in build, f"{name}: the image's recipe is ./Dockerfile"
+        dockerfile = (ROOT / build["context"] / build.get("dockerfile", "Dockerfile")).resolve()
+        assert dockerfile == ROOT / "Dockerfile" and dockerfile.is_file(), dockerfile
+    final = dockerfile_stages((ROOT / "Dockerfile").read_text())[-1]
+    args = {instruction: [a for i, a in final if i == instruction] for instruction, _ in final}
+    assert args["FROM"][0].split()[0] == "python:3.11-slim"
+    assert any(re.search(r"\bPYTHONUNBUFFERED=1\b", env) for env in args["ENV"])
+    users = args.get("USER", [])
+    assert users and users[-1].split(":")[0] not in {"root", "0"}, "the image runs as non-root"
+    assert args["WORKDIR"][-1] == SERVICES["worker-llm"]["working_dir"]
+    installs = [a for a in args["RUN"] if "pip install" in a]
+    assert installs and not any(re.search(r"\s(-e|--editable)\s", a) for a in installs)
+    ignored = {
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
+    missing = {".git", ".venv", ".env", "**/__pycache__", ".mypy_cache", ".pytest_cache"} - ignored
+    assert not missing, f".dockerignore lets these into the build context: {sorted(missing)}"
+
+
+def test_workers_read_the_mounted_configuration_and_keys_from_env_file(tmp_path: Path) -> None:
+    keys_documented = dict(
+        line.split("=", 1)
+        for line in (ROOT / ".env.example").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    )
+    assert all(not value.strip() for value in keys_documented.values()), "no real keys, please"
+    assert ".env" in (ROOT / ".gitignore").read_text().split()
+    configs: set[Path] = set()
+    for name in PYTHON_SERVICES:
+        assert SERVICES[name]["env_file"] == [{"path": ".env", "required": False}], name
+        if name in WORKER_QUEUES:
+            volumes = [str(v) for v in SERVICES[name]["volumes"]]
+            assert any(v.endswith(":ro") for v in volumes), f"{name}: config mounted read-only"
+            configs.add(Path(Plan.make(tmp_path).env(name)["CCHATQ_CONFIG"]))
+    assert configs == {ROOT / "config" / "cchatq.json"}, configs
+    settings = load_settings({"CCHATQ_CONFIG": str(ROOT / "config" / "cchatq.json")})
+    assert settings.default_backend == "replay", "the stack runs with no key at all"
+    real = {
+        name: backend
+        for name, backend in settings.backends.items()
+        if backend.base_url.startswith("https://")
+    }
+    assert {b.protocol for b in real.values()} >= {"anthropic", "openai", "gemini"}
+    for name, backend in real.items():
+        assert backend.api_key_env in keys_documented, f"{name}: .env.example lacks its key"
+
+
+def test_workers_stop_after_their_longest_step(tmp_path: Path) -> None:
+    """The grace outlasts Celery's hard time limit, which bounds every step but a
+    background call's, and each budget under it (compose.yaml says why background gets the
+    same grace)."""
+    config = ROOT / "config" / "cchatq.json"
+    for name in WORKER_QUEUES:
+        env = Plan.make(tmp_path).env(name)
+        settings = load_settings(env)
+        assert Path(env["CCHATQ_CONFIG"]) == config
+        hard_limit_s = float(celery_config(settings)["task_time_limit"])
+        budgets_s = {
+            "task_time_limit": hard_limit_s,
+            "run_timeout_ms cap": RUN_LIMIT_BOUNDS["run_timeout_ms"][1] / 1000,
+            "tool timeout cap": TOOL_TIMEOUT_CAP_MS / 1000,
+            **{f"backend {b.name}": b.total_timeout_s for b in settings.backends.values()},
+        }
+        grace_s = duration_s(SERVICES[name]["stop_grace_period"])
+        short = {what: s for what, s in budgets_s.items() if s >= grace_s}
+        assert not short, f"{name}: a {grace_s:.0f} s grace cuts {short}"
 
 
 def test_addresses_name_services_on_the_ports_they_listen_on(tmp_path: Path) -> None:
@@ -393,16 +577,92 @@ def test_flower_lists_the_workers(stack: Stack) -> None:
         time.sleep(0.5)
 
 
+def run_healthcheck(
+    stack: Stack, service: str, hostname: str | None = None
+) -> subprocess.CompletedProcess[bytes]:
+    """The service's healthcheck as Docker runs it in the container: CMD as the program,
+    CMD-SHELL in `sh -c`, where $HOSTNAME is the host name (this machine's here) and PATH
+    leads to the image's scripts (here: this Python's)."""
+    test = SERVICES[service]["healthcheck"]["test"]
+    assert isinstance(test, list) and test[0] in {"CMD", "CMD-SHELL"}, f"{service}: {test}"
+    env = stack.plan.env(service)
+    if test[0] == "CMD":
+        argv = stack.plan.args([compose_literal(a) for a in test[1:]], service)
+    else:
+        assert len(test) == 2, f"{service}: CMD-SHELL takes one command line"
+        script = compose_literal(test[1])
+        assert "://" not in script, f"{service}: addresses in CMD form, so they can be mapped"
+        argv = ["/bin/sh", "-c", script]
+        env["HOSTNAME"] = hostname or socket.gethostname()
+        env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    return subprocess.run(
+        argv, cwd=stack.cwd(service), env=env, capture_output=True, timeout=WAIT_S
+    )
+
+
 @pytest.mark.parametrize("service", HEALTHCHECKED)
 def test_healthcheck_passes(stack: Stack, service: str) -> None:
     stack.wait(service)
-    test = SERVICES[service]["healthcheck"]["test"]
-    assert isinstance(test, list) and test[0] == "CMD", f"{service}: healthcheck in CMD form"
-    done = subprocess.run(
-        stack.plan.args(test[1:], service),
-        cwd=ROOT,
-        env=stack.plan.env(service),
-        capture_output=True,
-        timeout=WAIT_S,
-    )
+    done = run_healthcheck(stack, service)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_every_worker_has_a_healthcheck_on_its_own_node() -> None:
+    for service in WORKER_QUEUES:
+        test = SERVICES[service].get("healthcheck", {}).get("test")
+        assert test and test[0] == "CMD-SHELL", f"{service}: no shell healthcheck"
+        assert compose_literal(test[-1]).split()[-2:] == ["-d", node_name(service, "$HOSTNAME")]
+
+
+def test_worker_healthcheck_fails_for_another_node(stack: Stack) -> None:
+    """It pings its own worker only: a host name no worker has answers nothing, and fails."""
+    stack.wait("worker-llm")
+    done = run_healthcheck(stack, "worker-llm", hostname="no-such-host")
+    assert done.returncode != 0, done.stdout + done.stderr
+    assert b"No nodes replied" in done.stdout + done.stderr
+
+
+def test_redis_appends_every_write_to_its_aof(stack: Stack, tmp_path: Path) -> None:
+    """A write reaches the AOF in Redis's data dir, and a Redis started by the same command on
+    a copy of that dir (a restarted container on its volume) has it back."""
+    stack.wait("redis")
+    spec = SERVICES["redis"]
+    assert "/data" in {str(v).split(":")[1] for v in spec["volumes"]}
+    named = {str(v).split(":")[0] for v in spec["volumes"]}
+    assert named <= set(COMPOSE.get("volumes") or {}), "Redis's data is in a named volume"
+    key = f"compose-test:aof:{os.getpid()}"
+    with redis.Redis(host=LOCAL, port=stack.plan.local_ports["redis"]) as client:
+        config = client.config_get("append*")
+        assert config["appendonly"] == "yes" and config["appendfsync"] == "everysec", config
+        client.set(key, "kept")
+    aof_dir = stack.cwd("redis") / "appendonlydir"
+    deadline = time.monotonic() + WAIT_S
+    while not any(key.encode() in aof.read_bytes() for aof in aof_dir.glob("*.aof")):
+        assert time.monotonic() < deadline, f"{key} never reached the AOF in {aof_dir}"
+        time.sleep(0.1)
+    shutil.copytree(aof_dir, tmp_path / "appendonlydir")
+    port = free_port()
+    command = [
+        str(port) if prev == "--port" else arg
+        for prev, arg in itertools.pairwise(["", *stack.plan.command("redis")])
+    ]
+    restarted = subprocess.Popen(
+        command,
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        with redis.Redis(host=LOCAL, port=port, socket_connect_timeout=0.5) as client:
+            deadline = time.monotonic() + WAIT_S
+            while True:
+                with contextlib.suppress(redis.ConnectionError, redis.BusyLoadingError):
+                    assert client.get(key) == b"kept"
+                    break
+                assert restarted.poll() is None, f"redis exited with {restarted.returncode}"
+                assert time.monotonic() < deadline, "the restarted Redis never answered"
+                time.sleep(0.1)
+    finally:
+        _signal_group(restarted, signal.SIGTERM)
+        restarted.wait(timeout=STOP_GRACE_S)

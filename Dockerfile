@@ -1,0 +1,27 @@
+# The cchatq image: every Python service of compose.yaml (workers, Flower, the replay server)
+# runs it with its own `command`. The package is built into a wheel and installed (not
+# editable), so the running image holds no source tree and no build tools; it runs as an
+# unprivileged user.
+#
+#   docker build -t cchatq:local .     (or: docker compose build)
+
+FROM python:3.11-slim AS build
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
+WORKDIR /src
+COPY . .
+RUN pip wheel --no-deps --wheel-dir /wheels .
+
+FROM python:3.11-slim
+ENV PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1
+COPY --from=build /wheels /wheels
+RUN pip install /wheels/*.whl && rm -rf /wheels
+# A home for the compiled-module cache (CCHATQ_MODULE_CACHE_DIR: ~/.cache/cchatq/modules) and
+# /app, the services' working directory, both the user's own.
+RUN useradd --create-home --uid 10001 --user-group cchatq \
+    && install -d -o cchatq -g cchatq /app
+USER cchatq
+WORKDIR /app
+CMD ["cchatq", "--help"]
