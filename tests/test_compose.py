@@ -3,7 +3,7 @@
 There is no Docker engine here, so each service's exec-form `command` is started as a plain
 subprocess with the service's compose environment, in an empty directory of its own (the
 image's /app holds no source). Compose host names and ports become 127.0.0.1 and free ports,
-a bind mount's container path its directory here (so CCHATQ_CONFIG names ./config's file),
+a bind mount's container path its directory here (so CCHATQ_CONFIG names ./fixtures/config's file),
 and services start in compose's `depends_on` order. Each service must answer within 30 s:
 Redis to PING (with its AOF on), the replay server and Flower over HTTP, and each worker to a
 Celery control ping sent to its own node name while it consumes its own queue. Healthcheck
@@ -480,8 +480,8 @@ def test_workers_read_the_mounted_configuration_and_keys_from_env_file(tmp_path:
             volumes = [str(v) for v in SERVICES[name]["volumes"]]
             assert any(v.endswith(":ro") for v in volumes), f"{name}: config mounted read-only"
             configs.add(Path(Plan.make(tmp_path).env(name)["CCHATQ_CONFIG"]))
-    assert configs == {ROOT / "config" / "cchatq.json"}, configs
-    settings = load_settings({"CCHATQ_CONFIG": str(ROOT / "config" / "cchatq.json")})
+    assert configs == {ROOT / "fixtures" / "config" / "cchatq.json"}, configs
+    settings = load_settings({"CCHATQ_CONFIG": str(ROOT / "fixtures" / "config" / "cchatq.json")})
     assert settings.default_backend == "replay", "the stack runs with no key at all"
     real = {
         name: backend
@@ -497,7 +497,7 @@ def test_workers_stop_after_their_longest_step(tmp_path: Path) -> None:
     """The grace outlasts Celery's hard time limit, which bounds every step but a
     background call's, and each budget under it (compose.yaml says why background gets the
     same grace)."""
-    config = ROOT / "config" / "cchatq.json"
+    config = ROOT / "fixtures" / "config" / "cchatq.json"
     for name in WORKER_QUEUES:
         env = Plan.make(tmp_path).env(name)
         settings = load_settings(env)
