@@ -6,7 +6,8 @@ worker serves metrics or writes any of its own, so prefork pools need no multipr
 - counters and histograms kept from the fleet's trace stream (`cq:trace`), followed from the
   moment the exporter starts: model calls by backend and outcome, tokens in and out by backend,
   tool calls by tool and outcome (ok or the error class), tool retries, background tasks,
-  sessions finished by outcome, and model and tool call latencies.
+  sessions finished by outcome, model and tool call latencies, and how long steps ran by
+  kind.
 
 Ids, codes and counts only, as in the trace events themselves.
 """
@@ -73,6 +74,10 @@ class TraceCounters:
         self.retries = counter("cchatq_tool_retries", "Tool calls tried again", ["tool"])
         self.tasks = counter("cchatq_background_tasks", "Background tasks", ["event"])
         self.sessions = counter("cchatq_sessions_finished", "Sessions finished", ["outcome"])
+        self.step_seconds = Histogram(
+            "cchatq_step_seconds", "How long a step's body ran, by kind", ["kind"],
+            buckets=LATENCY_BUCKETS_S, registry=registry,
+        )  # fmt: skip
         self.model_seconds = Histogram(
             "cchatq_model_call_seconds", "Model call latency", ["backend"],
             buckets=LATENCY_BUCKETS_S, registry=registry,
@@ -85,6 +90,9 @@ class TraceCounters:
     def count(self, event: dict[str, Any]) -> None:
         name = event.get("event", "")
         seconds = float(event.get("latency_ms") or 0) / 1000
+        if "step_ms" in event:  # rides a step's last event (or a step.finished of its own)
+            kind = str(event.get("kind") or "?")
+            self.step_seconds.labels(kind).observe(float(event["step_ms"]) / 1000)
         if name.startswith("model.call.") and name != "model.call.started":
             backend = str(event.get("backend") or "?")
             self.model_calls.labels(backend, name.rsplit(".", 1)[1]).inc()

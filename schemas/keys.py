@@ -232,6 +232,21 @@ def program_step(sk: str) -> str:
     return f"{sk}.prog"
 
 
+_STEP_SUFFIXES = {"bg": "background", "fin": "finish", "prog": "program"}
+_STEP_PREFIXES = {"r": "round", "t": "tool", "c": "start"}
+
+
+def step_kind(step: str) -> str:
+    """A step id's kind, read from its last part (the ids above): round, tool, background,
+    finish, program or start ("?" for none of them)."""
+    last = step.rsplit(".", 1)[-1]
+    if last in _STEP_SUFFIXES:
+        return _STEP_SUFFIXES[last]
+    if len(last) > 1 and last[1:].isdigit() and "." in step:
+        return _STEP_PREFIXES.get(last[0], "?")
+    return "?"
+
+
 # The broker's bookkeeping (worker/edges/broker.py), outside the session keyspace like kombu's
 # own keys: no TTL, and bounded (emptied as messages are acked, consumers swept when dead).
 BROKER_CONSUMERS = "_cchatq:broker:consumers"  # consumers that may hold unacked messages

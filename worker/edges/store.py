@@ -353,11 +353,13 @@ class RedisStore:
 
     def add_trace(self, client: Any, write: TraceWrite) -> None:
         """Trace events appended by `client` (this store's, or a pipeline on it): to the
-        session's stream and the fleet's, both capped (approximately: cheap trimming)."""
+        session's stream and the fleet's, both capped (approximately: cheap trimming). An event
+        of no session (a fleet event: for the metrics) goes to the fleet's stream only."""
         stream = keys.trace(write.sk)
         for event in write.events:
             entry = {keys.TRACE_FIELD: json.dumps(event.to_json(), separators=(",", ":"))}
-            client.xadd(stream, entry, maxlen=TRACE_SESSION_MAXLEN, approximate=True)
+            if event.session:
+                client.xadd(stream, entry, maxlen=TRACE_SESSION_MAXLEN, approximate=True)
             client.xadd(keys.TRACE, entry, maxlen=TRACE_FLEET_MAXLEN, approximate=True)
         if write.expire:  # the fleet's stream too: it lives while sessions come and go
             client.expire(stream, self.ttl_s)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from typing import NoReturn
 
@@ -33,7 +34,7 @@ from worker.session.ports import (
     TraceWrite,
 )
 from worker.session.records import bare_record
-from worker.session.trace import TraceEvent
+from worker.session.trace import TraceEvent, step_timed
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,7 @@ class StepGuard:
         outbox: Outbox,
         sessions: Callable[[], list[str]],
     ) -> None:
+        started = time.monotonic()
         try:
             body(start, outbox)
         except RateLimited as exc:
@@ -128,6 +130,8 @@ class StepGuard:
             raise RetryLater(
                 min(0.2 * 2**start.tries, 10.0), f"{type(exc).__name__}: {exc}"
             ) from exc
+        if self.settings.trace:  # its kind and duration ride its last event
+            step_timed(outbox.events, step, started)
         self.commit(step, sk, outbox)
 
     def commit(self, step: str, sk: str, outbox: Outbox) -> None:

@@ -6,6 +6,10 @@ Events: session.started, model.call.started / finished / failed, tool.call.start
 finished / failed / retried, session.finished; for a background tool's call, task.submitted /
 progress / completed / failed too. A redelivered step may repeat one (at least
 once, like the steps themselves).
+
+A step's kind and how long its body ran ride the last event it made (`kind`, `step_ms`: no
+write of their own). For the fleet's metrics only, with no session (the fleet's stream only):
+step.finished, for a step that made no event (a start or program step).
 """
 
 from __future__ import annotations
@@ -13,9 +17,10 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from schemas import keys
 from worker.codecs.openai_chat import tool_calls_of
 from worker.session.outcomes import ToolOutcome
 
@@ -25,7 +30,7 @@ log = logging.getLogger("cchatq.trace")
 @dataclass(frozen=True)
 class TraceEvent:
     event: str
-    session: str  # the spec's id
+    session: str  # the spec's id; "" for a fleet event (the fleet's stream only)
     ts_ms: int
     round: int | None = None
     call_id: str | None = None
@@ -40,6 +45,8 @@ class TraceEvent:
     tokens_out: int | None = None
     percent: int | None = None  # task.progress: how far a background call is
     message: str | None = None  # task.progress: the tool's own words (cut at 200 bytes)
+    kind: str | None = None  # the step's kind (keys.step_kind), with step_ms
+    step_ms: int | None = None  # how long the step's body ran, on its last event
 
     def to_json(self) -> dict[str, Any]:
         """The fields that are set (a stream entry, a log line, a `cchatq trace` line)."""
@@ -56,6 +63,17 @@ def event(name: str, session: str, **values: Any) -> TraceEvent:
     if log.isEnabledFor(logging.INFO):
         log.info("%s", json.dumps(made.to_json(), separators=(",", ":")))
     return made
+
+
+def step_timed(events: list[TraceEvent], step: str, started: float) -> None:
+    """The step's kind and how long its body ran since `started` (time.monotonic), on the
+    last of its `events` (they ride the write that ends it), or as a step.finished event of no
+    session when it made none: one XADD (the fleet's stream) for a start or program step."""
+    kind, step_ms = keys.step_kind(step), round((time.monotonic() - started) * 1000)
+    if events:
+        events[-1] = replace(events[-1], kind=kind, step_ms=step_ms)
+    else:
+        events.append(event("step.finished", "", kind=kind, step_ms=step_ms))
 
 
 def model_call_ended(

@@ -204,7 +204,8 @@ class MemoryStore:
 
     def trace(self, write: TraceWrite) -> None:
         with self._cond:
-            self.traces.setdefault(write.sk, []).extend(write.events)
+            for made in write.events:  # a fleet event (no session): the fleet's, under ""
+                self.traces.setdefault(write.sk if made.session else "", []).append(made)
 
     def set_partial(self, sk: str, text: str | None) -> None:
         with self._cond:
