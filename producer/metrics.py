@@ -6,8 +6,8 @@ worker serves metrics or writes any of its own, so prefork pools need no multipr
 - counters and histograms kept from the fleet's trace stream (`cq:trace`), followed from the
   moment the exporter starts: model calls by backend and outcome, tokens in and out by backend,
   tool calls by tool and outcome (ok or the error class), tool retries, background tasks,
-  sessions finished by outcome, model and tool call latencies, and how long steps ran by
-  kind.
+  sessions finished by outcome, model and tool call latencies, how long steps ran by kind,
+  and rate-limit waits by backend (how many, and the seconds steps were put off).
 
 Ids, codes and counts only, as in the trace events themselves.
 """
@@ -74,6 +74,14 @@ class TraceCounters:
         self.retries = counter("cchatq_tool_retries", "Tool calls tried again", ["tool"])
         self.tasks = counter("cchatq_background_tasks", "Background tasks", ["event"])
         self.sessions = counter("cchatq_sessions_finished", "Sessions finished", ["outcome"])
+        self.rate_limit_waits = counter(
+            "cchatq_rate_limit_waits", "Steps put off for a backend's rate limit", ["backend"]
+        )
+        self.rate_limit_seconds = counter(
+            "cchatq_rate_limit_wait_seconds",
+            "Seconds steps were put off for a backend's rate limit (the waits asked for)",
+            ["backend"],
+        )
         self.step_seconds = Histogram(
             "cchatq_step_seconds", "How long a step's body ran, by kind", ["kind"],
             buckets=LATENCY_BUCKETS_S, registry=registry,
@@ -112,6 +120,10 @@ class TraceCounters:
             self.tasks.labels(name.split(".", 1)[1]).inc()
         elif name == "session.finished":
             self.sessions.labels(str(event.get("error") or "ok")).inc()
+        elif name == "rate_limit.waited":
+            backend = str(event.get("backend") or "?")
+            self.rate_limit_waits.labels(backend).inc()
+            self.rate_limit_seconds.labels(backend).inc(float(event.get("wait_ms") or 0) / 1000)
 
     def follow(self, client: Any, stop: threading.Event, block_ms: int = 1000) -> None:
         """Count the fleet's events from now on, until `stop` is set."""

@@ -1,6 +1,6 @@
 """Issue 10, point 5: the metrics exporter's values move as a small batch runs (a real fleet,
-the exporter in process, scraped over HTTP). The events behind the step metrics are made on
-the twins, and counted by the exporter's counters."""
+the exporter in process, scraped over HTTP). The events behind the rate-limit and step metrics
+are made on the twins, and counted by the exporter's counters."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ from schemas import keys
 from tests.conftest import Running
 from tests.test_engine import WEATHER_FN
 from tests.test_pipeline import submit_specs, wait_for
-from tests.test_steps import SK, WEATHER_SCRIPT, pipeline, spec, submit
+from tests.test_steps import SK, WEATHER_SCRIPT, pipeline, reply, spec, submit
+from worker.session.twins import OpenRateLimiter
 
 KINDS = ("start", "round", "tool", "background", "finish", "program")
 
@@ -49,6 +50,28 @@ def counted(*events: dict[str, Any]) -> CollectorRegistry:
     for made in events:
         counters.count(made)
     return registry
+
+
+def test_a_rate_limited_round_is_traced_and_counted() -> None:
+    p = pipeline([reply("hello")])
+    p.runner.rate_limiter = OpenRateLimiter(wait_s=[0.5, 0.25])
+    submit(p, spec())
+    p.drain()
+    events = [e.to_json() for e in p.store.traces[SK]]
+    waits = [e for e in events if e["event"] == "rate_limit.waited"]
+    assert [(e["backend"], e["wait_ms"], e["kind"], e["session"]) for e in waits] == [
+        ("replay", 500, "round", "t/1"),
+        ("replay", 250, "round", "t/1"),
+    ]
+    assert all(set(e) == {"event", "session", "ts_ms", "kind", "backend", "wait_ms"} for e in waits)
+    # what the put-off tries had made is gone with them: one start of the model call
+    assert [e["event"] for e in events].count("model.call.started") == 1
+    registry = counted(*events)
+    assert registry.get_sample_value("cchatq_rate_limit_waits_total", {"backend": "replay"}) == 2
+    seconds = registry.get_sample_value(
+        "cchatq_rate_limit_wait_seconds_total", {"backend": "replay"}
+    )
+    assert seconds == 0.75
 
 
 def test_each_step_s_kind_and_duration_ride_its_last_event() -> None:
@@ -103,6 +126,7 @@ def test_the_dashboard_queries_only_metrics_the_exporter_has() -> None:
     gauges = {"cchatq_queue_depth", "cchatq_tasks_unacked", "cchatq_sessions_active"}
     assert queried - families == gauges | {"cchatq_dead_letters"}
     assert "cchatq_step_seconds" in queried
+    assert {"cchatq_rate_limit_waits", "cchatq_rate_limit_wait_seconds"} <= queried
 
 
 @pytest.mark.fleet

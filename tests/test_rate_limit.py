@@ -12,6 +12,7 @@ import pytest
 
 from fixtures.replay import ReplayServer
 from producer.fleet import Fleet, replay_backends
+from schemas import keys
 from tests.conftest import Running, _workers
 from tests.test_pipeline import submit_specs
 
@@ -71,6 +72,17 @@ def test_shared_limit_holds_across_two_worker_processes(
     assert busiest <= LIMIT, arrivals
     # the limit really bit: 14 calls at 4 per window cannot all fit in the first ones
     assert arrivals[-1] - arrivals[0] >= 3 * WINDOW_S - JITTER_S
+    # each put-off round is a rate_limit.waited event (ids and times only), in the fleet's
+    # stream (the metrics) and its session's, which has its TTL
+    redis = running.client.redis
+    events = [json.loads(f[keys.TRACE_FIELD.encode()]) for _, f in redis.xrange(keys.TRACE)]
+    waits = [e for e in events if e["event"] == "rate_limit.waited"]
+    assert len(waits) >= len(specs) - 2 * LIMIT, waits
+    assert {(e["backend"], e["kind"]) for e in waits} == {("limited", "round")}
+    assert all(0 < e["wait_ms"] <= WINDOW_S * 1000 for e in waits)
+    assert {e["session"] for e in waits} <= {s["id"] for s in specs}
+    assert all(set(e) == {"event", "session", "ts_ms", "kind", "backend", "wait_ms"} for e in waits)
+    assert redis.ttl(keys.trace(keys.session_key(waits[0]["session"]))) > 0
 
 
 def test_the_token_window_is_a_running_total(base_fleet: Fleet) -> None:
@@ -78,7 +90,6 @@ def test_the_token_window_is_a_running_total(base_fleet: Fleet) -> None:
     leave, not by reading every entry on each acquire."""
     import redis
 
-    from schemas import keys
     from tests.test_pipeline import wait_for
     from worker.config import BackendConfig
     from worker.edges.rate_limit import RateLimiter

@@ -248,9 +248,10 @@ class RetryLater(StepControl):
 
 
 class RateLimited(StepControl):
-    def __init__(self, wait_s: float) -> None:
+    def __init__(self, wait_s: float, backend: str = "") -> None:
         super().__init__(f"rate limited for {wait_s:.2f} s")
         self.wait_s = wait_s
+        self.backend = backend  # the backend's name (an id)
 
 
 class StepDeadLettered(StepControl):

@@ -34,7 +34,7 @@ from worker.session.ports import (
     TraceWrite,
 )
 from worker.session.records import bare_record
-from worker.session.trace import TraceEvent, step_timed
+from worker.session.trace import TraceEvent, rate_limit_waited, step_timed
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +121,10 @@ class StepGuard:
             # task gives its worker slot back until there may be room
             self._release_quietly(step)
             self.store.uncount_try(step)
+            if self.settings.trace:  # an event for the metrics, never the step's failure
+                with contextlib.suppress(StoreError):
+                    waited = rate_limit_waited(self._spec_id(sk), step, exc)
+                    self.trace_now(sk, waited, expire=True)
             raise RetryLater(exc.wait_s, "rate limited") from None
         except Exception as exc:
             self._release_quietly(step)

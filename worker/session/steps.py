@@ -262,7 +262,7 @@ class StepRunner:
         A streamed call of `partial_of` shows its text in `cchatq status` as it comes."""
         permit = self.rate_limiter.acquire(backend, estimate_tokens(chat))
         if not isinstance(permit, Permit):
-            raise RateLimited(permit)
+            raise RateLimited(permit, backend.name)
         partial = PartialText(self.store, partial_of) if partial_of and backend.stream else None
         try:
             reply = dict(self.provider_for(backend).complete(chat, partial).completion)

@@ -4,8 +4,8 @@ session's stream and the fleet's (`cchatq trace ID`), and each is one structured
 
 Events: session.started, model.call.started / finished / failed, tool.call.started /
 finished / failed / retried, session.finished; for a background tool's call, task.submitted /
-progress / completed / failed too. A redelivered step may repeat one (at least
-once, like the steps themselves).
+progress / completed / failed too; rate_limit.waited when a step is put off for its backend's
+rate limit. A redelivered step may repeat one (at least once, like the steps themselves).
 
 A step's kind and how long its body ran ride the last event it made (`kind`, `step_ms`: no
 write of their own). For the fleet's metrics only, with no session (the fleet's stream only):
@@ -22,6 +22,7 @@ from typing import Any
 
 from schemas import keys
 from worker.codecs.openai_chat import tool_calls_of
+from worker.errors import RateLimited
 from worker.session.outcomes import ToolOutcome
 
 log = logging.getLogger("cchatq.trace")
@@ -45,8 +46,9 @@ class TraceEvent:
     tokens_out: int | None = None
     percent: int | None = None  # task.progress: how far a background call is
     message: str | None = None  # task.progress: the tool's own words (cut at 200 bytes)
-    kind: str | None = None  # the step's kind (keys.step_kind), with step_ms
+    kind: str | None = None  # the step's kind (keys.step_kind), with step_ms or wait_ms
     step_ms: int | None = None  # how long the step's body ran, on its last event
+    wait_ms: int | None = None  # rate_limit.waited: how long the step is put off
 
     def to_json(self) -> dict[str, Any]:
         """The fields that are set (a stream entry, a log line, a `cchatq trace` line)."""
@@ -74,6 +76,17 @@ def step_timed(events: list[TraceEvent], step: str, started: float) -> None:
         events[-1] = replace(events[-1], kind=kind, step_ms=step_ms)
     else:
         events.append(event("step.finished", "", kind=kind, step_ms=step_ms))
+
+
+def rate_limit_waited(session: str, step: str, waited: RateLimited) -> TraceEvent:
+    """rate_limit.waited: the step is put off (its task retried) for its backend's limit."""
+    return event(
+        "rate_limit.waited",
+        session,
+        kind=keys.step_kind(step),
+        backend=waited.backend or None,
+        wait_ms=round(waited.wait_s * 1000),
+    )
 
 
 def model_call_ended(
