@@ -7,7 +7,8 @@ worker serves metrics or writes any of its own, so prefork pools need no multipr
   moment the exporter starts: model calls by backend and outcome, tokens in and out by backend,
   tool calls by tool and outcome (ok or the error class), tool retries, background tasks,
   sessions finished by outcome, model and tool call latencies, how long steps ran by kind,
-  and rate-limit waits by backend (how many, and the seconds steps were put off).
+  rate-limit waits by backend (how many, and the seconds steps were put off), and the
+  reconciler's passes and the sessions it nudged and forgot.
 
 Ids, codes and counts only, as in the trace events themselves.
 """
@@ -82,6 +83,11 @@ class TraceCounters:
             "Seconds steps were put off for a backend's rate limit (the waits asked for)",
             ["backend"],
         )
+        self.reconciler = counter(
+            "cchatq_reconciler_actions",
+            "The reconciler's passes and the sessions it nudged and forgot",
+            ["action"],
+        )
         self.step_seconds = Histogram(
             "cchatq_step_seconds", "How long a step's body ran, by kind", ["kind"],
             buckets=LATENCY_BUCKETS_S, registry=registry,
@@ -124,6 +130,10 @@ class TraceCounters:
             backend = str(event.get("backend") or "?")
             self.rate_limit_waits.labels(backend).inc()
             self.rate_limit_seconds.labels(backend).inc(float(event.get("wait_ms") or 0) / 1000)
+        elif name == "reconciler.pass":
+            self.reconciler.labels("pass").inc()
+            for action in ("nudged", "forgotten"):
+                self.reconciler.labels(action).inc(int(event.get(action) or 0))
 
     def follow(self, client: Any, stop: threading.Event, block_ms: int = 1000) -> None:
         """Count the fleet's events from now on, until `stop` is set."""

@@ -1,6 +1,6 @@
 """Issue 10, point 5: the metrics exporter's values move as a small batch runs (a real fleet,
-the exporter in process, scraped over HTTP). The events behind the rate-limit and step metrics
-are made on the twins, and counted by the exporter's counters."""
+the exporter in process, scraped over HTTP). The events behind the rate-limit, reconciler and
+step metrics are made on the twins, and counted by the exporter's counters."""
 
 from __future__ import annotations
 
@@ -22,7 +22,16 @@ from schemas import keys
 from tests.conftest import Running
 from tests.test_engine import WEATHER_FN
 from tests.test_pipeline import submit_specs, wait_for
-from tests.test_steps import SK, WEATHER_SCRIPT, pipeline, reply, spec, submit
+from tests.test_steps import (
+    SK,
+    WEATHER_SCRIPT,
+    ReconcileTwin,
+    pipeline,
+    reply,
+    spec,
+    submit,
+)
+from worker.session.reconciler import Reconciler
 from worker.session.twins import OpenRateLimiter
 
 KINDS = ("start", "round", "tool", "background", "finish", "program")
@@ -72,6 +81,30 @@ def test_a_rate_limited_round_is_traced_and_counted() -> None:
         "cchatq_rate_limit_wait_seconds_total", {"backend": "replay"}
     )
     assert seconds == 0.75
+
+
+def test_reconciler_passes_are_fleet_events_and_counted() -> None:
+    p = pipeline(WEATHER_SCRIPT)
+    submit(p, spec(WEATHER_FN))
+    p.queue.run_next(p.run)  # round 0 ran and published its tool step ...
+    p.queue.pending.clear()  # ... which the broker lost
+    reconciler = Reconciler(p.runner, ReconcileTwin(p.store, [SK, "gone"]))
+    assert reconciler.turn() == 1  # nudged SK, forgot "gone" (no spec)
+    assert reconciler.turn() == 0  # another worker's turn: no pass, no event
+    p.drain()
+    assert reconciler.turn() == 0  # SK is done; the twin still lists "gone"
+    passes = [e.to_json() for e in p.store.traces[""]]  # no session: the fleet's stream only
+    assert [(e["event"], e["nudged"], e["forgotten"]) for e in passes] == [
+        ("reconciler.pass", 1, 1),
+        ("reconciler.pass", 0, 1),
+    ]
+    assert not any(e.event == "reconciler.pass" for e in p.store.traces[SK])
+    registry = counted(*passes)
+    actions = {
+        action: registry.get_sample_value("cchatq_reconciler_actions_total", {"action": action})
+        for action in ("pass", "nudged", "forgotten")
+    }
+    assert actions == {"pass": 2, "nudged": 1, "forgotten": 2}
 
 
 def test_each_step_s_kind_and_duration_ride_its_last_event() -> None:
@@ -125,7 +158,7 @@ def test_the_dashboard_queries_only_metrics_the_exporter_has() -> None:
     families = {family.name for family in counted().collect()}
     gauges = {"cchatq_queue_depth", "cchatq_tasks_unacked", "cchatq_sessions_active"}
     assert queried - families == gauges | {"cchatq_dead_letters"}
-    assert "cchatq_step_seconds" in queried
+    assert {"cchatq_step_seconds", "cchatq_reconciler_actions"} <= queried
     assert {"cchatq_rate_limit_waits", "cchatq_rate_limit_wait_seconds"} <= queried
 
 
@@ -192,5 +225,14 @@ def test_metrics_move_as_a_batch_runs(running: Running, tmp_path: Path) -> None:
         assert sample(text, "cchatq_step_seconds_sum", kind="round") > 0
         # the background call napped 300 ms in its step
         assert sample(text, "cchatq_step_seconds_sum", kind="background") >= 0.3
+
+        # a control worker's reconciler passes every 10 s, nudging nothing here
+        def passed() -> bool:
+            return sample(scrape(), "cchatq_reconciler_actions_total", action="pass") >= 1
+
+        wait_for(passed, timeout_s=25)
+        text = scrape()
+        assert sample(text, "cchatq_reconciler_actions_total", action="nudged") == 0
+        assert sample(text, "cchatq_reconciler_actions_total", action="forgotten") == 0
     finally:
         exporter.close()

@@ -2,16 +2,21 @@
 (a Redis lock) looks for sessions that show no progress for a while and nudges each: its next
 step is published again from stored state, unless a step of it is leased (running) or already
 published. It covers `--no-wait` batches, producers that died, and messages a broker lost.
+
+Each pass it runs is one reconciler.pass trace event (the fleet's stream only: one XADD a pass,
+fleet-wide) with the sessions it nudged and forgot, for the metrics.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from worker.errors import SpecMissingError
+from worker.errors import SpecMissingError, StoreError
 from worker.session.ports import STEP_LEASE_MS
+from worker.session.trace import event
 
 if TYPE_CHECKING:
     from worker.session.steps import StepRunner
@@ -41,14 +46,19 @@ class Reconciler:
         """One round of reconciling, if it is this process's turn: how many were nudged."""
         if not self.store.take_reconciler_turn(int(self.every_s * 1000 * 0.9)):
             return 0
-        nudged = 0
+        nudged = forgotten = 0
         for sk in self.store.stalled(self.quiet_ms, MOST_PER_TURN):
             try:
                 self.runner.nudge(sk)
                 nudged += 1
             except SpecMissingError:  # expired: nothing is left to recover
                 self.store.forget_session(sk)
+                forgotten += 1
             # another StoreError is Redis itself failing: the next turn tries again
         if nudged:
             log.info("reconciler: nudged %d sessions with no progress", nudged)
+        if self.runner.settings.trace:  # counted for the metrics, never in the way
+            passed = event("reconciler.pass", "", nudged=nudged, forgotten=forgotten)
+            with contextlib.suppress(StoreError):
+                self.runner.guard.trace_now("", passed)
         return nudged

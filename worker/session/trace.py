@@ -9,7 +9,7 @@ rate limit. A redelivered step may repeat one (at least once, like the steps the
 
 A step's kind and how long its body ran ride the last event it made (`kind`, `step_ms`: no
 write of their own). For the fleet's metrics only, with no session (the fleet's stream only):
-step.finished, for a step that made no event (a start or program step).
+step.finished, for a step that made no event (a start or program step), and reconciler.pass.
 """
 
 from __future__ import annotations
@@ -49,6 +49,8 @@ class TraceEvent:
     kind: str | None = None  # the step's kind (keys.step_kind), with step_ms or wait_ms
     step_ms: int | None = None  # how long the step's body ran, on its last event
     wait_ms: int | None = None  # rate_limit.waited: how long the step is put off
+    nudged: int | None = None  # reconciler.pass: sessions nudged
+    forgotten: int | None = None  # reconciler.pass: sessions forgotten (spec expired)
 
     def to_json(self) -> dict[str, Any]:
         """The fields that are set (a stream entry, a log line, a `cchatq trace` line)."""
