@@ -191,7 +191,7 @@ def test_metrics_move_as_a_batch_runs(running: Running, tmp_path: Path) -> None:
         slow["messages"] = [{"role": "user", "content": "Weather in Oslo? [[latency_ms:2000]]"}]
         specs.append(slow)
         sub = submit_specs(running.client, specs, tmp_path)
-        sk = keys.session_key(slow["id"])
+        sk = str(running.client.session_key(slow["id"]))
         wait_for(lambda: running.client.redis.hget(keys.meta(sk), "state") == b"round 0")
         assert running.client.cancel(slow["id"])
         records = {r["id"]: r for _, r in running.client.wait(sub, timeout_s=120)}

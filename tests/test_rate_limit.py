@@ -82,7 +82,7 @@ def test_shared_limit_holds_across_two_worker_processes(
     assert all(0 < e["wait_ms"] <= WINDOW_S * 1000 for e in waits)
     assert {e["session"] for e in waits} <= {s["id"] for s in specs}
     assert all(set(e) == {"event", "session", "ts_ms", "kind", "backend", "wait_ms"} for e in waits)
-    assert redis.ttl(keys.trace(keys.session_key(waits[0]["session"]))) > 0
+    assert redis.ttl(keys.trace(str(running.client.session_key(waits[0]["session"])))) > 0
 
 
 def test_the_token_window_is_a_running_total(base_fleet: Fleet) -> None:
