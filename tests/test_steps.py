@@ -296,6 +296,31 @@ def test_a_lost_message_is_recovered_by_a_nudge() -> None:
     assert p.body()["choices"][0]["message"]["content"] == "Tool said: sunny"
 
 
+def test_a_lost_background_call_is_recovered_by_a_nudge() -> None:
+    """Issue 10: a tool step that handed its call over to the background queue is published,
+    and has no outcome until the background step stores one. If the broker loses that
+    background step's message, a nudge publishes it again (and only it)."""
+    p = pipeline(WEATHER_SCRIPT)
+    session_spec = spec(WEATHER_FN)
+    session_spec["tools"][0]["policy"] = {"background": True, "timeout_ms": 600_000}
+    submit(p, session_spec)
+    p.queue.run_next(p.run)  # round 0 published its tool step
+    assert p.queue.run_next(p.run) == ("tool", SK, 0, 0)  # which handed its call over ...
+    assert list(p.queue.pending) == [("background", SK, 0, 0)]
+    p.queue.pending.clear()  # ... in a message the broker lost
+    p.runner.nudge(SK)
+    assert list(p.queue.pending) == [("background", SK, 0, 0)]
+    p.store.begin_step(keys.background_step(SK, 0, 0), 60_000, None, SK)  # now running
+    p.queue.pending.clear()
+    p.runner.nudge(SK)
+    assert list(p.queue.pending) == []  # a running background call is left alone
+    p.store.release_lease(keys.background_step(SK, 0, 0))
+    p.runner.nudge(SK)
+    p.drain()
+    assert p.body()["choices"][0]["message"]["content"] == "Tool said: sunny"
+    assert len(p.tools.calls) == 1
+
+
 def test_a_redelivered_step_never_calls_the_model_twice() -> None:
     p = pipeline(WEATHER_SCRIPT)
     submit(p, spec(WEATHER_FN))

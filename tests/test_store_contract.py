@@ -190,9 +190,11 @@ def test_a_step_is_active_while_leased_and_once_published(backend: Backend, sk: 
     store.begin_step(done, 60_000, None, sk)
     store.end_step(done)
     assert store.active_steps([leased, done, free]) == {leased, done}
+    assert store.published_steps([leased, done, free]) == {done}
     store.release_lease(leased)
     assert store.active_steps([leased, free]) == set()
     assert store.active_steps([]) == set()
+    assert store.published_steps([]) == set()
 
 
 def test_cancel_is_seen_at_the_step_boundary(backend: Backend, sk: str) -> None:

@@ -422,6 +422,13 @@ class RedisStore:
         return {s for s, state in zip(steps, states, strict=True) if state is not None}
 
     @_translated
+    def published_steps(self, steps: list[str]) -> set[str]:
+        if not steps:
+            return set()
+        states = self.client.mget([keys.step_state(s) for s in steps])
+        return {s for s, state in zip(steps, states, strict=True) if state == keys.STEP_DONE}
+
+    @_translated
     def end_step(self, step: str) -> None:
         """Mark the continuation published (after publishing it) and drop the lease."""
         self.mark_published(self.client, step)

@@ -40,6 +40,7 @@ from worker.session.guard import StepGuard
 from worker.session.ports import (
     CompletionProvider,
     Dispatcher,
+    NextStep,
     Outbox,
     Permit,
     RateLimiter,
@@ -311,10 +312,24 @@ class StepRunner:
         self.apply(sk, self._not_running(sk, decision))
 
     def _not_running(self, sk: str, decision: Decision) -> Decision:
-        """The decision without the steps it publishes that are already leased or published."""
+        """The decision without the steps it publishes that are already leased or published.
+        A call whose tool step is published but has no outcome was handed over to the
+        background queue: its background step is published again unless it is active."""
         tools = {keys.tool_step(sk, decision.round_no, i): i for i in decision.tools}
         rounds = [] if decision.next_round is None else [keys.round_step(sk, decision.next_round)]
         active = self.store.active_steps([*tools, *rounds])
+        handed = self.store.published_steps([step for step in tools if step in active])
+        if handed:
+            background = {
+                keys.background_step(sk, decision.round_no, tools[s]): tools[s] for s in handed
+            }
+            idle = set(background) - self.store.active_steps(list(background))
+            self.dispatch.publish(
+                [
+                    NextStep("background", (sk, decision.round_no, background[s]))
+                    for s in sorted(idle)
+                ]
+            )
         return replace(
             decision,
             tools=tuple(i for step, i in tools.items() if step not in active),

@@ -238,6 +238,10 @@ class MemoryStore:
             now = time.monotonic()
             return {s for s in steps if s in self.published or self.leases.get(s, 0.0) > now}
 
+    def published_steps(self, steps: list[str]) -> set[str]:
+        with self._cond:
+            return {s for s in steps if s in self.published}
+
     def end_step(self, step: str) -> None:
         with self._cond:
             self.published.add(step)
