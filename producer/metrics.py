@@ -132,7 +132,7 @@ class TraceCounters:
             self.rate_limit_seconds.labels(backend).inc(float(event.get("wait_ms") or 0) / 1000)
         elif name == "reconciler.pass":
             self.reconciler.labels("pass").inc()
-            for action in ("nudged", "forgotten"):
+            for action in ("nudged", "forgotten", "overdue"):
                 self.reconciler.labels(action).inc(int(event.get(action) or 0))
 
     def follow(self, client: Any, stop: threading.Event, block_ms: int = 1000) -> None:

@@ -372,6 +372,7 @@ class ReconcileTwin:
     def __init__(self, store: MemoryStore, sks: list[str]) -> None:
         self.store, self.sks, self.turns = store, sks, 0
         self.forgotten: list[str] = []
+        self.submitted: dict[str, int] = {}  # sk -> submitted_ms; unknown: None
 
     def take_reconciler_turn(self, hold_ms: int) -> bool:
         self.turns += 1
@@ -382,6 +383,9 @@ class ReconcileTwin:
 
     def forget_session(self, sk: str) -> None:
         self.forgotten.append(sk)
+
+    def submitted_ms(self, sks: list[str]) -> list[int | None]:
+        return [self.submitted.get(sk) for sk in sks]
 
 
 def test_the_reconciler_recovers_a_lost_message_with_no_producer() -> None:
@@ -398,3 +402,28 @@ def test_the_reconciler_recovers_a_lost_message_with_no_producer() -> None:
     assert reconciler.turn() == 0  # not its turn: another worker reconciles
     p.drain()
     assert p.body()["choices"][0]["message"]["content"] == "Tool said: sunny"
+
+
+def test_the_reconciler_ends_a_stalled_session_past_the_fleets_deadline() -> None:
+    """Issue 10: a session that shows no progress and is older than the deadline is not
+    nudged again but ended, deadline_exceeded, before its keys expire without a body."""
+    import time
+
+    from worker.session.reconciler import Reconciler
+
+    p = pipeline(WEATHER_SCRIPT)
+    submit(p, spec(WEATHER_FN))
+    p.queue.run_next(p.run)  # round 0 ran and published its tool step ...
+    p.queue.pending.clear()  # ... which the broker lost, long ago
+    twin = ReconcileTwin(p.store, [SK])
+    twin.submitted[SK] = int(time.time() * 1000) - 3_600_001
+    reconciler = Reconciler(p.runner, twin, deadline_ms=3_600_000)
+    assert reconciler.turn() == 0  # none nudged: it was ended
+    assert list(p.queue.pending) == [("finish", SK)]
+    p.drain()
+    assert p.body()["error"]["code"] == "deadline_exceeded"
+    tool_messages = [m for m in p.transcript() if m["role"] == "tool"]
+    assert [json.loads(m["content"])["error"]["code"] for m in tool_messages] == ["NOT_RUN"]
+    assert p.tools.calls == []
+    (passed,) = [e.to_json() for e in p.store.traces[""]]
+    assert (passed["nudged"], passed["overdue"]) == (0, 1)

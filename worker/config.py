@@ -20,6 +20,8 @@ Environment variables:
     CCHATQ_TRACE              `off`: no trace events (default on)
     CCHATQ_RECONCILE_EVERY_S  how often a control worker looks for stalled sessions (10)
     CCHATQ_STALL_AFTER_S      a session with no progress this long is nudged (30)
+    CCHATQ_SESSION_DEADLINE_S a session with no progress this long after its submit ends with
+                              deadline_exceeded (default: half CCHATQ_RESULT_TTL_S, 43200)
 """
 
 from __future__ import annotations
@@ -95,6 +97,9 @@ class Settings:
     trace: bool = True  # trace events (issue 9): the session's stream, the fleet's, log lines
     reconcile_every_s: float = 10.0  # how often the fleet's reconciler looks (issue 10)
     stall_after_ms: int = 30_000  # a session with no progress this long is nudged
+    # a stalled session this old ends deadline_exceeded: before its keys expire, so every
+    # session ends with a body
+    session_deadline_ms: int = 43_200_000
 
     def backend(self, name: str | None) -> BackendConfig:
         key = name or self.default_backend
@@ -136,6 +141,15 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         trace=env.get("CCHATQ_TRACE", "on") != "off",
         reconcile_every_s=float(env.get("CCHATQ_RECONCILE_EVERY_S", "10")),
         stall_after_ms=int(float(env.get("CCHATQ_STALL_AFTER_S", "30")) * 1000),
+        session_deadline_ms=int(
+            float(
+                env.get(
+                    "CCHATQ_SESSION_DEADLINE_S",
+                    int(env.get("CCHATQ_RESULT_TTL_S", "86400")) / 2,
+                )
+            )
+            * 1000
+        ),
     )
 
 

@@ -96,7 +96,10 @@ class InvalidRequestError(SessionError):
 
 class DeadlineExceededError(SessionError):
     code = "deadline_exceeded"
-    raised_when = "a program run passed its run_timeout_ms"
+    raised_when = (
+        "a program run passed its run_timeout_ms, or a session showed no progress past the "
+        "fleet's CCHATQ_SESSION_DEADLINE_S"
+    )
 
 
 class InternalError(SessionError):

@@ -162,6 +162,7 @@ def start_reconciler(app: Celery) -> threading.Thread:
             wiring.store,
             every_s=settings.reconcile_every_s,
             quiet_ms=settings.stall_after_ms,
+            deadline_ms=settings.session_deadline_ms,
         )
         while True:
             time.sleep(settings.reconcile_every_s)

@@ -534,6 +534,13 @@ class RedisStore:
         return found
 
     @_translated
+    def submitted_ms(self, sks: list[str]) -> list[int | None]:
+        pipe = self.client.pipeline(transaction=False)
+        for sk in sks:
+            pipe.hget(keys.meta(sk), "submitted_ms")
+        return [None if raw is None else int(raw) for raw in pipe.execute()]
+
+    @_translated
     def forget_session(self, sk: str) -> None:
         """Not to be watched any more (its spec expired: nothing left to recover)."""
         self.client.zrem(keys.ACTIVE, sk)

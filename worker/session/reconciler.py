@@ -2,6 +2,8 @@
 (a Redis lock) looks for sessions that show no progress for a while and nudges each: its next
 step is published again from stored state, unless a step of it is leased (running) or already
 published. It covers `--no-wait` batches, producers that died, and messages a broker lost.
+A stalled session older than the fleet's deadline is not nudged but ended, deadline_exceeded
+(its finish step writes the body), so none outlives its keys without one.
 
 Each pass it runs is one reconciler.pass trace event (the fleet's stream only: one XADD a pass,
 fleet-wide) with the sessions it nudged and forgot, for the metrics.
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -33,6 +36,9 @@ class ReconcileStore(Protocol):
     def take_reconciler_turn(self, hold_ms: int) -> bool: ...
     def stalled(self, quiet_ms: int, most: int) -> list[str]: ...
     def forget_session(self, sk: str) -> None: ...
+    def submitted_ms(self, sks: list[str]) -> list[int | None]:
+        """When each session was submitted (None: unknown)."""
+        ...
 
 
 @dataclass
@@ -41,24 +47,33 @@ class Reconciler:
     store: ReconcileStore
     every_s: float = 10.0
     quiet_ms: int = QUIET_MS
+    deadline_ms: int = 43_200_000
 
     def turn(self) -> int:
         """One round of reconciling, if it is this process's turn: how many were nudged."""
         if not self.store.take_reconciler_turn(int(self.every_s * 1000 * 0.9)):
             return 0
-        nudged = forgotten = 0
-        for sk in self.store.stalled(self.quiet_ms, MOST_PER_TURN):
+        nudged = forgotten = overdue = 0
+        stalled = self.store.stalled(self.quiet_ms, MOST_PER_TURN)
+        now_ms = int(time.time() * 1000)
+        submitted = self.store.submitted_ms(stalled) if stalled else []
+        for sk, since_ms in zip(stalled, submitted, strict=True):
             try:
+                if since_ms is not None and now_ms - since_ms > self.deadline_ms:
+                    self.runner.end_overdue(sk, self.deadline_ms)
+                    overdue += 1
+                    continue
                 self.runner.nudge(sk)
                 nudged += 1
             except SpecMissingError:  # expired: nothing is left to recover
                 self.store.forget_session(sk)
                 forgotten += 1
             # another StoreError is Redis itself failing: the next turn tries again
-        if nudged:
-            log.info("reconciler: nudged %d sessions with no progress", nudged)
+        if nudged or overdue:
+            log.info("reconciler: nudged %d sessions with no progress, ended %d", nudged, overdue)
         if self.runner.settings.trace:  # counted for the metrics, never in the way
-            passed = event("reconciler.pass", "", nudged=nudged, forgotten=forgotten)
+            counts = {"nudged": nudged, "forgotten": forgotten, "overdue": overdue}
+            passed = event("reconciler.pass", "", **counts)
             with contextlib.suppress(StoreError):
                 self.runner.guard.trace_now("", passed)
         return nudged

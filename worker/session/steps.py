@@ -24,6 +24,7 @@ from worker.codecs.protocol import ChatRequest, Delta
 from worker.config import BackendConfig, Settings
 from worker.errors import (
     CancelledError,
+    DeadlineExceededError,
     InternalError,
     ProviderError,
     RateLimited,
@@ -310,6 +311,15 @@ class StepRunner:
             log.warning("nudge %s: no plan, finishing", sk)
             decision = Decision(finish=True)
         self.apply(sk, self._not_running(sk, decision))
+
+    def end_overdue(self, sk: str, deadline_ms: int) -> None:
+        """A session past the fleet's deadline with no progress ends deadline_exceeded: its
+        failure is recorded (first failure wins) and its finish step writes the body."""
+        body = DeadlineExceededError(
+            f"session showed no progress and passed the fleet's deadline of {deadline_ms // 1000} s"
+        ).body()
+        self.store.dead_letter(f"{sk}.deadline", sk, body, "deadline")
+        self.dispatch.finish(sk)
 
     def _not_running(self, sk: str, decision: Decision) -> Decision:
         """The decision without the steps it publishes that are already leased or published.

@@ -51,6 +51,7 @@ class TraceEvent:
     wait_ms: int | None = None  # rate_limit.waited: how long the step is put off
     nudged: int | None = None  # reconciler.pass: sessions nudged
     forgotten: int | None = None  # reconciler.pass: sessions forgotten (spec expired)
+    overdue: int | None = None  # reconciler.pass: sessions ended past the fleet's deadline
 
     def to_json(self) -> dict[str, Any]:
         """The fields that are set (a stream entry, a log line, a `cchatq trace` line)."""
