@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import requests
 
+from fixtures.replay.faults import FaultDice, FaultRates
 from fixtures.replay.scenarios import SLOW_DEFAULT_LATENCY_MS, handle
 from fixtures.replay.server import ReplayServer
 
@@ -326,6 +327,66 @@ def test_flaky_fails_first_then_answers(client: Client) -> None:
     # Same prompt, other fault scenario: its own first request still faults.
     assert client.post("replay/rate_limited", user("hi")).status_code == 429
     assert client.server.stats()["faults"] == 2
+
+
+def test_fault_dice_is_seeded_and_draws_its_shares() -> None:
+    rates = FaultRates(rate_429=0.1, rate_500=0.05, retry_after_s=2, seed=3)
+    first, second = FaultDice(rates), FaultDice(rates)
+    draws = [first.draw() for _ in range(4000)]
+    assert draws == [second.draw() for _ in range(4000)]  # the same seed, the same faults
+    kinds = [d.kind if d else None for d in draws]
+    assert 300 < kinds.count("rate_limited") < 500 and 120 < kinds.count("server_error") < 280
+    assert {d.retry_after_s for d in draws if d and d.kind == "rate_limited"} == {2}
+    assert FaultDice(FaultRates()).draw() is None
+    with pytest.raises(ValueError):
+        FaultRates(rate_429=0.7, rate_500=0.5)
+
+
+def test_random_429s_and_the_wait_before_each_retry_are_logged() -> None:
+    """Every scripted answer a 429 (Retry-After 1): a retry at once is early, one a second
+    later is not; GET /faults counts them and the smallest gap."""
+    rates = FaultRates(rate_429=1.0, retry_after_s=1)
+    with ReplayServer(port=0, faults=rates) as srv:
+        c = Client(srv)
+        first = c.post("replay/plain", user("hi"))
+        assert (first.status_code, first.headers["Retry-After"]) == (429, "1")
+        assert c.post("replay/plain", user("hi")).status_code == 429  # at once: too early
+        time.sleep(1.05)
+        assert c.post("replay/plain", user("hi")).status_code == 429
+        assert c.post("replay/plain", user("another conversation")).status_code == 429
+        faults = requests.get(c.root("/faults"), timeout=5).json()
+        c.session.close()
+    assert faults["injected"] == {"429": 4, "500": 0}
+    assert (faults["retries_after_429"], faults["early_retries"]) == (2, 1)
+    assert faults["unretried_429"] == 2  # the last of each conversation
+    assert faults["min_gap_after_429_s"] < 0.5 and faults["min_margin_s"] < 0
+
+
+def test_random_500s_from_the_command_line() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fixtures.replay", "--port", "0", "--fault-500-rate", "1"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        url = proc.stdout.readline().strip().removeprefix("READY ")
+        body = {"model": "replay/plain", "messages": user("hi")}
+        reply = requests.post(f"{url}/chat/completions", json=body, timeout=5)
+        assert reply.status_code == 500
+        faults = requests.get(url.removesuffix("/v1") + "/faults", timeout=5).json()
+        assert faults["injected"] == {"429": 0, "500": 1}
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
 
 
 def test_malformed_body(client: Client) -> None:
