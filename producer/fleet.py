@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -107,6 +108,8 @@ class Fleet:
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="cchatq-fleet-")))
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     workers: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    redis_cmd: list[str] = field(default_factory=list)  # our redis-server's, to restart it
+    redis_proc: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> Fleet:
         return self
@@ -116,9 +119,12 @@ class Fleet:
 
     # redis ---------------------------------------------------------------------------------
 
-    def ensure_redis(self, url: str | None = None, private: bool = False) -> str:
+    def ensure_redis(
+        self, url: str | None = None, private: bool = False, appendonly: bool = False
+    ) -> str:
         """Use `url` (or REDIS_URL) when it answers; else (or when `private`) start a
-        redis-server of our own on a free port."""
+        redis-server of our own on a free port. `appendonly`: ours keeps an append-only file
+        in the workdir, fsynced every second, so `restart_redis` finds what it held."""
         candidate = None if private else (url or os.environ.get("REDIS_URL"))
         if candidate and redis_answers(candidate):
             self.redis_url = candidate
@@ -129,22 +135,41 @@ class Fleet:
                 "no Redis answers and redis-server is not installed (apt-get install redis-server)"
             )
         port = free_port()
-        proc = self.spawn(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.workdir)],
-            "redis",
-        )  # fmt: skip
+        persistence = ["--appendonly", "no"]
+        if appendonly:
+            persistence = ["--appendonly", "yes", "--appendfsync", "everysec"]
+        self.redis_cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                          *persistence, "--dir", str(self.workdir)]  # fmt: skip
         self.redis_url = f"redis://127.0.0.1:{port}/0"
+        self._start_redis()
+        return self.redis_url
+
+    def _start_redis(self) -> None:
+        proc = self.redis_proc = self.spawn(self.redis_cmd, "redis")
         deadline = time.monotonic() + 10
         while not redis_answers(self.redis_url):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"redis-server did not start (see {self.workdir / 'redis.log'})")
             time.sleep(0.05)
-        return self.redis_url
+
+    def restart_redis(self, sig: int = signal.SIGKILL, down_s: float = 0.0) -> float:
+        """Stop our redis-server with `sig`, leave it down `down_s`, start it again on the same
+        port and directory (with an append-only file, it loads what was fsynced). Returns how
+        long it did not answer."""
+        if self.redis_proc is None:
+            raise RuntimeError("this fleet started no redis-server")
+        stopped = time.monotonic()
+        _signal_group(self.redis_proc, sig)  # an AOF rewrite may have forked a child
+        self.redis_proc.wait(timeout=30)
+        self.procs.remove(self.redis_proc)
+        time.sleep(down_s)
+        self._start_redis()
+        return time.monotonic() - stopped
 
     # replay server -------------------------------------------------------------------------
 
-    def start_replay(self, latency_ms: int = 0) -> str:
+    def start_replay(self, latency_ms: int = 0, args: Sequence[str] = ()) -> str:
+        """Start the replay server; `args` are more of its options (`--fault-429-rate 0.1`)."""
         proc = subprocess.Popen(
             [
                 sys.executable,
@@ -154,6 +179,7 @@ class Fleet:
                 "0",
                 "--latency-ms",
                 str(latency_ms),
+                *args,
             ],
             stdout=subprocess.PIPE,
             stderr=open(self.workdir / "replay.log", "ab"),  # noqa: SIM115 - lives as long as the process
@@ -208,6 +234,18 @@ class Fleet:
             os.killpg(proc.pid, sig)
         proc.wait(timeout=30)
 
+    def pool_children(self, proc: subprocess.Popen[bytes]) -> list[int]:
+        """The pids of a worker's child processes (a prefork pool's), read from /proc."""
+        children = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue  # gone meanwhile
+            if int(fields[1]) == proc.pid:  # fields after "pid (comm)": state, ppid, ...
+                children.append(int(stat.parent.name))
+        return sorted(children)
+
     # lifecycle -----------------------------------------------------------------------------
 
     def spawn(
@@ -234,6 +272,7 @@ class Fleet:
                 proc.wait(timeout=10)
         self.procs.clear()
         self.workers.clear()
+        self.redis_proc = None
 
 
 def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
