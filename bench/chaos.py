@@ -189,7 +189,7 @@ def tally(r: Any, scenario: str, sks: Sequence[str], expected_content: dict[str,
         error = (record.get("body") or {}).get("error")
         if record.get("status") == "ok" and not error:
             content = record["body"]["choices"][0]["message"].get("content")
-            if content == expected_content[sk]:
+            if content == expected_content[record["id"]]:
                 row.ok += 1
             else:
                 wrong.append(f"{record['id']}: {str(content)[:80]!r}")
@@ -347,12 +347,21 @@ def wait_in_process(client: Client, sub: Submission, deadline_s: float) -> float
     return time.perf_counter() - started
 
 
-def wait_records(r: Any, sks: Sequence[str], want: int, deadline: float) -> bool:
+def session_keys(r: Any, ids: Sequence[str]) -> list[str]:
+    """The session keys of these spec ids' runs (a key that holds nothing for an id not
+    claimed yet, or whose claim a restart lost)."""
+    claims = []
+    for start in range(0, len(ids), MGET):
+        claims.extend(r.mget([keys.id_claim(i) for i in ids[start : start + MGET]]))
+    return [f"unclaimed:{i}" if c is None else c.decode() for i, c in zip(ids, claims, strict=True)]
+
+
+def wait_records(r: Any, ids: Sequence[str], want: int, deadline: float) -> bool:
     """Poll Redis until `want` of these sessions have a record (a restarting Redis is
     retried), or until the monotonic `deadline`."""
     while time.monotonic() < deadline:
         try:
-            if finished_count(r, sks) >= want:
+            if finished_count(r, session_keys(r, ids)) >= want:
                 return True
         except redis.RedisError:
             pass
@@ -361,10 +370,8 @@ def wait_records(r: Any, sks: Sequence[str], want: int, deadline: float) -> bool
 
 
 def expected(objects: list[dict[str, Any]]) -> dict[str, str]:
-    return {
-        keys.session_key(o["id"]): f"Weather report: {weather_json(city_of(i))}"
-        for i, o in enumerate(objects)
-    }
+    """Each spec id's expected answer."""
+    return {o["id"]: f"Weather report: {weather_json(city_of(i))}" for i, o in enumerate(objects)}
 
 
 def spawn_producer(fleet: Fleet, spec_file: Path, out: Path, timeout_s: float) -> Any:
@@ -520,15 +527,15 @@ def scenario_redis(root: Path, n: int, deadline_s: float, seed: int) -> list[Row
         fleet, client = start_fleet(workdir, appendonly=aof, latency_ms=100)
         with fleet:
             objects = weather_objects(f"redis{number}-{uuid.uuid4().hex[:6]}", n)
-            sks = [keys.session_key(o["id"]) for o in objects]
+            ids = [o["id"] for o in objects]
             spec_file = write_spec_file(workdir / "sessions.jsonl", objects)
             out = workdir / "results.jsonl"
             timeout_s = deadline_s if aof else min(deadline_s, 60.0)
             started = time.monotonic()
             deadline = started + timeout_s
             producer = spawn_producer(fleet, spec_file, out, timeout_s)
-            mid = wait_records(client.redis, sks, n // 3, deadline)
-            before = finished_count(client.redis, sks)
+            mid = wait_records(client.redis, ids, n // 3, deadline)
+            before = finished_count(client.redis, session_keys(client.redis, ids))
             down_s = fleet.restart_redis(sig, REDIS_DOWN_S)
             try:
                 code: int | None = producer.wait(timeout=timeout_s + 30)
@@ -536,8 +543,9 @@ def scenario_redis(root: Path, n: int, deadline_s: float, seed: int) -> list[Row
                 code = None
             producer_s = time.monotonic() - started
             reader = Client(fleet.redis_url)  # the fleet may finish what the producer did not see
-            wait_records(reader.redis, sks, n, deadline)
+            wait_records(reader.redis, ids, n, deadline)
             fleet_s = time.monotonic() - started
+            sks = session_keys(reader.redis, ids)
             row = tally(reader.redis, f"redis-restart: {variant}", sks, expected(objects))
             row.wall_s = max(fleet_s, producer_s)
             written, statuses = results_written(out)
@@ -642,17 +650,18 @@ def scenario_producer_kill(root: Path, n: int, deadline_s: float, seed: int) -> 
     fleet, client = start_fleet(workdir, latency_ms=100)
     with fleet:
         objects = weather_objects(f"pkill-{uuid.uuid4().hex[:6]}", n)
-        sks = [keys.session_key(o["id"]) for o in objects]
+        ids = [o["id"] for o in objects]
         spec_file = write_spec_file(workdir / "sessions.jsonl", objects)
         started = time.monotonic()
         producer = spawn_producer(fleet, spec_file, workdir / "results.jsonl", deadline_s)
-        mid = wait_records(client.redis, sks, max(n // 10, 1), started + deadline_s)
-        before = finished_count(client.redis, sks)
+        mid = wait_records(client.redis, ids, max(n // 10, 1), started + deadline_s)
+        before = finished_count(client.redis, session_keys(client.redis, ids))
         fleet.kill(producer)
         killed_at = time.monotonic()
         reader = Client(fleet.redis_url)  # reads results, never waits: no producer nudges
-        wait_records(reader.redis, sks, n, started + deadline_s)
+        wait_records(reader.redis, ids, n, started + deadline_s)
         wall = time.monotonic() - started
+        sks = session_keys(reader.redis, ids)
         row = tally(reader.redis, "producer-kill: cchatq submit SIGKILLed", sks, expected(objects))
         row.wall_s = wall
         row.notes.insert(
