@@ -13,7 +13,9 @@
   a time index. A consumer beats every
   `unacked_restore_interval` seconds; when one stops (its process died, or its channel closed
   without giving its messages back), any other worker puts its messages back on their queues
-  after `consumer_dead_after_s` (a transport option). kombu instead restores a message once it
+  after `consumer_dead_after_s` (a transport option), and a worker of the same machine at once
+  if that consumer's process is gone, or is its own and closed that channel (a lost
+  connection). kombu instead restores a message once it
   is older than the visibility timeout, which must outlast the longest step, so a killed
   worker's steps waited minutes; and a slow step that outlived it ran twice while its worker
   was still alive.
@@ -29,7 +31,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import uuid
 import weakref
 from collections.abc import Iterator
@@ -42,6 +43,7 @@ from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 
 from schemas import keys
+from worker.edges import liveness
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +75,7 @@ _MOVED: dict[str, tuple[str, bytes]] = {}
 class QoS(kombu_redis.QoS):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.consumer = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
+        self.consumer = f"{liveness.HOST}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
         self._registered = False
         _LIVE.add(self)
 
@@ -137,7 +139,7 @@ class QoS(kombu_redis.QoS):
             for consumer in others:
                 pipe.exists(alive_key(consumer))
             for consumer, alive in zip(others, pipe.execute(), strict=True):
-                if not alive:
+                if not alive or _abandoned(consumer):
                     self._restore_consumer(client, consumer)
 
     def _restore_consumer(self, client: Any, consumer: str) -> None:
@@ -169,6 +171,16 @@ class QoS(kombu_redis.QoS):
 
     def close(self) -> None:
         _LIVE.discard(self)  # what it did not give back, a sweeper will
+
+
+def _abandoned(consumer: str) -> bool:
+    """A consumer of this machine whose process is gone, or of this process but no longer
+    live in it (its channel closed when the connection was lost): its messages go back at
+    once, not after its heartbeat runs out (liveness)."""
+    host, _, rest = consumer.rpartition(":")[0].rpartition(":")
+    if host != liveness.HOST or not rest.isdigit():
+        return False
+    return int(rest) == os.getpid() or liveness.pid_gone(int(rest))
 
 
 def _beat(pipe: Any, consumers: list[str], dead_after_s: int) -> None:

@@ -23,6 +23,7 @@ import redis
 from schemas import keys
 from schemas.bodies import dump_body
 from schemas.spec_types import SessionSpec, Spec, spec_from_json, with_builtins
+from worker.edges import liveness
 from worker.errors import SpecMissingError, StoreError
 from worker.session.engine import Round, Session
 from worker.session.outcomes import ToolOutcome
@@ -85,6 +86,16 @@ return renewed
 """
 
 
+# takes over a lease whose holder is gone, if it is still that holder's (compare and set)
+_TAKE_OVER = """
+if redis.call('get', KEYS[1]) == ARGV[1] then
+  redis.call('set', KEYS[1], ARGV[2], 'PX', ARGV[3])
+  return 1
+end
+return 0
+"""
+
+
 class LeaseKeeper:
     """A process's step leases, renewed while their steps run: a lease lasts STEP_LEASE_MS and
     is renewed every third of it, so a worker that dies frees its steps within STEP_LEASE_MS,
@@ -110,6 +121,7 @@ class LeaseKeeper:
         finally:
             with self._lock:
                 self.held.pop(key, None)
+            liveness.retire(token)
 
     def _loop(self) -> None:
         while True:
@@ -132,6 +144,7 @@ class RedisStore:
         self.ttl_s = ttl_s
         self._specs: dict[str, Spec] = {}
         self._keeper = LeaseKeeper(self.client)
+        self._take_over = self.client.register_script(_TAKE_OVER)
 
     @classmethod
     def from_url(cls, url: str, ttl_s: int, max_connections: int = 100) -> RedisStore:
@@ -279,7 +292,7 @@ class RedisStore:
         elif isinstance(reads, ToolReads):
             read_keys = _tool_keys(sk, reads.round_no, reads.index)
         pipe = self.client.pipeline(transaction=False)
-        token = uuid.uuid4().hex
+        token = liveness.new_token(uuid.uuid4().hex)
         pipe.set(keys.step_state(step), keys.step_lease(token), nx=True, px=lease_ms, get=True)
         pipe.set(keys.tries(step), 1, nx=True, ex=self.ttl_s, get=True)
         if sk:
@@ -289,6 +302,10 @@ class RedisStore:
             pipe.zadd(keys.ACTIVE, {sk: int(time.time() * 1000)}, xx=True)
         replies = pipe.execute()
         before, counted = replies[0], replies[1]
+        if before is not None and self._abandoned(step, before, token, lease_ms):
+            before = None  # taken over: this delivery holds the lease now
+        if before is not None:
+            liveness.retire(token)
         # a delivery counts only when it runs the step: one that finds it leased by another
         # (which waits for that lease) or published (which does nothing) spends no try
         if counted is None:
@@ -312,6 +329,21 @@ class RedisStore:
         except Exception:  # what cannot be read here, the body reads again under the guard
             return start
         return start
+
+    def _abandoned(self, step: str, lease: bytes, token: str, lease_ms: int) -> bool:
+        """Whether `lease` was held by a process that is gone (liveness), and this delivery
+        took it over: a killed worker's step runs again at once, not after its lease's TTL."""
+        if not lease.startswith(keys.STEP_LEASED + b":"):
+            return False
+        held = lease[len(keys.STEP_LEASED) + 1 :].decode(errors="replace")
+        if not liveness.token_abandoned(held):
+            return False
+        taken = self._take_over(
+            keys=[keys.step_state(step)], args=[lease, keys.step_lease(token), lease_ms]
+        )
+        if taken:
+            log.warning("step %s: lease of a process that is gone taken over", step)
+        return bool(taken)
 
     def _speculative(
         self, sk: str, reads: RoundReads | ToolReads | None

@@ -88,6 +88,19 @@ class StepGuard:
             return None
         if not start.leased:
             raise RetryLater(self.store.lease_left_ms(step) / 1000 + 0.05, f"step {step} is leased")
+        # renewed while this worker lives, and known to this process as held until it ends
+        with self.store.hold(step, start.lease):
+            return self._leased(step, sk, body, start, stop_if_cancelled, sessions)
+
+    def _leased(
+        self,
+        step: str,
+        sk: str,
+        body: Callable[[StepStart, Outbox], None],
+        start: StepStart,
+        stop_if_cancelled: bool,
+        sessions: Callable[[], list[str]],
+    ) -> str | None:
         if start.cancelled and stop_if_cancelled:
             # cancellation is checked at every step boundary; finish writes the cancelled body
             cancel = Outbox()
@@ -97,8 +110,7 @@ class StepGuard:
         if start.tries > self.settings.max_step_attempts:
             self.poison(step, sessions(), f"delivered {start.tries} times")
         outbox = Outbox()
-        with self.store.hold(step, start.lease):  # renewed while this worker lives
-            self._body(step, sk, body, start, outbox, sessions)
+        self._body(step, sk, body, start, outbox, sessions)
         if log.isEnabledFor(logging.INFO):  # one line per step that ran: ids and counts only
             published = [s.kind for s in outbox.steps]
             log.info("step %s done: try %d, published %s", step, start.tries, published)
