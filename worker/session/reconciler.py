@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from worker.errors import SpecMissingError, StoreError
+from worker.errors import StoreError
 from worker.session.ports import STEP_LEASE_MS
 from worker.session.trace import event
 
@@ -63,12 +63,13 @@ class Reconciler:
                     self.runner.end_overdue(sk, self.deadline_ms)
                     overdue += 1
                     continue
-                self.runner.nudge(sk)
-                nudged += 1
-            except SpecMissingError:  # expired: nothing is left to recover
-                self.store.forget_session(sk)
-                forgotten += 1
-            # another StoreError is Redis itself failing: the next turn tries again
+                if self.runner.nudge(sk):
+                    nudged += 1
+                    continue
+            except StoreError:  # Redis itself failing: the next turn tries again
+                continue
+            self.store.forget_session(sk)  # expired: nothing is left to recover
+            forgotten += 1
         if nudged or overdue:
             log.info("reconciler: nudged %d sessions with no progress, ended %d", nudged, overdue)
         if self.runner.settings.trace:  # counted for the metrics, never in the way

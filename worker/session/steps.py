@@ -28,6 +28,7 @@ from worker.errors import (
     InternalError,
     ProviderError,
     RateLimited,
+    SpecMissingError,
     StoreError,
 )
 from worker.session.decisions import Decision, Ending, decide
@@ -290,19 +291,25 @@ class StepRunner:
 
     # nudge ------------------------------------------------------------------------------
 
-    def nudge(self, sk: str) -> None:
+    def nudge(self, sk: str) -> bool:
         """Re-publish what a stalled session does next, as the engine plans it from the stored
         state. A broker can lose a message (a worker killed between taking it and recording it
         as unacknowledged); every step being idempotent, publishing it again is always safe.
         A step that is leased or published is left alone: a session waiting on a slow model
-        call is not stalled, and a copy of its step would only queue behind it."""
+        call is not stalled, and a copy of its step would only queue behind it. False: the
+        session is gone (its spec expired, or was lost with Redis's data)."""
         if self.store.has_result(sk):
             self.store.notify(sk, self.store.watcher_batches(sk))
-            return
-        if isinstance(self.store.load_spec(sk), ProgramSpec):
+            return True
+        try:
+            spec = self.store.load_spec(sk)
+        except SpecMissingError:  # expired, or lost with Redis's data: nothing to recover
+            log.warning("nudge %s: no spec, nothing to recover", sk)
+            return False
+        if isinstance(spec, ProgramSpec):
             if not self.store.active_steps([keys.program_step(sk)]):  # not running, not done
                 self.dispatch.program(sk)
-            return
+            return True
         try:
             decision = decide(self._session(sk))
         except StoreError:
@@ -311,6 +318,7 @@ class StepRunner:
             log.warning("nudge %s: no plan, finishing", sk)
             decision = Decision(finish=True)
         self.apply(sk, self._not_running(sk, decision))
+        return True
 
     def end_overdue(self, sk: str, deadline_ms: int) -> None:
         """A session past the fleet's deadline with no progress ends deadline_exceeded: its
