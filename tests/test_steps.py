@@ -427,3 +427,15 @@ def test_the_reconciler_ends_a_stalled_session_past_the_fleets_deadline() -> Non
     assert p.tools.calls == []
     (passed,) = [e.to_json() for e in p.store.traces[""]]
     assert (passed["nudged"], passed["overdue"]) == (0, 1)
+
+
+def test_a_step_of_a_session_that_is_gone_is_dropped() -> None:
+    """Its spec expired, or Redis lost it: the step is not retried, dead-lettered or ended
+    (a result under a key no one reads); a waiting producer submits the session again."""
+    p = pipeline(WEATHER_SCRIPT)
+    submit(p, spec(WEATHER_FN))
+    p.queue.run_next(p.run)  # round 0 published its tool step
+    del p.store.specs[SK]
+    assert p.drain() == 1
+    assert p.queue.retries == 0 and p.store.deadletters == []
+    assert p.store.result(SK) is None and p.tools.calls == []

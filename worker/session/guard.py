@@ -19,6 +19,7 @@ from worker.config import Settings
 from worker.errors import (
     RateLimited,
     RetryLater,
+    SpecMissingError,
     StepDeadLettered,
     StepFailedError,
     StoreError,
@@ -138,6 +139,12 @@ class StepGuard:
                     waited = rate_limit_waited(self._spec_id(sk), step, exc)
                     self.trace_now(sk, waited, expire=True)
             raise RetryLater(exc.wait_s, "rate limited") from None
+        except SpecMissingError:
+            # the session is gone (its spec expired, or was lost with Redis's data): there is
+            # nothing to run and no one to tell; a producer that still waits submits it again
+            self._release_quietly(step)
+            log.warning("step %s: its session is gone, step dropped", step)
+            return
         except Exception as exc:
             self._release_quietly(step)
             if start.tries >= self.settings.max_step_attempts:
