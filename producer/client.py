@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -20,6 +21,8 @@ from redis.retry import Retry
 from schemas import keys, task_names
 from schemas.bodies import dump_body
 from schemas.spec_types import ProgramSpec, SessionSpec, Spec, spec_from_json, spec_to_json, stored
+
+log = logging.getLogger("cchatq.producer")
 
 CHUNK_SIZE = 256  # sessions admitted by one start task
 PIPELINE_SIZE = 1000  # sessions per Redis round trip at submit
@@ -43,6 +46,8 @@ class Submission:
     new: set[str] = field(default_factory=set)  # enqueued by this submission
     done: set[str] = field(default_factory=set)  # already finished before it (resubmitted ids)
     programs: set[str] = field(default_factory=set)  # program runs among them
+    specs: dict[str, Spec] = field(default_factory=dict)  # sk -> spec: to run again if lost
+    chunks: int = 0  # start tasks sent for this batch (a resubmission numbers on from here)
 
 
 class Client:
@@ -85,12 +90,14 @@ class Client:
         pipe.execute()
         return shas
 
-    def submit(self, specs: Sequence[Spec], batch: str | None = None) -> Submission:
+    def submit(
+        self, specs: Sequence[Spec], batch: str | None = None, first_chunk: int = 0
+    ) -> Submission:
         """Enqueue validated canonical specs. Idempotent by spec id: an id already submitted is
         not run again; this batch waits for (or reads) its stored result instead. A new run
         gets a session key of a new generation (keys.run_session_key)."""
         shas = self.upload_modules(specs)
-        sub = Submission(batch=batch or uuid.uuid4().hex[:12], order=[], ids={})
+        sub = Submission(batch=batch or uuid.uuid4().hex[:12], order=[], ids={}, chunks=first_chunk)
         now_ms = int(time.time() * 1000)
         for start in range(0, len(specs), PIPELINE_SIZE):
             part = specs[start : start + PIPELINE_SIZE]
@@ -109,6 +116,7 @@ class Client:
             for spec, (sk, won) in zip(part, runs, strict=True):
                 sub.order.append(sk)
                 sub.ids[sk] = spec.id
+                sub.specs[sk] = spec
                 if isinstance(spec, ProgramSpec):
                     sub.programs.add(sk)
                 pipe.sadd(keys.watchers(sk), sub.batch)
@@ -145,14 +153,16 @@ class Client:
             if sk in sub.new
         ]
         chunks = [fresh[i : i + CHUNK_SIZE] for i in range(0, len(fresh), CHUNK_SIZE)]
+        numbers = range(sub.chunks, sub.chunks + len(chunks))
+        sub.chunks += len(chunks)
         pipe = self.redis.pipeline(transaction=False)
-        for n, members in enumerate(chunks):
+        for n, members in zip(numbers, chunks, strict=True):
             pipe.delete(keys.chunk(sub.batch, n))  # a pipeline sent again writes it once
             pipe.rpush(keys.chunk(sub.batch, n), *members)
             pipe.expire(keys.chunk(sub.batch, n), self.ttl_s)
         pipe.expire(keys.ACTIVE, self.ttl_s)
         pipe.execute()
-        for n in range(len(chunks)):
+        for n in numbers:
             self.celery.send_task(
                 task_names.START,
                 args=[sub.batch, n],
@@ -188,6 +198,7 @@ class Client:
                 # a session whose entry in the done list was lost (popped in a reply that a
                 # dropped connection never delivered, or by a Redis restart) is found here
                 ready.extend(self._finished(pending))
+                self._rerun_lost(sub, pending)
                 moved, stalled = self._stalled(pending, seen, stall_s, started)
                 if moved:
                     progress = time.monotonic()
@@ -211,6 +222,39 @@ class Client:
                         yield sk, record
             if deadline is not None and time.monotonic() > deadline and pending:
                 raise TimeoutError(f"{len(pending)} of {len(sub.order)} sessions still running")
+
+    def _rerun_lost(self, sub: Submission, pending: set[str]) -> None:
+        """Sessions whose id's claim no longer names them: Redis lost its data (restarted
+        without persistence, or a failover to a replica that had not seen the submit). Those
+        whose claim is gone are submitted again (a new generation: what steps of the lost run
+        still write is never read); one claimed anew elsewhere is followed there. Each takes
+        its place in `sub` under its new key."""
+        sks = sorted(pending)[:STATE_SAMPLE]
+        claims = self.redis.mget([keys.id_claim(sub.ids[sk]) for sk in sks])
+        moved: dict[str, str] = {}  # old sk -> the sk its id names now
+        lost: list[str] = []
+        for sk, claim in zip(sks, claims, strict=True):
+            if claim is None:
+                if sk in sub.specs:
+                    lost.append(sk)
+            elif claim.decode() != sk:
+                moved[sk] = claim.decode()
+        if lost:
+            log.warning("%d sessions lost with Redis's data: submitted again", len(lost))
+            again = self.submit(
+                [sub.specs[sk] for sk in lost], batch=sub.batch, first_chunk=sub.chunks
+            )
+            sub.chunks = again.chunks
+            moved.update(zip(lost, again.order, strict=True))
+            sub.programs |= again.programs
+        place = {sk: n for n, sk in enumerate(sub.order)}
+        for old, new in moved.items():
+            pending.discard(old)
+            pending.add(new)
+            sub.order[place[old]] = new
+            sub.ids[new] = sub.ids[old]
+            if old in sub.specs:
+                sub.specs[new] = sub.specs[old]
 
     def _finished(self, pending: set[str]) -> list[str]:
         """Those of `pending` whose response fd is written."""

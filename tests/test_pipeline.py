@@ -425,3 +425,32 @@ def test_a_waiting_producer_rides_out_dropped_connections_and_lost_done_entries(
         waiting.join(timeout=60)
     assert sorted(got) == sorted(sub.order)
     client.close()
+
+
+def test_a_waiting_producer_submits_again_what_redis_lost(
+    running: Running, tmp_path: Path, fresh_id: str
+) -> None:
+    """Issue 10: Redis lost the batch's sessions (restarted without persistence: their
+    claims, specs and state are gone) while the producer waited. It submits them again, as a
+    new generation, and yields every one, finished by the new run."""
+    client = Client(running.fleet.redis_url)
+    specs: list[dict[str, Any]] = [
+        {
+            "id": f"{fresh_id}/lost/{n}",
+            "model": "replay/plain",
+            "messages": [{"role": "user", "content": f"Hello {n} [[latency_ms:1500]]"}],
+        }
+        for n in range(3)
+    ]
+    sub = submit_specs(client, specs, tmp_path)
+    first = list(sub.order)
+    side = running.client.redis
+    wait_for(lambda: all(side.hget(keys.meta(sk), "state") == b"round 0" for sk in first))
+    for spec, sk in zip(specs, first, strict=True):
+        side.delete(keys.id_claim(spec["id"]), keys.spec(sk), keys.meta(sk))
+    records = dict(client.wait(sub, timeout_s=60, stall_s=2))
+    assert set(records) == set(sub.order) and not set(sub.order) & set(first)
+    assert [records[sk]["id"] for sk in sub.order] == [s["id"] for s in specs]
+    assert all(r["status"] == "ok" for r in records.values()), records
+    assert [client.session_key(s["id"]) for s in specs] == sub.order
+    client.close()
