@@ -24,18 +24,25 @@ REDIS_DB = 12
 QUEUE = "broker-test"
 
 
-@pytest.fixture
-def conn(base_fleet: Fleet) -> Iterator[tuple[Connection, redis.Redis]]:
-    url = base_fleet.redis_url.rsplit("/", 1)[0] + f"/{REDIS_DB}"
+def broker_connection(
+    base_fleet: Fleet, db: int, dead_after_s: int
+) -> Iterator[tuple[Connection, redis.Redis]]:
+    """A connection through cchatq's transport to an empty database, and a client of it."""
+    url = base_fleet.redis_url.rsplit("/", 1)[0] + f"/{db}"
     client = redis.Redis.from_url(url)
     client.flushdb()
     connection = Connection(
-        url, transport=broker.Transport, transport_options={"consumer_dead_after_s": 5}
+        url, transport=broker.Transport, transport_options={"consumer_dead_after_s": dead_after_s}
     )
     yield connection, client
     connection.release()
     client.flushdb()
     client.close()
+
+
+@pytest.fixture
+def conn(base_fleet: Fleet) -> Iterator[tuple[Connection, redis.Redis]]:
+    yield from broker_connection(base_fleet, REDIS_DB, dead_after_s=5)
 
 
 def _publish(client: redis.Redis, task_id: str) -> None:

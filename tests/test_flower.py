@@ -4,7 +4,6 @@ Task events are off by default (they cost every hop); Flower switches them on.""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -18,9 +17,8 @@ import requests
 
 from fixtures.demo_batch import WEATHER
 from producer.fleet import free_port
-from producer.specfile import load_spec_file
 from tests.conftest import Running
-from tests.test_pipeline import _unique_module, run_specs
+from tests.test_pipeline import run_poisoned, run_specs
 
 pytestmark = pytest.mark.fleet
 
@@ -93,21 +91,10 @@ def test_flower_lists_every_step_with_ids_only(
         ).json()
         assert set(expected) <= set(found)
         # a dead-lettered step: its task is a FAILURE, and its session ends step_failed
-        module = _unique_module(tmp_path, fresh_id)
-        poison: dict[str, Any] = {
-            "id": f"{fresh_id}/flower-poison",
-            "model": "replay/weather",
-            "messages": [{"role": "user", "content": "Weather in Lima?"}],
-            "tools": [{**WEATHER, "module": str(module)}],
-        }
-        path = tmp_path / "poison.jsonl"
-        path.write_text(json.dumps(poison) + "\n")
-        sub = running.client.submit([s.spec for s in load_spec_file(path)])
-        running.client.redis.delete(*running.client.redis.keys("cq:module:*"))
-        record = dict(running.client.wait(sub, timeout_s=60))[sub.order[0]]
+        sk, record = run_poisoned(running.client, tmp_path, f"{fresh_id}/flower-poison")
         assert record["body"]["error"]["code"] == "step_failed"
-        assert settled(base, f"{sub.order[0]}.r0.t0")["state"] == "FAILURE"
-        finish = settled(base, f"{sub.order[0]}.fin")
+        assert settled(base, f"{sk}.r0.t0")["state"] == "FAILURE"
+        finish = settled(base, f"{sk}.fin")
         assert (finish["state"], finish.get("result")) == (
             "SUCCESS",
             repr({"outcome": "step_failed"}),

@@ -17,7 +17,7 @@ from kombu.connection import Connection
 
 from producer.fleet import Fleet
 from schemas import keys
-from tests.test_broker import _publish, _queued_ids, _take
+from tests.test_broker import _publish, _queued_ids, _take, broker_connection
 from worker.edges import broker, liveness
 from worker.edges.store import RedisStore
 
@@ -103,16 +103,7 @@ def test_a_lease_of_a_live_process_or_another_machine_is_waited_for(store: Redis
 
 @pytest.fixture
 def conn(base_fleet: Fleet) -> Iterator[tuple[Connection, redis.Redis]]:
-    url = base_fleet.redis_url.rsplit("/", 1)[0] + f"/{REDIS_DB}"
-    client = redis.Redis.from_url(url)
-    client.flushdb()
-    connection = Connection(
-        url, transport=broker.Transport, transport_options={"consumer_dead_after_s": 60}
-    )
-    yield connection, client
-    connection.release()
-    client.flushdb()
-    client.close()
+    yield from broker_connection(base_fleet, REDIS_DB, dead_after_s=60)
 
 
 @pytest.mark.fleet

@@ -251,23 +251,30 @@ def _unique_module(tmp_path: Path, fresh_id: str) -> Path:
     return path
 
 
-def test_poison_step_is_dead_lettered_and_session_ends(
-    running: Running, tmp_path: Path, fresh_id: str
-) -> None:
-    """A step that fails on every delivery (its module vanished from Redis) ends its session
-    with a step_failed body instead of leaving the producer waiting."""
-    module = _unique_module(tmp_path, fresh_id)
+def run_poisoned(client: Client, tmp_path: Path, spec_id: str) -> tuple[str, dict[str, Any]]:
+    """A session whose tool step fails on every delivery (its module vanished from Redis):
+    its session key and the record it ends with."""
+    module = _unique_module(tmp_path, spec_id.replace("/", "-"))
     spec: dict[str, Any] = {
-        "id": f"{fresh_id}/poison",
+        "id": spec_id,
         "model": "replay/weather",
         "messages": [{"role": "user", "content": "Weather in Lima?"}],
         "tools": [{**WEATHER, "module": str(module)}],
     }
     path = tmp_path / "poison.jsonl"
     path.write_text(json.dumps(spec) + "\n")
-    sub = running.client.submit([s.spec for s in load_spec_file(path)])
-    running.client.redis.delete(*running.client.redis.keys("cq:module:*"))
-    record = dict(running.client.wait(sub, timeout_s=60))[sub.order[0]]
+    sub = client.submit([s.spec for s in load_spec_file(path)])
+    client.redis.delete(*client.redis.keys("cq:module:*"))
+    return sub.order[0], dict(client.wait(sub, timeout_s=60))[sub.order[0]]
+
+
+def test_poison_step_is_dead_lettered_and_session_ends(
+    running: Running, tmp_path: Path, fresh_id: str
+) -> None:
+    """A step that fails on every delivery (its module vanished from Redis) ends its session
+    with a step_failed body instead of leaving the producer waiting; the tools worker's log
+    lines of each failed try name the step, and so the session (issue 10, point 6)."""
+    sk, record = run_poisoned(running.client, tmp_path, f"{fresh_id}/poison")
     assert record["status"] == "error"
     assert record["body"]["error"]["code"] == "step_failed"
     assert ".r0.t0 failed for good" in record["body"]["error"]["message"]
@@ -275,6 +282,10 @@ def test_poison_step_is_dead_lettered_and_session_ends(
     assert [json.loads(m["content"])["error"]["code"] for m in tool_messages] == ["NOT_RUN"]
     entries = running.client.redis.xrange(keys.DEADLETTER)
     assert any(e[1][b"step"].endswith(b".r0.t0") for e in entries)
+    logs = [p.read_text(errors="replace") for p in running.fleet.workdir.glob("tools*.log")]
+    failed = [line for log in logs for line in log.splitlines() if f"step={sk}.r0.t0 " in line]
+    assert any("failed (try 1)" in line for line in failed), failed
+    assert any("dead-lettered" in line for line in failed), failed
 
 
 def test_cli_status_and_result(running: Running, tmp_path: Path, fresh_id: str) -> None:

@@ -184,7 +184,10 @@ def test_an_llm_worker_killed_during_a_model_call_is_taken_over_quickly(
     llm = next(p for name, p in crashable.fleet.workers.items() if name.startswith("llm"))
     crashable.fleet.kill(llm)
     crashable.fleet.start_worker("llm")
-    (record,) = dict(crashable.client.wait(sub, timeout_s=30)).values()
+    try:
+        (record,) = dict(crashable.client.wait(sub, timeout_s=30)).values()
+    except TimeoutError:
+        pytest.fail(diagnose(crashable, [sk]))
     assert record["status"] == "ok"
     assert record["body"]["choices"][0]["message"]["content"] == f"Echo: Hello {fresh_id}"
     assert int(crashable.client.redis.get(keys.tries(step))) == 2  # the killed try and this one
