@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -362,10 +363,13 @@ def test_random_429s_and_the_wait_before_each_retry_are_logged() -> None:
     assert faults["min_gap_after_429_s"] < 0.5 and faults["min_margin_s"] < 0
 
 
-def test_random_500s_from_the_command_line() -> None:
+@contextlib.contextmanager
+def replay_process(*args: str) -> Iterator[str]:
+    """`python -m fixtures.replay --port 0 ARGS` as a process of its own: its base URL, from
+    its READY line; it must stop cleanly on SIGTERM."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "fixtures.replay", "--port", "0", "--fault-500-rate", "1"],
+        [sys.executable, "-m", "fixtures.replay", "--port", "0", *args],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -373,12 +377,9 @@ def test_random_500s_from_the_command_line() -> None:
     )
     try:
         assert proc.stdout is not None
-        url = proc.stdout.readline().strip().removeprefix("READY ")
-        body = {"model": "replay/plain", "messages": user("hi")}
-        reply = requests.post(f"{url}/chat/completions", json=body, timeout=5)
-        assert reply.status_code == 500
-        faults = requests.get(url.removesuffix("/v1") + "/faults", timeout=5).json()
-        assert faults["injected"] == {"429": 0, "500": 1}
+        line = proc.stdout.readline().strip()
+        assert line.startswith("READY http://127.0.0.1:"), line
+        yield line.removeprefix("READY ")
         os.kill(proc.pid, signal.SIGTERM)
         assert proc.wait(timeout=10) == 0
     finally:
@@ -387,6 +388,15 @@ def test_random_500s_from_the_command_line() -> None:
             proc.wait()
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+def test_random_500s_from_the_command_line() -> None:
+    with replay_process("--fault-500-rate", "1") as url:
+        body = {"model": "replay/plain", "messages": user("hi")}
+        reply = requests.post(f"{url}/chat/completions", json=body, timeout=5)
+        assert reply.status_code == 500
+        faults = requests.get(url.removesuffix("/v1") + "/faults", timeout=5).json()
+        assert faults["injected"] == {"429": 0, "500": 1}
 
 
 def test_malformed_body(client: Client) -> None:
@@ -535,29 +545,9 @@ def test_stop_cuts_kept_alive_connections() -> None:
 
 
 def test_module_entry_point_subprocess() -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fixtures.replay", "--port", "0"],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline().strip()
-        assert line.startswith("READY http://127.0.0.1:"), line
-        url = line.removeprefix("READY ")
+    with replay_process() as url:
         health = requests.get(url.removesuffix("/v1") + "/healthz", timeout=5)
         assert (health.status_code, health.text) == (200, "ok")
-        os.kill(proc.pid, signal.SIGTERM)
-        assert proc.wait(timeout=10) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
 
 
 # === the four wire protocols ================================================================
