@@ -19,6 +19,7 @@ from producer.client import Client, Submission
 from producer.fleet import REPLAY_PROTOCOL_PATHS, Fleet, replay_backend_name, worker_command
 from producer.report import Progress, summary
 from producer.specfile import SpecFileError, load_spec_file, load_spec_from_objects
+from schemas import task_names
 from schemas.bodies import dump_text
 from schemas.spec_types import Spec, spec_from_json, spec_to_json
 
@@ -32,6 +33,20 @@ def _redis_url() -> str:
 
 
 PROGRAM_FIELDS = ("exit_code", "stdout", "stderr", "logs", "responses", "metrics")
+
+# `cchatq submit`'s exit codes (README: Results)
+EXIT_OK = 0  # every session ended ok
+EXIT_FAILED = 1  # every session ended, some with an error body
+EXIT_REJECTED = 2  # the input was rejected: nothing enqueued
+EXIT_INTERRUPTED = 3  # Ctrl-C or --timeout-s: the sessions left keep running on the fleet
+
+
+class BatchInterrupted(Exception):
+    """The wait stopped (Ctrl-C, or its timeout) before every session of the batch ended."""
+
+    def __init__(self, batch: str, done: int, total: int) -> None:
+        super().__init__(f"batch {batch}: {done} of {total} done")
+        self.batch, self.done, self.total = batch, done, total
 
 
 def result_line(record: dict[str, Any]) -> dict[str, Any]:
@@ -72,11 +87,14 @@ def run_batch(
     progress = Progress(len(sub.order), stream)
     records: dict[str, dict[str, Any]] = {}
     with out.open("w") as arriving:
-        for sk, record in client.wait(sub, timeout_s=timeout_s):
-            records[sk] = record
-            arriving.write(dump_text(result_line(record)) + "\n")
-            arriving.flush()
-            progress.update(record)
+        try:
+            for sk, record in client.wait(sub, timeout_s=timeout_s):
+                records[sk] = record
+                arriving.write(dump_text(result_line(record)) + "\n")
+                arriving.flush()
+                progress.update(record)
+        except (KeyboardInterrupt, TimeoutError):
+            raise BatchInterrupted(sub.batch, len(records), len(sub.order)) from None
     progress.draw(final=True)
     ordered = [records[sk] for sk in sub.order]
     sorted_out = out.with_name(out.name + ".sorting")
@@ -89,24 +107,37 @@ def run_batch(
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
+    """Exit codes: EXIT_OK, EXIT_FAILED, EXIT_REJECTED, EXIT_INTERRUPTED."""
     try:
         loaded = load_spec_file(args.file)
     except SpecFileError as exc:
         print(f"rejected, nothing enqueued:\n{exc}", file=sys.stderr)
-        return 2
+        return EXIT_REJECTED
+    out = Path(args.out)
+    if not args.no_wait:  # a results file that cannot be written is found before anything runs
+        try:
+            out.open("a").close()
+        except OSError as exc:
+            print(f"rejected, nothing enqueued: --out {out}: {exc.strerror}", file=sys.stderr)
+            return EXIT_REJECTED
     client = Client(_redis_url())
     try:
         if args.no_wait:
             sub = client.submit([s.spec for s in loaded])
             print(f"batch {sub.batch}: {len(sub.new)} sessions enqueued")
-            return 0
-        run_batch(client, [s.spec for s in loaded], Path(args.out), args.timeout_s)
-    except TimeoutError as exc:
-        print(f"timed out: {exc}", file=sys.stderr)
-        return 1
+            return EXIT_OK
+        records = run_batch(client, [s.spec for s in loaded], out, args.timeout_s)
+    except BatchInterrupted as stop:
+        print(
+            f"\n{stop}; the rest keep running on the fleet. Their results so far are in {out};"
+            f" submit the same file again to collect the rest (ids already submitted are not"
+            f" run again), or follow one with `cchatq status ID`.",
+            file=sys.stderr,
+        )
+        return EXIT_INTERRUPTED
     finally:
         client.close()
-    return 0
+    return EXIT_OK if all(r.get("status") == "ok" for r in records) else EXIT_FAILED
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -180,6 +211,15 @@ def cmd_cancel(args: argparse.Namespace) -> int:
         return 1
     print(f"cancel requested: {args.id}")
     return 0
+
+
+def known_queues(value: str) -> str:
+    """`--queues`: one or more of the fleet's queues, comma-separated (a typo is refused)."""
+    unknown = [q for q in value.split(",") if q not in task_names.ALL_QUEUES]
+    if unknown or not value:
+        known = ", ".join(task_names.ALL_QUEUES)
+        raise argparse.ArgumentTypeError(f"unknown queue {','.join(unknown)!r}; known: {known}")
+    return value
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -267,6 +307,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         client = Client(redis_url)
         try:
             records = run_batch(client, specs, Path(args.out), args.timeout_s)
+        except BatchInterrupted as stop:
+            print(f"\n{stop}: the demo fleet stops now", file=sys.stderr)
+            return EXIT_INTERRUPTED
         finally:
             client.close()
     problems = [(r["id"], p) for r in records for p in check({**r, "id": r["id"].split(":", 1)[1]})]
@@ -321,7 +364,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_cancel)
 
     p = sub.add_parser("worker", help="run a Celery worker for one queue with its default pool")
-    p.add_argument("--queues", required=True, help="llm | tools | control | programs")
+    p.add_argument(
+        "--queues",
+        required=True,
+        type=known_queues,
+        help=" | ".join(task_names.ALL_QUEUES) + " (or several, comma-separated)",
+    )
     p.add_argument("--pool")
     p.add_argument("--concurrency", type=int)
     p.add_argument("--name")

@@ -4,10 +4,12 @@ server over HTTP and real wasmtime. Outcomes are asserted exactly."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -321,6 +323,57 @@ def test_cli_status_and_result(running: Running, tmp_path: Path, fresh_id: str) 
     assert status["flower_tasks"].startswith("http://127.0.0.1:5555/api/tasks?search=kwargs")
     unknown = cli("result", f"{fresh_id}/nope")
     assert unknown.returncode == 1 and "unknown session id" in unknown.stderr
+
+
+def test_cli_submit_exit_codes_and_an_interrupted_wait(
+    running: Running, tmp_path: Path, fresh_id: str
+) -> None:
+    """Issue 11 (part): 0 all ok, 1 some failed, 2 rejected input (a results file that cannot
+    be written is found before anything is enqueued), 3 interrupted (a timeout, or Ctrl-C):
+    no traceback, what finished is in the results file, the rest keep running."""
+    env = {"REDIS_URL": running.redis_url, "PATH": "/usr/bin:/bin"}
+
+    def submit(specs: list[dict[str, Any]], *args: str) -> subprocess.CompletedProcess[str]:
+        path = tmp_path / f"{uuid.uuid4().hex[:6]}.jsonl"
+        path.write_text("".join(json.dumps(s) + "\n" for s in specs))
+        cmd = [sys.executable, "-m", "producer.cli", "submit", str(path), *args]
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+
+    def plain(name: str, marker: str = "") -> dict[str, Any]:
+        content = f"hi {name}{marker}"
+        return {"id": f"{fresh_id}/{name}", "model": "replay/plain",
+                "messages": [{"role": "user", "content": content}]}  # fmt: skip
+
+    out = tmp_path / "r.jsonl"
+    assert submit([plain("ok")], "--out", str(out)).returncode == 0
+    failing = {**plain("failing"), "provider": "no-such-backend"}
+    assert submit([plain("ok2"), failing], "--out", str(out)).returncode == 1
+    unwritable = submit([plain("never")], "--out", str(tmp_path))  # a directory
+    assert unwritable.returncode == 2 and f"--out {tmp_path}" in unwritable.stderr
+    assert running.client.session_key(f"{fresh_id}/never") is None  # nothing enqueued
+    slow = plain("slow", " [[latency_ms:5000]]")
+    stopped = submit([plain("quick"), slow], "--out", str(out), "--timeout-s", "2")
+    assert stopped.returncode == 3, stopped.stderr
+    assert "1 of 2 done; the rest keep running" in stopped.stderr
+    assert "Traceback" not in stopped.stderr
+    written = [json.loads(line)["id"] for line in out.read_text().splitlines()]
+    assert written == [plain("quick")["id"]]
+    assert running.client.response(slow["id"]) is None  # still running, on the fleet
+    # Ctrl-C: the same, once the quick session's line is written
+    path = tmp_path / "ctrl-c.jsonl"
+    slow_again = plain("slow-again", " [[latency_ms:5000]]")
+    path.write_text("".join(json.dumps(s) + "\n" for s in (plain("quick-again"), slow_again)))
+    cmd = [sys.executable, "-m", "producer.cli", "submit", str(path), "--out", str(out)]
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: out.exists() and "quick-again" in out.read_text())
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 3 and "1 of 2 done" in stderr and "Traceback" not in stderr
+    worker = subprocess.run(
+        [sys.executable, "-m", "producer.cli", "worker", "--queues", "tool"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert worker.returncode == 2 and "unknown queue 'tool'" in worker.stderr
 
 
 def test_every_key_written_has_a_ttl(running: Running, tmp_path: Path, fresh_id: str) -> None:
