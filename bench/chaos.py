@@ -142,7 +142,10 @@ def session_keys(r: Any, ids: Sequence[str]) -> list[str]:
     claims = []
     for start in range(0, len(ids), MGET):
         claims.extend(r.mget([keys.id_claim(i) for i in ids[start : start + MGET]]))
-    return [f"unclaimed:{i}" if c is None else c.decode() for i, c in zip(ids, claims, strict=True)]
+    return [
+        f"unclaimed:{i}" if c is None else keys.Claim.decode(c).sk
+        for i, c in zip(ids, claims, strict=True)
+    ]
 
 
 def wait_records(r: Any, ids: Sequence[str], want: int, deadline: float) -> bool:

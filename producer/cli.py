@@ -15,7 +15,7 @@ from typing import Any, TextIO
 from urllib.parse import urlencode
 
 import fixtures
-from producer.client import Client, Submission
+from producer.client import Client, SpecConflictError, Submission
 from producer.fleet import REPLAY_PROTOCOL_PATHS, Fleet, replay_backend_name, worker_command
 from producer.report import Progress, summary
 from producer.specfile import SpecFileError, load_spec_file, load_spec_from_objects
@@ -32,6 +32,7 @@ def _redis_url() -> str:
     return os.environ.get("REDIS_URL", DEFAULT_REDIS_URL)
 
 
+MAX_LISTED = 20  # rejected lines listed, then how many more
 PROGRAM_FIELDS = ("exit_code", "stdout", "stderr", "logs", "responses", "metrics")
 
 # `cchatq submit`'s exit codes (README: Results)
@@ -72,12 +73,19 @@ def run_batch(
     out: Path,
     timeout_s: float | None,
     stream: TextIO = sys.stderr,
+    rerun: bool = False,
 ) -> list[dict[str, Any]]:
-    """Submit, show progress, write one JSON line per session, print the summary. Each line is
-    written (and flushed) as its session finishes, so a producer that dies keeps what it had;
-    once all are in, the file is rewritten in input order."""
+    """Submit, show progress, write one JSON line per session (with its batch and which
+    attempt of its id it is), print the summary. Each line is written (and flushed) as its
+    session finishes, so a producer that dies keeps what it had; once all are in, the file is
+    rewritten in input order."""
     started = time.monotonic()
-    sub: Submission = client.submit(specs)
+    sub: Submission = client.submit(specs, rerun=rerun)
+
+    def line(sk: str) -> str:
+        shown = {**result_line(records[sk]), "batch": sub.batch, "attempt": sub.attempts[sk]}
+        return dump_text(shown) + "\n"
+
     reused = len(sub.order) - len(sub.new)
     stream.write(
         f"batch {sub.batch}: {len(sub.new)} sessions enqueued"
@@ -90,7 +98,7 @@ def run_batch(
         try:
             for sk, record in client.wait(sub, timeout_s=timeout_s):
                 records[sk] = record
-                arriving.write(dump_text(result_line(record)) + "\n")
+                arriving.write(line(sk))
                 arriving.flush()
                 progress.update(record)
         except (KeyboardInterrupt, TimeoutError):
@@ -99,8 +107,7 @@ def run_batch(
     ordered = [records[sk] for sk in sub.order]
     sorted_out = out.with_name(out.name + ".sorting")
     with sorted_out.open("w") as fh:
-        for record in ordered:
-            fh.write(dump_text(result_line(record)) + "\n")
+        fh.writelines(line(sk) for sk in sub.order)
     sorted_out.replace(out)
     stream.write(f"results: {out}\n{summary(ordered, time.monotonic() - started)}\n")
     return ordered
@@ -123,10 +130,23 @@ def cmd_submit(args: argparse.Namespace) -> int:
     client = Client(_redis_url())
     try:
         if args.no_wait:
-            sub = client.submit([s.spec for s in loaded])
+            sub = client.submit([s.spec for s in loaded], rerun=args.rerun)
             print(f"batch {sub.batch}: {len(sub.new)} sessions enqueued")
             return EXIT_OK
-        records = run_batch(client, [s.spec for s in loaded], out, args.timeout_s)
+        specs = [s.spec for s in loaded]
+        records = run_batch(client, specs, out, args.timeout_s, rerun=args.rerun)
+    except SpecConflictError as exc:
+        lines = {s.spec.id: s.line for s in loaded}
+        print("rejected, nothing enqueued:", file=sys.stderr)
+        for spec_id in exc.spec_ids[:MAX_LISTED]:
+            print(
+                f"{args.file}:{lines[spec_id]}: id: {spec_id!r} was already submitted with a"
+                " different spec (--rerun runs every submitted id again, as a new attempt)",
+                file=sys.stderr,
+            )
+        if len(exc.spec_ids) > MAX_LISTED:
+            print(f"... and {len(exc.spec_ids) - MAX_LISTED} more", file=sys.stderr)
+        return EXIT_REJECTED
     except BatchInterrupted as stop:
         print(
             f"\n{stop}; the rest keep running on the fleet. Their results so far are in {out};"
@@ -333,6 +353,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="results.jsonl")
     p.add_argument("--timeout-s", type=float, default=None)
     p.add_argument("--no-wait", action="store_true")
+    p.add_argument(
+        "--rerun",
+        action="store_true",
+        help="run every id already submitted again, as its next attempt (a changed spec "
+        "under an id already submitted is refused without it)",
+    )
     p.set_defaults(fn=cmd_submit)
 
     p = sub.add_parser("status", help="a session's state, or queue lengths without an id")

@@ -47,7 +47,16 @@ class Submission:
     done: set[str] = field(default_factory=set)  # already finished before it (resubmitted ids)
     programs: set[str] = field(default_factory=set)  # program runs among them
     specs: dict[str, Spec] = field(default_factory=dict)  # sk -> spec: to run again if lost
+    attempts: dict[str, int] = field(default_factory=dict)  # sk -> which attempt of its id
     chunks: int = 0  # start tasks sent for this batch (a resubmission numbers on from here)
+
+
+class SpecConflictError(Exception):
+    """Ids already submitted with a different spec: nothing of the submission was enqueued."""
+
+    def __init__(self, spec_ids: list[str]) -> None:
+        super().__init__(f"{len(spec_ids)} ids already submitted with a different spec")
+        self.spec_ids = spec_ids
 
 
 class Client:
@@ -91,29 +100,62 @@ class Client:
         return shas
 
     def submit(
-        self, specs: Sequence[Spec], batch: str | None = None, first_chunk: int = 0
+        self,
+        specs: Sequence[Spec],
+        batch: str | None = None,
+        first_chunk: int = 0,
+        rerun: bool = False,
     ) -> Submission:
-        """Enqueue validated canonical specs. Idempotent by spec id: an id already submitted is
-        not run again; this batch waits for (or reads) its stored result instead. A new run
-        gets a session key of a new generation (keys.run_session_key)."""
+        """Enqueue validated canonical specs. Idempotent by spec id: an id already submitted
+        with the same spec is not run again; this batch waits for (or reads) its stored result
+        instead. An id already submitted with a different spec raises SpecConflictError, with
+        nothing enqueued. `rerun`: every id already submitted runs again, as its next attempt.
+        A new run gets a session key of a new generation (keys.run_session_key)."""
         shas = self.upload_modules(specs)
+        bodies = [dump_body(spec_to_json(stored(spec, shas))) for spec in specs]
+        contents = [keys.content_digest(body) for body in bodies]
+        held = self._claims([spec.id for spec in specs])
+        if not rerun:
+            conflicts = [
+                spec.id
+                for spec, claim, content in zip(specs, held, contents, strict=True)
+                if claim is not None and claim.content != content
+            ]
+            if conflicts:
+                raise SpecConflictError(conflicts)
         sub = Submission(batch=batch or uuid.uuid4().hex[:12], order=[], ids={}, chunks=first_chunk)
         now_ms = int(time.time() * 1000)
         for start in range(0, len(specs), PIPELINE_SIZE):
-            part = specs[start : start + PIPELINE_SIZE]
+            end = start + PIPELINE_SIZE
+            part = list(zip(specs[start:end], bodies[start:end], held[start:end], strict=True))
             pipe = self.redis.pipeline(transaction=False)
-            fresh = [keys.run_session_key(spec.id, keys.new_generation()) for spec in part]
-            for spec, sk in zip(part, fresh, strict=True):
-                # the claim answers the sk of a run this id already has (None: ours is new)
-                pipe.set(keys.id_claim(spec.id), sk, nx=True, get=True, ex=self.ttl_s)
-            # a claim found holding our own fresh key was ours: its pipeline was sent again
-            # after a reconnect, once Redis had already run it
-            runs = [
-                (sk, True) if held is None or held.decode() == sk else (held.decode(), False)
-                for sk, held in zip(fresh, pipe.execute(), strict=True)
-            ]
+            claims: list[tuple[keys.Claim, bool]] = []
+            for (spec, _, before), content in zip(part, contents[start:end], strict=True):
+                again = rerun and before is not None
+                claim = keys.Claim(
+                    keys.run_session_key(spec.id, keys.new_generation()),
+                    content,
+                    before.attempt + 1 if again and before is not None else 1,
+                )
+                claims.append((claim, again))
+                # the claim answers the run this id already has (None: ours is new); a rerun
+                # takes the claim over
+                pipe.set(
+                    keys.id_claim(spec.id), claim.encode(), nx=not again, get=True, ex=self.ttl_s
+                )
+            runs: list[tuple[str, bool]] = []
+            for (claim, again), found in zip(claims, pipe.execute(), strict=True):
+                # a claim found holding our own fresh claim was ours: its pipeline was sent
+                # again after a reconnect, once Redis had already run it
+                if again or found is None or found.decode() == claim.encode():
+                    runs.append((claim.sk, True))
+                    sub.attempts[claim.sk] = claim.attempt
+                else:
+                    theirs = keys.Claim.decode(found)
+                    runs.append((theirs.sk, False))
+                    sub.attempts[theirs.sk] = theirs.attempt
             pipe = self.redis.pipeline(transaction=False)
-            for spec, (sk, won) in zip(part, runs, strict=True):
+            for (spec, body, _), (sk, won) in zip(part, runs, strict=True):
                 sub.order.append(sk)
                 sub.ids[sk] = spec.id
                 sub.specs[sk] = spec
@@ -123,7 +165,6 @@ class Client:
                 pipe.expire(keys.watchers(sk), self.ttl_s)
                 if won:
                     sub.new.add(sk)
-                    body = dump_body(spec_to_json(stored(spec, shas)))
                     pipe.set(keys.spec(sk), body, ex=self.ttl_s)
                     meta = {
                         "id": spec.id,
@@ -145,6 +186,13 @@ class Client:
                     sub.done.add(sk)
         self._admit(sub)
         return sub
+
+    def _claims(self, spec_ids: Sequence[str]) -> list[keys.Claim | None]:
+        found: list[bytes | None] = []
+        for start in range(0, len(spec_ids), PIPELINE_SIZE):
+            part = spec_ids[start : start + PIPELINE_SIZE]
+            found.extend(self.redis.mget([keys.id_claim(i) for i in part]))
+        return [None if raw is None else keys.Claim.decode(raw) for raw in found]
 
     def _admit(self, sub: Submission) -> None:
         fresh = [
@@ -230,21 +278,22 @@ class Client:
         still write is never read); one claimed anew elsewhere is followed there. Each takes
         its place in `sub` under its new key."""
         sks = sorted(pending)[:STATE_SAMPLE]
-        claims = self.redis.mget([keys.id_claim(sub.ids[sk]) for sk in sks])
+        claims = self._claims([sub.ids[sk] for sk in sks])
         moved: dict[str, str] = {}  # old sk -> the sk its id names now
         lost: list[str] = []
         for sk, claim in zip(sks, claims, strict=True):
             if claim is None:
                 if sk in sub.specs:
                     lost.append(sk)
-            elif claim.decode() != sk:
-                moved[sk] = claim.decode()
+            elif claim.sk != sk:
+                moved[sk] = claim.sk
         if lost:
             log.warning("%d sessions lost with Redis's data: submitted again", len(lost))
             again = self.submit(
                 [sub.specs[sk] for sk in lost], batch=sub.batch, first_chunk=sub.chunks
             )
             sub.chunks = again.chunks
+            sub.attempts.update(again.attempts)
             moved.update(zip(lost, again.order, strict=True))
             sub.programs |= again.programs
         place = {sk: n for n, sk in enumerate(sub.order)}
@@ -307,8 +356,8 @@ class Client:
     def session_key(self, spec_id: str) -> str | None:
         """The session key of a spec id's run, None if that id was never submitted (or its
         run expired)."""
-        sk = self.redis.get(keys.id_claim(spec_id))
-        return None if sk is None else str(sk.decode())
+        raw = self.redis.get(keys.id_claim(spec_id))
+        return None if raw is None else keys.Claim.decode(raw).sk
 
     def status(self, spec_id: str) -> dict[str, Any] | None:
         sk = self.session_key(spec_id)

@@ -4,7 +4,8 @@ A session is addressed by `sk`, a short key: its spec id's digest (ids may hold 
 which would make task ids and Flower URLs awkward) and the run's generation. Round r, tool
 call i:
 
-    cq:id:{digest of id}    the sk of that spec id's run; SET NX at submit = the idempotency claim
+    cq:id:{digest of id}    the sk of that spec id's run, its spec's digest and attempt (Claim);
+                            SET NX at submit = the idempotency claim
     cq:spec:{sk}            canonical spec JSON
     cq:meta:{sk}            hash: id, batch, submitted_ms, state, round, backend
     cq:out:{sk}:{r}:m       the model reply of round r (or its error), first writer wins
@@ -51,6 +52,32 @@ def _digest(text: str) -> str:
 def id_claim(spec_id: str) -> str:
     """The session key of a spec id's run: SET NX at submit (the idempotency claim)."""
     return f"{PREFIX}:id:{_digest(spec_id)}"
+
+
+@dataclass(frozen=True)
+class Claim:
+    """What an id's claim holds: its run's session key, the digest of the spec that run was
+    submitted with (a different spec under the same id is refused unless run again), and
+    which attempt of that id the run is. Stored as "<sk> <content> <attempt>"."""
+
+    sk: str
+    content: str = "-"
+    attempt: int = 1
+
+    def encode(self) -> str:
+        return f"{self.sk} {self.content} {self.attempt}"
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> Claim:
+        text = raw.decode() if isinstance(raw, bytes) else raw
+        sk, _, rest = text.partition(" ")
+        content, _, attempt = rest.partition(" ")
+        return cls(sk, content or "-", int(attempt) if attempt.isdigit() else 1)
+
+
+def content_digest(stored_spec: bytes) -> str:
+    """The digest of a spec's stored form (its modules by their sha256 included)."""
+    return hashlib.sha256(stored_spec).hexdigest()[:16]
 
 
 def new_generation() -> str:

@@ -24,3 +24,10 @@ def test_a_program_chat_key_is_the_same_on_replay_and_new_with_the_run() -> None
     assert keys.chat_session_key(run, 0) != keys.chat_session_key(run, 1)
     assert keys.chat_session_key(run, 0) != keys.chat_session_key(rerun, 0)
     assert keys.id_claim("agent/1") == keys.id_claim("agent/1") != keys.id_claim("agent/2")
+
+
+def test_a_claim_holds_its_run_its_specs_digest_and_its_attempt() -> None:
+    claim = keys.Claim("a" * 24, keys.content_digest(b'{"id":"x"}'), 3)
+    assert keys.Claim.decode(claim.encode().encode()) == claim
+    assert keys.Claim.decode("b" * 24) == keys.Claim("b" * 24)  # a chat's, or an older claim
+    assert keys.content_digest(b"1") != keys.content_digest(b"2")

@@ -17,8 +17,8 @@ import pytest
 
 from fixtures.demo_batch import CITIES, KINDS, WEATHER, check, demo_specs, weather_json
 from fixtures.replay.conversation import read_envelope
-from producer.client import CLIENT_NAME, Client
-from producer.specfile import load_spec_file
+from producer.client import CLIENT_NAME, Client, SpecConflictError
+from producer.specfile import load_spec_file, load_spec_from_objects
 from schemas import keys
 from schemas.task_names import ALL_QUEUES
 from tests.conftest import GUESTS, Running
@@ -518,3 +518,50 @@ def test_a_waiting_producer_submits_again_what_redis_lost(
     assert all(r["status"] == "ok" for r in records.values()), records
     assert [client.session_key(s["id"]) for s in specs] == sub.order
     client.close()
+
+
+def test_an_id_submitted_again_with_another_spec_is_refused_unless_rerun(
+    running: Running, tmp_path: Path, fresh_id: str
+) -> None:
+    """Issue 11, point 2: an id answers for one spec. The same id with a changed prompt is
+    refused at submit with its line (nothing enqueued, the old answer kept), unless --rerun,
+    which runs it again as attempt 2; the result lines say which attempt and which batch."""
+    env = {"REDIS_URL": running.redis_url, "PATH": "/usr/bin:/bin"}
+    spec_id = f"{fresh_id}/one-id"
+
+    def submit(prompt: str, *args: str) -> tuple[int, str, dict[str, Any]]:
+        path = tmp_path / "same-id.jsonl"
+        other = {"id": f"{fresh_id}/other", "model": "replay/plain",
+                 "messages": [{"role": "user", "content": "unchanged"}]}  # fmt: skip
+        mine = {"id": spec_id, "model": "replay/plain",
+                "messages": [{"role": "user", "content": prompt}]}  # fmt: skip
+        path.write_text(json.dumps(other) + "\n" + json.dumps(mine) + "\n")
+        out = tmp_path / "same-id-results.jsonl"
+        cmd = [sys.executable, "-m", "producer.cli", "submit", str(path), "--out", str(out), *args]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+        lines = [json.loads(x) for x in out.read_text().splitlines()] if out.exists() else []
+        return done.returncode, done.stderr, {x["id"]: x for x in lines}
+
+    code, _, first = submit("hi one")
+    assert code == 0 and first[spec_id]["attempt"] == 1 and first[spec_id]["batch"]
+    code, stderr, _ = submit("hi two")
+    assert code == 2 and f"same-id.jsonl:2: id: '{spec_id}' was already submitted" in stderr
+    assert b"Echo: hi one" in (running.client.response(spec_id) or b"")
+    code, _, rerun = submit("hi two", "--rerun")
+    assert code == 0 and rerun[spec_id]["attempt"] == 2
+    assert rerun[spec_id]["response"]["choices"][0]["message"]["content"] == "Echo: hi two"
+    assert rerun[f"{fresh_id}/other"]["attempt"] == 2  # --rerun runs every submitted id again
+    code, stderr, again = submit("hi two")  # the same spec as its last attempt: its answer
+    assert code == 0 and again[spec_id]["attempt"] == 2 and "2 already submitted" in stderr
+    spec = load_spec_from_objects(
+        [
+            {
+                "id": spec_id,
+                "model": "replay/plain",
+                "messages": [{"role": "user", "content": "hi three"}],
+            }
+        ]
+    )
+    with pytest.raises(SpecConflictError) as refused:  # the Python API refuses it too
+        running.client.submit(spec)
+    assert refused.value.spec_ids == [spec_id]

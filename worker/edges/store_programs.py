@@ -29,7 +29,7 @@ class ProgramStore:
         names this chat (cchatq status), as a spec id names a submitted session."""
         pipe = self.client.pipeline(transaction=True)
         pipe.set(keys.spec(sk), dump_body(spec_to_json(spec)), nx=True, ex=self.ttl_s)
-        pipe.set(keys.id_claim(spec.id), sk, ex=self.ttl_s)
+        pipe.set(keys.id_claim(spec.id), keys.Claim(sk).encode(), ex=self.ttl_s)
         pipe.hsetnx(keys.meta(sk), "submitted_ms", int(time.time() * 1000))
         pipe.hset(keys.meta(sk), mapping={"id": spec.id, "batch": batch})
         pipe.expire(keys.meta(sk), self.ttl_s)
