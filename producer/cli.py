@@ -17,6 +17,7 @@ from urllib.parse import urlencode
 import fixtures
 from producer.client import Client, SpecConflictError, Submission
 from producer.fleet import REPLAY_PROTOCOL_PATHS, Fleet, replay_backend_name, worker_command
+from producer.fleet_status import read_fleet_status
 from producer.report import Progress, summary
 from producer.specfile import SpecFileError, load_spec_file, load_spec_from_objects
 from schemas import task_names
@@ -162,10 +163,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     client = Client(_redis_url())
-    if args.id is None:
-        queues = {q: client.redis.llen(q) for q in ("llm", "tools", "control", "programs")}
-        dead = client.redis.xlen("cq:deadletter") if client.redis.exists("cq:deadletter") else 0
-        print(json.dumps({"queued_tasks": queues, "dead_letters": dead}, indent=2))
+    if args.id is None:  # the fleet: tasks queued and running per queue, workers, sessions
+        print(json.dumps(read_fleet_status(client.redis).to_json(), indent=2))
         return 0
     status = client.status(args.id)
     if status is None:
@@ -361,7 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(fn=cmd_submit)
 
-    p = sub.add_parser("status", help="a session's state, or queue lengths without an id")
+    p = sub.add_parser("status", help="a session's state, or the fleet's without an id")
     p.add_argument("id", nargs="?")
     p.set_defaults(fn=cmd_status)
 

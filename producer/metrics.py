@@ -1,8 +1,9 @@
 """cchatq's Prometheus metrics (issue 10), from an exporter that reads the fleet's Redis: no
 worker serves metrics or writes any of its own, so prefork pools need no multiprocess mode.
 
-- gauges read at each scrape: tasks waiting per queue, tasks taken and not acknowledged yet,
-  sessions not finished (the reconciler's index), dead letters;
+- gauges read at each scrape (producer/fleet_status.py): tasks waiting and tasks taken and not
+  acknowledged yet (running), per queue, worker processes taking tasks, sessions not finished
+  (the reconciler's index), dead letters;
 - counters and histograms kept from the fleet's trace stream (`cq:trace`), followed from the
   moment the exporter starts: model calls by backend and outcome, tokens in and out by backend,
   tool calls by tool and outcome (ok or the error class), tool retries, background tasks,
@@ -26,8 +27,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from producer.fleet_status import read_fleet_status
 from schemas import keys
-from schemas.task_names import ALL_QUEUES
 
 log = logging.getLogger(__name__)
 LATENCY_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 600)
@@ -40,26 +41,31 @@ class FleetGauges(Collector):
         self.client = client
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        pipe = self.client.pipeline(transaction=False)
-        for queue in ALL_QUEUES:
-            pipe.llen(queue)
-        pipe.smembers(keys.BROKER_CONSUMERS)
-        pipe.zcard(keys.ACTIVE)
-        pipe.exists(keys.DEADLETTER)
-        *depths, consumers, active, has_dead = pipe.execute()
+        fleet = read_fleet_status(self.client)
         waiting = GaugeMetricFamily(
             "cchatq_queue_depth", "Tasks waiting on each queue", labels=["queue"]
         )
-        for queue, depth in zip(ALL_QUEUES, depths, strict=True):
+        for queue, depth in fleet.queued.items():
             waiting.add_metric([queue], depth)
         yield waiting
-        taken = sum(self.client.llen(keys.broker_taken(c.decode())) for c in consumers)
-        yield GaugeMetricFamily(
-            "cchatq_tasks_unacked", "Tasks taken by workers and not acknowledged yet", taken
+        taken = GaugeMetricFamily(
+            "cchatq_tasks_unacked",
+            "Tasks taken by workers and not acknowledged yet (running), per queue",
+            labels=["queue"],
         )
-        yield GaugeMetricFamily("cchatq_sessions_active", "Sessions not finished yet", active)
-        dead = self.client.xlen(keys.DEADLETTER) if has_dead else 0
-        yield GaugeMetricFamily("cchatq_dead_letters", "Steps dead-lettered (kept ones)", dead)
+        for queue, count in fleet.taken.items():
+            taken.add_metric([queue], count)
+        yield taken
+        yield GaugeMetricFamily(
+            "cchatq_consumers", "Worker processes taking tasks (broker consumers beating)",
+            fleet.consumers,
+        )  # fmt: skip
+        yield GaugeMetricFamily(
+            "cchatq_sessions_active", "Sessions not finished yet", fleet.active_sessions
+        )
+        yield GaugeMetricFamily(
+            "cchatq_dead_letters", "Steps dead-lettered (kept ones)", fleet.dead_letters
+        )
 
 
 class TraceCounters:

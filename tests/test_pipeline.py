@@ -180,6 +180,10 @@ def test_cancelled_session_ends_with_cancelled_body(
         running.client.response(spec["id"])
         == b'{"error":{"code":"cancelled","message":"session cancelled"}}'
     )
+    # the slow round's step still runs and writes its state: status says cancelled all along
+    running.client.redis.hset(keys.meta(sk), "state", "round 0")
+    status = running.client.status(spec["id"]) or {}
+    assert (status["state"], status["outcome"]) == ("cancelled", "cancelled")
 
 
 def test_malformed_spec_line_rejected_and_nothing_enqueued(
@@ -318,7 +322,7 @@ def test_cli_status_and_result(running: Running, tmp_path: Path, fresh_id: str) 
     assert result.stdout.strip().encode() == response
     assert b", " not in response  # compact JSON, sorted keys
     status = json.loads(cli("status", spec["id"]).stdout)
-    assert status["state"] == "done" and status["finished"] is True
+    assert status["state"] == "done" and status["finished"] is True and status["outcome"] == "ok"
     assert status["flower_search"] == f"kwargs:session={spec['id']}"
     assert status["flower_tasks"].startswith("http://127.0.0.1:5555/api/tasks?search=kwargs")
     unknown = cli("result", f"{fresh_id}/nope")
@@ -565,3 +569,20 @@ def test_an_id_submitted_again_with_another_spec_is_refused_unless_rerun(
     with pytest.raises(SpecConflictError) as refused:  # the Python API refuses it too
         running.client.submit(spec)
     assert refused.value.spec_ids == [spec_id]
+
+
+def test_cli_status_without_an_id_shows_the_fleet(running: Running, tmp_path: Path) -> None:
+    """Issue 11, point 4: queued and running (taken, not acknowledged) tasks per queue, the
+    worker processes taking tasks, active sessions and dead letters; a busy fleet is not all
+    zeros. Here a slow round holds an llm task while the status is read."""
+    env = {"REDIS_URL": running.redis_url, "PATH": "/usr/bin:/bin"}
+    spec = {"id": f"fleet-status/{uuid.uuid4().hex[:8]}", "model": "replay/plain",
+            "messages": [{"role": "user", "content": "slow [[latency_ms:3000]]"}]}  # fmt: skip
+    sub = submit_specs(running.client, [spec], tmp_path)
+    step = keys.round_step(sub.order[0], 0)
+    wait_for(lambda: (running.client.redis.get(keys.step_state(step)) or b"").startswith(b"lease"))
+    cmd = [sys.executable, "-m", "producer.cli", "status"]
+    shown = json.loads(subprocess.run(cmd, env=env, capture_output=True, text=True).stdout)
+    assert set(shown["queued"]) == set(ALL_QUEUES) and shown["taken"]["llm"] >= 1
+    assert shown["consumers"] >= len(ALL_QUEUES) and shown["active_sessions"] >= 1
+    assert dict(running.client.wait(sub, timeout_s=30))[sub.order[0]]["status"] == "ok"

@@ -1,0 +1,68 @@
+"""What the fleet holds right now, read from Redis: `cchatq status` (no id) prints it and the
+metrics exporter's gauges serve it. Reads only (the broker's bookkeeping: worker/edges/broker.py,
+key names in schemas/keys.py), a few round trips whatever the fleet's size.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from schemas import keys
+from schemas.task_names import ALL_QUEUES
+
+
+@dataclass(frozen=True)
+class FleetStatus:
+    queued: dict[str, int]  # tasks waiting on each queue
+    taken: dict[str, int]  # tasks taken by a worker and not acknowledged yet (running), per queue
+    consumers: int  # broker consumers beating: worker processes that take tasks
+    active_sessions: int  # sessions submitted and not finished
+    dead_letters: int  # steps dead-lettered (those the stream keeps)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def read_fleet_status(client: Any) -> FleetStatus:
+    pipe = client.pipeline(transaction=False)
+    for queue in ALL_QUEUES:
+        pipe.llen(queue)
+    pipe.smembers(keys.BROKER_CONSUMERS)
+    pipe.zcard(keys.ACTIVE)
+    pipe.exists(keys.DEADLETTER)
+    *depths, members, active, has_dead = pipe.execute()
+    consumers = sorted(m.decode() for m in members)
+    pipe = client.pipeline(transaction=False)
+    for consumer in consumers:
+        pipe.exists(keys.broker_alive(consumer))
+        pipe.lrange(keys.broker_taken(consumer), 0, -1)
+        pipe.hvals(keys.broker_unacked(consumer))
+    if has_dead:
+        pipe.xlen(keys.DEADLETTER)
+    replies = pipe.execute()
+    taken = dict.fromkeys(ALL_QUEUES, 0)
+    beating = 0
+    for n in range(len(consumers)):
+        alive, moved, held = replies[3 * n : 3 * n + 3]
+        beating += bool(alive)
+        for queue in [_moved_queue(m) for m in moved] + [_held_queue(h) for h in held]:
+            taken[queue] = taken.get(queue, 0) + 1
+    return FleetStatus(
+        queued=dict(zip(ALL_QUEUES, depths, strict=True)),
+        taken=taken,
+        consumers=beating,
+        active_sessions=int(active),
+        dead_letters=int(replies[-1]) if has_dead else 0,
+    )
+
+
+def _moved_queue(raw: bytes) -> str:
+    """The queue of a message a consumer took with BLMOVE (the message as it was queued)."""
+    return str(json.loads(raw)["properties"]["delivery_info"]["routing_key"])
+
+
+def _held_queue(raw: bytes) -> str:
+    """The queue of a message a consumer of several queues holds: [message, exchange, key]."""
+    return str(json.loads(raw)[2])
