@@ -15,6 +15,7 @@ from typing import Any, TextIO
 from urllib.parse import urlencode
 
 import fixtures
+from producer.batches import Batches
 from producer.client import Client, SpecConflictError, Submission
 from producer.fleet import REPLAY_PROTOCOL_PATHS, Fleet, replay_backend_name, worker_command
 from producer.fleet_status import read_fleet_status
@@ -68,6 +69,11 @@ def result_line(record: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def batch_line(record: dict[str, Any], batch: str, attempt: int) -> str:
+    """A results file's line: the session's result, its batch and which attempt of its id."""
+    return dump_text({**result_line(record), "batch": batch, "attempt": attempt}) + "\n"
+
+
 def run_batch(
     client: Client,
     specs: list[Spec],
@@ -84,8 +90,7 @@ def run_batch(
     sub: Submission = client.submit(specs, rerun=rerun)
 
     def line(sk: str) -> str:
-        shown = {**result_line(records[sk]), "batch": sub.batch, "attempt": sub.attempts[sk]}
-        return dump_text(shown) + "\n"
+        return batch_line(records[sk], sub.batch, sub.attempts[sk])
 
     reused = len(sub.order) - len(sub.new)
     stream.write(
@@ -151,14 +156,49 @@ def cmd_submit(args: argparse.Namespace) -> int:
     except BatchInterrupted as stop:
         print(
             f"\n{stop}; the rest keep running on the fleet. Their results so far are in {out};"
-            f" submit the same file again to collect the rest (ids already submitted are not"
-            f" run again), or follow one with `cchatq status ID`.",
+            f" `cchatq batch results {stop.batch} --out FILE` collects them all.",
             file=sys.stderr,
         )
         return EXIT_INTERRUPTED
     finally:
         client.close()
     return EXIT_OK if all(r.get("status") == "ok" for r in records) else EXIT_FAILED
+
+
+def cmd_batch(args: argparse.Namespace) -> int:
+    """`cchatq batch list | status B | results B --out F | cancel B`."""
+    batches = Batches(Client(_redis_url()))
+    if args.action == "list":
+        for batch, submitted_ms, sessions in batches.recent():
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(submitted_ms / 1000))
+            print(f"{batch}  {when}  {sessions} sessions")
+        return EXIT_OK
+    if args.batch is None:
+        print(f"cchatq batch {args.action}: which batch?", file=sys.stderr)
+        return EXIT_REJECTED
+    summary = batches.summary(args.batch)
+    if summary is None:
+        print(f"unknown batch: {args.batch}", file=sys.stderr)
+        return EXIT_REJECTED
+    if args.action == "status":
+        print(json.dumps(summary.to_json(), indent=2, sort_keys=True))
+        return EXIT_OK
+    if args.action == "cancel":
+        print(f"batch {args.batch}: cancel requested for {batches.cancel(args.batch)} sessions")
+        return EXIT_OK
+    out, written, failed = Path(args.out), 0, 0
+    with out.open("w") as fh:
+        for member, record in batches.results(args.batch):
+            if record is not None and member.claim is not None:
+                fh.write(batch_line(record, args.batch, member.claim.attempt))
+                written += 1
+                failed += record.get("status") != "ok"
+    left = summary.sessions - written
+    print(f"batch {args.batch}: {written} of {summary.sessions} results in {out}", file=sys.stderr)
+    if left:
+        print(f"{left} not finished (`cchatq batch status {args.batch}`)", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return EXIT_FAILED if failed else EXIT_OK
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -359,6 +399,12 @@ def build_parser() -> argparse.ArgumentParser:
         "under an id already submitted is refused without it)",
     )
     p.set_defaults(fn=cmd_submit)
+
+    p = sub.add_parser("batch", help="list batches, or one's status, results or cancel")
+    p.add_argument("action", choices=["list", "status", "results", "cancel"])
+    p.add_argument("batch", nargs="?")
+    p.add_argument("--out", default="results.jsonl", help="with results: the file to write")
+    p.set_defaults(fn=cmd_batch)
 
     p = sub.add_parser("status", help="a session's state, or the fleet's without an id")
     p.add_argument("id", nargs="?")

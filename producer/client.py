@@ -105,12 +105,14 @@ class Client:
         batch: str | None = None,
         first_chunk: int = 0,
         rerun: bool = False,
+        within: bool = False,
     ) -> Submission:
         """Enqueue validated canonical specs. Idempotent by spec id: an id already submitted
         with the same spec is not run again; this batch waits for (or reads) its stored result
         instead. An id already submitted with a different spec raises SpecConflictError, with
         nothing enqueued. `rerun`: every id already submitted runs again, as its next attempt.
-        A new run gets a session key of a new generation (keys.run_session_key)."""
+        A new run gets a session key of a new generation (keys.run_session_key). `within`:
+        these sessions join `batch` (submitted again after a loss) rather than name it."""
         shas = self.upload_modules(specs)
         bodies = [dump_body(spec_to_json(stored(spec, shas))) for spec in specs]
         contents = [keys.content_digest(body) for body in bodies]
@@ -184,7 +186,7 @@ class Client:
                     next(results), next(results), next(results), next(results)
                 elif next(results):
                     sub.done.add(sk)
-        self._admit(sub)
+        self._admit(sub, within)
         return sub
 
     def _claims(self, spec_ids: Sequence[str]) -> list[keys.Claim | None]:
@@ -194,7 +196,16 @@ class Client:
             found.extend(self.redis.mget([keys.id_claim(i) for i in part]))
         return [None if raw is None else keys.Claim.decode(raw) for raw in found]
 
-    def _admit(self, sub: Submission) -> None:
+    def _admit(self, sub: Submission, within: bool) -> None:
+        if not within:  # a new batch names its ids (`cchatq batch`)
+            pipe = self.redis.pipeline(transaction=False)
+            ids = [sub.ids[sk] for sk in sub.order]
+            for start in range(0, len(ids), PIPELINE_SIZE):
+                pipe.rpush(keys.batch_ids(sub.batch), *ids[start : start + PIPELINE_SIZE])
+            pipe.expire(keys.batch_ids(sub.batch), self.ttl_s)
+            pipe.zadd(keys.BATCHES, {sub.batch: int(time.time() * 1000)})
+            pipe.expire(keys.BATCHES, self.ttl_s)
+            pipe.execute()
         fresh = [
             keys.ChunkMember(sk, program=sk in sub.programs, spec_id=sub.ids[sk]).encode()
             for sk in sub.order
@@ -289,9 +300,7 @@ class Client:
                 moved[sk] = claim.sk
         if lost:
             log.warning("%d sessions lost with Redis's data: submitted again", len(lost))
-            again = self.submit(
-                [sub.specs[sk] for sk in lost], batch=sub.batch, first_chunk=sub.chunks
-            )
+            again = self.submit([sub.specs[sk] for sk in lost], sub.batch, sub.chunks, within=True)
             sub.chunks = again.chunks
             sub.attempts.update(again.attempts)
             moved.update(zip(lost, again.order, strict=True))

@@ -19,6 +19,8 @@ call i:
     cq:record:{sk}          result record: status, body, transcript, metrics
     cq:watch:{sk}           batches waiting for this session
     cq:done:{batch}         list of finished sks, pushed by finish (producers BLPOP it)
+    cq:batch:{batch}:ids    the spec ids a batch submitted, in input order
+    cq:batches              sorted set: batch -> when it was submitted (ms)
     cq:chunk:{batch}:{n}    sks admitted by one start task
     cq:module:{sha256}      WASM module bytes, content-addressed
     cq:fork:{sha256}        a program's memory snapshot at cchat_send (zlib), for its tool forks
@@ -167,6 +169,15 @@ def record(sk: str) -> str:
 
 def watchers(sk: str) -> str:
     return f"{PREFIX}:watch:{sk}"
+
+
+def batch_ids(batch: str) -> str:
+    """The spec ids a batch submitted, in input order (a list): its sessions are found
+    through their ids' claims, so a rerun or a generation after a loss is followed."""
+    return f"{PREFIX}:batch:{batch}:ids"
+
+
+BATCHES = f"{PREFIX}:batches"  # batch -> when it was submitted (ms), a sorted set
 
 
 def done_list(batch: str) -> str:

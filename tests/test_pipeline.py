@@ -586,3 +586,47 @@ def test_cli_status_without_an_id_shows_the_fleet(running: Running, tmp_path: Pa
     assert set(shown["queued"]) == set(ALL_QUEUES) and shown["taken"]["llm"] >= 1
     assert shown["consumers"] >= len(ALL_QUEUES) and shown["active_sessions"] >= 1
     assert dict(running.client.wait(sub, timeout_s=30))[sub.order[0]]["status"] == "ok"
+
+
+def test_cli_batch_list_status_results_and_cancel(
+    running: Running, tmp_path: Path, fresh_id: str
+) -> None:
+    """Issue 11, point 1 (part): a batch submitted with --no-wait is listed, counted by state
+    and outcome, its results collected (what finished, exit 3 while some run), and what still
+    runs cancelled."""
+    env = {"REDIS_URL": running.redis_url, "PATH": "/usr/bin:/bin"}
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "producer.cli", *args]
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+
+    specs = [
+        {"id": f"{fresh_id}/b/{n}", "model": "replay/plain",
+         "messages": [{"role": "user", "content": f"hi {n}{marker}"}]}
+        for n, marker in enumerate(["", "", " [[latency_ms:20000]]"])
+    ]  # fmt: skip
+    path = tmp_path / "batch.jsonl"
+    path.write_text("".join(json.dumps(s) + "\n" for s in specs))
+    submitted = cli("submit", str(path), "--no-wait")
+    batch = submitted.stdout.split(":")[0].removeprefix("batch ").strip()
+    assert submitted.returncode == 0 and batch in cli("batch", "list").stdout
+
+    def status() -> dict[str, Any]:
+        return dict(json.loads(cli("batch", "status", batch).stdout))
+
+    wait_for(lambda: status()["states"].get("done") == 2, timeout_s=30)
+    assert status()["states"] == {"done": 2, "running": 1} and status()["sessions"] == 3
+    out = tmp_path / "collected.jsonl"
+    partial = cli("batch", "results", batch, "--out", str(out))
+    assert partial.returncode == 3 and "2 of 3 results" in partial.stderr
+    assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == [
+        specs[0]["id"], specs[1]["id"]
+    ]  # fmt: skip
+    assert "cancel requested for 1 sessions" in cli("batch", "cancel", batch).stdout
+    wait_for(lambda: status()["states"].get("done") == 3, timeout_s=30)
+    assert status()["outcomes"] == {"ok": 2, "cancelled": 1}
+    full = cli("batch", "results", batch, "--out", str(out))
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert full.returncode == 1 and [x["id"] for x in lines] == [s["id"] for s in specs]
+    assert {(x["batch"], x["attempt"]) for x in lines} == {(batch, 1)}
+    assert cli("batch", "status", "no-such-batch").returncode == 2

@@ -523,7 +523,9 @@ class RedisStore:
         pipe = self.client.pipeline(transaction=False)
         pipe.set(keys.record(sk), dump_body(record), nx=True, ex=self.ttl_s)
         pipe.set(keys.response(sk), body, nx=True, ex=self.ttl_s)
-        pipe.hset(keys.meta(sk), mapping={"state": "done", "finished_ms": int(time.time() * 1000)})
+        error = (record.get("body") or {}).get("error") or {}
+        done = {"state": "done", "finished_ms": int(time.time() * 1000)}
+        pipe.hset(keys.meta(sk), mapping={**done, "outcome": str(error.get("code") or "ok")})
         pipe.zrem(keys.ACTIVE, sk)
         pipe.smembers(keys.watchers(sk))
         _, wrote, _, _, batches = pipe.execute()
