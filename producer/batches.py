@@ -6,6 +6,7 @@ a `--rerun` or a run submitted again after a loss.
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -13,6 +14,9 @@ from typing import Any
 
 from producer.client import PIPELINE_SIZE, Client
 from schemas import keys
+from schemas.spec_types import Spec, spec_from_json
+
+OK = "ok"  # a session's outcome when it ended with an answer
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,18 @@ class Batches:
             records = iter(self.client.records(known) if known else [])
             for member in part:
                 yield member, None if member.claim is None else next(records)
+
+    def failed_specs(self, batch: str) -> list[Spec]:
+        """The stored specs of the batch's sessions that ended with an error body: to run
+        again (`cchatq batch retry B --failed`), as their ids' next attempts."""
+        members = self.members(batch)
+        failed = [
+            m.claim.sk
+            for m, (_, outcome) in zip(members, self._states(members), strict=True)
+            if m.claim is not None and outcome not in (None, OK)
+        ]
+        raw = self.redis.mget([keys.spec(sk) for sk in failed]) if failed else []
+        return [spec_from_json(json.loads(r)) for r in raw if r is not None]
 
     def cancel(self, batch: str) -> int:
         """Ask every session of the batch that has not finished to stop: how many."""

@@ -16,7 +16,7 @@ from urllib.parse import urlencode
 
 import fixtures
 from producer.batches import Batches
-from producer.client import Client, SpecConflictError, Submission
+from producer.client import Client, ModuleExpiredError, SpecConflictError, Submission
 from producer.fleet import REPLAY_PROTOCOL_PATHS, Fleet, replay_backend_name, worker_command
 from producer.fleet_status import read_fleet_status
 from producer.report import Progress, summary
@@ -166,7 +166,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_batch(args: argparse.Namespace) -> int:
-    """`cchatq batch list | status B | results B --out F | cancel B`."""
+    """`cchatq batch list | status B | results B --out F | cancel B | retry B --failed`."""
     batches = Batches(Client(_redis_url()))
     if args.action == "list":
         for batch, submitted_ms, sessions in batches.recent():
@@ -186,6 +186,25 @@ def cmd_batch(args: argparse.Namespace) -> int:
     if args.action == "cancel":
         print(f"batch {args.batch}: cancel requested for {batches.cancel(args.batch)} sessions")
         return EXIT_OK
+    if args.action == "retry":
+        if not args.failed:
+            print(
+                "cchatq batch retry runs the failed sessions again: say --failed", file=sys.stderr
+            )
+            return EXIT_REJECTED
+        again = batches.failed_specs(args.batch)
+        if not again:
+            print(f"batch {args.batch}: no failed session to run again", file=sys.stderr)
+            return EXIT_OK
+        try:  # a new batch of their next attempts, waited for as a submit is
+            records = run_batch(batches.client, again, Path(args.out), None, rerun=True)
+        except ModuleExpiredError as exc:
+            print(f"batch {args.batch}: {exc}", file=sys.stderr)
+            return EXIT_REJECTED
+        except BatchInterrupted as stop:
+            print(f"\n{stop}; the rest keep running on the fleet", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        return EXIT_OK if all(r.get("status") == "ok" for r in records) else EXIT_FAILED
     out, written, failed = Path(args.out), 0, 0
     with out.open("w") as fh:
         for member, record in batches.results(args.batch):
@@ -401,9 +420,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_submit)
 
     p = sub.add_parser("batch", help="list batches, or one's status, results or cancel")
-    p.add_argument("action", choices=["list", "status", "results", "cancel"])
+    p.add_argument("action", choices=["list", "status", "results", "cancel", "retry"])
     p.add_argument("batch", nargs="?")
-    p.add_argument("--out", default="results.jsonl", help="with results: the file to write")
+    p.add_argument(
+        "--out", default="results.jsonl", help="with results or retry: the file to write"
+    )
+    p.add_argument(
+        "--failed", action="store_true", help="with retry: the sessions that failed (required)"
+    )
     p.set_defaults(fn=cmd_batch)
 
     p = sub.add_parser("status", help="a session's state, or the fleet's without an id")

@@ -20,7 +20,16 @@ from redis.retry import Retry
 
 from schemas import keys, task_names
 from schemas.bodies import dump_body
-from schemas.spec_types import ProgramSpec, SessionSpec, Spec, spec_from_json, spec_to_json, stored
+from schemas.spec_types import (
+    ProgramDef,
+    ProgramSpec,
+    SessionSpec,
+    Spec,
+    ToolSpec,
+    spec_from_json,
+    spec_to_json,
+    stored,
+)
 
 log = logging.getLogger("cchatq.producer")
 
@@ -59,6 +68,14 @@ class SpecConflictError(Exception):
         self.spec_ids = spec_ids
 
 
+class ModuleExpiredError(Exception):
+    """Modules a stored spec names are no longer in Redis: submit its file again."""
+
+    def __init__(self, shas: list[str]) -> None:
+        super().__init__(f"{len(shas)} modules expired from Redis (submit the spec file again)")
+        self.shas = shas
+
+
 class Client:
     def __init__(self, redis_url: str, ttl_s: int = DEFAULT_TTL_S) -> None:
         # Any: redis-py annotates replies as bytes | str; this client never decodes (bytes).
@@ -84,11 +101,23 @@ class Client:
     # submit --------------------------------------------------------------------------------
 
     def upload_modules(self, specs: Sequence[Spec]) -> dict[str, str]:
-        """Each referenced module once, content-addressed: path -> sha256."""
-        paths = sorted(
-            {t.module for s in specs if isinstance(s, SessionSpec) for t in s.tools}
-            | {s.program.module for s in specs if isinstance(s, ProgramSpec)}
-        )
+        """Each referenced module once, content-addressed: path -> sha256. A module a spec
+        names by its sha256 already (read back from the store: `cchatq batch retry`) must still
+        be in Redis, and is kept alive there."""
+        modules: list[ToolSpec | ProgramDef] = [
+            *(t for s in specs if isinstance(s, SessionSpec) for t in s.tools),
+            *(s.program for s in specs if isinstance(s, ProgramSpec)),
+        ]
+        named = [m for m in modules if not m.module_sha256]
+        hashed = sorted({m.module_sha256 for m in modules if m.module_sha256})
+        if hashed:
+            kept = self.redis.pipeline(transaction=False)
+            for sha in hashed:
+                kept.expire(keys.module(sha), self.ttl_s)
+            gone = [sha for sha, alive in zip(hashed, kept.execute(), strict=True) if not alive]
+            if gone:
+                raise ModuleExpiredError(gone)
+        paths = sorted({m.module for m in named})
         shas: dict[str, str] = {}
         pipe = self.redis.pipeline(transaction=False)
         for path in paths:

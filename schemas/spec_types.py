@@ -284,15 +284,17 @@ def stored(spec: Spec, shas: dict[str, str]) -> Spec: ...
 
 
 def stored(spec: Spec, shas: dict[str, str]) -> Spec:
-    """The spec as workers see it: modules named by content hash and file name, not path."""
+    """The spec as workers see it: modules named by content hash and file name, not path. A
+    spec read back from the store (its modules hashed already) is its own stored form."""
     if isinstance(spec, ProgramSpec):
         program = spec.program
-        named = replace(
-            program, module=_file_name(program.module), module_sha256=shas[program.module]
+        sha = program.module_sha256 or shas[program.module]
+        return replace(
+            spec, program=replace(program, module=_file_name(program.module), module_sha256=sha)
         )
-        return replace(spec, program=named)
     tools = tuple(
-        replace(t, module=_file_name(t.module), module_sha256=shas[t.module]) for t in spec.tools
+        replace(t, module=_file_name(t.module), module_sha256=t.module_sha256 or shas[t.module])
+        for t in spec.tools
     )
     return replace(spec, tools=tools)
 

@@ -603,7 +603,7 @@ def test_cli_batch_list_status_results_and_cancel(
     specs = [
         {"id": f"{fresh_id}/b/{n}", "model": "replay/plain",
          "messages": [{"role": "user", "content": f"hi {n}{marker}"}]}
-        for n, marker in enumerate(["", "", " [[latency_ms:20000]]"])
+        for n, marker in enumerate(["", "", " [[latency_ms:8000]]"])
     ]  # fmt: skip
     path = tmp_path / "batch.jsonl"
     path.write_text("".join(json.dumps(s) + "\n" for s in specs))
@@ -630,3 +630,9 @@ def test_cli_batch_list_status_results_and_cancel(
     assert full.returncode == 1 and [x["id"] for x in lines] == [s["id"] for s in specs]
     assert {(x["batch"], x["attempt"]) for x in lines} == {(batch, 1)}
     assert cli("batch", "status", "no-such-batch").returncode == 2
+    # the cancelled one runs again as attempt 2, in a batch of its own; B follows it there
+    again = tmp_path / "again.jsonl"
+    retried = cli("batch", "retry", batch, "--failed", "--out", str(again))
+    (line,) = [json.loads(x) for x in again.read_text().splitlines()]
+    assert retried.returncode == 0 and (line["id"], line["attempt"]) == (specs[2]["id"], 2)
+    assert line["batch"] != batch and status()["outcomes"] == {"ok": 3}
