@@ -1,0 +1,117 @@
+"""Reading and steering one session by its spec id (or a batch's sessions by key): its run's
+key through the id's claim, its state and outcome, response, record, a tool call's whole
+output, its trace events, and cancelling it. A part of the Client (producer/client.py)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from celery import Celery
+
+from schemas import keys, task_names
+from schemas.spec_types import ProgramSpec, spec_from_json
+
+
+class SessionLookups:
+    redis: Any  # the Client's: redis-py, replies as bytes
+    celery: Celery
+    ttl_s: int
+
+    def records(self, sks: Sequence[str]) -> list[dict[str, Any] | None]:
+        raw = self.redis.mget([keys.record(sk) for sk in sks])
+        return [None if r is None else json.loads(r) for r in raw]
+
+    # one session ---------------------------------------------------------------------------
+
+    def session_key(self, spec_id: str) -> str | None:
+        """The session key of a spec id's run, None if that id was never submitted (or its
+        run expired)."""
+        raw = self.redis.get(keys.id_claim(spec_id))
+        return None if raw is None else keys.Claim.decode(raw).sk
+
+    def status(self, spec_id: str) -> dict[str, Any] | None:
+        sk = self.session_key(spec_id)
+        if sk is None:
+            return None
+        meta = {k.decode(): v.decode() for k, v in self.redis.hgetall(keys.meta(sk)).items()}
+        if not meta:
+            return None
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.exists(keys.response(sk))
+        pipe.exists(keys.cancel(sk))
+        pipe.get(keys.partial(sk))
+        finished, cancelled, partial = pipe.execute()
+        meta["finished"] = bool(finished)
+        meta["cancel_requested"] = bool(cancelled)
+        if finished:  # how it ended, whatever a late step wrote over its state meanwhile
+            record = self.records([sk])[0] or {}
+            error = (record.get("body") or {}).get("error") or {}
+            meta["outcome"] = str(error.get("code") or "ok")
+            meta["state"] = "cancelled" if meta["outcome"] == "cancelled" else "done"
+        if partial is not None:
+            meta["partial_text"] = partial.decode(errors="replace")  # the round being streamed
+        return meta
+
+    def response(self, spec_id: str) -> bytes | None:
+        sk = self.session_key(spec_id)
+        value = None if sk is None else self.redis.get(keys.response(sk))
+        return None if value is None else bytes(value)
+
+    def record(self, spec_id: str) -> dict[str, Any] | None:
+        sk = self.session_key(spec_id)
+        return None if sk is None else self.records([sk])[0]
+
+    def tool_output(self, spec_id: str, call_id: str) -> str | None:
+        """A finished session's tool call output, whole (the model may have read an excerpt),
+        found by its call id; None if no call of that id produced one."""
+        sk = self.session_key(spec_id)
+        record = None if sk is None else self.records([sk])[0]
+        rounds = [m for m in (record or {}).get("transcript", []) if m.get("role") == "assistant"]
+        for round_no, message in enumerate(rounds):
+            for index, call in enumerate(message.get("tool_calls") or []):
+                if call.get("id") == call_id:
+                    raw = self.redis.get(keys.tool_out(str(sk), round_no, index))
+                    output = None if raw is None else json.loads(raw).get("output")
+                    return output if isinstance(output, str) else None
+        return None
+
+    def trace(
+        self, spec_id: str, follow: bool = False, block_ms: int = 1000
+    ) -> Iterator[dict[str, Any]]:
+        """A session's trace events in order; with `follow`, waits for more until its
+        session.finished event (or until the session is gone)."""
+        stream_sk = self.session_key(spec_id)
+        if stream_sk is None:
+            return
+        stream, last = keys.trace(stream_sk), "0-0"
+        while True:
+            read = self.redis.xread({stream: last}, count=1000, block=block_ms if follow else None)
+            entries = read[0][1] if read else []
+            for entry_id, fields in entries:
+                last = entry_id
+                event = dict(json.loads(fields[keys.TRACE_FIELD.encode()]))
+                yield event
+                if follow and event.get("event") == "session.finished":
+                    return
+            if not follow and not entries:
+                return
+            if follow and not entries and not self.redis.exists(keys.meta(stream_sk)):
+                return
+
+    def cancel(self, spec_id: str) -> bool:
+        """Ask a session to stop; every step checks at its boundary. False if unknown."""
+        sk = self.session_key(spec_id)
+        if sk is None or not self.redis.exists(keys.spec(sk)):
+            return False
+        self.redis.set(keys.cancel(sk), "1", ex=self.ttl_s)
+        if isinstance(spec_from_json(json.loads(self.redis.get(keys.spec(sk)))), ProgramSpec):
+            return True  # a program run checks the flag at its hostcalls and waits
+        self.celery.send_task(
+            task_names.FINISH,
+            args=[sk],
+            task_id=keys.finish_step(sk),
+            queue=task_names.ROUTES[task_names.FINISH],
+        )
+        return True
