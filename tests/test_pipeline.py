@@ -269,8 +269,18 @@ def run_poisoned(client: Client, tmp_path: Path, spec_id: str) -> tuple[str, dic
     }
     path = tmp_path / "poison.jsonl"
     path.write_text(json.dumps(spec) + "\n")
-    sub = client.submit([s.spec for s in load_spec_file(path)])
-    client.redis.delete(*client.redis.keys("cq:module:*"))
+    upload = client.upload_modules
+
+    def upload_then_lose(specs: Any) -> dict[str, str]:  # before any step can fetch it
+        shas = upload(specs)
+        client.redis.delete(*[keys.module(sha) for sha in shas.values()])
+        return shas
+
+    client.upload_modules = upload_then_lose  # type: ignore[method-assign]
+    try:
+        sub = client.submit([s.spec for s in load_spec_file(path)])
+    finally:
+        del client.upload_modules
     return sub.order[0], dict(client.wait(sub, timeout_s=60))[sub.order[0]]
 
 
