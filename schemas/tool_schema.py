@@ -24,9 +24,24 @@ _DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
 
 
 def schema_problem(schema: Any) -> str | None:
-    """Why `schema` cannot check a tool's arguments, or None when it can."""
+    """Why `schema` cannot check a tool's arguments, or None when it can. Checked once per
+    distinct schema (by its canonical JSON): a batch's lines mostly share their tools, and the
+    check (jsonschema's metaschema walk) was three quarters of validating a spec file."""
     if not isinstance(schema, dict):
         return "parameters must be a JSON object"
+    try:
+        canonical = json.dumps(schema, sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError):  # not JSON (in memory only): checked as it is, uncached
+        return _schema_problem(schema)
+    return _cached_schema_problem(canonical)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_schema_problem(canonical: str) -> str | None:
+    return _schema_problem(json.loads(canonical))
+
+
+def _schema_problem(schema: dict[str, Any]) -> str | None:
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     try:
         cls.check_schema(schema)

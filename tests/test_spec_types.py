@@ -97,3 +97,19 @@ def test_a_program_spec_round_trips_and_keeps_its_kind() -> None:
     again = spec_from_json(json.loads(json.dumps(spec_to_json(as_stored))))
     assert again == as_stored and isinstance(again, ProgramSpec)
     assert again.limits.run_timeout_ms == 60_000  # the default, written once (schemas/limits)
+
+
+def test_a_tool_schema_is_checked_once_per_distinct_content() -> None:
+    """Issue 11, point 3 (part): a file's lines mostly share their tools; the schema check
+    runs once per distinct schema, whatever its key order, and a bad one is still refused."""
+    from schemas import tool_schema
+
+    one = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    same = {"required": ["city"], "properties": {"city": {"type": "string"}}, "type": "object"}
+    before = tool_schema._cached_schema_problem.cache_info()
+    assert schema_problem(one) is None and schema_problem(same) is None
+    after = tool_schema._cached_schema_problem.cache_info()
+    assert after.hits - before.hits >= 1 and after.misses - before.misses <= 1
+    bad = {"type": "object", "properties": {"city": {"type": 7}}}
+    assert "not a valid JSON Schema" in str(schema_problem(bad))
+    assert "not a valid JSON Schema" in str(schema_problem(dict(bad)))  # cached, still refused
