@@ -14,11 +14,11 @@ from typing import Any
 
 from marshmallow import ValidationError
 
+from producer.modules import ModuleChecker
 from schemas.program_spec import ProgramSpecSchema, is_program
 from schemas.spec import SessionSpecSchema
 from schemas.spec_types import ProgramSpec, Spec
 
-WASM_MAGIC = b"\0asm"
 MAX_LISTED_ISSUES = 20
 JSON_WHITESPACE = " \t\n\r"
 
@@ -82,7 +82,7 @@ def load_spec_from_objects(objs: Sequence[Any], base_dir: Path | None = None) ->
 def _validate(
     entries: list[tuple[int, Any]], shown: str, base_dir: Path, issues: list[SpecIssue]
 ) -> list[LoadedSpec]:
-    modules = _ModuleChecker(base_dir)
+    modules = ModuleChecker(base_dir)
     session_schema, program_schema = SessionSpecSchema(), ProgramSpecSchema()
     seen_ids: dict[str, int] = {}
     loaded: list[LoadedSpec] = []
@@ -109,6 +109,11 @@ def _validate(
                 if problem:
                     issues.append(SpecIssue(shown, line, f"tools.{index}.module", problem))
                 module_paths[index] = resolved
+                export, table_index = tool.get("export"), tool.get("table_index")
+                misfit = modules.tool_problem(resolved, export, table_index)
+                if misfit:
+                    where = "export" if isinstance(export, str) else "table_index"
+                    issues.append(SpecIssue(shown, line, f"tools.{index}.{where}", misfit))
         program = obj.get("program")
         program_module: str | None = None
         if (
@@ -171,35 +176,6 @@ def _join(prefix: str, key: Any) -> str:
     if key == "_schema":
         return prefix
     return f"{prefix}.{key}" if prefix else str(key)
-
-
-class _ModuleChecker:
-    """Resolves tool module paths and checks the WASM magic, once per distinct file."""
-
-    def __init__(self, base_dir: Path) -> None:
-        self.base_dir = base_dir
-        self.cache: dict[Path, str | None] = {}
-
-    def check(self, module: str) -> tuple[str, str | None]:
-        """Return (absolute path, problem or None)."""
-        candidate = Path(module).expanduser()
-        resolved = (candidate if candidate.is_absolute() else self.base_dir / candidate).resolve()
-        if resolved not in self.cache:
-            self.cache[resolved] = self._problem(resolved)
-        return str(resolved), self.cache[resolved]
-
-    @staticmethod
-    def _problem(path: Path) -> str | None:
-        if not path.exists():
-            return f"no such file: {path}"
-        if not path.is_file():
-            return f"not a regular file: {path}"
-        try:
-            with path.open("rb") as handle:
-                magic = handle.read(len(WASM_MAGIC))
-        except OSError as exc:
-            return f"cannot read: {exc.strerror or exc}"
-        return None if magic == WASM_MAGIC else "not a WebAssembly module"
 
 
 def _reject_constant(name: str) -> Any:

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import wasmtime
 from marshmallow import ValidationError
 
 from producer.specfile import (
@@ -20,7 +21,15 @@ from schemas.limits import LIMIT_ALIASES, LIMIT_BOUNDS
 from schemas.spec import LimitsSchema, SessionSpecSchema
 from schemas.spec_types import spec_to_json
 
-WASM = b"\0asm\x01\0\0\0"
+# a tool module as submit checks it: a memory, the exported functions these tests name, a table
+WASM = bytes(
+    wasmtime.wat2wasm(
+        '(module (memory (export "memory") 1)'
+        + ' (table (export "__indirect_function_table") 4 funcref)'
+        + "".join(f' (func (export "{name}"))' for name in ("get_weather", "a", "b", "f", "g"))
+        + ")"
+    )
+)
 
 # architecture.md section 1, verbatim.
 ARCH_EXAMPLE = """
@@ -463,3 +472,28 @@ def test_empty_jsonl_is_an_error(wasm_dir: Path) -> None:
 def test_unreadable_file(tmp_path: Path) -> None:
     with pytest.raises(SpecFileError, match="cannot read"):
         load_spec_file(tmp_path / "missing.jsonl")
+
+
+def test_a_tool_that_does_not_fit_its_module_is_refused_at_submit(wasm_dir: Path) -> None:
+    """Issue 11, point 3 (part): each distinct module is compiled once at submit; an export it
+    lacks, a table index past its table, or a corrupt module is refused with its line and
+    field (before, the session ran and its tool call failed)."""
+    (wasm_dir / "broken.wasm").write_bytes(WASM[:-3])
+    lines = [
+        json.dumps(spec(id="ok", tools=[tool("a")])),
+        json.dumps(spec(id="no-export", tools=[tool("get_wether")])),
+        json.dumps(spec(id="past", tools=[tool("f", export=None, table_index=4)])),
+        json.dumps(spec(id="corrupt", tools=[tool("a", module="broken.wasm")])),
+        json.dumps(spec(id="ok-index", tools=[tool("f", export=None, table_index=3)])),
+    ]
+    path = write_jsonl(wasm_dir / "fit.jsonl", lines)
+    with pytest.raises(SpecFileError) as info:
+        load_spec_file(path)
+    shown = str(info.value).splitlines()
+    assert shown == [
+        f"{path}:2: tools.0.export: t.wasm exports no function 'get_wether' "
+        "(its functions: a, b, f, g, get_weather)",
+        f"{path}:3: tools.0.table_index: t.wasm's function table has 4 entries, not 5",
+        f"{path}:4: tools.0.module: not a valid WebAssembly module: "
+        + shown[2].split("not a valid WebAssembly module: ", 1)[1],
+    ]
