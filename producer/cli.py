@@ -18,7 +18,7 @@ import fixtures
 from producer.batches import Batches
 from producer.client import Client, ModuleExpiredError, SpecConflictError, Submission
 from producer.fleet import REPLAY_PROTOCOL_PATHS, Fleet, replay_backend_name, worker_command
-from producer.fleet_status import read_fleet_status
+from producer.fleet_status import read_fleet_status, unserved
 from producer.report import Progress, summary
 from producer.specfile import SpecFileError, load_spec_file, load_spec_from_objects
 from schemas import task_names
@@ -74,6 +74,15 @@ def batch_line(record: dict[str, Any], batch: str, attempt: int) -> str:
     return dump_text({**result_line(record), "batch": batch, "attempt": attempt}) + "\n"
 
 
+def warn_unserved(client: Client, specs: Sequence[Spec], stream: TextIO = sys.stderr) -> None:
+    """A needed queue no worker takes from: say so, rather than wait in silence."""
+    for queue in unserved(read_fleet_status(client.redis), specs):
+        stream.write(
+            f"warning: no worker takes from queue {queue!r}: its steps wait until one does"
+            f" (cchatq worker --queues {queue})\n"
+        )
+
+
 def run_batch(
     client: Client,
     specs: list[Spec],
@@ -88,6 +97,7 @@ def run_batch(
     rewritten in input order."""
     started = time.monotonic()
     sub: Submission = client.submit(specs, rerun=rerun)
+    warn_unserved(client, specs, stream)
 
     def line(sk: str) -> str:
         return batch_line(records[sk], sub.batch, sub.attempts[sk])
@@ -138,6 +148,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         if args.no_wait:
             sub = client.submit([s.spec for s in loaded], rerun=args.rerun)
             print(f"batch {sub.batch}: {len(sub.new)} sessions enqueued")
+            warn_unserved(client, [s.spec for s in loaded])
             return EXIT_OK
         specs = [s.spec for s in loaded]
         records = run_batch(client, specs, out, args.timeout_s, rerun=args.rerun)

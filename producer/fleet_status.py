@@ -6,11 +6,20 @@ key names in schemas/keys.py), a few round trips whatever the fleet's size.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from schemas import keys
-from schemas.task_names import ALL_QUEUES
+from schemas.spec_types import ProgramSpec, Spec
+from schemas.task_names import (
+    ALL_QUEUES,
+    QUEUE_BACKGROUND,
+    QUEUE_CONTROL,
+    QUEUE_LLM,
+    QUEUE_PROGRAMS,
+    QUEUE_TOOLS,
+)
 
 
 @dataclass(frozen=True)
@@ -18,6 +27,7 @@ class FleetStatus:
     queued: dict[str, int]  # tasks waiting on each queue
     taken: dict[str, int]  # tasks taken by a worker and not acknowledged yet (running), per queue
     consumers: int  # broker consumers beating: worker processes that take tasks
+    consumers_by_queue: dict[str, int]  # of those, how many take from each queue
     active_sessions: int  # sessions submitted and not finished
     dead_letters: int  # steps dead-lettered (those the stream keeps)
 
@@ -36,23 +46,28 @@ def read_fleet_status(client: Any) -> FleetStatus:
     consumers = sorted(m.decode() for m in members)
     pipe = client.pipeline(transaction=False)
     for consumer in consumers:
-        pipe.exists(keys.broker_alive(consumer))
+        pipe.get(keys.broker_alive(consumer))
         pipe.lrange(keys.broker_taken(consumer), 0, -1)
         pipe.hvals(keys.broker_unacked(consumer))
     if has_dead:
         pipe.xlen(keys.DEADLETTER)
     replies = pipe.execute()
     taken = dict.fromkeys(ALL_QUEUES, 0)
+    by_queue = dict.fromkeys(ALL_QUEUES, 0)
     beating = 0
     for n in range(len(consumers)):
         alive, moved, held = replies[3 * n : 3 * n + 3]
-        beating += bool(alive)
+        beating += alive is not None
+        for queue in (alive or b"").decode().split(","):
+            if queue in by_queue:
+                by_queue[queue] += 1
         for queue in [_moved_queue(m) for m in moved] + [_held_queue(h) for h in held]:
             taken[queue] = taken.get(queue, 0) + 1
     return FleetStatus(
         queued=dict(zip(ALL_QUEUES, depths, strict=True)),
         taken=taken,
         consumers=beating,
+        consumers_by_queue=by_queue,
         active_sessions=int(active),
         dead_letters=int(replies[-1]) if has_dead else 0,
     )
@@ -66,3 +81,23 @@ def _moved_queue(raw: bytes) -> str:
 def _held_queue(raw: bytes) -> str:
     """The queue of a message a consumer of several queues holds: [message, exchange, key]."""
     return str(json.loads(raw)[2])
+
+
+def needed_queues(specs: Sequence[Spec]) -> list[str]:
+    """The queues these sessions' steps will run on: each must have a worker taking from it."""
+    needed = {QUEUE_CONTROL}  # the start of every chunk
+    for spec in specs:
+        if isinstance(spec, ProgramSpec):
+            needed |= {QUEUE_PROGRAMS, QUEUE_LLM}  # its chats' rounds too
+            continue
+        needed.add(QUEUE_LLM)
+        if spec.tools:
+            needed.add(QUEUE_TOOLS)
+        if any(t.policy.background for t in spec.tools):
+            needed.add(QUEUE_BACKGROUND)
+    return [q for q in ALL_QUEUES if q in needed]
+
+
+def unserved(fleet: FleetStatus, specs: Sequence[Spec]) -> list[str]:
+    """The queues these sessions need that no worker takes from right now."""
+    return [q for q in needed_queues(specs) if not fleet.consumers_by_queue.get(q)]

@@ -301,4 +301,5 @@ def broker_taken(consumer: str) -> str:
 
 
 def broker_alive(consumer: str) -> str:
+    """A consumer's heartbeat (EX a few seconds): the queues it takes from, comma-separated."""
     return f"_cchatq:broker:alive:{consumer}"

@@ -595,6 +595,7 @@ def test_cli_status_without_an_id_shows_the_fleet(running: Running, tmp_path: Pa
     shown = json.loads(subprocess.run(cmd, env=env, capture_output=True, text=True).stdout)
     assert set(shown["queued"]) == set(ALL_QUEUES) and shown["taken"]["llm"] >= 1
     assert shown["consumers"] >= len(ALL_QUEUES) and shown["active_sessions"] >= 1
+    assert all(shown["consumers_by_queue"][q] >= 1 for q in ALL_QUEUES)
     assert dict(running.client.wait(sub, timeout_s=30))[sub.order[0]]["status"] == "ok"
 
 
@@ -646,3 +647,22 @@ def test_cli_batch_list_status_results_and_cancel(
     (line,) = [json.loads(x) for x in again.read_text().splitlines()]
     assert retried.returncode == 0 and (line["id"], line["attempt"]) == (specs[2]["id"], 2)
     assert line["batch"] != batch and status()["outcomes"] == {"ok": 3}
+
+
+def test_submit_warns_when_no_worker_takes_from_a_needed_queue(
+    running: Running, tmp_path: Path, fresh_id: str
+) -> None:
+    """Issue 11, point 4: a batch submitted where no worker consumes (a database of this
+    Redis that no worker reads) is not left to wait in silence."""
+    empty = running.redis_url.rsplit("/", 1)[0] + "/14"
+    env = {"REDIS_URL": empty, "PATH": "/usr/bin:/bin"}
+    tool = {**WEATHER, "module": str(GUESTS / "weather.wasm")}
+    spec = {"id": f"{fresh_id}/unserved", "model": "replay/weather",
+            "messages": [{"role": "user", "content": "hi"}], "tools": [tool]}  # fmt: skip
+    path = tmp_path / "unserved.jsonl"
+    path.write_text(json.dumps(spec) + "\n")
+    cmd = [sys.executable, "-m", "producer.cli", "submit", str(path), "--no-wait"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    warned = [line for line in done.stderr.splitlines() if line.startswith("warning:")]
+    assert done.returncode == 0 and [w.split("'")[1] for w in warned] == ["llm", "tools", "control"]
+    Client(empty).redis.flushdb()

@@ -113,3 +113,30 @@ def test_a_tool_schema_is_checked_once_per_distinct_content() -> None:
     bad = {"type": "object", "properties": {"city": {"type": 7}}}
     assert "not a valid JSON Schema" in str(schema_problem(bad))
     assert "not a valid JSON Schema" in str(schema_problem(dict(bad)))  # cached, still refused
+
+
+def test_the_queues_a_batch_needs() -> None:
+    from producer.fleet_status import FleetStatus, needed_queues, unserved
+
+    hi = [{"role": "user", "content": "hi"}]
+
+    chat = SessionSpecSchema().load({"id": "c", "model": "m", "messages": hi})
+    tool = {"module": "t.wasm", "export": "f", "function": {"name": "f"}}
+    with_tools = SessionSpecSchema().load({"id": "t", "model": "m", "messages": hi,
+                                           "tools": [tool]})  # fmt: skip
+    background = SessionSpecSchema().load(
+        {
+            "id": "b",
+            "model": "m",
+            "messages": hi,
+            "tools": [{**tool, "policy": {"background": True}}],
+        }
+    )
+    program = ProgramSpecSchema().load({"id": "p", "program": {"module": "p.wasm"}})
+    assert needed_queues([chat]) == ["llm", "control"]
+    assert needed_queues([with_tools]) == ["llm", "tools", "control"]
+    assert needed_queues([background, program]) == [
+        "llm", "tools", "control", "programs", "background"
+    ]  # fmt: skip
+    fleet = FleetStatus({}, {}, 1, {"llm": 1, "control": 1}, 0, 0)
+    assert unserved(fleet, [with_tools]) == ["tools"]

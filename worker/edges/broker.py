@@ -83,9 +83,13 @@ class QoS(kombu_redis.QoS):
         """Known to the sweepers before it holds anything."""
         if not self._registered:
             pipe = client.pipeline(transaction=False)
-            _beat(pipe, [self.consumer], self.channel.consumer_dead_after_s)
+            _beat(pipe, {self.consumer: self.queues()}, self.channel.consumer_dead_after_s)
             pipe.execute()
             self._registered = True
+
+    def queues(self) -> list[str]:
+        """The queues this consumer takes from (what its heartbeat says: `cchatq status`)."""
+        return sorted(self.channel.active_queues)
 
     def append(self, message: Any, delivery_tag: str) -> None:
         if delivery_tag in _MOVED:  # held already, in this consumer's list
@@ -126,12 +130,12 @@ class QoS(kombu_redis.QoS):
     def restore_visible(self, start: int = 0, num: int = 10, interval: int = 10) -> None:
         """The consumer loop's timer: beat for this process's consumers, then give back the
         messages of every consumer that stopped beating."""
-        live = {qos.consumer for qos in list(_LIVE)}
+        live = {qos.consumer: qos.queues() for qos in list(_LIVE)}
         with self.channel.conn_or_acquire() as client:
             pipe = client.pipeline(transaction=False)
-            _beat(pipe, sorted(live), self.channel.consumer_dead_after_s)
+            _beat(pipe, live, self.channel.consumer_dead_after_s)
             pipe.smembers(CONSUMERS_KEY)
-            known = {c.decode() for c in pipe.execute()[-1]} - live
+            known = {c.decode() for c in pipe.execute()[-1]} - set(live)
             if not known:
                 return
             others = sorted(known)
@@ -183,9 +187,10 @@ def _abandoned(consumer: str) -> bool:
     return int(rest) == os.getpid() or liveness.pid_gone(int(rest))
 
 
-def _beat(pipe: Any, consumers: list[str], dead_after_s: int) -> None:
-    for consumer in consumers:
-        pipe.set(alive_key(consumer), 1, ex=dead_after_s)
+def _beat(pipe: Any, consumers: dict[str, list[str]], dead_after_s: int) -> None:
+    """Each consumer's heartbeat, holding the queues it takes from ("-": none yet)."""
+    for consumer, queues in sorted(consumers.items()):
+        pipe.set(alive_key(consumer), ",".join(queues) or "-", ex=dead_after_s)
     if consumers:
         pipe.sadd(CONSUMERS_KEY, *consumers)
 
