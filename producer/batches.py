@@ -14,9 +14,8 @@ from typing import Any
 
 from producer.client import PIPELINE_SIZE, Client
 from schemas import keys
+from schemas.bodies import OK
 from schemas.spec_types import Spec, spec_from_json
-
-OK = "ok"  # a session's outcome when it ended with an answer
 
 
 @dataclass(frozen=True)

@@ -45,10 +45,7 @@ class SessionLookups:
         finished, cancelled, partial = pipe.execute()
         meta["finished"] = bool(finished)
         meta["cancel_requested"] = bool(cancelled)
-        if finished:  # how it ended, whatever a late step wrote over its state meanwhile
-            record = self.records([sk])[0] or {}
-            error = (record.get("body") or {}).get("error") or {}
-            meta["outcome"] = str(error.get("code") or "ok")
+        if finished and "outcome" in meta:  # written with the result: a late step's state
             meta["state"] = "cancelled" if meta["outcome"] == "cancelled" else "done"
         if partial is not None:
             meta["partial_text"] = partial.decode(errors="replace")  # the round being streamed

@@ -24,3 +24,14 @@ def error_obj(code: str | None, message: str) -> dict[str, Any]:
 
 def is_error_body(obj: Any) -> bool:
     return isinstance(obj, dict) and isinstance(obj.get("error"), dict)
+
+
+OK = "ok"  # the outcome of a session that ended with an answer
+
+
+def outcome_code(body: Any) -> str:
+    """What a session ended with, as a code: "ok", or its error body's code (the worker's
+    bodies always carry one; a body without is internal_error, worker.errors.InternalError)."""
+    if is_error_body(body):
+        return str(body["error"].get("code") or "internal_error")
+    return OK

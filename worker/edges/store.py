@@ -21,7 +21,7 @@ from typing import Any, ParamSpec, TypeVar
 import redis
 
 from schemas import keys
-from schemas.bodies import dump_body
+from schemas.bodies import dump_body, outcome_code
 from schemas.spec_types import SessionSpec, Spec, spec_from_json, with_builtins
 from worker.edges import liveness
 from worker.errors import SpecMissingError, StoreError
@@ -523,9 +523,8 @@ class RedisStore:
         pipe = self.client.pipeline(transaction=False)
         pipe.set(keys.record(sk), dump_body(record), nx=True, ex=self.ttl_s)
         pipe.set(keys.response(sk), body, nx=True, ex=self.ttl_s)
-        error = (record.get("body") or {}).get("error") or {}
         done = {"state": "done", "finished_ms": int(time.time() * 1000)}
-        pipe.hset(keys.meta(sk), mapping={**done, "outcome": str(error.get("code") or "ok")})
+        pipe.hset(keys.meta(sk), mapping={**done, "outcome": outcome_code(record.get("body"))})
         pipe.zrem(keys.ACTIVE, sk)
         pipe.smembers(keys.watchers(sk))
         _, wrote, _, _, batches = pipe.execute()

@@ -15,15 +15,6 @@ from worker.session.outcomes import ToolOutcome
 
 log = logging.getLogger(__name__)
 
-OK = "ok"  # the outcome code of a session that ended with an answer
-
-
-def outcome_code(body: dict[str, Any]) -> str:
-    """What a session ended with, as a code: "ok", or its error body's code."""
-    if is_error_body(body):
-        return str((body.get("error") or {}).get("code") or InternalError.code)
-    return OK
-
 
 def ending(
     session: Session, failure: dict[str, Any] | None, cancelled: bool, latency_ms: int

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from schemas import keys
-from schemas.bodies import dump_body
+from schemas.bodies import OK, dump_body, outcome_code
 from schemas.spec_types import ProgramSpec, SessionSpec
 from worker.codecs.protocol import ChatRequest, Delta
 from worker.config import BackendConfig, Settings
@@ -51,7 +51,7 @@ from worker.session.ports import (
     StepStart,
     ToolRuntime,
 )
-from worker.session.records import OK, ending, failed_program_record, outcome_code
+from worker.session.records import ending, failed_program_record
 from worker.session.tool_step import ToolStep
 from worker.session.trace import (
     event,
