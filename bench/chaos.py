@@ -218,7 +218,7 @@ class Killer:
         held = 0
         for raw in self.redis.smembers(keys.BROKER_CONSUMERS):
             consumer = raw.decode()
-            if f":{pid}:" in consumer:
+            if f".{pid}@" in consumer:  # <id>.<pid>@<host> (worker/edges/liveness.py)
                 held += self.redis.hlen(keys.broker_unacked(consumer))
                 held += self.redis.llen(keys.broker_taken(consumer))
         return held

@@ -96,7 +96,7 @@ def test_a_consumer_that_stopped_beating_has_its_messages_handed_out_again(
     _publish(client, "held-by-the-dead")
     _publish(client, "held-by-the-living")
     dead, living, sweeper = connection.channel(), connection.channel(), connection.channel()
-    living.qos.consumer = "another-machine:4242:abcdefabcdef"  # its process is not ours to see
+    living.qos.consumer = "abcdefabcdef.4242@another-machine"  # its process is not ours to see
     _take(dead)
     _take(living)
     # the dead one's process is gone: it is no consumer of ours, and its heartbeat has run out

@@ -115,9 +115,9 @@ def test_messages_of_a_consumer_whose_process_is_gone_are_handed_out_at_once(
     when the connection was lost). Another machine's waits for its heartbeat."""
     connection, client = conn
     holders = {
-        "killed": f"{liveness.HOST}:{gone_pid()}:aaaaaaaaaaaa",
-        "closed": f"{liveness.HOST}:{os.getpid()}:bbbbbbbbbbbb",
-        "elsewhere": f"another-machine:{gone_pid()}:cccccccccccc",
+        "killed": f"aaaaaaaaaaaa.{gone_pid()}@{liveness.HOST}",
+        "closed": liveness.named("bbbbbbbbbbbb"),
+        "elsewhere": f"cccccccccccc.{gone_pid()}@another-machine",
     }
     for name, consumer in holders.items():
         _publish(client, name)

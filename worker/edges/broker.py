@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import uuid
 import weakref
 from collections.abc import Iterator
@@ -75,7 +74,7 @@ _MOVED: dict[str, tuple[str, bytes]] = {}
 class QoS(kombu_redis.QoS):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.consumer = f"{liveness.HOST}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
+        self.consumer = liveness.named(uuid.uuid4().hex[:12])
         self._registered = False
         _LIVE.add(self)
 
@@ -181,10 +180,8 @@ def _abandoned(consumer: str) -> bool:
     """A consumer of this machine whose process is gone, or of this process but no longer
     live in it (its channel closed when the connection was lost): its messages go back at
     once, not after its heartbeat runs out (liveness)."""
-    host, _, rest = consumer.rpartition(":")[0].rpartition(":")
-    if host != liveness.HOST or not rest.isdigit():
-        return False
-    return int(rest) == os.getpid() or liveness.pid_gone(int(rest))
+    holder = liveness.holder_of(consumer)
+    return holder == liveness.this_process() or liveness.process_gone(holder)
 
 
 def _beat(pipe: Any, consumers: dict[str, list[str]], dead_after_s: int) -> None:

@@ -50,9 +50,20 @@ def process_gone(holder: str) -> bool:
     return pid != os.getpid() and pid_gone(pid)
 
 
+def named(unique: str) -> str:
+    """`<unique>.<pid>@<host>`: a name that says which process holds it (a step lease's token,
+    a broker consumer)."""
+    return f"{unique}.{this_process()}"
+
+
+def holder_of(name: str) -> str:
+    """The `<pid>@<host>` of a name `named` made ("" for a name of an older fleet)."""
+    return name.partition(".")[2]
+
+
 def new_token(unique: str) -> str:
     """A lease token naming this process, live until `retire` (its delivery ended)."""
-    token = f"{unique}.{this_process()}"
+    token = named(unique)
     with _lock:
         _live_tokens.add(token)
     return token
@@ -66,7 +77,7 @@ def retire(token: str) -> None:
 def token_abandoned(token: str) -> bool:
     """Whether the lease `token` names a process that cannot be holding it any more: one of
     this machine that is gone, or this process, when no delivery of it holds the token."""
-    _, _, holder = token.partition(".")
+    holder = holder_of(token)
     if holder == this_process():
         with _lock:
             return token not in _live_tokens
