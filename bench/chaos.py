@@ -46,7 +46,6 @@ import requests
 
 import fixtures
 from bench.chaos_report import (
-    MGET,
     Row,
     crash_summary,
     dead_letters,
@@ -136,24 +135,19 @@ def wait_in_process(client: Client, sub: Submission, deadline_s: float) -> float
     return time.perf_counter() - started
 
 
-def session_keys(r: Any, ids: Sequence[str]) -> list[str]:
+def session_keys(client: Client, ids: Sequence[str]) -> list[str]:
     """The session keys of these spec ids' runs (a key that holds nothing for an id not
     claimed yet, or whose claim a restart lost)."""
-    claims = []
-    for start in range(0, len(ids), MGET):
-        claims.extend(r.mget([keys.id_claim(i) for i in ids[start : start + MGET]]))
-    return [
-        f"unclaimed:{i}" if c is None else keys.Claim.decode(c).sk
-        for i, c in zip(ids, claims, strict=True)
-    ]
+    claims = client.claims(ids)
+    return [f"unclaimed:{i}" if c is None else c.sk for i, c in zip(ids, claims, strict=True)]
 
 
-def wait_records(r: Any, ids: Sequence[str], want: int, deadline: float) -> bool:
+def wait_records(client: Client, ids: Sequence[str], want: int, deadline: float) -> bool:
     """Poll Redis until `want` of these sessions have a record (a restarting Redis is
     retried), or until the monotonic `deadline`."""
     while time.monotonic() < deadline:
         try:
-            if finished_count(r, session_keys(r, ids)) >= want:
+            if finished_count(client.redis, session_keys(client, ids)) >= want:
                 return True
         except redis.RedisError:
             pass
@@ -326,8 +320,8 @@ def scenario_redis(root: Path, n: int, deadline_s: float, seed: int) -> list[Row
             started = time.monotonic()
             deadline = started + timeout_s
             producer = spawn_producer(fleet, spec_file, out, timeout_s)
-            mid = wait_records(client.redis, ids, n // 3, deadline)
-            before = finished_count(client.redis, session_keys(client.redis, ids))
+            mid = wait_records(client, ids, n // 3, deadline)
+            before = finished_count(client.redis, session_keys(client, ids))
             down_s = fleet.restart_redis(sig, REDIS_DOWN_S)
             try:
                 code: int | None = producer.wait(timeout=timeout_s + 30)
@@ -335,9 +329,9 @@ def scenario_redis(root: Path, n: int, deadline_s: float, seed: int) -> list[Row
                 code = None
             producer_s = time.monotonic() - started
             reader = Client(fleet.redis_url)  # the fleet may finish what the producer did not see
-            wait_records(reader.redis, ids, n, deadline)
+            wait_records(reader, ids, n, deadline)
             fleet_s = time.monotonic() - started
-            sks = session_keys(reader.redis, ids)
+            sks = session_keys(reader, ids)
             row = tally(reader.redis, f"redis-restart: {variant}", sks, expected(objects))
             row.wall_s = max(fleet_s, producer_s)
             written, statuses = results_written(out)
@@ -439,14 +433,14 @@ def scenario_producer_kill(root: Path, n: int, deadline_s: float, seed: int) -> 
         spec_file = write_spec_file(workdir / "sessions.jsonl", objects)
         started = time.monotonic()
         producer = spawn_producer(fleet, spec_file, workdir / "results.jsonl", deadline_s)
-        mid = wait_records(client.redis, ids, max(n // 10, 1), started + deadline_s)
-        before = finished_count(client.redis, session_keys(client.redis, ids))
+        mid = wait_records(client, ids, max(n // 10, 1), started + deadline_s)
+        before = finished_count(client.redis, session_keys(client, ids))
         fleet.kill(producer)
         killed_at = time.monotonic()
         reader = Client(fleet.redis_url)  # reads results, never waits: no producer nudges
-        wait_records(reader.redis, ids, n, started + deadline_s)
+        wait_records(reader, ids, n, started + deadline_s)
         wall = time.monotonic() - started
-        sks = session_keys(reader.redis, ids)
+        sks = session_keys(reader, ids)
         row = tally(reader.redis, "producer-kill: cchatq submit SIGKILLed", sks, expected(objects))
         row.wall_s = wall
         row.notes.insert(

@@ -59,15 +59,9 @@ class Batches:
 
     def members(self, batch: str) -> list[BatchMember]:
         ids = [i.decode() for i in self.redis.lrange(keys.batch_ids(batch), 0, -1)]
-        members: list[BatchMember] = []
-        for start in range(0, len(ids), PIPELINE_SIZE):
-            part = ids[start : start + PIPELINE_SIZE]
-            claims = self.redis.mget([keys.id_claim(i) for i in part])
-            members.extend(
-                BatchMember(i, None if c is None else keys.Claim.decode(c))
-                for i, c in zip(part, claims, strict=True)
-            )
-        return members
+        return [
+            BatchMember(i, claim) for i, claim in zip(ids, self.client.claims(ids), strict=True)
+        ]
 
     def summary(self, batch: str) -> BatchSummary | None:
         submitted = self.redis.zscore(keys.BATCHES, batch)

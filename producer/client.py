@@ -144,7 +144,7 @@ class Client(SessionLookups):
         shas = self.upload_modules(specs)
         bodies = [dump_body(spec_to_json(stored(spec, shas))) for spec in specs]
         contents = [keys.content_digest(body) for body in bodies]
-        held = self._claims([spec.id for spec in specs])
+        held = self.claims([spec.id for spec in specs])
         if not rerun:
             conflicts = [
                 spec.id
@@ -217,7 +217,8 @@ class Client(SessionLookups):
         self._admit(sub, within)
         return sub
 
-    def _claims(self, spec_ids: Sequence[str]) -> list[keys.Claim | None]:
+    def claims(self, spec_ids: Sequence[str]) -> list[keys.Claim | None]:
+        """Each id's claim (its latest run), None for an id never submitted or expired."""
         found: list[bytes | None] = []
         for start in range(0, len(spec_ids), PIPELINE_SIZE):
             part = spec_ids[start : start + PIPELINE_SIZE]
@@ -317,7 +318,7 @@ class Client(SessionLookups):
         still write is never read); one claimed anew elsewhere is followed there. Each takes
         its place in `sub` under its new key."""
         sks = sorted(pending)[:STATE_SAMPLE]
-        claims = self._claims([sub.ids[sk] for sk in sks])
+        claims = self.claims([sub.ids[sk] for sk in sks])
         moved: dict[str, str] = {}  # old sk -> the sk its id names now
         lost: list[str] = []
         for sk, claim in zip(sks, claims, strict=True):
