@@ -165,15 +165,24 @@ def cmd_submit(args: argparse.Namespace) -> int:
             print(f"... and {len(exc.spec_ids) - MAX_LISTED} more", file=sys.stderr)
         return EXIT_REJECTED
     except BatchInterrupted as stop:
-        print(
-            f"\n{stop}; the rest keep running on the fleet. Their results so far are in {out};"
-            f" `cchatq batch results {stop.batch} --out FILE` collects them all.",
-            file=sys.stderr,
-        )
-        return EXIT_INTERRUPTED
+        return interrupted(stop, out)
     finally:
         client.close()
+    return ended(records)
+
+
+def ended(records: list[dict[str, Any]]) -> int:
+    """The exit code of a batch whose every session ended."""
     return EXIT_OK if all(r.get("status") == "ok" for r in records) else EXIT_FAILED
+
+
+def interrupted(stop: BatchInterrupted, out: Path) -> int:
+    print(
+        f"\n{stop}; the rest keep running on the fleet. Their results so far are in {out};"
+        f" `cchatq batch results {stop.batch} --out FILE` collects them all.",
+        file=sys.stderr,
+    )
+    return EXIT_INTERRUPTED
 
 
 def cmd_batch(args: argparse.Namespace) -> int:
@@ -213,9 +222,8 @@ def cmd_batch(args: argparse.Namespace) -> int:
             print(f"batch {args.batch}: {exc}", file=sys.stderr)
             return EXIT_REJECTED
         except BatchInterrupted as stop:
-            print(f"\n{stop}; the rest keep running on the fleet", file=sys.stderr)
-            return EXIT_INTERRUPTED
-        return EXIT_OK if all(r.get("status") == "ok" for r in records) else EXIT_FAILED
+            return interrupted(stop, Path(args.out))
+        return ended(records)
     out, written, failed = Path(args.out), 0, 0
     with out.open("w") as fh:
         for member, record in batches.results(args.batch):
