@@ -189,6 +189,7 @@ class Dispatcher(Protocol):
 
     def round(self, sk: str, round_no: int) -> None: ...
     def tool(self, sk: str, round_no: int, index: int) -> None: ...
+    def background(self, sk: str, round_no: int, index: int) -> None: ...
     def finish(self, sk: str) -> None: ...
     def program(self, sk: str) -> None: ...
     def publish(
@@ -204,8 +205,8 @@ class Dispatcher(Protocol):
 
 
 class StepPublisher:
-    """A Dispatcher's four ways to publish one step, each the `publish` of one NextStep: the
-    shape the broker's dispatcher, the Outbox and the twin's queue share."""
+    """A Dispatcher's ways to publish one step, each the `publish` of one NextStep: the shape
+    the broker's dispatcher, the Outbox and the twin's queue share."""
 
     def publish(
         self,
@@ -220,6 +221,10 @@ class StepPublisher:
 
     def tool(self, sk: str, round_no: int, index: int) -> None:
         self.publish([NextStep("tool", (sk, round_no, index))])
+
+    def background(self, sk: str, round_no: int, index: int) -> None:
+        """A background tool's call, handed over by its tool step to the background queue."""
+        self.publish([NextStep("background", (sk, round_no, index))])
 
     def finish(self, sk: str) -> None:
         self.publish([NextStep("finish", (sk,))])

@@ -42,7 +42,6 @@ from worker.session.guard import StepGuard
 from worker.session.ports import (
     CompletionProvider,
     Dispatcher,
-    NextStep,
     Outbox,
     Permit,
     RateLimiter,
@@ -337,17 +336,9 @@ class StepRunner:
         rounds = [] if decision.next_round is None else [keys.round_step(sk, decision.next_round)]
         active = self.store.active_steps([*tools, *rounds])
         handed = self.store.published_steps([step for step in tools if step in active])
-        if handed:
-            background = {
-                keys.background_step(sk, decision.round_no, tools[s]): tools[s] for s in handed
-            }
-            idle = set(background) - self.store.active_steps(list(background))
-            self.dispatch.publish(
-                [
-                    NextStep("background", (sk, decision.round_no, background[s]))
-                    for s in sorted(idle)
-                ]
-            )
+        calls = {keys.background_step(sk, decision.round_no, tools[s]): tools[s] for s in handed}
+        for step in sorted(set(calls) - self.store.active_steps(list(calls))):
+            self.dispatch.background(sk, decision.round_no, calls[step])
         return replace(
             decision,
             tools=tuple(i for step, i in tools.items() if step not in active),

@@ -24,7 +24,7 @@ from worker.errors import InternalError, StoreError, ToolNotRunError, ToolValida
 from worker.session.decisions import after_tool
 from worker.session.engine import ToolRun, tool_run
 from worker.session.outcomes import ToolOutcome
-from worker.session.ports import NextStep, Outbox, StepStart, ToolReads
+from worker.session.ports import Outbox, StepStart, ToolReads
 from worker.session.summaries import summarized
 from worker.session.tool_policy import ToolCaller
 from worker.session.trace import event, tool_call_ended
@@ -120,7 +120,7 @@ class ToolStep:
         return ToolOutcome(ok=True, output=_compact(answer))  # ran no tool: not counted
 
     def _hand_over(self, spec: SessionSpec, run: ToolRun, outbox: Outbox) -> None:
-        outbox.publish([NextStep("background", (self.sk, self.round_no, self.index))])
+        outbox.background(self.sk, self.round_no, self.index)
         if self.runner.settings.trace:
             outbox.events.append(event("task.submitted", spec.id, tool=run.name, **self.where(run)))
 
