@@ -448,17 +448,17 @@ class RedisStore:
 
     @_translated
     def active_steps(self, steps: list[str]) -> set[str]:
-        if not steps:
-            return set()
-        states = self.client.mget([keys.step_state(s) for s in steps])
-        return {s for s, state in zip(steps, states, strict=True) if state is not None}
+        return {s for s, state in self._step_states(steps) if state is not None}
 
     @_translated
     def published_steps(self, steps: list[str]) -> set[str]:
+        return {s for s, state in self._step_states(steps) if state == keys.STEP_DONE}
+
+    def _step_states(self, steps: list[str]) -> list[tuple[str, bytes | None]]:
+        """Each step with its state (a lease, done, or None): one MGET."""
         if not steps:
-            return set()
-        states = self.client.mget([keys.step_state(s) for s in steps])
-        return {s for s, state in zip(steps, states, strict=True) if state == keys.STEP_DONE}
+            return []
+        return list(zip(steps, self.client.mget([keys.step_state(s) for s in steps]), strict=True))
 
     @_translated
     def end_step(self, step: str) -> None:
