@@ -7,7 +7,7 @@ so a producer fixes a batch in one pass instead of one error per submit.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -52,7 +52,12 @@ class LoadedSpec:
     spec: Spec
 
 
-def load_spec_file(path: str | Path) -> list[LoadedSpec]:
+# A check of a spec that passed the schema, against what the file cannot say by itself (the
+# fleet's configuration: its backends and their keys): (field, message) per problem.
+SpecCheck = Callable[[Spec], list[tuple[str, str]]]
+
+
+def load_spec_file(path: str | Path, check: SpecCheck | None = None) -> list[LoadedSpec]:
     """Parse, validate and canonicalise every spec in ``path``; raise SpecFileError if any
     problem exists (nothing is returned partially)."""
     shown = str(path)
@@ -69,18 +74,28 @@ def load_spec_file(path: str | Path) -> list[LoadedSpec]:
     else:
         entries = _parse_jsonl(text, shown, issues)
 
-    return _validate(entries, shown, file_path.resolve().parent, issues)
+    return _validate(entries, shown, file_path.resolve().parent, issues, check)
 
 
-def load_spec_from_objects(objs: Sequence[Any], base_dir: Path | None = None) -> list[Spec]:
-    """Specs built in memory (`cchatq run`), through the same validation as a file's."""
+def load_spec_from_objects(
+    objs: Sequence[Any],
+    base_dir: Path | None = None,
+    check: SpecCheck | None = None,
+    shown: str = "<arguments>",
+) -> list[Spec]:
+    """Specs built in memory (`cchatq run`, `Client.submit`), through the same validation as
+    a file's; an issue's line is the object's position, from 1."""
     entries = [(n + 1, obj) for n, obj in enumerate(objs)]
-    loaded = _validate(entries, "<arguments>", base_dir or Path.cwd(), [])
+    loaded = _validate(entries, shown, base_dir or Path.cwd(), [], check)
     return [item.spec for item in loaded]
 
 
 def _validate(
-    entries: list[tuple[int, Any]], shown: str, base_dir: Path, issues: list[SpecIssue]
+    entries: list[tuple[int, Any]],
+    shown: str,
+    base_dir: Path,
+    issues: list[SpecIssue],
+    check: SpecCheck | None = None,
 ) -> list[LoadedSpec]:
     modules = ModuleChecker(base_dir)
     session_schema, program_schema = SessionSpecSchema(), ProgramSpecSchema()
@@ -133,6 +148,8 @@ def _validate(
                 for field, message in flatten_errors(exc.messages)
             )
             continue
+        if check is not None:
+            issues.extend(SpecIssue(shown, line, field, message) for field, message in check(spec))
         loaded.append(LoadedSpec(line, _with_module_paths(spec, program_module, module_paths)))
 
     if not entries and not issues:
