@@ -9,12 +9,12 @@ from typing import Any
 import pytest
 from marshmallow import ValidationError
 
+from schemas.config import parse_config
 from schemas.limits import Environment, ToolDefaults
 from schemas.spec import SessionSpecSchema
 from schemas.spec_types import Permissions, SessionSpec, spec_from_json, tool_from_json
 from tests.test_engine import TIME, USER, WEATHER, call, completion, err, make_spec, session
 from tests.test_tool_policy import FlakyTools, _run
-from worker.config import tool_defaults
 from worker.errors import ToolRuntimeError
 from worker.session.engine import Round, RunTools, plan
 from worker.session.permissions import permission_problem
@@ -134,22 +134,24 @@ def test_permissions_and_risk_levels_are_checked_at_submit() -> None:
 
 
 def test_environments_in_the_configuration_are_checked_when_it_loads() -> None:
-    parsed = tool_defaults(
+    parsed = parse_config(
         {
-            "environments": {"prod": {"max_risk_level": "low", "users": {"u": ["get_*"]}}},
-            "default_environment": "prod",
+            "tools": {
+                "environments": {"prod": {"max_risk_level": "low", "users": {"u": ["get_*"]}}},
+                "default_environment": "prod",
+            }
         }
-    )
+    ).tool_defaults
     assert parsed.environments["prod"] == Environment("low", users={"u": ("get_*",)})
     assert parsed.default_environment == "prod"
     for bad, message in [
-        ({"environments": {"p": {"max_risk_level": "huge"}}}, "max_risk_level must be one of"),
-        ({"environments": {"p": {"allow_tools": "x"}}}, "allow_tools must be a list"),
-        ({"environments": {"p": {"colour": 1}}}, "unknown keys"),
-        ({"default_environment": "nowhere"}, "is not an environment"),
+        ({"environments": {"p": {"max_risk_level": "huge"}}}, "p.max_risk_level: Must be one of"),
+        ({"environments": {"p": {"allow_tools": "x"}}}, "p.allow_tools: Not a valid list"),
+        ({"environments": {"p": {"colour": 1}}}, "p.colour: unknown key"),
+        ({"default_environment": "nowhere"}, "default_environment: is not an environment"),
     ]:
         with pytest.raises(ValueError, match=message):
-            tool_defaults(bad)
+            parse_config({"tools": bad})
 
 
 def test_a_program_spec_carries_the_permissions_of_its_chats_tools() -> None:

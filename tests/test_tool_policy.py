@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from schemas.config import parse_config
 from schemas.limits import Limits, ToolDefaults
 from schemas.spec_types import SessionSpec, ToolPolicy, spec_from_json, tool_from_json
 from tests.test_engine import (
@@ -24,7 +25,6 @@ from tests.test_engine import (
 )
 from tests.test_steps import pipeline, reply, submit
 from tests.test_steps import spec as pipeline_spec
-from worker.config import tool_defaults
 from worker.errors import (
     GuestError,
     ToolOutputTooLargeError,
@@ -63,18 +63,17 @@ def test_backoff_doubles_up_to_its_cap() -> None:
 
 
 def test_the_fleet_defaults_are_checked_when_the_configuration_loads() -> None:
-    assert tool_defaults({"max_parallel": 4, "auto_tool_call": False}) == ToolDefaults(
-        max_parallel=4, auto_tool_call=False
-    )
+    parsed = parse_config({"tools": {"max_parallel": 4, "auto_tool_call": False}})
+    assert parsed.tool_defaults == ToolDefaults(max_parallel=4, auto_tool_call=False)
     for bad, message in [
-        ({"timeout": 1}, "unknown keys ['timeout']"),
-        ({"max_retries": "2"}, "tools.max_retries must be an integer"),
-        ({"auto_tool_call": 1}, "tools.auto_tool_call must be true or false"),
-        ({"max_parallel": 0}, "tools.max_parallel is out of range"),
-        ([], "tools must be an object"),
+        ({"timeout": 1}, "tools.timeout: unknown key"),
+        ({"max_retries": "2"}, "tools.max_retries: must be an integer"),
+        ({"auto_tool_call": 1}, "tools.auto_tool_call: must be true or false"),
+        ({"max_parallel": 0}, "tools.max_parallel: must be at least 1"),
+        ([], "tools: Invalid input type"),
     ]:
-        with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
-            tool_defaults(bad)
+        with pytest.raises(ValueError, match=message):
+            parse_config({"tools": bad})
 
 
 # The caller: retries, idempotency, fallback ----------------------------------------------

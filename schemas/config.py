@@ -1,0 +1,310 @@
+"""The fleet's configuration, shared by the producer and the workers: its backends (named LLM
+endpoints) and the defaults of tool calls. One JSON document, from the file `CCHATQ_CONFIG`
+or inline in `CCHATQ_BACKENDS` (which wins):
+
+    {"backends": {NAME: {"protocol": P, "base_url": URL, "api_key_env": VAR, ...}},
+     "default_backend": NAME,
+     "tools": {"timeout_ms": N, "max_retries": N, "retry_backoff_ms": N, "max_parallel": N,
+               "auto_tool_call": BOOL, "default_environment": NAME,
+               "environments": {NAME: {"max_risk_level": L, "allow_tools": [GLOB],
+                                       "deny_tools": [GLOB], "users": {USER: [GLOB]}}}}}
+
+Four backends exist without any configuration, as the provider SDKs and LiteLLM name them:
+`openai`, `anthropic` and `gemini` are the real APIs with their conventional key variables, and
+`replay` is the local scripted server (`CCHATQ_REPLAY_URL`). A configured backend of one of
+these names changes only the fields it gives; any other must give its `base_url` (a typo in a
+name must not quietly reach some default endpoint).
+
+Validated with marshmallow, strictly: `"stream": "yes"` or `"max_attempts": "four"` are
+refused, as are unknown keys, each problem named by its dotted path.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from marshmallow import (
+    RAISE,
+    Schema,
+    ValidationError,
+    fields,
+    validate,
+    validates_schema,
+)
+
+from schemas.limits import Environment, ToolDefaults
+from schemas.spec_types import RISK_LEVELS
+
+DEFAULT_REPLAY_URL = "http://127.0.0.1:8011/v1"
+PROTOCOLS = ("openai", "anthropic", "gemini", "openai-text-tags")
+ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    """One named LLM endpoint. The API key is read from `api_key_env` at call time, never stored."""
+
+    name: str
+    protocol: str = "openai"
+    base_url: str = DEFAULT_REPLAY_URL
+    api_key_env: str | None = None
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 60.0
+    total_timeout_s: float = 120.0
+    max_attempts: int = 4
+    backoff_base_s: float = 0.5
+    backoff_max_s: float = 8.0
+    max_retry_after_s: float = 60.0
+    stream: bool = False  # SSE replies; partial text shows in `cchatq status` while a round runs
+    thinking_budget_tokens: int | None = None  # None: thinking off
+    # a limit shared by every worker of the fleet (in Redis); None: no limit
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    rate_window_s: float = 60.0  # the window the two limits count over
+
+    def api_key(self, environ: Mapping[str, str] | None = None) -> str | None:
+        if not self.api_key_env:
+            return None
+        return (environ if environ is not None else os.environ).get(self.api_key_env)
+
+
+def builtin_backends(replay_url: str = DEFAULT_REPLAY_URL) -> dict[str, BackendConfig]:
+    """The backends every fleet has: the real APIs under the names and key variables their SDKs
+    use, and the local replay server."""
+    return {
+        "openai": BackendConfig("openai", "openai", "https://api.openai.com/v1", "OPENAI_API_KEY"),
+        "anthropic": BackendConfig(
+            "anthropic", "anthropic", "https://api.anthropic.com/v1", "ANTHROPIC_API_KEY"
+        ),
+        "gemini": BackendConfig(
+            "gemini",
+            "gemini",
+            "https://generativelanguage.googleapis.com/v1beta",
+            "GEMINI_API_KEY",
+        ),
+        "replay": BackendConfig("replay", "openai", replay_url),
+    }
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    backends: Mapping[str, BackendConfig] = field(default_factory=builtin_backends)
+    default_backend: str = "replay"
+    tool_defaults: ToolDefaults = field(default_factory=ToolDefaults)
+    source: str = "built-in defaults"  # where it was read: the file, or CCHATQ_BACKENDS
+
+    def backend(self, name: str | None) -> BackendConfig:
+        key = name or self.default_backend
+        try:
+            return self.backends[key]
+        except KeyError:
+            raise KeyError(
+                f"unknown backend {key!r}; configured: {sorted(self.backends)}"
+            ) from None
+
+
+class ConfigError(ValueError):
+    """The configuration is wrong: every problem, each with its dotted path."""
+
+    def __init__(self, source: str, problems: list[tuple[str, str]]) -> None:
+        self.source, self.problems = source, problems
+        lines = [f"  {path}: {message}" if path else f"  {message}" for path, message in problems]
+        super().__init__("\n".join([f"configuration ({source}):", *lines]))
+
+
+# strict fields: JSON's types as they are, no coercion of "yes" or "4" ----------------------
+
+
+class _StrictBool(fields.Field[bool]):
+    def _deserialize(self, value: Any, attr: str | None, data: Any, **kwargs: Any) -> bool:
+        if not isinstance(value, bool):
+            raise ValidationError("must be true or false")
+        return value
+
+
+class _StrictInt(fields.Field[int]):
+    def _deserialize(self, value: Any, attr: str | None, data: Any, **kwargs: Any) -> int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValidationError("must be an integer")
+        return value
+
+
+class _Seconds(fields.Field[float]):
+    def _deserialize(self, value: Any, attr: str | None, data: Any, **kwargs: Any) -> float:
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise ValidationError("must be a number of seconds")
+        if not math.isfinite(value) or value <= 0:
+            raise ValidationError("must be a positive number of seconds")
+        return float(value)
+
+
+def _positive() -> validate.Range:
+    return validate.Range(min=1, error="must be at least 1")
+
+
+class _BackendSchema(Schema):
+    class Meta:
+        unknown = RAISE
+
+    protocol = fields.String(validate=validate.OneOf(PROTOCOLS))
+    base_url = fields.Url(require_tld=False, schemes={"http", "https"})
+    api_key_env = fields.String(
+        allow_none=True, validate=validate.Regexp(ENV_NAME, error="must be a variable name")
+    )
+    connect_timeout_s = _Seconds()
+    read_timeout_s = _Seconds()
+    total_timeout_s = _Seconds()
+    max_attempts = _StrictInt(validate=_positive())
+    backoff_base_s = _Seconds()
+    backoff_max_s = _Seconds()
+    max_retry_after_s = _Seconds()
+    stream = _StrictBool()
+    thinking_budget_tokens = _StrictInt(allow_none=True, validate=_positive())
+    requests_per_minute = _StrictInt(allow_none=True, validate=_positive())
+    tokens_per_minute = _StrictInt(allow_none=True, validate=_positive())
+    rate_window_s = _Seconds()
+
+
+class _GlobList(fields.List[str]):
+    def __init__(self) -> None:
+        super().__init__(fields.String(validate=validate.Length(min=1)))
+
+
+class _EnvironmentSchema(Schema):
+    class Meta:
+        unknown = RAISE
+
+    max_risk_level = fields.String(validate=validate.OneOf(RISK_LEVELS))
+    allow_tools = _GlobList()
+    deny_tools = _GlobList()
+    users = fields.Dict(keys=fields.String(), values=_GlobList())
+
+
+class _ToolsSchema(Schema):
+    class Meta:
+        unknown = RAISE
+
+    timeout_ms = _StrictInt(validate=_positive())
+    max_retries = _StrictInt(validate=validate.Range(min=0, error="must be 0 or more"))
+    retry_backoff_ms = _StrictInt(validate=validate.Range(min=0, error="must be 0 or more"))
+    max_parallel = _StrictInt(validate=_positive())
+    auto_tool_call = _StrictBool()
+    environments = fields.Dict(keys=fields.String(), values=fields.Nested(_EnvironmentSchema))
+    default_environment = fields.String()
+
+    @validates_schema
+    def _default_is_known(self, data: dict[str, Any], **kwargs: Any) -> None:
+        name = data.get("default_environment")
+        if name is not None and name not in (data.get("environments") or {}):
+            raise ValidationError("is not an environment", "default_environment")
+
+
+class _ConfigSchema(Schema):
+    class Meta:
+        unknown = RAISE
+
+    backends = fields.Dict(keys=fields.String(validate=validate.Length(min=1)), values=fields.Raw())
+    default_backend = fields.String()
+    tools = fields.Nested(_ToolsSchema)
+
+
+def parse_config(
+    raw: Any, replay_url: str = DEFAULT_REPLAY_URL, source: str = "configuration"
+) -> FleetConfig:
+    """The configuration document, checked whole: raises ConfigError listing every problem."""
+    if not isinstance(raw, dict):
+        raise ConfigError(source, [("", "must be a JSON object")])
+    problems: list[tuple[str, str]] = []
+    try:
+        top = _ConfigSchema().load(raw)
+    except ValidationError as exc:
+        problems.extend(_flatten(exc.messages))
+        top = exc.valid_data if isinstance(exc.valid_data, dict) else {}
+    backends = builtin_backends(replay_url)
+    for name, given in (top.get("backends") or {}).items():
+        where = f"backends.{name}"
+        if not isinstance(given, dict):
+            problems.append((where, "must be an object"))
+            continue
+        try:
+            loaded = _BackendSchema().load(given)
+        except ValidationError as exc:
+            problems.extend(_flatten(exc.messages, where))
+            loaded = {"base_url": ""} if "base_url" in given else {}
+        if name not in backends and "base_url" not in loaded:
+            problems.append((f"{where}.base_url", "required (only a built-in backend has one)"))
+        elif problems:
+            continue  # nothing more is built from a configuration already refused
+        elif name in backends:
+            backends[name] = replace(backends[name], **loaded)
+        else:
+            backends[name] = BackendConfig(name=name, **loaded)
+    default_backend = top.get("default_backend", "replay")
+    if default_backend not in backends and default_backend not in (top.get("backends") or {}):
+        problems.append(("default_backend", f"{default_backend!r} is not a backend"))
+    if problems:
+        raise ConfigError(source, problems)
+    tools = top.get("tools") or {}
+    environments = {
+        name: Environment(
+            max_risk_level=env.get("max_risk_level", "high"),
+            allow_tools=tuple(env.get("allow_tools") or ()),
+            deny_tools=tuple(env.get("deny_tools") or ()),
+            users={user: tuple(globs) for user, globs in (env.get("users") or {}).items()},
+        )
+        for name, env in (tools.get("environments") or {}).items()
+    }
+    return FleetConfig(
+        backends=backends,
+        default_backend=default_backend,
+        tool_defaults=ToolDefaults(**{**tools, "environments": environments}),
+        source=source,
+    )
+
+
+def read_config(environ: Mapping[str, str] | None = None) -> FleetConfig:
+    """The configuration this process shares with the fleet: `CCHATQ_BACKENDS` (inline JSON),
+    else the file `CCHATQ_CONFIG`, else the built-in backends alone."""
+    env = os.environ if environ is None else environ
+    replay_url = env.get("CCHATQ_REPLAY_URL") or DEFAULT_REPLAY_URL
+    if env.get("CCHATQ_BACKENDS"):
+        source, text = "CCHATQ_BACKENDS", env["CCHATQ_BACKENDS"]
+    elif env.get("CCHATQ_CONFIG"):
+        source = env["CCHATQ_CONFIG"]
+        try:
+            text = Path(source).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(source, [("", f"cannot read: {exc}")]) from None
+    else:
+        return FleetConfig(backends=builtin_backends(replay_url))
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            source, [("", f"invalid JSON: {exc.msg} (line {exc.lineno} column {exc.colno})")]
+        ) from None
+    return parse_config(raw, replay_url, source)
+
+
+def _flatten(messages: Any, prefix: str = "") -> list[tuple[str, str]]:
+    """marshmallow's nested messages -> (dotted path, message) pairs."""
+    if isinstance(messages, Mapping):
+        out: list[tuple[str, str]] = []
+        for key, value in messages.items():
+            # `_schema`: about the object as a whole; `value`: fields.Dict's, about an entry
+            whole = key == "_schema" or (key == "value" and prefix)
+            path = prefix if whole else f"{prefix}.{key}" if prefix else str(key)
+            out.extend(_flatten(value, path))
+        return out
+    if isinstance(messages, list | tuple):
+        return [pair for m in messages for pair in _flatten(m, prefix)]
+    text = str(messages)
+    if text == "Unknown field.":
+        text = "unknown key"
+    return [(prefix, text)]
