@@ -52,7 +52,7 @@ def weather_spec(spec_id: str, latency_ms: int = 0) -> SessionSpec:
 
 def run(client: Client, specs: list[Spec], timeout_s: float = 600) -> float:
     started = time.perf_counter()
-    sub = client.submit(specs)
+    sub = client.enqueue(specs)
     for _ in client.wait(sub, timeout_s=timeout_s, poll_s=0.05):
         pass
     return time.perf_counter() - started

@@ -118,7 +118,7 @@ def start_fleet(
     fleet.start_replay(latency_ms, replay_args)
     fleet.start_workers()
     client = Client(fleet.redis_url)
-    warm = client.submit(weather_specs(f"warm-{uuid.uuid4().hex[:6]}", 20))  # compile, connect
+    warm = client.enqueue(weather_specs(f"warm-{uuid.uuid4().hex[:6]}", 20))  # compile, connect
     for _ in client.wait(warm, timeout_s=120, poll_s=0.05):
         pass
     return fleet, client
@@ -238,7 +238,7 @@ def scenario_kill(root: Path, n: int, deadline_s: float, seed: int) -> list[Row]
     fleet, client = start_fleet(root / "kill")
     with fleet:
         base_objects = weather_objects(f"base-{uuid.uuid4().hex[:6]}", n)
-        sub = client.submit(load_spec_from_objects(base_objects))
+        sub = client.enqueue(load_spec_from_objects(base_objects))
         base_wall = wait_in_process(client, sub, deadline_s)
         base = tally(client.redis, "kill: baseline, no kill", sub.order, expected(base_objects))
         base.wall_s = base_wall
@@ -248,7 +248,7 @@ def scenario_kill(root: Path, n: int, deadline_s: float, seed: int) -> list[Row]
         specs = load_spec_from_objects(objects)
         waiter_client = Client(fleet.redis_url)
         walls: list[float] = []
-        sub = waiter_client.submit(specs)
+        sub = waiter_client.enqueue(specs)
         killer = Killer(fleet, client.redis, seed)
         waiter = threading.Thread(
             target=lambda: walls.append(wait_in_process(waiter_client, sub, deadline_s)),
@@ -389,7 +389,7 @@ def scenario_faults(root: Path, n: int, deadline_s: float, seed: int) -> list[Ro
         root_url = fleet.replay_url.removesuffix("/v1")
         requests.post(f"{root_url}/reset", timeout=5).raise_for_status()  # not the warm-up's
         objects = weather_objects(f"faults-{uuid.uuid4().hex[:6]}", n)
-        sub = client.submit(load_spec_from_objects(objects))
+        sub = client.enqueue(load_spec_from_objects(objects))
         wall = wait_in_process(client, sub, deadline_s)
         row = tally(
             client.redis, "faults: 10% 429 (Retry-After 1 s), 5% 500", sub.order, expected(objects)

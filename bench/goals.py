@@ -52,7 +52,7 @@ def workload(run: str, n: int, latency_ms: int = 0, provider: str | None = None)
 
 def run_batch(client: Client, specs: list[Spec], timeout_s: float = 900) -> int:
     """Submit and wait; how many sessions ended ok."""
-    sub = client.submit(specs)
+    sub = client.enqueue(specs)
     return sum(
         1 for _, r in client.wait(sub, timeout_s=timeout_s, poll_s=0.05) if r["status"] == "ok"
     )

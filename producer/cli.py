@@ -10,11 +10,14 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
+from importlib import metadata
 from pathlib import Path
 from typing import Any, TextIO
 from urllib.parse import urlencode
 
 import fixtures
+from producer.backend_check import backend_check
+from producer.batch import batch_line, result_line
 from producer.batches import Batches
 from producer.client import Client, ModuleExpiredError, SpecConflictError, Submission
 from producer.fleet import REPLAY_PROTOCOL_PATHS, Fleet, replay_backend_name, worker_command
@@ -23,6 +26,7 @@ from producer.report import Progress, summary
 from producer.specfile import SpecFileError, load_spec_file, load_spec_from_objects
 from schemas import task_names
 from schemas.bodies import dump_text
+from schemas.config import ConfigError, FleetConfig, read_config
 from schemas.spec_types import Spec, spec_from_json, spec_to_json
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -35,7 +39,6 @@ def _redis_url() -> str:
 
 
 MAX_LISTED = 20  # rejected lines listed, then how many more
-PROGRAM_FIELDS = ("exit_code", "stdout", "stderr", "logs", "responses", "metrics")
 
 # `cchatq submit`'s exit codes (README: Results)
 EXIT_OK = 0  # every session ended ok
@@ -50,28 +53,6 @@ class BatchInterrupted(Exception):
     def __init__(self, batch: str, done: int, total: int) -> None:
         super().__init__(f"batch {batch}: {done} of {total} done")
         self.batch, self.done, self.total = batch, done, total
-
-
-def result_line(record: dict[str, Any]) -> dict[str, Any]:
-    body = record.get("body") or {}
-    if record.get("kind") == "program":
-        line = {"id": record["id"], "kind": "program", "status": record["status"]}
-        line.update({k: record.get(k) for k in PROGRAM_FIELDS})
-        line["error"] = body.get("error")
-        return line
-    return {
-        "id": record["id"],
-        "status": record["status"],
-        "response": body,
-        "transcript": record.get("transcript", []),
-        "metrics": record.get("metrics", {}),
-        "error": body.get("error"),
-    }
-
-
-def batch_line(record: dict[str, Any], batch: str, attempt: int) -> str:
-    """A results file's line: the session's result, its batch and which attempt of its id."""
-    return dump_text({**result_line(record), "batch": batch, "attempt": attempt}) + "\n"
 
 
 def warn_unserved(client: Client, specs: Sequence[Spec], stream: TextIO = sys.stderr) -> None:
@@ -96,7 +77,7 @@ def run_batch(
     session finishes, so a producer that dies keeps what it had; once all are in, the file is
     rewritten in input order."""
     started = time.monotonic()
-    sub: Submission = client.submit(specs, rerun=rerun)
+    sub: Submission = client.enqueue(specs, rerun=rerun)
     warn_unserved(client, specs, stream)
 
     def line(sk: str) -> str:
@@ -129,10 +110,22 @@ def run_batch(
     return ordered
 
 
+def fleet_config() -> FleetConfig | None:
+    """The configuration shared with the workers, or None after saying what is wrong with it."""
+    try:
+        return read_config()
+    except ConfigError as exc:
+        print(f"rejected, nothing enqueued:\n{exc}", file=sys.stderr)
+        return None
+
+
 def cmd_submit(args: argparse.Namespace) -> int:
     """Exit codes: EXIT_OK, EXIT_FAILED, EXIT_REJECTED, EXIT_INTERRUPTED."""
+    config = fleet_config()
+    if config is None:
+        return EXIT_REJECTED
     try:
-        loaded = load_spec_file(args.file)
+        loaded = load_spec_file(args.file, backend_check(config, check_keys=not args.no_key_check))
     except SpecFileError as exc:
         print(f"rejected, nothing enqueued:\n{exc}", file=sys.stderr)
         return EXIT_REJECTED
@@ -143,10 +136,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
         except OSError as exc:
             print(f"rejected, nothing enqueued: --out {out}: {exc.strerror}", file=sys.stderr)
             return EXIT_REJECTED
-    client = Client(_redis_url())
+    client = Client(_redis_url(), config=config)
     try:
         if args.no_wait:
-            sub = client.submit([s.spec for s in loaded], rerun=args.rerun)
+            sub = client.enqueue([s.spec for s in loaded], rerun=args.rerun)
             print(f"batch {sub.batch}: {len(sub.new)} sessions enqueued")
             warn_unserved(client, [s.spec for s in loaded])
             return EXIT_OK
@@ -310,6 +303,28 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_config(args: argparse.Namespace) -> int:
+    """`cchatq config check`: the configuration the workers and submit would read, checked
+    whole (exit 2 naming each problem), then its backends and whether each key is set here."""
+    environ = dict(os.environ)
+    if args.file:
+        environ.pop("CCHATQ_BACKENDS", None)
+        environ["CCHATQ_CONFIG"] = args.file
+    try:
+        config = read_config(environ)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return EXIT_REJECTED
+    print(f"configuration: {config.source}; default backend: {config.default_backend}")
+    for name, backend in sorted(config.backends.items()):
+        key = "no key"
+        if backend.api_key_env:
+            found = "set" if environ.get(backend.api_key_env) else "NOT SET here"
+            key = f"${backend.api_key_env} {found}"
+        print(f"  {name:<24} {backend.protocol:<16} {backend.base_url}  {key}")
+    return EXIT_OK
+
+
 def known_queues(value: str) -> str:
     """`--queues`: one or more of the fleet's queues, comma-separated (a typo is refused)."""
     unknown = [q for q in value.split(",") if q not in task_names.ALL_QUEUES]
@@ -358,14 +373,17 @@ def cmd_run(args: argparse.Namespace) -> int:
         spec["provider"] = args.provider
     if args.model:
         spec["model"] = args.model
+    config = fleet_config()
+    if config is None:
+        return EXIT_REJECTED
     try:
-        loaded = load_spec_from_objects([spec])
+        loaded = load_spec_from_objects([spec], check=backend_check(config))
     except SpecFileError as exc:
         print(f"rejected:\n{exc}", file=sys.stderr)
-        return 2
-    client = Client(_redis_url())
+        return EXIT_REJECTED
+    client = Client(_redis_url(), config=config)
     try:
-        sub = client.submit(loaded)
+        sub = client.enqueue(loaded)
         record = next(iter(client.wait(sub, timeout_s=args.timeout_ms / 1000 + 60)))[1]
     finally:
         client.close()
@@ -393,7 +411,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         for s in loaded
     ]
     with Fleet() as fleet:
-        redis_url = fleet.ensure_redis(os.environ.get("REDIS_URL"))
+        # always a Redis of its own: never a user's (REDIS_URL), nor workers already on it
+        redis_url = fleet.ensure_redis(private=True)
         replay_url = fleet.start_replay()
         fleet.start_workers()
         print(
@@ -401,7 +420,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             f"workers llm/tools/control/programs  logs {fleet.workdir}",
             file=sys.stderr,
         )
-        client = Client(redis_url)
+        client = Client(redis_url, config=fleet.config())
         try:
             records = run_batch(client, specs, Path(args.out), args.timeout_s)
         except BatchInterrupted as stop:
@@ -417,10 +436,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
+def version() -> str:
+    try:
+        return metadata.version("cchatq")
+    except metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cchatq", description="Batch LLM chat sessions with WASM tools."
     )
+    parser.add_argument("--version", action="version", version=f"cchatq {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser(
@@ -436,6 +463,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="run every id already submitted again, as its next attempt (a changed spec "
         "under an id already submitted is refused without it)",
     )
+    p.add_argument(
+        "--no-key-check",
+        action="store_true",
+        help="do not refuse a backend whose API key variable is unset here (when only the "
+        "workers hold the keys)",
+    )
     p.set_defaults(fn=cmd_submit)
 
     p = sub.add_parser("batch", help="list batches, or one's status, results or cancel")
@@ -448,6 +481,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--failed", action="store_true", help="with retry: the sessions that failed (required)"
     )
     p.set_defaults(fn=cmd_batch)
+
+    p = sub.add_parser("config", help="check the fleet's configuration and list its backends")
+    p.add_argument("action", choices=["check"])
+    p.add_argument("--file", help="this configuration file (default: what the environment names)")
+    p.set_defaults(fn=cmd_config)
 
     p = sub.add_parser("status", help="a session's state, or the fleet's without an id")
     p.add_argument("id", nargs="?")

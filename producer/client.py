@@ -7,19 +7,22 @@ import hashlib
 import logging
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 from celery import Celery
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
+from producer.backend_check import backend_check
 from producer.lookups import SessionLookups
+from producer.specfile import load_spec_from_objects
 from schemas import keys, task_names
 from schemas.bodies import dump_body
+from schemas.config import FleetConfig, read_config
 from schemas.spec_types import (
     ProgramDef,
     ProgramSpec,
@@ -29,6 +32,9 @@ from schemas.spec_types import (
     spec_to_json,
     stored,
 )
+
+if TYPE_CHECKING:
+    from producer.batch import Batch
 
 log = logging.getLogger("cchatq.producer")
 
@@ -76,10 +82,16 @@ class ModuleExpiredError(Exception):
 
 
 class Client(SessionLookups):
-    def __init__(self, redis_url: str, ttl_s: int = DEFAULT_TTL_S) -> None:
+    def __init__(
+        self, redis_url: str, ttl_s: int = DEFAULT_TTL_S, config: FleetConfig | None = None
+    ) -> None:
+        """`config`: the fleet's configuration (its backends), which `submit` checks specs
+        against; by default the one this process's environment names, as the workers read it
+        (CCHATQ_CONFIG / CCHATQ_BACKENDS). A ConfigError if that is wrong."""
         # Any: redis-py annotates replies as bytes | str; this client never decodes (bytes).
         self.redis: Any = redis.Redis.from_url(redis_url, client_name=CLIENT_NAME, **reconnecting())
         self.ttl_s = ttl_s
+        self.config = config if config is not None else read_config()
         self.celery = Celery("cchatq-producer", broker=redis_url)
         first_s, longest_s = RECONNECT_BACKOFF_S
         self.celery.conf.update(
@@ -128,6 +140,28 @@ class Client(SessionLookups):
         return shas
 
     def submit(
+        self,
+        specs: Iterable[Mapping[str, Any] | Spec],
+        rerun: bool = False,
+        check_keys: bool = True,
+        base_dir: Path | None = None,
+    ) -> Batch:
+        """Validate and enqueue sessions and program runs (spec objects as a spec file's lines
+        are, or Spec values), exactly as `cchatq submit` does: a SpecFileError lists every
+        problem (`<specs>:N: field: message`, N counting from 1) and nothing is enqueued; a
+        SpecConflictError names ids already submitted with another spec (unless `rerun`).
+        `check_keys`: refuse a backend whose API key variable is unset here. Module paths are
+        relative to `base_dir` (default: the working directory)."""
+        from producer.batch import Batch  # the handle builds on this client
+
+        objects = [
+            spec_to_json(s) if isinstance(s, SessionSpec | ProgramSpec) else s for s in specs
+        ]
+        check = backend_check(self.config, check_keys=check_keys)
+        loaded = load_spec_from_objects(objects, base_dir, check, shown="<specs>")
+        return Batch(self, self.enqueue(loaded, rerun=rerun))
+
+    def enqueue(
         self,
         specs: Sequence[Spec],
         batch: str | None = None,
@@ -275,7 +309,8 @@ class Client(SessionLookups):
         has finished yet; nor is a big batch whose sessions wait their turn in the queues.
         Raises TimeoutError naming how many are still running."""
         pending = set(sub.order)
-        ready = list(sub.done)
+        # finished before this wait: before the submit, or read by an earlier wait
+        ready = [*sub.done, *self._finished(pending - sub.done)]
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         done_key = keys.done_list(sub.batch)
         seen: dict[str, tuple[bytes | None, float]] = {}
@@ -329,7 +364,7 @@ class Client(SessionLookups):
                 moved[sk] = claim.sk
         if lost:
             log.warning("%d sessions lost with Redis's data: submitted again", len(lost))
-            again = self.submit([sub.specs[sk] for sk in lost], sub.batch, sub.chunks, within=True)
+            again = self.enqueue([sub.specs[sk] for sk in lost], sub.batch, sub.chunks, within=True)
             sub.chunks = again.chunks
             sub.attempts.update(again.attempts)
             moved.update(zip(lost, again.order, strict=True))

@@ -24,6 +24,8 @@ from typing import IO
 
 import redis
 
+from schemas.config import FleetConfig, parse_config
+
 # queue -> (pool, concurrency): I/O-bound model calls on threads, CPU-bound WASM on one process
 # per core, bookkeeping on a few threads (architecture.md section 2).
 WORKER_PROFILES: dict[str, tuple[str, int]] = {
@@ -209,6 +211,12 @@ class Fleet:
         env.update(self.env)
         env.update(extra or {})
         return env
+
+    def config(self) -> FleetConfig:
+        """The configuration its workers read (worker_env): what a producer checks specs
+        against."""
+        raw = json.loads(self.worker_env()["CCHATQ_BACKENDS"])
+        return parse_config(raw, self.replay_url, "the fleet's CCHATQ_BACKENDS")
 
     def start_worker(
         self,

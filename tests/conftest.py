@@ -66,7 +66,7 @@ def _workers(
         env=dict(base.env),
     )
     fleet.workdir.mkdir(exist_ok=True)
-    client = Client(url)
+    client = Client(url, config=fleet.config())
     client.redis.flushdb()
     try:
         fleet.start_workers(extra_env=extra_env)

@@ -38,7 +38,7 @@ def submit_specs(
         if "program" in spec and not Path(spec["program"]["module"]).is_absolute():
             spec["program"]["module"] = str(GUESTS / Path(spec["program"]["module"]).name)
     path.write_text("".join(json.dumps(s) + "\n" for s in specs))
-    return client.submit([s.spec for s in load_spec_file(path)])
+    return client.enqueue([s.spec for s in load_spec_file(path)])
 
 
 def run_specs(
@@ -278,7 +278,7 @@ def run_poisoned(client: Client, tmp_path: Path, spec_id: str) -> tuple[str, dic
 
     client.upload_modules = upload_then_lose  # type: ignore[method-assign]
     try:
-        sub = client.submit([s.spec for s in load_spec_file(path)])
+        sub = client.enqueue([s.spec for s in load_spec_file(path)])
     finally:
         del client.upload_modules
     return sub.order[0], dict(client.wait(sub, timeout_s=60))[sub.order[0]]
@@ -360,7 +360,7 @@ def test_cli_submit_exit_codes_and_an_interrupted_wait(
 
     out = tmp_path / "r.jsonl"
     assert submit([plain("ok")], "--out", str(out)).returncode == 0
-    failing = {**plain("failing"), "provider": "no-such-backend"}
+    failing = {**plain("failing"), "model": "replay/bad_request"}  # the provider answers 400
     assert submit([plain("ok2"), failing], "--out", str(out)).returncode == 1
     unwritable = submit([plain("never")], "--out", str(tmp_path))  # a directory
     assert unwritable.returncode == 2 and f"--out {tmp_path}" in unwritable.stderr
@@ -577,7 +577,7 @@ def test_an_id_submitted_again_with_another_spec_is_refused_unless_rerun(
         ]
     )
     with pytest.raises(SpecConflictError) as refused:  # the Python API refuses it too
-        running.client.submit(spec)
+        running.client.enqueue(spec)
     assert refused.value.spec_ids == [spec_id]
 
 

@@ -181,7 +181,7 @@ def test_cancelled_program_ends_at_its_next_hostcall_wait(
     }
     path = tmp_path / "cancel.jsonl"
     path.write_text(json.dumps(spec) + "\n")
-    sub = running.client.submit([s.spec for s in load_spec_file(path)])
+    sub = running.client.enqueue([s.spec for s in load_spec_file(path)])
     deadline = time.monotonic() + 10
     while running.client.status(spec_id).get("state") != "running" and time.monotonic() < deadline:  # type: ignore[union-attr]
         time.sleep(0.05)

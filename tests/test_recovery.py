@@ -128,7 +128,7 @@ def test_a_lost_message_is_recovered_by_the_waiting_producer(
     path.write_text(
         json.dumps({**spec, "tools": [{**WEATHER, "module": str(GUESTS / "weather.wasm")}]}) + "\n"
     )
-    sub = lost.submit([s.spec for s in load_spec_file(path)])
+    sub = lost.enqueue([s.spec for s in load_spec_file(path)])
     lost.close()
     (record,) = dict(running.client.wait(sub, timeout_s=30, stall_s=1.0)).values()
     assert record["status"] == "ok"
@@ -219,7 +219,7 @@ def test_a_no_wait_batch_with_a_lost_message_finishes_with_no_producer(
     ]
     path = tmp_path / "nowait.jsonl"
     path.write_text("".join(json.dumps(s) + "\n" for s in specs))
-    lost.submit([s.spec for s in load_spec_file(path)])  # and no wait
+    lost.enqueue([s.spec for s in load_spec_file(path)])  # and no wait
     lost.close()
     client = reconciled.client
     deadline = time.monotonic() + 40

@@ -1,0 +1,54 @@
+"""Checking a spec's backends at submit against the configuration the producer shares with the
+workers (schemas/config.py): a backend no worker would know, or one whose API key variable is
+unset, is refused with the spec's line and field instead of failing every session later.
+
+The key check reads this process's environment: the producer is expected to run with the
+fleet's configuration and keys. A producer that holds no keys (only the workers do) turns it
+off (`cchatq submit --no-key-check`, `Client.submit(check_keys=False)`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from producer.specfile import SpecCheck
+from schemas.config import FleetConfig
+from schemas.spec_types import SessionSpec, Spec
+
+
+def backend_check(
+    config: FleetConfig, environ: Mapping[str, str] | None = None, check_keys: bool = True
+) -> SpecCheck:
+    env = os.environ if environ is None else environ
+    verdicts: dict[str | None, str | None] = {}  # a file names few backends: each judged once
+
+    def problem(name: str | None) -> str | None:
+        key = name or config.default_backend
+        backend = config.backends.get(key)
+        if backend is None:
+            return (
+                f"unknown backend {key!r}; the configuration ({config.source}) has"
+                f" {', '.join(sorted(config.backends))}"
+            )
+        if check_keys and backend.api_key_env and not env.get(backend.api_key_env):
+            whose = "" if name else f" (the default backend, {key!r})"
+            return (
+                f"backend {key!r}{whose} reads its API key from ${backend.api_key_env},"
+                " which is not set (--no-key-check when only the workers hold it)"
+            )
+        return None
+
+    def check(spec: Spec) -> list[tuple[str, str]]:
+        named: list[tuple[str, str | None]] = [("provider", spec.provider)]
+        if isinstance(spec, SessionSpec) and spec.limits.compress_backend:
+            named.append(("limits.compress_backend", spec.limits.compress_backend))
+        found = []
+        for field, name in named:
+            if name not in verdicts:
+                verdicts[name] = problem(name)
+            if verdicts[name] is not None:
+                found.append((field, str(verdicts[name])))
+        return found
+
+    return check
