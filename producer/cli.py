@@ -22,7 +22,7 @@ from producer.batches import Batches
 from producer.client import Client, ModuleExpiredError, SpecConflictError, Submission
 from producer.fleet import REPLAY_PROTOCOL_PATHS, Fleet, replay_backend_name, worker_command
 from producer.fleet_status import read_fleet_status, unserved
-from producer.report import Progress, summary
+from producer.report import Progress, batch_states, summary
 from producer.specfile import SpecFileError, load_spec_file, load_spec_from_objects
 from schemas import task_names
 from schemas.bodies import dump_text
@@ -89,18 +89,18 @@ def run_batch(
         + (f", {reused} already submitted" if reused else "")
         + "\n"
     )
-    progress = Progress(len(sub.order), stream)
     records: dict[str, dict[str, Any]] = {}
-    with out.open("w") as arriving:
+    states = batch_states(client, sub, records)
+    progress = Progress(len(sub.order), stream, already=sub.done, states=states)
+    with out.open("w") as arriving, progress:
         try:
             for sk, record in client.wait(sub, timeout_s=timeout_s):
                 records[sk] = record
                 arriving.write(line(sk))
                 arriving.flush()
-                progress.update(record)
+                progress.update(sk, record)
         except (KeyboardInterrupt, TimeoutError):
             raise BatchInterrupted(sub.batch, len(records), len(sub.order)) from None
-    progress.draw(final=True)
     ordered = [records[sk] for sk in sub.order]
     sorted_out = out.with_name(out.name + ".sorting")
     with sorted_out.open("w") as fh:
@@ -171,7 +171,7 @@ def ended(records: list[dict[str, Any]]) -> int:
 
 def interrupted(stop: BatchInterrupted, out: Path) -> int:
     print(
-        f"\n{stop}; the rest keep running on the fleet. Their results so far are in {out};"
+        f"{stop}; the rest keep running on the fleet. Their results so far are in {out};"
         f" `cchatq batch results {stop.batch} --out FILE` collects them all.",
         file=sys.stderr,
     )
@@ -424,7 +424,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         try:
             records = run_batch(client, specs, Path(args.out), args.timeout_s)
         except BatchInterrupted as stop:
-            print(f"\n{stop}: the demo fleet stops now", file=sys.stderr)
+            print(f"{stop}: the demo fleet stops now", file=sys.stderr)
             return EXIT_INTERRUPTED
         finally:
             client.close()

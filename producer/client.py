@@ -18,7 +18,7 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from producer.backend_check import backend_check
-from producer.lookups import SessionLookups
+from producer.lookups import QUEUED, SessionLookups
 from producer.specfile import load_spec_from_objects
 from schemas import keys, task_names
 from schemas.bodies import dump_body
@@ -49,7 +49,6 @@ STATE_SAMPLE = 10_000  # pending sessions whose state one look reads
 RECONNECT_S = 60.0
 CLIENT_NAME = "cchatq-producer"  # its connections in Redis's CLIENT LIST
 RECONNECT_BACKOFF_S = (0.05, 1.0)  # first and longest pause between two tries
-QUEUED = b"queued"  # a session's state from submit until its first round
 
 
 @dataclass

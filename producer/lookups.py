@@ -13,6 +13,8 @@ from celery import Celery
 from schemas import keys, task_names
 from schemas.spec_types import ProgramSpec, spec_from_json
 
+QUEUED = b"queued"  # a session's state from submit until its first round
+
 
 class SessionLookups:
     redis: Any  # the Client's: redis-py, replies as bytes
@@ -22,6 +24,15 @@ class SessionLookups:
     def records(self, sks: Sequence[str]) -> list[dict[str, Any] | None]:
         raw = self.redis.mget([keys.record(sk) for sk in sks])
         return [None if r is None else json.loads(r) for r in raw]
+
+    def state_counts(self, sks: Sequence[str]) -> tuple[int, int]:
+        """How many of these sessions are queued (not yet in their first round) and how many
+        are running (any other state: a round, a tool call, finishing): one pipeline."""
+        pipe = self.redis.pipeline(transaction=False)
+        for sk in sks:
+            pipe.hget(keys.meta(sk), "state")
+        queued = sum(1 for state in pipe.execute() if state == QUEUED)
+        return queued, len(sks) - queued
 
     # one session ---------------------------------------------------------------------------
 
