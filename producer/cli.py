@@ -401,7 +401,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from fixtures.demo_batch import check, on_backend
 
-    loaded = load_spec_file(DEMO_FILE)
+    loaded = load_spec_file(DEMO_FILE)[: args.limit]
     run = uuid.uuid4().hex[:8]  # fresh ids, so a shared Redis never answers from an earlier run
     backend = replay_backend_name(args.provider, args.stream)
     specs = [
@@ -415,6 +415,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         redis_url = fleet.ensure_redis(private=True)
         replay_url = fleet.start_replay()
         fleet.start_workers()
+        fleet.wait_served()
         print(
             f"redis {redis_url}  replay {replay_url} ({backend})  "
             f"workers llm/tools/control/programs  logs {fleet.workdir}",
@@ -553,6 +554,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--provider", default="openai", choices=sorted(REPLAY_PROTOCOL_PATHS),
                    help="the wire protocol the replay server is spoken to in")  # fmt: skip
     p.add_argument("--stream", action="store_true", help="streamed (SSE) model calls")
+    p.add_argument("--limit", type=int, help="only the first N sessions of the demo batch")
     p.set_defaults(fn=cmd_demo)
     return parser
 

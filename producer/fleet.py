@@ -24,6 +24,7 @@ from typing import IO
 
 import redis
 
+from producer.fleet_status import read_fleet_status
 from schemas.config import FleetConfig, parse_config
 
 # queue -> (pool, concurrency): I/O-bound model calls on threads, CPU-bound WASM on one process
@@ -235,6 +236,24 @@ class Fleet:
     def start_workers(self, extra_env: dict[str, str] | None = None) -> None:
         for queue in ("llm", "tools", "control", "programs", "background"):
             self.start_worker(queue, extra_env=extra_env)
+
+    def wait_served(self, timeout_s: float = 60) -> None:
+        """Until each queue a worker was started for has a consumer beating in Redis (a worker
+        registers once it has booted), so that a batch submitted next is not warned about."""
+        queues = {q for name in self.workers for q in name.rsplit("-", 1)[0].split("-")}
+        client = redis.Redis.from_url(self.redis_url)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                served = read_fleet_status(client).consumers_by_queue
+                missing = sorted(q for q in queues if not served.get(q))
+                if not missing:
+                    return
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"no worker took from {missing} (see {self.workdir})")
+                time.sleep(0.1)
+        finally:
+            client.close()
 
     def kill(self, proc: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:
         """Signal a process and all its children (a prefork worker's pool processes too)."""

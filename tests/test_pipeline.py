@@ -4,6 +4,7 @@ server over HTTP and real wasmtime. Outcomes are asserted exactly."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -14,10 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
 from fixtures.demo_batch import CITIES, KINDS, WEATHER, check, demo_specs, weather_json
 from fixtures.replay.conversation import read_envelope
 from producer.client import CLIENT_NAME, Client, SpecConflictError
+from producer.fleet import Fleet
 from producer.specfile import load_spec_file, load_spec_from_objects
 from schemas import keys
 from schemas.task_names import ALL_QUEUES
@@ -68,6 +71,28 @@ def assert_tool_messages_paired(record: dict[str, Any]) -> None:
         assert [a["tool_call_id"] for a in answers] == [c["id"] for c in calls], record["id"]
     ids = [m["tool_call_id"] for m in transcript if m["role"] == "tool"]
     assert len(ids) == len(set(ids)), f"{record['id']}: a tool message appears twice"
+
+
+def test_the_demo_never_touches_the_users_redis(tmp_path: Path) -> None:
+    """`make demo` with REDIS_URL set to a live Redis (the user's) runs on a Redis of its own:
+    the user's key count is unchanged, and no worker of theirs takes its tasks."""
+    users = Fleet(workdir=tmp_path)
+    try:
+        url = users.ensure_redis(private=True)
+        theirs = redis.Redis.from_url(url)
+        theirs.set("their:key", "1")
+        theirs.rpush("their:list", "a", "b")
+        before = theirs.dbsize()
+        cmd = [sys.executable, "-m", "producer.cli", "demo", "--limit", "6",
+               "--out", str(tmp_path / "demo.jsonl")]  # fmt: skip
+        env = {"REDIS_URL": url, "PATH": os.environ["PATH"]}
+        ran = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+        assert ran.returncode == 0, ran.stderr
+        assert "checked 6 sessions against expected outcomes: all match" in ran.stderr
+        assert f"redis {url}" not in ran.stderr
+        assert sum(db["keys"] for db in theirs.info("keyspace").values()) == before == 2
+    finally:
+        users.stop()
 
 
 def test_demo_batch_every_scenario_exact(running: Running, tmp_path: Path, fresh_id: str) -> None:
