@@ -1,0 +1,110 @@
+"""The README works as written: its spec example runs on a fleet with the replay server, its
+Python API example runs, every `cchatq` command line it shows parses, and every `make` target,
+environment variable and backend key it names exists."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from producer.cli import build_parser
+from schemas.config import BackendConfig
+from tests.conftest import Running
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+# placeholders the README writes in its command lines, and a value each
+PLACEHOLDERS = {"ID": "some/id", "B": "b123", "F": "out.jsonl", "CALL_ID": "c1", "NAME": "replay",
+                "M": "m", "A": "a", "FILE": "in.txt", "Q": "llm", "DIR": "."}  # fmt: skip
+
+
+def blocks(language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", README, flags=re.S)
+
+
+def command_lines() -> list[str]:
+    lines = []
+    for block in blocks("sh"):
+        for line in block.splitlines():
+            if line.startswith("cchatq "):
+                lines.append(re.split(r" +# ", line)[0].strip())
+    return lines
+
+
+def test_the_readme_shows_commands_to_check() -> None:
+    assert len(command_lines()) >= 25
+    assert len(blocks("python")) == 1
+    assert blocks("json")[0].startswith('{"id": "eval-17/0042"')
+
+
+@pytest.mark.parametrize("line", command_lines())
+def test_every_cchatq_command_line_parses(line: str) -> None:
+    words = []
+    for word in shlex.split(line)[1:]:
+        word = word.strip("[]")
+        if word == "...":
+            continue
+        words.append(PLACEHOLDERS.get(word, word))
+    if words == ["--version"]:
+        with pytest.raises(SystemExit) as shown:
+            build_parser().parse_args(words)
+        assert shown.value.code == 0
+        return
+    args = build_parser().parse_args(words)
+    assert callable(args.fn)
+
+
+def test_every_make_target_environment_variable_and_backend_key_exists() -> None:
+    makefile = (ROOT / "Makefile").read_text()
+    for target in set(re.findall(r"`make (\w+)", README)) | {"demo", "test"}:
+        assert re.search(rf"^{target}:", makefile, flags=re.M), target
+    sources = "".join(
+        p.read_text() for d in ("worker", "producer", "schemas") for p in (ROOT / d).rglob("*.py")
+    )
+    for variable in set(re.findall(r"`(CCHATQ_[A-Z_]+)`", README)):
+        assert f'"{variable}"' in sources, f"{variable} is read nowhere"
+    table = README.split("| key | default | meaning |", 1)[1].split("\n\n", 1)[0]
+    named = set(re.findall(r"^\| `(\w+)`(?:, `(\w+)`)?(?:, `(\w+)`)?(?:, `(\w+)`)?", table, re.M))
+    keys = {k for row in named for k in row if k}
+    assert keys and keys <= {f.name for f in fields(BackendConfig)}, keys
+
+
+@pytest.mark.fleet
+def test_the_spec_example_runs_as_written(running: Running, tmp_path: Path) -> None:
+    example = json.loads(blocks("json")[0])
+    (tmp_path / "fixtures").symlink_to(ROOT / "fixtures")  # its module path, beside the file
+    path = tmp_path / "sessions.jsonl"
+    path.write_text(json.dumps(example) + "\n")
+    out = tmp_path / "results.jsonl"
+    env = {"REDIS_URL": running.redis_url, "PATH": os.environ["PATH"]}
+    ran = subprocess.run(
+        [sys.executable, "-m", "producer.cli", "submit", str(path), "--out", str(out)],
+        env=env, capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+    (result,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert result["id"] == "eval-17/0042" and result["status"] == "ok"
+    assert result["metrics"]["tool_calls"] == 1
+    assert "Paris" in result["response"]["choices"][0]["message"]["content"]
+
+
+@pytest.mark.fleet
+def test_the_python_api_example_runs_as_written(running: Running, tmp_path: Path) -> None:
+    env = {"REDIS_URL": running.redis_url, "PATH": os.environ["PATH"], "PYTHONPATH": str(ROOT)}
+    ran = subprocess.run(
+        [sys.executable, "-c", blocks("python")[0]],
+        env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+    lines = ran.stdout.splitlines()
+    assert lines[0].startswith("batch ") and lines[0].endswith(" 3 sessions")
+    assert sorted(lines[1:4]) == [f"readme/{n} ok Echo: Say hello to {n}" for n in range(3)]
+    assert lines[4] == "{'ok': 3}"
