@@ -335,6 +335,11 @@ def known_queues(value: str) -> str:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    try:  # a wrong configuration is named here, not in a Celery boot traceback
+        read_config()
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return EXIT_REJECTED
     cmd = worker_command(args.queues, args.pool, args.concurrency, args.name)
     os.execv(cmd[0], cmd)
 

@@ -207,3 +207,12 @@ def test_client_submit_validates_as_the_cli_does(tmp_path: Path) -> None:
             client.submit([spec("ok"), spec("x", provider="x")])
     finally:
         client.close()
+
+
+def test_a_worker_with_a_broken_configuration_names_the_problem_and_does_not_start() -> None:
+    bad = json.dumps({"backends": {"openai": {"stream": "yes"}}})
+    refused = cli("worker", "--queues", "llm", env={"CCHATQ_BACKENDS": bad})
+    assert refused.returncode == 2
+    assert refused.stderr == (
+        "configuration (CCHATQ_BACKENDS):\n  backends.openai.stream: must be true or false\n"
+    )
