@@ -387,15 +387,26 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"rejected:\n{exc}", file=sys.stderr)
         return EXIT_REJECTED
     client = Client(_redis_url(), config=config)
+    run_id = spec["id"]
+    print(f"run {run_id}", file=sys.stderr, flush=True)  # first: to cancel or look it up
     try:
         sub = client.enqueue(loaded)
         record = next(iter(client.wait(sub, timeout_s=args.timeout_ms / 1000 + 60)))[1]
+    except (KeyboardInterrupt, TimeoutError):
+        print(
+            f"run {run_id} keeps running on the fleet: `cchatq result {run_id}` once it ends,"
+            f" `cchatq cancel {run_id}` to stop it",
+            file=sys.stderr,
+        )
+        return EXIT_INTERRUPTED
     finally:
         client.close()
     sys.stdout.write(record.get("stdout", ""))
     sys.stderr.write(record.get("stderr", ""))
-    for log in record.get("logs", []):
-        print(f"[{log['level']}] {log['message']}", file=sys.stderr)
+    for log in record.get("logs", []):  # as the guest wrote it: a line may end in its newline
+        message = str(log["message"])
+        end = "" if message.endswith("\n") else "\n"
+        print(f"[{log['level']}] {message}", file=sys.stderr, end=end)
     error = (record.get("body") or {}).get("error")
     if error:
         print(f"program failed: {error.get('code')}: {error.get('message')}", file=sys.stderr)

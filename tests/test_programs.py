@@ -5,6 +5,7 @@ worker, and failures end in error results while the workers carry on."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -135,6 +136,7 @@ def test_cchatq_run_and_program_lines_in_a_batch(
     ran = cli("run", str(GUESTS / "prog_chat.wasm"), "--arg", f"cli {fresh_id}")
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout.splitlines()[0] == f"ANSWER: Echo: cli {fresh_id}"
+    assert re.fullmatch(r"run run/[0-9a-f]{12}", ran.stderr.splitlines()[0])  # first, to cancel it
     assert "[info] chat done" in ran.stderr
     trapped = cli("run", str(GUESTS / "prog_trap.wasm"))
     assert trapped.returncode == 1 and "program failed: guest_trap" in trapped.stderr
