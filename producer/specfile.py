@@ -57,7 +57,24 @@ class LoadedSpec:
 SpecCheck = Callable[[Spec], list[tuple[str, str]]]
 
 
-def load_spec_file(path: str | Path, check: SpecCheck | None = None) -> list[LoadedSpec]:
+@dataclass(frozen=True)
+class Conversion:
+    """What a SpecConvert makes of one parsed object: the object to validate as a spec and how
+    its issues' fields are named (in the input's own terms), or the problems that stop it."""
+
+    obj: Any = None
+    problems: Sequence[tuple[str, str]] = ()  # (field, message): the object is not validated
+    field_name: Callable[[str], str] | None = None  # a spec field -> the input's name for it
+
+
+# Applied to each parsed object before validation (an OpenAI Batch request line made a spec:
+# producer/openai_batch.py), so its issues keep the object's physical line.
+SpecConvert = Callable[[Any], Conversion]
+
+
+def load_spec_file(
+    path: str | Path, check: SpecCheck | None = None, convert: SpecConvert | None = None
+) -> list[LoadedSpec]:
     """Parse, validate and canonicalise every spec in ``path``; raise SpecFileError if any
     problem exists (nothing is returned partially)."""
     shown = str(path)
@@ -74,7 +91,7 @@ def load_spec_file(path: str | Path, check: SpecCheck | None = None) -> list[Loa
     else:
         entries = _parse_jsonl(text, shown, issues)
 
-    return _validate(entries, shown, file_path.resolve().parent, issues, check)
+    return _validate(entries, shown, file_path.resolve().parent, issues, check, convert)
 
 
 def load_spec_from_objects(
@@ -96,12 +113,23 @@ def _validate(
     base_dir: Path,
     issues: list[SpecIssue],
     check: SpecCheck | None = None,
+    convert: SpecConvert | None = None,
 ) -> list[LoadedSpec]:
     modules = ModuleChecker(base_dir)
     session_schema, program_schema = SessionSpecSchema(), ProgramSpecSchema()
     seen_ids: dict[str, int] = {}
     loaded: list[LoadedSpec] = []
+    # (first issue, how to name its field) of each run of issues from one converted object
+    named: list[tuple[int, Callable[[str], str] | None]] = []
     for line, obj in entries:
+        if convert is not None:
+            conversion = convert(obj)
+            named.append((len(issues), None))  # its problems, named by the conversion
+            issues.extend(SpecIssue(shown, line, f, m) for f, m in conversion.problems)
+            named.append((len(issues), conversion.field_name))  # what validation finds
+            if conversion.problems:
+                continue
+            obj = conversion.obj
         if not isinstance(obj, dict):
             message = f"expected a JSON object, got {_json_type(obj)}"
             issues.append(SpecIssue(shown, line, "", message))
@@ -152,11 +180,22 @@ def _validate(
             issues.extend(SpecIssue(shown, line, field, message) for field, message in check(spec))
         loaded.append(LoadedSpec(line, _with_module_paths(spec, program_module, module_paths)))
 
+    _rename_fields(issues, named)
     if not entries and not issues:
         issues.append(SpecIssue(shown, 0, "", "no specs in file"))
     if issues:
         raise SpecFileError(issues)
     return loaded
+
+
+def _rename_fields(
+    issues: list[SpecIssue], named: list[tuple[int, Callable[[str], str] | None]]
+) -> None:
+    """Each run of issues (from its first to the next run's) named by its object's conversion."""
+    bounds = [start for start, _ in named] + [len(issues)]
+    for (start, name), end in zip(named, bounds[1:], strict=True):
+        if name is not None:
+            issues[start:end] = [replace(i, field=name(i.field)) for i in issues[start:end]]
 
 
 def _with_module_paths(
