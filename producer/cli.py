@@ -22,6 +22,7 @@ from producer.batches import Batches
 from producer.client import Client, ModuleExpiredError, SpecConflictError, Submission
 from producer.fleet import REPLAY_PROTOCOL_PATHS, Fleet, replay_backend_name, worker_command
 from producer.fleet_status import read_fleet_status, unserved
+from producer.openai_batch import ToolsFileError, converter, load_tool_bindings
 from producer.report import Progress, batch_states, summary
 from producer.specfile import SpecFileError, load_spec_file, load_spec_from_objects
 from schemas import task_names
@@ -124,9 +125,11 @@ def cmd_submit(args: argparse.Namespace) -> int:
     config = fleet_config()
     if config is None:
         return EXIT_REJECTED
-    try:
-        loaded = load_spec_file(args.file, backend_check(config, check_keys=not args.no_key_check))
-    except SpecFileError as exc:
+    check = backend_check(config, check_keys=not args.no_key_check)
+    try:  # OpenAI Batch request lines are made specs, their tools bound by --tools
+        bindings = load_tool_bindings(args.tools) if args.tools else None
+        loaded = load_spec_file(args.file, check, convert=converter(bindings, args.provider))
+    except (ToolsFileError, SpecFileError) as exc:
         print(f"rejected, nothing enqueued:\n{exc}", file=sys.stderr)
         return EXIT_REJECTED
     out = Path(args.out)
@@ -485,6 +488,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="do not refuse a backend whose API key variable is unset here (when only the "
         "workers hold the keys)",
+    )
+    p.add_argument(
+        "--tools",
+        metavar="FILE",
+        help="OpenAI Batch lines: a JSON file binding each function name of body.tools to a "
+        'WASM module: {"name": {"module": PATH, "export": NAME}} (paths relative to FILE)',
+    )
+    p.add_argument(
+        "--provider", help="OpenAI Batch lines: the backend that runs them (default_backend)"
     )
     p.set_defaults(fn=cmd_submit)
 
