@@ -22,7 +22,14 @@ from producer.batches import Batches
 from producer.client import Client, ModuleExpiredError, SpecConflictError, Submission
 from producer.fleet import REPLAY_PROTOCOL_PATHS, Fleet, replay_backend_name, worker_command
 from producer.fleet_status import read_fleet_status, unserved
-from producer.openai_batch import ToolsFileError, converter, load_tool_bindings
+from producer.openai_batch import (
+    ResultFiles,
+    ToolsFileError,
+    converter,
+    errors_path,
+    load_tool_bindings,
+    openai_lines,
+)
 from producer.report import Progress, batch_states, summary
 from producer.specfile import SpecFileError, load_spec_file, load_spec_from_objects
 from schemas import task_names
@@ -56,6 +63,23 @@ class BatchInterrupted(Exception):
         self.batch, self.done, self.total = batch, done, total
 
 
+def result_files(fmt: str, out: Path, errors: str | None = None) -> ResultFiles:
+    """Where a batch's result lines go: `cchatq` (one file) or `openai` (OpenAI Batch output
+    lines, failed requests in the errors file: `errors`, else beside `out`)."""
+    if fmt == "openai":
+        return ResultFiles(out, openai_lines(program_body), Path(errors or errors_path(out)))
+
+    def line(sk: str, record: dict[str, Any], batch: str, attempt: int) -> tuple[bool, str]:
+        return False, batch_line(record, batch, attempt)
+
+    return ResultFiles(out, line)
+
+
+def program_body(record: dict[str, Any]) -> dict[str, Any]:
+    """A program run's OpenAI Batch `response.body`: its result line's fields."""
+    return {k: v for k, v in result_line(record).items() if k not in ("id", "kind", "error")}
+
+
 def warn_unserved(client: Client, specs: Sequence[Spec], stream: TextIO = sys.stderr) -> None:
     """A needed queue no worker takes from: say so, rather than wait in silence."""
     for queue in unserved(read_fleet_status(client.redis), specs):
@@ -72,17 +96,16 @@ def run_batch(
     timeout_s: float | None,
     stream: TextIO = sys.stderr,
     rerun: bool = False,
+    files: ResultFiles | None = None,
 ) -> list[dict[str, Any]]:
     """Submit, show progress, write one JSON line per session (with its batch and which
-    attempt of its id it is), print the summary. Each line is written (and flushed) as its
-    session finishes, so a producer that dies keeps what it had; once all are in, the file is
-    rewritten in input order."""
+    attempt of its id it is; or, with `files`, in their format), print the summary. Each line
+    is written (and flushed) as its session finishes, so a producer that dies keeps what it
+    had; once all are in, the files are rewritten in input order."""
     started = time.monotonic()
+    files = files or result_files("cchatq", out)
     sub: Submission = client.enqueue(specs, rerun=rerun)
     warn_unserved(client, specs, stream)
-
-    def line(sk: str) -> str:
-        return batch_line(records[sk], sub.batch, sub.attempts[sk])
 
     reused = len(sub.order) - len(sub.new)
     stream.write(
@@ -93,21 +116,17 @@ def run_batch(
     records: dict[str, dict[str, Any]] = {}
     states = batch_states(client, sub, records)
     progress = Progress(len(sub.order), stream, already=sub.done, states=states)
-    with out.open("w") as arriving, progress:
+    with files, progress:
         try:
             for sk, record in client.wait(sub, timeout_s=timeout_s):
                 records[sk] = record
-                arriving.write(line(sk))
-                arriving.flush()
+                files.write(sk, record, sub.batch, sub.attempts[sk])
                 progress.update(sk, record)
         except (KeyboardInterrupt, TimeoutError):
             raise BatchInterrupted(sub.batch, len(records), len(sub.order)) from None
     ordered = [records[sk] for sk in sub.order]
-    sorted_out = out.with_name(out.name + ".sorting")
-    with sorted_out.open("w") as fh:
-        fh.writelines(line(sk) for sk in sub.order)
-    sorted_out.replace(out)
-    stream.write(f"results: {out}\n{summary(ordered, time.monotonic() - started)}\n")
+    files.rewrite((sk, records[sk], sub.batch, sub.attempts[sk]) for sk in sub.order)
+    stream.write(f"results: {files}\n{summary(ordered, time.monotonic() - started)}\n")
     return ordered
 
 
@@ -133,12 +152,14 @@ def cmd_submit(args: argparse.Namespace) -> int:
         print(f"rejected, nothing enqueued:\n{exc}", file=sys.stderr)
         return EXIT_REJECTED
     out = Path(args.out)
+    files = result_files(args.format, out, args.errors)
     if not args.no_wait:  # a results file that cannot be written is found before anything runs
-        try:
-            out.open("a").close()
-        except OSError as exc:
-            print(f"rejected, nothing enqueued: --out {out}: {exc.strerror}", file=sys.stderr)
-            return EXIT_REJECTED
+        for path, flag in zip(files.paths, ("--out", "--errors"), strict=False):
+            try:
+                path.open("a").close()
+            except OSError as exc:
+                print(f"rejected, nothing enqueued: {flag} {path}: {exc.strerror}", file=sys.stderr)
+                return EXIT_REJECTED
     client = Client(_redis_url(), config=config)
     try:
         if args.no_wait:
@@ -147,7 +168,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
             warn_unserved(client, [s.spec for s in loaded])
             return EXIT_OK
         specs = [s.spec for s in loaded]
-        records = run_batch(client, specs, out, args.timeout_s, rerun=args.rerun)
+        records = run_batch(client, specs, out, args.timeout_s, rerun=args.rerun, files=files)
     except SpecConflictError as exc:
         lines = {s.spec.id: s.line for s in loaded}
         print("rejected, nothing enqueued:", file=sys.stderr)
@@ -212,23 +233,26 @@ def cmd_batch(args: argparse.Namespace) -> int:
         if not again:
             print(f"batch {args.batch}: no failed session to run again", file=sys.stderr)
             return EXIT_OK
+        out = Path(args.out)
+        files = result_files(args.format, out, args.errors)
         try:  # a new batch of their next attempts, waited for as a submit is
-            records = run_batch(batches.client, again, Path(args.out), None, rerun=True)
+            records = run_batch(batches.client, again, out, None, rerun=True, files=files)
         except ModuleExpiredError as exc:
             print(f"batch {args.batch}: {exc}", file=sys.stderr)
             return EXIT_REJECTED
         except BatchInterrupted as stop:
-            return interrupted(stop, Path(args.out))
+            return interrupted(stop, out)
         return ended(records)
-    out, written, failed = Path(args.out), 0, 0
-    with out.open("w") as fh:
+    written, failed = 0, 0
+    with result_files(args.format, Path(args.out), args.errors) as files:
         for member, record in batches.results(args.batch):
             if record is not None and member.claim is not None:
-                fh.write(batch_line(record, args.batch, member.claim.attempt))
+                files.write(member.claim.sk, record, args.batch, member.claim.attempt)
                 written += 1
                 failed += record.get("status") != "ok"
     left = summary.sessions - written
-    print(f"batch {args.batch}: {written} of {summary.sessions} results in {out}", file=sys.stderr)
+    shown = f"batch {args.batch}: {written} of {summary.sessions} results in {files}"
+    print(shown, file=sys.stderr)
     if left:
         print(f"{left} not finished (`cchatq batch status {args.batch}`)", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -498,6 +522,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--provider", help="OpenAI Batch lines: the backend that runs them (default_backend)"
     )
+    _format_arguments(p)
     p.set_defaults(fn=cmd_submit)
 
     p = sub.add_parser("batch", help="list batches, or one's status, results or cancel")
@@ -509,6 +534,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--failed", action="store_true", help="with retry: the sessions that failed (required)"
     )
+    _format_arguments(p)
     p.set_defaults(fn=cmd_batch)
 
     p = sub.add_parser("config", help="check the fleet's configuration and list its backends")
@@ -587,8 +613,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _format_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--format",
+        choices=["cchatq", "openai"],
+        default="cchatq",
+        help="results as cchatq lines, or as OpenAI Batch output lines (failed requests in "
+        "the errors file)",
+    )
+    p.add_argument(
+        "--errors",
+        metavar="FILE",
+        help="with --format openai: the errors file (default: beside --out, *.errors.jsonl)",
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "errors", None) and args.format != "openai":
+        parser.error("--errors goes with --format openai")
     return int(args.fn(args))
 
 

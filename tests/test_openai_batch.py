@@ -1,29 +1,42 @@
-"""OpenAI Batch files (producer/openai_batch.py): request lines made specs, their tools bound by
-a tools file, every problem named by its line and the request's own field."""
+"""OpenAI Batch files both ways (producer/openai_batch.py): request lines made specs, their
+tools bound by a tools file, every problem named by its line and the request's own field; and
+output and error lines checked field by field against OpenAI's documented request output object.
+The last test runs `cchatq submit --format openai` through a subprocess on a real fleet."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from openai.types.chat import ChatCompletion
 
+from fixtures.demo_batch import weather_json
 from producer.cli import main
 from producer.openai_batch import (
+    ResultFiles,
     ToolBindings,
     ToolsFileError,
     converter,
+    errors_path,
     load_tool_bindings,
     openai_field,
+    openai_lines,
+    output_line,
     request_to_spec,
 )
 from producer.specfile import SpecFileError, load_spec_file
 from schemas.spec_types import spec_to_json
-from tests.conftest import GUESTS
+from tests.conftest import GUESTS, Running
 
 WEATHER_WASM = str(GUESTS / "weather.wasm")
 PARAMETERS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+LINE_ID = re.compile(r"batch_req_[0-9a-f]{32}\Z")
 
 
 def request(custom_id: str = "req-1", **body: Any) -> dict[str, Any]:
@@ -288,3 +301,200 @@ def test_every_problem_of_a_tools_file_names_its_tool_and_field(tmp_path: Path) 
         with pytest.raises(ToolsFileError) as caught:
             load_tool_bindings(other)
         assert str(caught.value) == f"{other}: {problem}"
+
+
+# output lines out ---------------------------------------------------------------------------
+
+COMPLETION = {
+    "id": "chatcmpl-1",
+    "object": "chat.completion",
+    "created": 1711475054,
+    "model": "replay/plain",
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": "Echo: hi"},
+                 "finish_reason": "stop"}],
+    "usage": {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5},
+}  # fmt: skip
+
+
+def record(status: str, body: dict[str, Any], spec_id: str = "req-1") -> dict[str, Any]:
+    return {"id": spec_id, "status": status, "body": body, "transcript": [], "metrics": {}}
+
+
+def no_program(record: dict[str, Any]) -> dict[str, Any]:
+    raise AssertionError("not a program")
+
+
+def test_an_answer_is_a_200_line_without_cchatq_fields() -> None:
+    body = {**COMPLETION, "_spear": {"backend": "replay", "model": "replay/plain"}}
+    failed, line = output_line("sk1", record("ok", body), no_program)
+    assert not failed
+    assert list(line) == ["id", "custom_id", "response", "error"]
+    assert LINE_ID.match(line["id"])
+    assert line["id"] == output_line("sk1", record("ok", body), no_program)[1]["id"]  # stable
+    assert line["id"] != output_line("sk2", record("ok", body), no_program)[1]["id"]
+    assert line["custom_id"] == "req-1"
+    assert line["response"] == {"status_code": 200, "request_id": "chatcmpl-1", "body": COMPLETION}
+    assert line["error"] is None
+    no_id = {k: v for k, v in body.items() if k != "id"}
+    assert output_line("sk1", record("ok", no_id), no_program)[1]["response"]["request_id"] == "sk1"
+
+
+def test_a_failure_is_an_error_file_line_shaped_as_openai_writes_them() -> None:
+    """An HTTP error from the model: its status and the error as response.body, error null (as
+    OpenAI's error files hold them); any other failure: response null, error {code, message}."""
+    http = {"error": {"code": "provider_error", "message": "HTTP 400: bad model\nsecond line"}}
+    failed, line = output_line("sk1", record("error", http), no_program)
+    assert failed
+    assert list(line) == ["id", "custom_id", "response", "error"]
+    assert line["response"] == {
+        "status_code": 400,
+        "request_id": "sk1",
+        "body": {"error": {"message": "bad model\nsecond line", "type": "provider_error",
+                           "param": None, "code": "provider_error"}},
+    }  # fmt: skip
+    assert line["error"] is None
+    limit = {"error": {"code": "tool_call_limit", "message": "exceeded max_iterations"}}
+    failed, line = output_line("sk1", record("error", limit), no_program)
+    assert failed and line["response"] is None
+    assert line["error"] == {"code": "tool_call_limit", "message": "exceeded max_iterations"}
+    timeout = {"error": {"code": "provider_unavailable", "message": "read timeout calling x"}}
+    assert output_line("sk1", record("error", timeout), no_program)[1]["error"] == {
+        "code": "provider_unavailable",
+        "message": "read timeout calling x",
+    }
+
+
+def test_a_program_run_answers_with_its_result_fields() -> None:
+    run = {**record("ok", {}), "kind": "program", "exit_code": 0, "stdout": "hi\n"}
+    failed, line = output_line("sk1", run, lambda r: {"exit_code": r["exit_code"]})
+    assert not failed
+    assert line["response"] == {"status_code": 200, "request_id": "sk1", "body": {"exit_code": 0}}
+
+
+def test_result_files_write_as_sessions_finish_then_in_input_order(tmp_path: Path) -> None:
+    out = tmp_path / "out.jsonl"
+    assert errors_path(out) == tmp_path / "out.errors.jsonl"
+    assert errors_path(tmp_path / "out") == tmp_path / "out.errors.jsonl"
+    files = ResultFiles(out, openai_lines(no_program), errors_path(out))
+    rows = [
+        ("sk-a", record("ok", COMPLETION, "a"), "B", 1),
+        ("sk-b", record("error", {"error": {"code": "cancelled", "message": "x"}}, "b"), "B", 1),
+        ("sk-c", record("ok", COMPLETION, "c"), "B", 1),
+    ]
+    with files:
+        for row in reversed(rows):  # as they finish
+            files.write(*row)
+        assert [json.loads(x)["custom_id"] for x in out.read_text().splitlines()] == ["c", "a"]
+    files.rewrite(rows)
+    assert [json.loads(x)["custom_id"] for x in out.read_text().splitlines()] == ["a", "c"]
+    errors = [json.loads(x) for x in errors_path(out).read_text().splitlines()]
+    assert [e["custom_id"] for e in errors] == ["b"]
+    assert str(files) == f"{out} (errors: {errors_path(out)})"
+
+
+def test_errors_goes_with_the_openai_format(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as caught:
+        main(["submit", "x.jsonl", "--errors", "e.jsonl"])
+    assert caught.value.code == 2
+    assert "--errors goes with --format openai" in capsys.readouterr().err
+
+
+# end to end ---------------------------------------------------------------------------------
+
+
+def assert_output_line(line: dict[str, Any], custom_id: str) -> dict[str, Any]:
+    """A successful request's line, every field as the request output object documents it;
+    its response body as a ChatCompletion (the openai SDK's type)."""
+    assert list(line) == ["id", "custom_id", "response", "error"]
+    assert LINE_ID.match(line["id"]) and line["custom_id"] == custom_id
+    assert line["error"] is None
+    response = line["response"]
+    assert list(response) == ["status_code", "request_id", "body"]
+    assert response["status_code"] == 200
+    body = response["body"]
+    assert response["request_id"] == body["id"] and body["id"]
+    assert body["object"] == "chat.completion" and "_spear" not in body
+    completion = ChatCompletion.model_validate(body)
+    assert completion.choices[0].finish_reason == "stop"
+    assert completion.usage is not None and completion.usage.total_tokens > 0
+    return body
+
+
+@pytest.mark.fleet
+def test_submit_an_openai_batch_file_and_get_openai_batch_output(
+    running: Running, tmp_path: Path, fresh_id: str
+) -> None:
+    """OpenAI Batch file in (a plain request, one whose tool runs as a WASM export bound by
+    --tools, one the model refuses with an HTTP 400, and a cchatq spec beside them that ends
+    on its iteration limit), OpenAI Batch output out: answers in --out, failures in the errors
+    file, each in input order; `cchatq batch results --format openai` writes the same lines."""
+    tools = tmp_path / "tools.json"
+    module = os.path.relpath(WEATHER_WASM, tmp_path)  # relative to the tools file
+    tools.write_text(json.dumps({"get_weather": {"module": module, "export": "get_weather"}}))
+    weather = function_tool(description="Current weather for a city")
+    ids = [f"{fresh_id}-{name}" for name in ("plain", "weather", "refused", "limit")]
+    limit_spec = {
+        "id": ids[3], "model": "replay/loop",
+        "messages": [{"role": "user", "content": "Loop forever"}],
+        "tools": [{"module": WEATHER_WASM, "export": "get_weather",
+                   "function": weather["function"]}],
+        "limits": {"max_iterations": 2}, "flags": {"final_answer_on_limit": False},
+    }  # fmt: skip
+    lines = [
+        request(ids[0], temperature=0, messages=[{"role": "user", "content": "Say hi"}]),
+        request(ids[1], model="replay/weather", tools=[weather], tool_choice="auto",
+                messages=[{"role": "user", "content": "Weather in Paris?"}]),
+        request(ids[2], model="replay/bad_request"),
+        limit_spec,
+    ]  # fmt: skip
+    batch = tmp_path / "batch.jsonl"
+    batch.write_text("".join(json.dumps(obj) + "\n" for obj in lines))
+    out = tmp_path / "out.jsonl"
+    env = {"REDIS_URL": running.redis_url, "PATH": "/usr/bin:/bin"}
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "producer.cli", *args]
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+
+    proc = cli("submit", str(batch), "--tools", str(tools), "--provider", "replay-anthropic",
+               "--format", "openai", "--out", str(out))  # fmt: skip
+    assert proc.returncode == 1, proc.stderr  # every session ended, some with an error
+    assert f"results: {out} (errors: {errors_path(out)})" in proc.stderr
+    answers = [json.loads(x) for x in out.read_text().splitlines()]
+    failures = [json.loads(x) for x in errors_path(out).read_text().splitlines()]
+    assert [x["custom_id"] for x in answers] == ids[:2]
+    assert [x["custom_id"] for x in failures] == ids[2:]
+    assert len({x["id"] for x in answers + failures}) == 4
+
+    plain = assert_output_line(answers[0], ids[0])
+    assert plain["choices"][0]["message"] == {"role": "assistant", "content": "Echo: Say hi"}
+    told = assert_output_line(answers[1], ids[1])["choices"][0]["message"]
+    assert told["content"] == f"Weather report: {weather_json('Paris')}"
+    # ran on the backend --provider named (the answer is a chat.completion all the same)
+    stored = json.loads(running.client.response(ids[1]) or b"{}")
+    assert stored["_spear"]["backend"] == "replay-anthropic"
+    assert running.client.record(ids[1])["metrics"]["tool_calls"] == 1  # type: ignore[index]
+
+    refused, limited = failures
+    assert list(refused) == ["id", "custom_id", "response", "error"]
+    assert LINE_ID.match(refused["id"]) and refused["error"] is None
+    assert list(refused["response"]) == ["status_code", "request_id", "body"]
+    assert refused["response"]["status_code"] == 400
+    assert running.client.session_key(ids[2]) == refused["response"]["request_id"]
+    said = refused["response"]["body"]["error"]
+    assert list(said) == ["message", "type", "param", "code"]
+    assert (said["type"], said["param"], said["code"]) == ("provider_error", None, "provider_error")
+    assert said["message"] and not said["message"].startswith("HTTP")
+    assert list(limited) == ["id", "custom_id", "response", "error"]
+    assert LINE_ID.match(limited["id"]) and limited["response"] is None
+    assert list(limited["error"]) == ["code", "message"]
+    assert limited["error"]["code"] == "tool_call_limit"
+
+    batch_id = re.search(r"batch (\S+): 4 sessions enqueued", proc.stderr)
+    assert batch_id, proc.stderr
+    again, again_errors = tmp_path / "again.jsonl", tmp_path / "again-errors.jsonl"
+    collected = cli("batch", "results", batch_id.group(1), "--format", "openai",
+                    "--out", str(again), "--errors", str(again_errors))  # fmt: skip
+    assert collected.returncode == 1, collected.stderr
+    assert again.read_text() == out.read_text()
+    assert again_errors.read_text() == errors_path(out).read_text()
