@@ -165,6 +165,11 @@ def request_to_spec(
         return problems
     spec: dict[str, Any] = {"id": obj["custom_id"]}
     spec.update({k: body[k] for k in ("model", "messages") if k in body})
+    if isinstance(spec.get("messages"), list):  # OpenAI's newer name for the system role
+        spec["messages"] = [
+            {**m, "role": "system"} if isinstance(m, dict) and m.get("role") == "developer" else m
+            for m in spec["messages"]
+        ]
     if tools:
         spec["tools"] = tools
     params = {k: v for k, v in body.items() if k not in (*SPEC_FIELDS, "stream")}

@@ -56,6 +56,9 @@ def bindings(**tools: dict[str, Any]) -> ToolBindings:
 # request lines in ---------------------------------------------------------------------------
 
 
+USER_HI = {"role": "user", "content": "hi"}
+
+
 def test_a_request_line_becomes_a_spec() -> None:
     """model and messages as they are, function tools bound to their module (`strict` dropped:
     the worker checks arguments against `parameters`), every other body field a param, the
@@ -93,6 +96,12 @@ def test_a_request_line_becomes_a_spec() -> None:
         "model": "replay/plain",
         "messages": [{"role": "user", "content": "hi"}],
     }
+    # OpenAI's `developer` role is the system role of every other provider
+    developer = request(messages=[{"role": "developer", "content": "Be brief."}, USER_HI])
+    assert request_to_spec(developer, None, None)["messages"] == [
+        {"role": "system", "content": "Be brief."},
+        USER_HI,
+    ]
 
 
 def test_every_problem_of_a_request_line_names_its_line_and_openai_field(tmp_path: Path) -> None:
@@ -450,7 +459,9 @@ def test_submit_an_openai_batch_file_and_get_openai_batch_output(
     batch = tmp_path / "batch.jsonl"
     batch.write_text("".join(json.dumps(obj) + "\n" for obj in lines))
     out = tmp_path / "out.jsonl"
-    env = {"REDIS_URL": running.redis_url, "PATH": "/usr/bin:/bin"}
+    # the fleet's configuration, which names its replay-* backends: submit checks against it
+    env = {"REDIS_URL": running.redis_url, "PATH": "/usr/bin:/bin",
+           "CCHATQ_BACKENDS": running.fleet.env["CCHATQ_BACKENDS"]}  # fmt: skip
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         cmd = [sys.executable, "-m", "producer.cli", *args]

@@ -108,3 +108,20 @@ def test_the_python_api_example_runs_as_written(running: Running, tmp_path: Path
     assert lines[0].startswith("batch ") and lines[0].endswith(" 3 sessions")
     assert sorted(lines[1:4]) == [f"readme/{n} ok Echo: Say hello to {n}" for n in range(3)]
     assert lines[4] == "{'ok': 3}"
+
+
+@pytest.mark.fleet
+def test_the_openai_batch_example_runs_as_written(running: Running, tmp_path: Path) -> None:
+    (script,) = [b for b in blocks("sh") if "cat > batch.jsonl" in b]
+    (tmp_path / "fixtures").symlink_to(ROOT / "fixtures")
+    bin_dir = Path(sys.executable).parent  # where `cchatq` is installed beside this Python
+    env = {"REDIS_URL": running.redis_url, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    ran = subprocess.run(
+        ["bash", "-c", script], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert "Traceback" not in ran.stderr, ran.stderr
+    out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    errors = [json.loads(line) for line in (tmp_path / "out.errors.jsonl").read_text().splitlines()]
+    assert [line["custom_id"] for line in out] == ["q1", "q2"]
+    assert all(line["response"]["status_code"] == 200 for line in out)
+    assert [(e["custom_id"], e["response"]["status_code"]) for e in errors] == [("q3", 400)]
