@@ -98,7 +98,9 @@ def test_a_request_line_becomes_a_spec() -> None:
     }
     # OpenAI's `developer` role is the system role of every other provider
     developer = request(messages=[{"role": "developer", "content": "Be brief."}, USER_HI])
-    assert request_to_spec(developer, None, None)["messages"] == [
+    converted = request_to_spec(developer, None, None)
+    assert isinstance(converted, dict)
+    assert converted["messages"] == [
         {"role": "system", "content": "Be brief."},
         USER_HI,
     ]
