@@ -408,6 +408,18 @@ def test_cli_submit_exit_codes_and_an_interrupted_wait(
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=30)
     assert proc.returncode == 3 and "1 of 2 done" in stderr and "Traceback" not in stderr
+    # what the interrupted wait did not see, `batch results` collects: every line
+    batch = stderr.split("batch ", 1)[1].split(":", 1)[0]
+    assert f"cchatq batch results {batch}" in stderr
+    wait_for(lambda: running.client.response(slow_again["id"]) is not None, timeout_s=30)
+    collected = tmp_path / "collected.jsonl"
+    cmd = [sys.executable, "-m", "producer.cli", "batch", "results", batch, "--out", str(collected)]
+    assert subprocess.run(cmd, env=env, capture_output=True, timeout=60).returncode == 0
+    lines = [json.loads(line) for line in collected.read_text().splitlines()]
+    assert [(r["id"], r["status"], r["batch"]) for r in lines] == [
+        (plain("quick-again")["id"], "ok", batch),
+        (slow_again["id"], "ok", batch),
+    ]
     worker = subprocess.run(
         [sys.executable, "-m", "producer.cli", "worker", "--queues", "tool"],
         env=env, capture_output=True, text=True, timeout=60,
