@@ -99,15 +99,6 @@ class FleetConfig:
     tool_defaults: ToolDefaults = field(default_factory=ToolDefaults)
     source: str = "built-in defaults"  # where it was read: the file, or CCHATQ_BACKENDS
 
-    def backend(self, name: str | None) -> BackendConfig:
-        key = name or self.default_backend
-        try:
-            return self.backends[key]
-        except KeyError:
-            raise KeyError(
-                f"unknown backend {key!r}; configured: {sorted(self.backends)}"
-            ) from None
-
 
 class ConfigError(ValueError):
     """The configuration is wrong: every problem, each with its dotted path."""
