@@ -32,7 +32,7 @@ def result_line(record: dict[str, Any]) -> dict[str, Any]:
         line.update({k: record.get(k) for k in PROGRAM_FIELDS})
         line["error"] = body.get("error")
         return line
-    return {
+    line = {
         "id": record["id"],
         "status": record["status"],
         "response": body,
@@ -40,6 +40,9 @@ def result_line(record: dict[str, Any]) -> dict[str, Any]:
         "metrics": record.get("metrics", {}),
         "error": body.get("error"),
     }
+    if record.get("tool_logs"):  # what its tools wrote, each line marked with its call
+        line["tool_logs"] = record["tool_logs"]
+    return line
 
 
 def batch_line(record: dict[str, Any], batch: str, attempt: int) -> str:

@@ -24,6 +24,7 @@ from worker.errors import (
 )
 from worker.guest.fork import ProgramFork, ToolModeHost, restore_fork
 from worker.guest.imports import define_spear
+from worker.session.tool_logs import ToolLogs
 
 PAGE = 65_536
 VALUE_ADDR = 1024  # the program's initial data holds 7 here
@@ -426,13 +427,17 @@ def test_chat_and_fd_hostcalls_are_eperm(runtime: WasmToolRuntime, hostcalls: st
     assert call(runtime, hostcalls, "fds") == "-1 -1"
 
 
+def logged(host: ToolModeHost) -> list[tuple[str, str]]:
+    return [(line.level, line.message) for line in host.logs.lines]
+
+
 def test_chat_hostcalls_are_eperm_in_a_fork_and_log_works(
     runtime: WasmToolRuntime, program: str
 ) -> None:
     host = ToolModeHost()
     out = fork_call(runtime, program, TRY_CHAT, ProgramFork(snapshot(), {}), b"from a fork", host)
     assert out == "-1 -1 0"
-    assert host.logs == [(1, "from a fork")]
+    assert logged(host) == [("debug", "from a fork")]
 
 
 def test_log(runtime: WasmToolRuntime, hostcalls: str, capfd: pytest.CaptureFixture[str]) -> None:
@@ -440,17 +445,17 @@ def test_log(runtime: WasmToolRuntime, hostcalls: str, capfd: pytest.CaptureFixt
     assert call(runtime, hostcalls, "log_good", host=host) == "0"
     assert call(runtime, hostcalls, "log_long", host=host) == "-22"
     assert call(runtime, hostcalls, "log_bad_ptr", host=host) == "-14"
-    assert host.logs == [(2, "hello log")]
+    assert logged(host) == [("info", "hello log")]
     out, err = capfd.readouterr()
     assert "hello log" not in out + err
 
 
 def test_log_lines_are_capped(runtime: WasmToolRuntime, hostcalls: str) -> None:
-    host = ToolModeHost(max_log_bytes=12)
+    host = ToolModeHost(logs=ToolLogs(max_bytes=12))
     for _ in range(3):
         assert call(runtime, hostcalls, "log_good", host=host) == "0"
-    assert host.logs == [(2, "hello log")]
-    assert host.dropped_logs == 2
+    assert logged(host) == [("info", "hello log")]
+    assert host.logs.dropped == 2
 
 
 def test_time_and_random(runtime: WasmToolRuntime, hostcalls: str) -> None:

@@ -24,10 +24,10 @@ from worker.errors import (
     ToolRuntimeError,
     ToolTimeoutError,
 )
-from worker.guest.fork import ToolModeHost
 from worker.guest.imports import GuestMemory
 from worker.guest.memory import as_i32, plan_arena, plan_scratch
 from worker.guest.runner import ProgramRun, run_program
+from worker.session.tool_logs import ToolLogLine, ToolLogs
 
 GUESTS = Path(__file__).resolve().parents[1] / "fixtures" / "guests"
 
@@ -414,9 +414,12 @@ def test_spec_session_tool_gets_the_tool_mode_spear_imports(
     runtime: WasmToolRuntime, modules: Modules
 ) -> None:
     sha = modules.add(SPEAR_REACTOR_WAT)
-    host = ToolModeHost()
-    assert runtime.call_tool(ToolInvocation(sha, "t", None, b'{"k":1}'), host) == "11"
-    assert host.logs == [(1, "ready"), (2, '{"k":1}')]  # _initialize ran, in tool mode too
+    logs = ToolLogs()
+    assert runtime.call_tool(ToolInvocation(sha, "t", None, b'{"k":1}', logs=logs)) == "11"
+    assert logs.lines == [  # _initialize ran, in tool mode too
+        ToolLogLine("debug", "ready", "log"),
+        ToolLogLine("info", '{"k":1}', "log"),
+    ]
 
 
 def test_sha_mismatch(runtime: WasmToolRuntime, modules: Modules, tools: str) -> None:

@@ -1,6 +1,7 @@
 """Runs one tool call in a fresh wasmtime instance (guest-abi.md, "Tool ABI"): of its module
 after `_initialize`, or, for a program's tool, a fork of the program (wasm_fork.py). Linked:
-WASI with nothing granted, and the `spear` imports in tool mode. wasmtime exceptions of a call
+WASI with nothing granted (stdout/stderr go to the call's ToolLogs, with its `log` lines), and
+the `spear` imports in tool mode. wasmtime exceptions of a call
 are translated here, once, into worker.errors: a timeout -> ToolTimeoutError, output over the
 cap -> ToolOutputTooLargeError, other tool misbehaviour (trap, rc < 0, bad output, memory
 limit) -> ToolRuntimeError; a module that cannot load or link -> GuestError. An error found
@@ -65,6 +66,7 @@ from worker.guest.imports import (
 )
 from worker.guest.memory import as_i32, pack_u32, unpack_u32
 from worker.session.ports import CallWatcher, ToolCall
+from worker.session.tool_logs import ToolLogs
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +87,7 @@ class ToolInvocation:
     fork: ProgramFork | None = None  # a program's tool: run in a fork of the program
     attempt: int = 0  # what the tool's `cchatq::attempt` import answers
     watcher: CallWatcher | None = None  # hears `cchatq::progress`, may stop the call
+    logs: ToolLogs | None = None  # gets its `log` lines and stdout/stderr (else the host's own)
 
 
 @dataclass
@@ -113,6 +116,21 @@ def _tick(engine: Engine, stop: threading.Event, tick_s: float) -> None:
 
 def _is_memory_limit(err: WasmtimeError) -> bool:
     return "exceeds memory limits" in str(err)
+
+
+def _wasi(logs: ToolLogs) -> WasiConfig:
+    """Nothing granted: no dirs, env, args or stdin. stdout and stderr are the tool's log."""
+    wasi = WasiConfig()
+
+    def stream(name: str) -> Callable[[bytes], None]:
+        def write(data: bytes) -> None:  # None: all taken (ToolLogs bounds what it keeps)
+            logs.write(name, data)
+
+        return write
+
+    wasi.stdout_custom = stream("stdout")
+    wasi.stderr_custom = stream("stderr")
+    return wasi
 
 
 def _signature(ty: Any) -> str:
@@ -162,37 +180,46 @@ class WasmToolRuntime:
                 fork=fork,
                 attempt=call.attempt,
                 watcher=call.watcher,
+                logs=call.logs,
             )
         )
 
     def call_tool(self, inv: ToolInvocation, host: ToolModeHost | None = None) -> str:
         """Run the tool once (twice after -ENOSPC) and return its output text.
 
-        `host` serves the tool's `spear` hostcalls (a fresh one when None); pass one to read
-        the tool's `log` lines afterwards. Its `deadline` is set to this call's."""
+        `host` serves the tool's `spear` hostcalls (a fresh one, writing to `inv.logs`, when
+        None). Its `deadline` is set to this call's. The tool's `log` lines and stdout/stderr
+        go to its `logs`, whatever the call's end (a failing tool's lines matter most)."""
         if inv.fork is not None and inv.table_index is None:
             raise ToolRuntimeError("a tool of a program fork needs a table index")
         deadline = time.monotonic() + inv.timeout_ms / 1000
-        host = ToolModeHost() if host is None else host
+        host = ToolModeHost(logs=inv.logs) if host is None else host
         host.deadline = deadline
         host.attempt = inv.attempt
         host.watcher = inv.watcher
         state = self._engine_state()
         pre = self._prepared(state, inv.module_sha256)
         cap = max(0, min(self._initial_output_bytes, inv.max_output_bytes))
+        logs = host.logs
         with state.hosts.serving(host):
-            outcome = self._attempt(state, pre, inv, cap, self._ticks(inv.timeout_ms), True)
-            if outcome.rc == ENOSPC:
-                need = outcome.cell
-                if need > inv.max_output_bytes:
-                    raise ToolOutputTooLargeError(
-                        f"tool output of {need} bytes exceeds max_tool_output_bytes "
-                        f"{inv.max_output_bytes}"
+            try:
+                outcome = self._attempt(state, pre, inv, cap, self._ticks(inv.timeout_ms), logs)
+                if outcome.rc == ENOSPC:
+                    need = outcome.cell
+                    if need > inv.max_output_bytes:
+                        raise ToolOutputTooLargeError(
+                            f"tool output of {need} bytes exceeds max_tool_output_bytes "
+                            f"{inv.max_output_bytes}"
+                        )
+                    # The retry (a fresh instance or fork, scratch buffers even after an arena
+                    # proved too small) gets what is left of the same budget, not a new
+                    # timeout. Its lines follow the first run's: the tool did run twice.
+                    left_ms = max(0.0, (deadline - time.monotonic()) * 1000)
+                    outcome = self._attempt(
+                        state, pre, inv, need, self._ticks(left_ms), logs, use_arena=False
                     )
-                # The retry (a fresh instance or fork, scratch buffers even after an arena
-                # proved too small) gets what is left of the same budget, not a new timeout.
-                left_ms = max(0.0, (deadline - time.monotonic()) * 1000)
-                outcome = self._attempt(state, pre, inv, need, self._ticks(left_ms), False)
+            finally:
+                logs.flush()
         if outcome.rc < 0:
             raise ToolRuntimeError(f"tool rc: {outcome.rc}")
         try:
@@ -319,11 +346,12 @@ class WasmToolRuntime:
         inv: ToolInvocation,
         cap: int,
         ticks: int,
-        use_arena: bool,
+        logs: ToolLogs,
+        use_arena: bool = True,
     ) -> _Outcome:
         store = Store(state.engine)
         try:
-            return self._run(store, pre, inv, cap, ticks, use_arena)
+            return self._run(store, pre, inv, cap, ticks, logs, use_arena)
         finally:
             # Frees the call's linear memory now. Without it a trap left the store to the
             # cyclic GC: wasmtime-py keeps the raised Trap in a local of its own frame, which
@@ -337,10 +365,11 @@ class WasmToolRuntime:
         inv: ToolInvocation,
         cap: int,
         ticks: int,
+        logs: ToolLogs,
         use_arena: bool,
     ) -> _Outcome:
         store.set_limits(memory_size=max(0, inv.memory_bytes))  # negative would mean no limit
-        store.set_wasi(WasiConfig())  # nothing granted: no dirs, env, args or stdio
+        store.set_wasi(_wasi(logs))
         store.set_epoch_deadline(ticks)
         try:
             instance = pre.instantiate(store)

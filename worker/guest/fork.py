@@ -28,6 +28,7 @@ from worker.guest.abi import EINVAL, ENOSYS, EPERM, LOG_MAX_BYTES
 from worker.guest.imports import GuestMemory, SpearHost
 from worker.guest.memory import ToolBuffers, as_i32, plan_arena, plan_scratch
 from worker.session.ports import CallWatcher
+from worker.session.tool_logs import ToolLogs
 
 _BLOB_MAGIC = b"CQF1"
 _BLOB_HEAD = struct.Struct("<4sI")  # magic, length of the JSON header that follows
@@ -178,17 +179,15 @@ def place_buffers(
 class ToolModeHost:
     """The `spear` host inside a tool call (program forks and spec-session tools alike).
 
-    `log` lines are kept in `logs` (at most `max_log_bytes` of text; later lines only count
-    in `dropped_logs`), never printed. `deadline` is a time.monotonic() value that bounds
+    `log` lines go to `logs` (the call's ToolLogs, bounded; WasmToolRuntime sends the tool's
+    stdout/stderr there too), never printed. `deadline` is a time.monotonic() value that bounds
     `sleep_ms`; WasmToolRuntime.call_tool sets it."""
 
-    def __init__(self, deadline: float | None = None, max_log_bytes: int = 256 << 10) -> None:
+    def __init__(self, deadline: float | None = None, logs: ToolLogs | None = None) -> None:
         self.deadline = deadline
         self.attempt = 0  # the call's retry number, for `cchatq::attempt`
         self.watcher: CallWatcher | None = None  # a background call's: progress, cancel
-        self.logs: list[tuple[int, str]] = []
-        self.dropped_logs = 0
-        self._log_room = max_log_bytes
+        self.logs = ToolLogs() if logs is None else logs
 
     def hostcall(self, name: str, mem: GuestMemory, args: tuple[int, ...]) -> int | None:
         if name.startswith(_DENIED):
@@ -224,11 +223,7 @@ class ToolModeHost:
         if length & 0xFFFF_FFFF > LOG_MAX_BYTES or not 0 <= level <= 4:
             return -EINVAL
         text = mem.read(ptr, length).decode("utf-8", "replace")  # GuestFault -> -EFAULT
-        if len(text) <= self._log_room:
-            self._log_room -= len(text)
-            self.logs.append((level, text))
-        else:
-            self.dropped_logs += 1
+        self.logs.log(level, text)
         return 0
 
     def _sleep(self, ms: int) -> None:

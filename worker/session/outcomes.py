@@ -13,6 +13,7 @@ from typing import Any
 
 from worker.codecs.openai_chat import tool_message_content
 from worker.errors import ToolError
+from worker.session.tool_logs import ToolLogLine
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,8 @@ class ToolOutcome:
     ran: bool = False
     fallback: str | None = None  # the tool that answered instead, after the call failed
     summary: str | None = None  # a long output as a model summed it up (limits.compress)
+    logs: tuple[ToolLogLine, ...] = ()  # what the tool wrote for its user (tool_logs.py)
+    dropped_logs: int = 0  # its lines past the bound, counted only
 
     @classmethod
     def success(cls, output: str, **metrics: Any) -> ToolOutcome:
@@ -103,6 +106,10 @@ class ToolOutcome:
             out["fallback"] = self.fallback
         if self.summary is not None:
             out["summary"] = self.summary
+        if self.logs:
+            out["logs"] = [line.to_json() for line in self.logs]
+        if self.dropped_logs:
+            out["dropped_logs"] = self.dropped_logs
         return out
 
     @classmethod
@@ -121,6 +128,8 @@ class ToolOutcome:
             ran=bool(raw.get("ran", False)),
             fallback=raw.get("fallback"),
             summary=raw.get("summary"),
+            logs=tuple(ToolLogLine.from_json(line) for line in raw.get("logs") or ()),
+            dropped_logs=int(raw.get("dropped_logs", 0)),
         )
 
 

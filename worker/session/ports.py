@@ -16,6 +16,7 @@ from worker.codecs.protocol import ChatRequest, Delta
 from worker.config import BackendConfig
 from worker.session.engine import Session
 from worker.session.outcomes import ToolOutcome
+from worker.session.tool_logs import ToolLogs
 from worker.session.trace import TraceEvent
 
 # A step's lease: a delivery holds it while it runs, and its worker renews it (SessionStore.hold)
@@ -87,6 +88,8 @@ class ToolCall:
     attempt: int = 0  # 0 on the first try, then the retry number (the tool can ask for it)
     # a background call's watcher: hears its progress, and may stop it (cancel)
     watcher: CallWatcher | None = field(default=None, compare=False)
+    # where the tool's `log` lines and stdout/stderr go, as it writes them (all its attempts)
+    logs: ToolLogs | None = field(default=None, compare=False)
 
 
 class SessionStore(Protocol):

@@ -8,10 +8,12 @@ from typing import Any
 
 from schemas.bodies import is_error_body
 from schemas.spec_types import ProgramSpec
+from worker.codecs.openai_chat import tool_calls_of
 from worker.errors import CancelledError, InternalError, ToolNotRunError
 from worker.session.decisions import Decision, Ending
 from worker.session.engine import CANCELLED, Finish, Session, plan, transcript
 from worker.session.outcomes import ToolOutcome
+from worker.session.tool_logs import record_entries
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,9 @@ def ending(
             "transcript": transcript(session, missing),
             "metrics": metrics(session, latency_ms) if session.flags.metrics else {},
         }
+        logs = tool_logs(session)
+        if logs:  # only then: a session whose tools wrote nothing keeps its record's shape
+            record["tool_logs"] = logs
         return Decision(ending=Ending(result, record))
     except Exception as exc:
         log.exception("session %s: ending rules failed", session.spec.id)
@@ -62,6 +67,21 @@ def failed_program_record(spec: ProgramSpec, body: dict[str, Any]) -> dict[str, 
         "id": spec.id, "kind": "program", "status": "error", "body": body, "exit_code": None,
         "stdout": "", "stderr": "", "logs": [], "responses": [], "metrics": {},
     }  # fmt: skip
+
+
+def tool_logs(session: Session) -> list[dict[str, Any]]:
+    """What the session's tool calls wrote (their `log` lines, stdout and stderr), call after
+    call in transcript order, each line marked with its call."""
+    out: list[dict[str, Any]] = []
+    for round_no, rnd in enumerate(session.rounds):
+        calls = [] if is_error_body(rnd.reply) else tool_calls_of(rnd.reply)
+        for index, call in enumerate(calls):
+            outcome = rnd.outcomes.get(index)
+            if outcome is None or not (outcome.logs or outcome.dropped_logs):
+                continue
+            mark = {"call_id": call["id"], "round": round_no, "tool": call["function"]["name"]}
+            out.extend(record_entries(mark, outcome.logs, outcome.dropped_logs))
+    return out
 
 
 def metrics(session: Session, latency_ms: int) -> dict[str, Any]:

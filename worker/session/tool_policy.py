@@ -16,6 +16,7 @@ from worker.session.engine import ToolRun, argument_problem
 from worker.session.outcomes import ToolOutcome
 from worker.session.permissions import permission_problem
 from worker.session.ports import CallWatcher, ToolCall, ToolRuntime
+from worker.session.tool_logs import ToolLogs
 
 # A tool step's retries stop where one more attempt could outlive this (the task time limit,
 # CCHATQ_VISIBILITY_TIMEOUT_S, defaults to 300 s); a background tool's, at its own cap.
@@ -70,7 +71,8 @@ class ToolCaller:
         """Run the call; `watcher` hears its progress reports and may stop it."""
         started = self.clock()
         deadline = started + budget_ms(run.tool) / 1000
-        outcome = self._with_retries(spec, run.tool, run.arguments, deadline, watcher)
+        logs = ToolLogs()  # the call's, over its retries and its fallback
+        outcome = self._with_retries(spec, run.tool, run.arguments, deadline, watcher, logs)
         fallback = spec.tool(run.tool.policy.fallback) if run.tool.policy.fallback else None
         if fallback is not None and permission_problem(fallback, spec.permissions, self.fleet):
             fallback = None  # a fallback is no way around a denial
@@ -80,11 +82,20 @@ class ToolCaller:
             and fallback is not None
             and argument_problem(run.arguments, fallback.function.parameters) is None
         ):
-            second = self._with_retries(spec, fallback, run.arguments, deadline, watcher)
+            # its log lines go on counting the call's attempts after the primary's
+            first = outcome.retries + 1
+            second = self._with_retries(
+                spec, fallback, run.arguments, deadline, watcher, logs, first
+            )
             outcome = replace(
                 second, retries=outcome.retries + second.retries, fallback=fallback.name
             )
-        return replace(outcome, latency_ms=round((self.clock() - started) * 1000))
+        return replace(
+            outcome,
+            latency_ms=round((self.clock() - started) * 1000),
+            logs=tuple(logs.lines),
+            dropped_logs=logs.dropped,
+        )
 
     def _with_retries(
         self,
@@ -93,6 +104,8 @@ class ToolCaller:
         arguments: str,
         deadline: float,
         watcher: CallWatcher | None,
+        logs: ToolLogs,
+        first_attempt: int = 0,
     ) -> ToolOutcome:
         policy = call_policy(tool, spec.limits, self.fleet)
         limits = spec.limits
@@ -109,7 +122,9 @@ class ToolCaller:
                 max_output_bytes=limits.max_tool_output_bytes,
                 attempt=retry,
                 watcher=watcher,
+                logs=logs,
             )
+            logs.attempt = first_attempt + retry
             try:
                 return ToolOutcome.success(self.runtime.run(call), retries=retry)
             except ToolError as exc:

@@ -27,7 +27,7 @@ from worker.session.outcomes import ToolOutcome
 from worker.session.ports import Outbox, StepStart, ToolReads
 from worker.session.summaries import summarized
 from worker.session.tool_policy import ToolCaller
-from worker.session.trace import event, tool_call_ended
+from worker.session.trace import event, tool_call_ended, tool_logs_kept
 
 if TYPE_CHECKING:
     from worker.session.steps import StepRunner
@@ -144,6 +144,9 @@ class ToolStep:
 
         caller = ToolCaller(runner.tools(), fleet, on_retry=retried)
         outcome = caller.run(spec, run, watcher)
+        if outcome.logs or outcome.dropped_logs:  # before the end, which the step's time rides
+            logged = tool_logs_kept(spec.id, self.round_no, run.call_id, run.name, outcome)
+            outbox.events.append(logged)
         outbox.events.append(
             tool_call_ended(spec.id, self.round_no, run.call_id, run.name, outcome)
         )

@@ -3,7 +3,8 @@ times, never prompts, arguments or outputs. The steps make them; the store keeps
 session's stream and the fleet's (`cchatq trace ID`), and each is one structured log line.
 
 Events: session.started, model.call.started / finished / failed, tool.call.started /
-finished / failed / retried, session.finished; for a background tool's call, task.submitted /
+finished / failed / retried, tool.logs (how many lines a call wrote: their text is the tool's,
+kept in the record only), session.finished; for a background tool's call, task.submitted /
 progress / completed / failed too; rate_limit.waited when a step is put off for its backend's
 rate limit. A redelivered step may repeat one (at least once, like the steps themselves).
 
@@ -52,6 +53,9 @@ class TraceEvent:
     nudged: int | None = None  # reconciler.pass: sessions nudged
     forgotten: int | None = None  # reconciler.pass: sessions forgotten (spec expired)
     overdue: int | None = None  # reconciler.pass: sessions ended past the fleet's deadline
+    lines: int | None = None  # tool.logs: lines a call wrote and kept
+    log_bytes: int | None = None  # tool.logs: their text's size
+    dropped: int | None = None  # tool.logs: lines past the call's bound
 
     def to_json(self) -> dict[str, Any]:
         """The fields that are set (a stream entry, a log line, a `cchatq trace` line)."""
@@ -138,6 +142,22 @@ def tool_call_ended(
         latency_ms=outcome.latency_ms,
         error=outcome.code,
         output_bytes=outcome.output_bytes if outcome.ok else None,
+    )
+
+
+def tool_logs_kept(
+    session: str, round_no: int, call_id: str, tool: str, outcome: ToolOutcome
+) -> TraceEvent:
+    """tool.logs: how much a call wrote (the lines are in the session's record)."""
+    return event(
+        "tool.logs",
+        session,
+        round=round_no,
+        call_id=call_id,
+        tool=tool,
+        lines=len(outcome.logs),
+        log_bytes=sum(len(line.message.encode()) for line in outcome.logs),
+        dropped=outcome.dropped_logs,
     )
 
 
