@@ -391,6 +391,15 @@ def cmd_replay_server(args: argparse.Namespace) -> int:
     os.execv(cmd[0], cmd)
 
 
+def log_origin(log: dict[str, Any]) -> str:
+    """Where a program's log line comes from: nothing for its own, the tool call for a
+    forked tool's (`sum call_1` and the stream it wrote to, unless its `log` hostcall)."""
+    if log.get("source") != "tool":
+        return ""
+    stream = log.get("stream", "log")
+    return f"{log.get('tool')} {log.get('call_id')}{'' if stream == 'log' else ' ' + stream}: "
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     """Run one program on the fleet: its stdout on ours, its logs and stderr on our stderr,
     its exit code as ours (1 when it ended in an error)."""
@@ -433,7 +442,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     for log in record.get("logs", []):  # as the guest wrote it: a line may end in its newline
         message = str(log["message"])
         end = "" if message.endswith("\n") else "\n"
-        print(f"[{log['level']}] {message}", file=sys.stderr, end=end)
+        print(f"[{log['level']}] {log_origin(log)}{message}", file=sys.stderr, end=end)
     error = (record.get("body") or {}).get("error")
     if error:
         print(f"program failed: {error.get('code')}: {error.get('message')}", file=sys.stderr)

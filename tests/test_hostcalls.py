@@ -992,11 +992,11 @@ def test_log_levels_lengths_and_pointers(h: Harness) -> None:
     assert [ran.r(c) for c in (too_long, negative_len, level9, level_neg)] == [-EINVAL] * 4
     assert ran.r(ptr_oob) == -EFAULT
     assert ran.host.logs == [
-        (2, "hello log"),
-        (4, "bye"),
-        (0, "a" * 16_384),
-        (3, "\ufffd ok"),
-        (1, ""),
+        {"level": "info", "message": "hello log"},
+        {"level": "error", "message": "bye"},
+        {"level": "trace", "message": "a" * 16_384},
+        {"level": "warn", "message": "\ufffd ok"},
+        {"level": "debug", "message": ""},
     ]
 
 

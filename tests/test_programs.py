@@ -72,6 +72,64 @@ def test_spear_style_program_runs_unmodified(
     assert record["stdout"].splitlines()[-1] == 'ANSWER: Tool said: {\\"result\\":42}'
 
 
+def test_a_forked_tools_log_lines_reach_the_program_result_and_cchatq_run(
+    running: Running, tmp_path: Path, fresh_id: str
+) -> None:
+    """Issue 12: SPEAR's tool-sum sample, written SPEAR's way, whose tool logs, prints on
+    stderr and on stdout; the model calls it twice in one round."""
+    record = run_program(running, tmp_path, f"{fresh_id}/toollog", "prog_spear_tool_log.wasm")
+    assert record["status"] == "ok", record
+    assert record["stdout"] == 'ANSWER: Tool said: {\\"sum\\":42} | {\\"sum\\":3}\n'
+    logs = record["logs"]
+    assert [(e.get("call_id"), e["message"]) for e in logs] == [
+        (None, "program: sending"),
+        ("call_0_0", "sum invoked: a=7 b=35 sum=42 cap=65536"),
+        ("call_0_0", "sum stderr: a=7 b=35"),
+        ("call_0_0", "sum stdout: sum=42"),
+        ("call_0_1", "sum invoked: a=1 b=2 sum=3 cap=65536"),
+        ("call_0_1", "sum stderr: a=1 b=2"),
+        ("call_0_1", "sum stdout: sum=3"),
+        (None, "program: answered"),
+    ]
+    assert {(e["source"], e["tool"], e["round"]) for e in logs[1:-1]} == {("tool", "sum", 0)}
+
+    env = {"REDIS_URL": running.redis_url, "PATH": "/usr/bin:/bin"}
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "producer.cli", *args]
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+
+    ran = cli("run", str(GUESTS / "prog_spear_tool_log.wasm"))
+    assert ran.returncode == 0, ran.stderr
+    err = ran.stderr.splitlines()
+    assert err[1:] == [
+        "[info] program: sending",
+        "[info] sum call_0_0: sum invoked: a=7 b=35 sum=42 cap=65536",
+        "[info] sum call_0_0 stderr: sum stderr: a=7 b=35",
+        "[info] sum call_0_0 stdout: sum stdout: sum=42",
+        "[info] sum call_0_1: sum invoked: a=1 b=2 sum=3 cap=65536",
+        "[info] sum call_0_1 stderr: sum stderr: a=1 b=2",
+        "[info] sum call_0_1 stdout: sum stdout: sum=3",
+        "[info] program: answered",
+    ]
+    # the run's chat is a session of its own: its record keeps the lines per call, its trace
+    # counts them without their text
+    chat = err[0].removeprefix("run ") + "#send0"
+    full = cli("result", chat, "--full")
+    assert full.returncode == 0, full.stderr
+    tool_logs = json.loads(full.stdout)["tool_logs"]
+    assert [(e["call_id"], e["stream"]) for e in tool_logs] == [
+        ("call_0_0", "log"), ("call_0_0", "stderr"), ("call_0_0", "stdout"),
+        ("call_0_1", "log"), ("call_0_1", "stderr"), ("call_0_1", "stdout"),
+    ]  # fmt: skip
+    trace = cli("trace", chat)
+    assert trace.returncode == 0, trace.stderr
+    events = [json.loads(line) for line in trace.stdout.splitlines()]
+    counted = sorted((e["call_id"], e["lines"]) for e in events if e["event"] == "tool.logs")
+    assert counted == [("call_0_0", 3), ("call_0_1", 3)]
+    assert "sum invoked" not in trace.stdout
+
+
 def test_fanout_chats_run_concurrently(running: Running, tmp_path: Path, fresh_id: str) -> None:
     running.slow_replay_reset()
     record = run_program(running, tmp_path, f"{fresh_id}/fan", "prog_fanout.wasm", provider="slow")

@@ -1,25 +1,39 @@
 """What a tool call writes for its user (issue 12, point 1): its `log` lines and stdout/stderr,
 bounded per call, stored with its outcome, shown in the session's record marked with the call,
-counted (never quoted) in the trace. On the twins, and on real wasmtime in process."""
+counted (never quoted) in the trace, and merged into a program's logs where it saw its chat end.
+On the twins, on real wasmtime in process (a SPEAR-style guest), and through the CLI's output.
+The fleet test is in test_programs.py."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from producer.batch import result_line
+from producer.cli import log_origin
+from schemas import keys
 from tests.test_engine import WEATHER_FN
+from tests.test_hostcalls import _Source
 from tests.test_steps import SK, pipeline, reply, spec, submit
 from tests.test_tool_policy import _run, _spec
 from tests.test_wasm_runtime import SIG, Modules
+from tests.twin_pipeline import Pipeline
+from tests.twin_pipeline import pipeline as twin_pipeline
 from worker.edges.wasm_runtime import WasmToolRuntime
 from worker.errors import ToolRuntimeError
+from worker.guest.host import ChatDefaults, ProgramHost
+from worker.guest.runner import ProgramRun, run_program
 from worker.session.outcomes import ToolOutcome
 from worker.session.ports import ToolCall
 from worker.session.tool_logs import ToolLogLine, ToolLogs
+
+GUESTS = Path(__file__).resolve().parents[1] / "fixtures" / "guests"
 
 
 def kept(logs: ToolLogs) -> list[tuple[str, str, str]]:
@@ -229,3 +243,51 @@ def test_a_trapping_tools_lines_and_its_unfinished_stdout_are_kept(tmp_path: Pat
         ("stderr", "info", "err line"),
         ("stdout", "info", "no newline"),  # ended with the call
     ]
+
+
+@pytest.fixture
+def twins(tmp_path: Path) -> Iterator[tuple[Pipeline, dict[str, bytes]]]:
+    blobs: dict[str, bytes] = {}
+    pipe = twin_pipeline(blobs, tmp_path / "cache")
+    try:
+        yield pipe, blobs
+    finally:
+        pipe.close()
+
+
+def test_a_spear_style_programs_logs_hold_its_forked_tools_lines_in_call_order(
+    twins: tuple[Pipeline, dict[str, bytes]],
+) -> None:
+    pipe, blobs = twins
+    blob = (GUESTS / "prog_spear_tool_log.wasm").read_bytes()
+    sha = hashlib.sha256(blob).hexdigest()
+    blobs[sha] = blob
+    run_sk = keys.run_session_key("toollogs", keys.new_generation())
+    defaults = ChatDefaults("toollogs", run_sk, sha, None, None, time.monotonic() + 60)
+    host = ProgramHost(defaults, pipe.store, pipe.queue)
+    outcome = run_program(_Source(pipe.runtime), ProgramRun(module_sha256=sha), host)
+    assert outcome.exit_code == 0, outcome
+    assert outcome.stdout == b'ANSWER: Tool said: {\\"sum\\":42} | {\\"sum\\":3}\n'
+
+    def tool(call_id: str, stream: str, message: str) -> dict[str, Any]:
+        return {"call_id": call_id, "round": 0, "tool": "sum", "source": "tool",
+                "level": "info", "message": message, "stream": stream}  # fmt: skip
+
+    assert host.logs == [
+        {"level": "info", "message": "program: sending"},
+        tool("call_0_0", "log", "sum invoked: a=7 b=35 sum=42 cap=65536"),
+        tool("call_0_0", "stderr", "sum stderr: a=7 b=35"),
+        tool("call_0_0", "stdout", "sum stdout: sum=42"),
+        tool("call_0_1", "log", "sum invoked: a=1 b=2 sum=3 cap=65536"),
+        tool("call_0_1", "stderr", "sum stderr: a=1 b=2"),
+        tool("call_0_1", "stdout", "sum stdout: sum=3"),
+        {"level": "info", "message": "program: answered"},
+    ]
+
+
+def test_cchatq_run_names_the_call_of_a_tools_line() -> None:
+    own = {"level": "info", "message": "program: sending"}
+    line = {"call_id": "call_0_0", "tool": "sum", "source": "tool", "stream": "log"}
+    assert log_origin(own) == ""
+    assert log_origin(line) == "sum call_0_0: "
+    assert log_origin({**line, "stream": "stderr"}) == "sum call_0_0 stderr: "

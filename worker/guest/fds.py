@@ -7,6 +7,7 @@ whichever worker finished it (`observe`); the poll mask of an fd follows from th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,13 +64,22 @@ class FdEntry:
 
 
 class FdTable:
-    """The fds of one run (`entries`, fd -> FdEntry), numbered from `abi.FIRST_FD`."""
+    """The fds of one run (`entries`, fd -> FdEntry), numbered from `abi.FIRST_FD`.
 
-    def __init__(self, store: ProgramStore, run_sk: str) -> None:
+    `on_tool_logs` hears the log lines of a chat's tool calls (its record's `tool_logs`) when
+    the run first sees the chat finished: where they fall among the program's own lines."""
+
+    def __init__(
+        self,
+        store: ProgramStore,
+        run_sk: str,
+        on_tool_logs: Callable[[list[dict[str, Any]]], None] | None = None,
+    ) -> None:
         self.store = store
         self.run_sk = run_sk
         self.entries: dict[int, FdEntry] = {}
         self.next_fd = abi.FIRST_FD
+        self.on_tool_logs = on_tool_logs
 
     def new(self, entry: FdEntry) -> int:
         fd, self.next_fd = self.next_fd, self.next_fd + 1
@@ -95,6 +105,8 @@ class FdTable:
         if body is None:
             return False
         response.body, response.record = body, record
+        if record is not None and record.get("tool_logs") and self.on_tool_logs is not None:
+            self.on_tool_logs(list(record["tool_logs"]))
         session = self.entries.get(response.session_fd)
         if response.auto and session is not None and record is not None:
             transcript = record.get("transcript") or []

@@ -43,6 +43,7 @@ from worker.guest.fork import ProgramFork
 from worker.guest.imports import GuestMemory
 from worker.guest.ports import ProgramStore
 from worker.session.ports import Dispatcher
+from worker.session.tool_logs import LEVELS
 
 log = logging.getLogger(__name__)
 ROLES = ("system", "user", "assistant", "tool")
@@ -74,10 +75,11 @@ class ProgramHost:
         self.d = defaults
         self.store = store
         self.dispatch = dispatch
-        self.fd_table = FdTable(store, defaults.run_sk)
+        # the run's log, as its record shows it: its own lines and its chats' tool lines
+        self.logs: list[dict[str, Any]] = []
+        self.fd_table = FdTable(store, defaults.run_sk, self.logs.extend)
         self.fds = self.fd_table.entries
         self.sends = 0
-        self.logs: list[tuple[int, str]] = []
         self.responses: list[int] = []  # response fds in send order
         self.exported_globals: list[str] = []
         self.table_name: str | None = None
@@ -311,7 +313,8 @@ class ProgramHost:
     def _log(self, mem: GuestMemory, level: int, ptr: int, length: int) -> int:
         if length > abi.LOG_MAX_BYTES or length < 0 or not 0 <= level <= 4:
             return -abi.EINVAL
-        self.logs.append((level, mem.read(ptr, length).decode(errors="replace")))
+        message = mem.read(ptr, length).decode(errors="replace")
+        self.logs.append({"level": LEVELS[level], "message": message})
         return 0
 
     def _time_now_ms(self, mem: GuestMemory) -> int:

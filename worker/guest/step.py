@@ -20,8 +20,6 @@ from worker.session.ports import Outbox, StepStart
 from worker.session.records import failed_program_record
 from worker.session.steps import StepRunner
 
-LOG_LEVELS = ("trace", "debug", "info", "warn", "error")
-
 
 @dataclass
 class ProgramSteps:
@@ -80,6 +78,7 @@ def program_record(
     else:
         body = {"exit_code": outcome.exit_code}
     ok = outcome.error_code is None and outcome.exit_code == 0
+    responses = host.response_bodies()  # first: a chat seen ended only now adds its tool lines
     return {
         "id": spec.id,
         "kind": "program",
@@ -88,8 +87,8 @@ def program_record(
         "exit_code": outcome.exit_code,
         "stdout": outcome.stdout.decode(errors="replace"),
         "stderr": outcome.stderr.decode(errors="replace"),
-        "logs": [{"level": LOG_LEVELS[lvl], "message": msg} for lvl, msg in host.logs],
-        "responses": host.response_bodies(),
+        "logs": host.logs,  # its own lines and, where it saw each chat end, the chat's tools'
+        "responses": responses,
         "metrics": {"latency_ms": latency_ms, "chats": host.sends},
     }
 
