@@ -42,6 +42,10 @@ def _cached_schema_problem(canonical: str) -> str | None:
 
 
 def _schema_problem(schema: dict[str, Any]) -> str | None:
+    dialect = schema.get("$schema")
+    if dialect is not None and not isinstance(dialect, str):  # validator_for would raise
+        message = f"not a valid JSON Schema at $['$schema']: {dialect!r} is not of type 'string'"
+        return _capped(message)
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     try:
         cls.check_schema(schema)

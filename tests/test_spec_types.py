@@ -140,3 +140,10 @@ def test_the_queues_a_batch_needs() -> None:
     ]  # fmt: skip
     fleet = FleetStatus({}, {}, 1, {"llm": 1, "control": 1}, 0, 0)
     assert unserved(fleet, [with_tools]) == ["tools"]
+
+
+@pytest.mark.parametrize("dialect", [5, True, [], {}, None])
+def test_a_schema_whose_dollar_schema_is_not_a_string_is_refused(dialect: Any) -> None:
+    problem = schema_problem({"$schema": dialect, "type": "object"})
+    expected = f"not a valid JSON Schema at $['$schema']: {dialect!r} is not of type 'string'"
+    assert problem == expected
