@@ -268,7 +268,12 @@ def flatten_errors(messages: Any, prefix: str = "") -> list[tuple[str, str]]:
 def _join(prefix: str, key: Any, literal: bool = False) -> str:
     if key == SCHEMA_ERRORS and not literal:
         return prefix
-    return f"{prefix}.{key}" if prefix else str(key)
+    return f"{prefix}.{_key(key)}" if prefix else _key(key)
+
+
+def _key(key: Any) -> str:
+    """A path component: an empty key shows as "" (else the field would read as none)."""
+    return str(key) or '""'
 
 
 def printable(text: str) -> str:
@@ -325,7 +330,7 @@ def _surrogate_message(text: str, what: str) -> str:
 
 
 def _path(parts: Iterable[Any]) -> str:
-    return ".".join(str(p) for p in parts)
+    return ".".join(_key(p) for p in parts)
 
 
 # --- reading ----------------------------------------------------------------------------

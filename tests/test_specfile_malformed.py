@@ -250,6 +250,16 @@ def test_a_key_named_schema_is_an_unknown_field(tmp_path: Path) -> None:
     ]
 
 
+def test_an_empty_key_is_named(tmp_path: Path) -> None:
+    line = OK[:-1] + ', "": 1, "metadata": {"": 1e999}}'
+    assert shown(issues_of(write(tmp_path / "f.jsonl", line))) == [
+        (1, 'metadata.""', "numbers must be finite")
+    ]
+    assert shown(issues_of(write(tmp_path / "f.jsonl", OK[:-1] + ', "": 1}'))) == [
+        (1, '""', "Unknown field.")
+    ]
+
+
 def test_a_key_named_schema_in_a_tool(tmp_path: Path) -> None:
     (tmp_path / "t.wasm").write_bytes(WASM)
     line = json.dumps(spec(tools=[tool(_schema=1), tool("a", policy={"_schema": {}})]))
