@@ -12,6 +12,10 @@ A JSONL file is streamed: read in binary a line at a time, each line decoded on 
 bad line is one issue; the rest of the file is still checked), so validation holds the specs
 it returns and one line, never the file's text. A .json file (one object, or an array of
 them) is read whole.
+
+A session spec in the common shapes is loaded by producer/fast_specs.py (its tools, flags,
+limits and permissions validated once per distinct content); anything else, and anything
+invalid, goes through the schemas, which word every issue.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import IO, Any
 
 from marshmallow import ValidationError
 
+from producer.fast_specs import FastSessions
 from producer.modules import ModuleChecker
 from schemas.program_spec import ProgramSpecSchema, is_program
 from schemas.spec import SessionSpecSchema
@@ -134,6 +139,7 @@ class _Validator:
         self._seen_ids: dict[str, int] = {}
         self._session_schema = SessionSpecSchema()
         self._program_schema = ProgramSpecSchema()
+        self._fast = FastSessions(self.module, self.modules.tool_problem)
 
     def add(self, line: int, obj: Any, screen: bool) -> None:
         """`screen`: walk the value for what JSON parses but nothing later can use; a JSONL
@@ -149,13 +155,17 @@ class _Validator:
             first = self._seen_ids.setdefault(spec_id, line)
             if first != line:
                 issues.append(SpecIssue(self.shown, line, "id", f"duplicate of line {first}"))
+        plain = True  # parsed JSON: only JSON's types
         if screen:
-            problems = screen_value(obj)
+            problems, plain = _screen(obj)
             if problems:
                 issues.extend(SpecIssue(self.shown, line, f, m) for f, m in problems)
                 return
         try:
-            spec = self._checked(line, obj)
+            # the common session in the common shapes, else (or when unsure) the schemas
+            spec: Spec | None = self._fast.load(obj) if plain else None
+            if spec is None:
+                spec = self._checked(line, obj)
         except Exception as exc:  # a bug of ours: still this line's issue, not a traceback
             message = f"could not be checked ({type(exc).__name__}: {exc}); please report this"
             issues.append(SpecIssue(self.shown, line, "", message))
@@ -293,16 +303,30 @@ def screen_value(obj: Any) -> list[tuple[str, str]]:
     """(field, message) for each container nested deeper than MAX_DEPTH (the top-level object
     is level 1), each number that is not finite, and each key or string holding a lone
     surrogate, in document order. Iterative: any depth is walked without recursion."""
+    return _screen(obj)[0]
+
+
+_PLAIN_TYPES = frozenset((dict, list, str, int, float, bool, type(None)))
+
+
+def _screen(obj: Any) -> tuple[list[tuple[str, str]], bool]:
+    """screen_value's problems, and whether `obj` holds only JSON's own types (dicts with str
+    keys, lists, str, int, float, bool, None): what the fast path takes."""
     problems: list[tuple[str, str]] = []
+    plain = True
     stack: list[tuple[Any, tuple[Any, ...], int]] = [(obj, (), 1)]
     while stack:
         value, path, depth = stack.pop()
+        if plain and type(value) not in _PLAIN_TYPES:
+            plain = False
         if isinstance(value, Mapping):
             if depth > MAX_DEPTH:
                 problems.append((_path(path[:2]), f"nested deeper than {MAX_DEPTH} levels"))
                 continue
             items = list(value.items())
             for key, _ in items:
+                if type(key) is not str:
+                    plain = False
                 if isinstance(key, str) and _lone_surrogate(key):
                     problems.append((_path((*path, key)), _surrogate_message(key, "key")))
             stack.extend((item, (*path, key), depth + 1) for key, item in reversed(items))
@@ -316,7 +340,7 @@ def screen_value(obj: Any) -> list[tuple[str, str]]:
                 problems.append((_path(path), _surrogate_message(value, "string")))
         elif isinstance(value, float) and not math.isfinite(value):
             problems.append((_path(path), "numbers must be finite"))
-    return problems
+    return problems, plain
 
 
 def _lone_surrogate(text: str) -> bool:

@@ -7,6 +7,7 @@ exception. Bounded (a few seconds): max_examples per property, no deadline."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from producer.fast_specs import FastSessions
 from producer.specfile import LoadedSpec, SpecFileError, load_spec_file, load_spec_from_objects
 from schemas.bodies import dump_body
 from schemas.spec_types import spec_to_json
@@ -218,3 +220,139 @@ def test_in_memory_objects(folder: Path, objs: list[Any], odd: Any) -> None:
         return
     for item in specs:
         dump_body(spec_to_json(item))
+
+
+# --- the fast path gives what the schemas give ---------------------------------------------
+
+
+def _pick(draw: st.DrawFn, valid: Sequence[Any], invalid: Sequence[Any] = ()) -> Any:
+    """A valid value, or now and then (1 in 8) an invalid one; a fresh copy."""
+    values = invalid if invalid and draw(st.integers(0, 7)) == 0 else valid
+    return json.loads(json.dumps(draw(st.sampled_from(values))))
+
+
+def _maybe(
+    draw: st.DrawFn, out: dict[str, Any], key: str, valid: Sequence[Any], bad: Sequence[Any] = ()
+) -> None:
+    if draw(st.booleans()):
+        out[key] = _pick(draw, valid, bad)
+
+
+CALL = {"id": "c1", "function": {"name": "f", "arguments": "{}"}}
+CONTENT: dict[str, list[Any]] = {
+    "system": ["be brief", [{"type": "text", "text": "x"}]],
+    "user": ["hi", "", [{"type": "text", "text": "x"}, {"type": "image_url", "image_url": {}}], []],
+    "assistant": [None, "ok", [{"type": "text", "text": "x"}]],
+    "tool": [None, "{}", ""],
+}
+BAD_MESSAGE_FIELDS = [
+    ("role", "bot"), ("role", 5), ("content", 5), ("content", [{}]), ("content", [{"type": 1}]),
+    ("content", None), ("name", 5), ("tool_calls", [CALL]), ("tool_calls", {}),
+    ("tool_calls", [{**CALL, "id": ""}]), ("tool_calls", [{**CALL, "type": "x"}]),
+    ("tool_calls", [{"id": "c", "function": {"name": "f"}}]), ("tool_calls", [{**CALL, "x": 1}]),
+    ("tool_call_id", "c1"), ("tool_call_id", ""), ("tool_call_id", 5), ("extra", 1),
+]  # fmt: skip
+
+
+@st.composite
+def message(draw: st.DrawFn) -> dict[str, Any]:
+    role = draw(st.sampled_from(sorted(CONTENT)))
+    out: dict[str, Any] = {"role": role}
+    if role in ("system", "user") or draw(st.booleans()):
+        out["content"] = _pick(draw, CONTENT[role])
+    _maybe(draw, out, "name", ["ann", ""])
+    if role == "assistant":
+        _maybe(draw, out, "tool_calls", [[], [CALL], [{**CALL, "type": "function"}, CALL]])
+    if role == "tool":
+        out["tool_call_id"] = "c1"
+    if draw(st.integers(0, 7)) == 0:
+        key, value = draw(st.sampled_from(BAD_MESSAGE_FIELDS))
+        out[key] = value
+    return out
+
+
+ASYNC = {"background": True, "background_mode": "async", "timeout_ms": 200_000}
+TOOLS = [
+    tool(),
+    tool("a", export=None, table_index=1),
+    tool("f", policy=ASYNC),
+    tool("task_status", export=None, table_index=0),
+    tool("g", policy={"fallback": "a"}),
+    {"module": "t.wasm", "export": "b", "name": "b", "parameters": {"type": "object"}},
+]
+BAD_TOOLS = [
+    tool("b", module="gone.wasm"),
+    tool("b", export="nope"),
+    tool("b", function={"name": "b", "parameters": {"type": "strin"}}),
+    tool("b", policy={"timeout_ms": 0}),
+    {"module": "t.wasm", "export": "b"},
+    tool("b", extra=1),
+]
+
+
+@st.composite
+def session(draw: st.DrawFn) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "id": draw(st.from_regex(r"[A-Za-z0-9._:/@+-]{1,12}", fullmatch=True)),
+        "model": "m",
+        "messages": draw(st.lists(message(), min_size=1, max_size=3)),
+    }
+    _maybe(draw, out, "id", ["a/1"], ["", "a b", "x" * 201, "abc\n", 7])
+    _maybe(draw, out, "model", ["gpt-4o"], ["", 5])
+    _maybe(draw, out, "messages", [[{"role": "user", "content": "hi"}]], [[], None])
+    _maybe(draw, out, "provider", [None, "openai"], ["", 3])
+    if draw(st.booleans()):
+        tools = st.sampled_from(TOOLS) if draw(st.integers(0, 7)) else st.sampled_from(BAD_TOOLS)
+        out["tools"] = json.loads(json.dumps(draw(st.lists(tools, max_size=3))))
+    _maybe(draw, out, "tools", [[]], [None, {}])
+    params = [{}, {"temperature": 0.2, "n": 1}, {"a": [1, {"b": None}], "c": True}]
+    _maybe(draw, out, "params", params, [{"model": "x"}, None, []])
+    flags = [{}, {"metrics": False}, {"auto_tool_call": True}]
+    _maybe(draw, out, "flags", flags, [{"metrics": 1}, {"verbose": True}, None])
+    limits = [{}, {"max_iterations": 4}, {"max_tool_calls": 3}, {"compress": "summarize"}]
+    bad_limits = [{"max_tool_calls": 3, "max_total_tool_calls": 4}, {"max_iterations": 0}, 3]
+    _maybe(draw, out, "limits", limits, bad_limits)
+    _maybe(draw, out, "metadata", [{}, {"row": 1, "x": [1.5]}], [[], None])
+    permissions = [{}, {"grant": ["a"]}, {"user": "u", "deny_tools": ["x*"]}]
+    _maybe(draw, out, "permissions", permissions, [{"grant": ["zzz"]}, {"allow_tools": [""]}, None])
+    if draw(st.integers(0, 15)) == 0:
+        out["temperature"] = 0.2
+    return out
+
+
+def _outcome(path: Path) -> Any:
+    try:
+        loaded = load_spec_file(path)
+    except SpecFileError as exc:
+        return ("rejected", exc.issues)
+    # dataclass equality, and the same JSON in the same key order
+    return ("loaded", loaded, [json.dumps(spec_to_json(item.spec)) for item in loaded])
+
+
+@FUZZ
+@given(obj=session())
+def test_the_fast_path_gives_what_the_schemas_give(
+    folder: Path, obj: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = folder / "f.jsonl"
+    path.write_text(json.dumps(obj))
+    fast = _outcome(path)
+    with monkeypatch.context() as patch:
+        patch.setattr(FastSessions, "load", lambda self, obj: None)
+        slow = _outcome(path)
+    assert fast == slow
+
+
+def test_the_common_specs_take_the_fast_path(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    taken: list[bool] = []
+    load = FastSessions.load
+
+    def spy(self: FastSessions, obj: dict[str, Any]) -> Any:
+        spec = load(self, obj)
+        taken.append(spec is not None)
+        return spec
+
+    monkeypatch.setattr(FastSessions, "load", spy)
+    (folder / "f.jsonl").write_bytes(VALID_JSONL)
+    assert_clean_outcome(folder / "f.jsonl")
+    assert taken == [True, True, False]  # the two sessions; the program takes the schemas
