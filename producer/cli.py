@@ -32,6 +32,7 @@ from producer.openai_batch import (
 )
 from producer.report import Progress, batch_states, summary
 from producer.specfile import SpecFileError, load_spec_file, load_spec_from_objects
+from producer.validation_progress import validation_progress
 from schemas import task_names
 from schemas.bodies import dump_text
 from schemas.config import ConfigError, FleetConfig, read_config
@@ -147,7 +148,13 @@ def cmd_submit(args: argparse.Namespace) -> int:
     check = backend_check(config, check_keys=not args.no_key_check)
     try:  # OpenAI Batch request lines are made specs, their tools bound by --tools
         bindings = load_tool_bindings(args.tools) if args.tools else None
-        loaded = load_spec_file(args.file, check, convert=converter(bindings, args.provider))
+        with validation_progress(args.file, sys.stderr) as on_progress:
+            loaded = load_spec_file(
+                args.file,
+                check,
+                convert=converter(bindings, args.provider),
+                on_progress=on_progress,
+            )
     except (ToolsFileError, SpecFileError) as exc:
         print(f"rejected, nothing enqueued:\n{exc}", file=sys.stderr)
         return EXIT_REJECTED

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -43,6 +45,7 @@ JSON_WHITESPACE = " \t\n\r"
 # out. 64 leaves a tool's JSON Schema some 29 levels of its own.
 MAX_DEPTH = 64
 MAX_LINE_BYTES = 64 << 20  # one spec line; a longer one is skipped unread, as one issue
+PROGRESS_EVERY_S = 0.25
 UTF8_BOM = b"\xef\xbb\xbf"
 # marshmallow files errors about an object as a whole under "_schema", and the "Unknown
 # field." of a key named "_schema" lands there too: that one message names the key.
@@ -83,12 +86,18 @@ class LoadedSpec:
 # A check of a spec that passed the schema, against what the file cannot say by itself (the
 # fleet's configuration: its backends and their keys): (field, message) per problem.
 SpecCheck = Callable[[Spec], list[tuple[str, str]]]
+# Called while a file is validated, at most every PROGRESS_EVERY_S and once at the end:
+# (lines read, bytes read, the file's size in bytes).
+ProgressHook = Callable[[int, int, int], None]
 
 
-def load_spec_file(path: str | Path, check: SpecCheck | None = None) -> list[LoadedSpec]:
+def load_spec_file(
+    path: str | Path, check: SpecCheck | None = None, on_progress: ProgressHook | None = None
+) -> list[LoadedSpec]:
     """Parse, validate and canonicalise every spec in ``path``; raise SpecFileError if any
     problem exists (nothing is returned partially). A JSONL file is streamed a line at a time;
-    a .json file is read whole."""
+    a .json file is read whole. `on_progress`: see ProgressHook (a .json file reports once,
+    at its end)."""
     shown = str(path)
     file_path = Path(path)
     try:
@@ -99,11 +108,16 @@ def load_spec_file(path: str | Path, check: SpecCheck | None = None) -> list[Loa
     validator = _Validator(shown, base_dir, check)
     with fh:
         try:
+            size = os.fstat(fh.fileno()).st_size
             if file_path.suffix.lower() == ".json":
-                for line, obj in _json_entries(fh.read(), shown, validator.issues):
+                data = fh.read()
+                for line, obj in _json_entries(data, shown, validator.issues):
                     validator.add(line, obj, screen=True)
+                if on_progress is not None:
+                    on_progress(data.count(b"\n") + 1 if data else 0, len(data), size)
             else:
-                for line, obj, screen in _JsonlReader(fh, shown, validator.issues):
+                reader = _JsonlReader(fh, shown, validator.issues, size, on_progress)
+                for line, obj, screen in reader:
                     validator.add(line, obj, screen)
         except OSError as exc:
             validator.issues.append(SpecIssue(shown, 0, "", f"cannot read: {exc}"))
@@ -385,15 +399,30 @@ class _JsonlReader:
     """A JSONL file's specs: (line, value, whether to screen it), one line at a time. A line
     that cannot be decoded is one issue; the next line is read all the same."""
 
-    def __init__(self, fh: IO[bytes], shown: str, issues: list[SpecIssue]) -> None:
-        self.fh, self.shown, self.issues = fh, shown, issues
+    def __init__(
+        self,
+        fh: IO[bytes],
+        shown: str,
+        issues: list[SpecIssue],
+        size: int,
+        on_progress: ProgressHook | None,
+    ) -> None:
+        self.fh, self.shown, self.issues, self.size = fh, shown, issues, size
+        self.on_progress = on_progress
+        self.bytes_read = 0
 
     def __iter__(self) -> Iterator[tuple[int, Any, bool]]:
         readline, issues, shown = self.fh.readline, self.issues, self.shown
+        progress, next_report = self.on_progress, time.monotonic() + PROGRESS_EVERY_S
         number = 0
         limit = MAX_LINE_BYTES
         while raw := readline(limit + 1):
             number += 1
+            self.bytes_read += len(raw)
+            # the clock is read every 64 lines: a report is due at most every PROGRESS_EVERY_S
+            if progress is not None and not number & 63 and time.monotonic() >= next_report:
+                progress(number, self.bytes_read, self.size)
+                next_report = time.monotonic() + PROGRESS_EVERY_S
             if len(raw) > limit and not raw.endswith(b"\n"):
                 self._skip_rest()
                 message = f"line longer than {limit:,} bytes: not read"
@@ -437,9 +466,12 @@ class _JsonlReader:
                 or b"\\uD" in raw
             )
             yield number, obj, screen
+        if progress is not None:
+            progress(number, self.bytes_read, self.size)
 
     def _skip_rest(self) -> None:
         while chunk := self.fh.readline(1 << 20):
+            self.bytes_read += len(chunk)
             if chunk.endswith(b"\n"):
                 return
 
