@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.validation import generate
 from producer import specfile
 from producer.specfile import SpecFileError, load_spec_file
 from producer.validation_progress import validation_progress
@@ -112,3 +113,11 @@ def test_no_bar_off_a_terminal_nor_for_a_quick_file() -> None:
         assert on_progress is not None
         on_progress(10, 500, 500)  # the end, before any report was due
     assert stream.getvalue() == ""
+
+
+def test_the_bench_file_is_valid_and_sized_as_the_testers(tmp_path: Path) -> None:
+    """bench/validation.py's file: ~415-byte lines (50 MB for 120k sessions), all valid."""
+    path = generate(tmp_path, 500)
+    loaded = load_spec_file(path)
+    assert len(loaded) == 500 and len({item.spec.id for item in loaded}) == 500
+    assert 400 <= path.stat().st_size / 500 <= 450
