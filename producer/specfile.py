@@ -91,8 +91,26 @@ SpecCheck = Callable[[Spec], list[tuple[str, str]]]
 ProgressHook = Callable[[int, int, int], None]
 
 
+@dataclass(frozen=True)
+class Conversion:
+    """What a SpecConvert makes of one parsed object: the object to validate as a spec and how
+    its issues' fields are named (in the input's own terms), or the problems that stop it."""
+
+    obj: Any = None
+    problems: Sequence[tuple[str, str]] = ()  # (field, message): the object is not validated
+    field_name: Callable[[str], str] | None = None  # a spec field -> the input's name for it
+
+
+# Applied to each parsed object before validation (an OpenAI Batch request line made a spec:
+# producer/openai_batch.py), so its issues keep the object's physical line.
+SpecConvert = Callable[[Any], Conversion]
+
+
 def load_spec_file(
-    path: str | Path, check: SpecCheck | None = None, on_progress: ProgressHook | None = None
+    path: str | Path,
+    check: SpecCheck | None = None,
+    convert: SpecConvert | None = None,
+    on_progress: ProgressHook | None = None,
 ) -> list[LoadedSpec]:
     """Parse, validate and canonicalise every spec in ``path``; raise SpecFileError if any
     problem exists (nothing is returned partially). A JSONL file is streamed a line at a time;
@@ -105,7 +123,7 @@ def load_spec_file(
         fh = file_path.open("rb")
     except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop
         raise SpecFileError([SpecIssue(shown, 0, "", f"cannot read: {exc}")]) from None
-    validator = _Validator(shown, base_dir, check)
+    validator = _Validator(shown, base_dir, check, convert)
     with fh:
         try:
             size = os.fstat(fh.fileno()).st_size
@@ -142,9 +160,16 @@ class _Validator:
     """One load: each object checked as it comes, the issues and specs so far. Once an issue
     is found no spec is kept (none will be returned), only the ids, for duplicates."""
 
-    def __init__(self, shown: str, base_dir: Path, check: SpecCheck | None) -> None:
+    def __init__(
+        self,
+        shown: str,
+        base_dir: Path,
+        check: SpecCheck | None,
+        convert: SpecConvert | None = None,
+    ) -> None:
         self.shown = shown
         self.check = check
+        self.convert = convert
         self.issues: list[SpecIssue] = []
         self.loaded: list[LoadedSpec] = []
         self.objects = 0
@@ -157,7 +182,23 @@ class _Validator:
 
     def add(self, line: int, obj: Any, screen: bool) -> None:
         """`screen`: walk the value for what JSON parses but nothing later can use; a JSONL
-        line skips it when its bytes show there is nothing to find."""
+        line skips it when its bytes show there is nothing to find. A converted object's
+        issues are named in the input's own terms."""
+        if self.convert is None:
+            return self._add(line, obj, screen)
+        conversion = self.convert(obj)
+        if conversion.problems:
+            self.objects += 1
+            self.issues.extend(SpecIssue(self.shown, line, f, m) for f, m in conversion.problems)
+            return None
+        first = len(self.issues)
+        self._add(line, conversion.obj, screen=True)
+        name = conversion.field_name
+        if name is not None:
+            self.issues[first:] = [replace(i, field=name(i.field)) for i in self.issues[first:]]
+        return None
+
+    def _add(self, line: int, obj: Any, screen: bool) -> None:
         self.objects += 1
         issues = self.issues
         if not isinstance(obj, dict):
