@@ -209,7 +209,9 @@ def test_json_mutations_of_valid_specs(folder: Path, objs: list[Any], ascii_only
 def test_in_memory_objects(folder: Path, objs: list[Any], odd: Any) -> None:
     """The same checks without a file (`cchatq run`, `Client.submit`); non-JSON values too."""
     if isinstance(objs[0], dict):
-        objs[0].setdefault("metadata", {})["odd"] = odd
+        if not isinstance(objs[0].get("metadata"), dict):  # a mutation may have made it null
+            objs[0]["metadata"] = {}
+        objs[0]["metadata"]["odd"] = odd
     try:
         specs = load_spec_from_objects(objs, base_dir=folder)
     except SpecFileError as exc:
