@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from producer import specfile
+from producer import spec_json
 from producer.specfile import (
     MAX_DEPTH,
     SpecFileError,
@@ -201,7 +201,7 @@ def test_very_long_lines(tmp_path: Path) -> None:
 def test_a_line_past_the_limit_is_skipped_unread(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(specfile, "MAX_LINE_BYTES", 4096)
+    monkeypatch.setattr(spec_json, "MAX_LINE_BYTES", 4096)
     long_line = with_line(id="b", metadata={"x": "y" * 5000})
     path = write(tmp_path / "f.jsonl", "\n".join([OK, long_line, with_line(id=3)]))
     assert shown(issues_of(path)) == [

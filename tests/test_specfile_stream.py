@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench.validation import generate
-from producer import specfile
+from producer import spec_json
 from producer.specfile import SpecFileError, load_spec_file
 from producer.validation_progress import validation_progress
 from schemas.spec_types import Spec
@@ -59,7 +59,7 @@ def test_progress_is_reported_while_reading_and_at_the_end(
     path = write_lines(tmp_path / "f.jsonl", 300)
     size = path.stat().st_size
     calls: list[tuple[int, int, int]] = []
-    monkeypatch.setattr(specfile, "PROGRESS_EVERY_S", 0.0)  # every 64 lines, then
+    monkeypatch.setattr(spec_json, "PROGRESS_EVERY_S", 0.0)  # every 64 lines, then
     assert len(load_spec_file(path, on_progress=lambda *a: calls.append(a))) == 300
     assert [c[0] for c in calls] == [64, 128, 192, 256, 300]
     assert calls[-1] == (300, size, size)
