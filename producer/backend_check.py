@@ -1,6 +1,7 @@
 """Checking a spec's backends at submit against the configuration the producer shares with the
 workers (schemas/config.py): a backend no worker would know, or one whose API key variable is
-unset, is refused with the spec's line and field instead of failing every session later.
+unset, is refused with the spec's line and field instead of failing every session later. So is
+an MCP server (`mcp_servers`) that is not configured, or not allowed in the spec's environment.
 
 The key check reads this process's environment: the producer is expected to run with the
 fleet's configuration and keys. A producer that holds no keys (only the workers do) turns it
@@ -49,6 +50,36 @@ def backend_check(
                 verdicts[name] = problem(name)
             if verdicts[name] is not None:
                 found.append((field, str(verdicts[name])))
+        if isinstance(spec, SessionSpec):
+            found.extend(mcp_problems(config, spec))
         return found
 
     return check
+
+
+def mcp_problems(config: FleetConfig, spec: SessionSpec) -> list[tuple[str, str]]:
+    """The spec's MCP servers that are not configured, or that its environment does not list."""
+    fleet = config.tool_defaults
+    environment = spec.permissions.environment or fleet.default_environment
+    allowed = fleet.mcp_allowed(environment)
+    found = []
+    for n, server in enumerate(spec.mcp_servers):
+        if server not in fleet.mcp_servers:
+            known = ", ".join(sorted(fleet.mcp_servers)) or "none"
+            problem = (
+                f"unknown MCP server {server!r}; the configuration ({config.source}) has {known}"
+            )
+        elif environment is None:
+            problem = (
+                f"MCP server {server!r} needs an environment that lists it: the spec names none"
+                " and the configuration has no tools.default_environment"
+            )
+        elif server not in allowed:
+            problem = (
+                f"environment {environment!r} does not allow MCP server {server!r}"
+                f" (tools.environments.{environment}.mcp_servers)"
+            )
+        else:
+            continue
+        found.append((f"mcp_servers.{n}", problem))
+    return found

@@ -356,6 +356,12 @@ def cmd_config(args: argparse.Namespace) -> int:
             found = "set" if environ.get(backend.api_key_env) else "NOT SET here"
             key = f"${backend.api_key_env} {found}"
         print(f"  {name:<24} {backend.protocol:<16} {backend.base_url}  {key}")
+    fleet = config.tool_defaults
+    for server_id, server in sorted(fleet.mcp_servers.items()):
+        where = server.command[0] if server.command else server.url
+        usable = sorted(n for n, e in fleet.environments.items() if server_id in e.mcp_servers)
+        envs = ", ".join(usable) or "no environment"
+        print(f"  mcp {server_id:<20} {server.transport:<16} {where}  usable in: {envs}")
     return EXIT_OK
 
 

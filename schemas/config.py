@@ -7,7 +7,14 @@ or inline in `CCHATQ_BACKENDS` (which wins):
      "tools": {"timeout_ms": N, "max_retries": N, "retry_backoff_ms": N, "max_parallel": N,
                "auto_tool_call": BOOL, "default_environment": NAME,
                "environments": {NAME: {"max_risk_level": L, "allow_tools": [GLOB],
-                                       "deny_tools": [GLOB], "users": {USER: [GLOB]}}}}}
+                                       "deny_tools": [GLOB], "users": {USER: [GLOB]},
+                                       "mcp_servers": [ID]}}},
+     "mcp_servers": {ID: {"command": [PROGRAM, ARG, ...], "env": {VAR: VALUE}, "cwd": DIR}
+                         | {"url": URL, "api_key_env": VAR},
+                     with either: "allow_tools"/"deny_tools": [GLOB], "timeout_ms": N,
+                     "risk_level": L}}
+
+An MCP server is usable only by sessions whose environment lists it (`mcp_servers`).
 
 Four backends exist without any configuration, as the provider SDKs and LiteLLM name them:
 `openai`, `anthropic` and `gemini` are the real APIs with their conventional key variables, and
@@ -38,7 +45,8 @@ from marshmallow import (
     validates_schema,
 )
 
-from schemas.limits import Environment, ToolDefaults
+from schemas.limits import TOOL_TIMEOUT_CAP_MS, Environment, ToolDefaults
+from schemas.mcp import SERVER_ID, McpServerConfig
 from schemas.spec_types import RISK_LEVELS
 
 DEFAULT_REPLAY_URL = "http://127.0.0.1:8011/v1"
@@ -175,6 +183,40 @@ class _EnvironmentSchema(Schema):
     allow_tools = _GlobList()
     deny_tools = _GlobList()
     users = fields.Dict(keys=fields.String(), values=_GlobList())
+    mcp_servers = fields.List(fields.String())
+
+
+class _McpServerSchema(Schema):
+    class Meta:
+        unknown = RAISE
+
+    command = fields.List(fields.String(validate=validate.Length(min=1)))
+    env = fields.Dict(
+        keys=fields.String(validate=validate.Regexp(ENV_NAME, error="must be a variable name")),
+        values=fields.String(),
+    )
+    cwd = fields.String(validate=validate.Length(min=1))
+    url = fields.Url(require_tld=False, schemes={"http", "https"})
+    api_key_env = fields.String(validate=validate.Regexp(ENV_NAME, error="must be a variable name"))
+    allow_tools = _GlobList()
+    deny_tools = _GlobList()
+    timeout_ms = _StrictInt(
+        validate=validate.Range(
+            min=1, max=TOOL_TIMEOUT_CAP_MS, error=f"must be between 1 and {TOOL_TIMEOUT_CAP_MS}"
+        )
+    )
+    risk_level = fields.String(validate=validate.OneOf(RISK_LEVELS))
+
+    @validates_schema
+    def _one_transport(self, data: dict[str, Any], **kwargs: Any) -> None:
+        if ("command" in data) == ("url" in data):
+            raise ValidationError("give either command (stdio) or url (HTTP)")
+        if "command" in data and not data["command"]:
+            raise ValidationError("must name the program to run", "command")
+        other, keys = ("command", ("env", "cwd")) if "url" in data else ("url", ("api_key_env",))
+        wrong = {key: [f"only with {other}"] for key in keys if key in data}
+        if wrong:
+            raise ValidationError(wrong)
 
 
 class _ToolsSchema(Schema):
@@ -203,6 +245,12 @@ class _ConfigSchema(Schema):
     backends = fields.Dict(keys=fields.String(validate=validate.Length(min=1)), values=fields.Raw())
     default_backend = fields.String()
     tools = fields.Nested(_ToolsSchema)
+    mcp_servers = fields.Dict(
+        keys=fields.String(
+            validate=validate.Regexp(SERVER_ID, error="must be 1-32 of A-Z a-z 0-9 _ . -")
+        ),
+        values=fields.Nested(_McpServerSchema),
+    )
 
 
 def parse_config(
@@ -239,24 +287,53 @@ def parse_config(
     default_backend = top.get("default_backend", "replay")
     if default_backend not in backends and default_backend not in (top.get("backends") or {}):
         problems.append(("default_backend", f"{default_backend!r} is not a backend"))
+    tools = top.get("tools") or {}
+    servers = _mcp_servers(top.get("mcp_servers") or {})
+    named = raw["mcp_servers"] if isinstance(raw.get("mcp_servers"), dict) else {}
+    for name, env in (tools.get("environments") or {}).items():
+        for n, server in enumerate(env.get("mcp_servers") or ()):
+            if server not in named:
+                where = f"tools.environments.{name}.mcp_servers.{n}"
+                problems.append((where, f"{server!r} is not one of mcp_servers"))
     if problems:
         raise ConfigError(source, problems)
-    tools = top.get("tools") or {}
     environments = {
         name: Environment(
             max_risk_level=env.get("max_risk_level", "high"),
             allow_tools=tuple(env.get("allow_tools") or ()),
             deny_tools=tuple(env.get("deny_tools") or ()),
             users={user: tuple(globs) for user, globs in (env.get("users") or {}).items()},
+            mcp_servers=tuple(env.get("mcp_servers") or ()),
         )
         for name, env in (tools.get("environments") or {}).items()
     }
     return FleetConfig(
         backends=backends,
         default_backend=default_backend,
-        tool_defaults=ToolDefaults(**{**tools, "environments": environments}),
+        tool_defaults=ToolDefaults(
+            **{**tools, "environments": environments, "mcp_servers": servers}
+        ),
         source=source,
     )
+
+
+def _mcp_servers(loaded: dict[str, Any]) -> dict[str, McpServerConfig]:
+    """The configuration's MCP servers, as they loaded."""
+    out = {}
+    for server_id, server in loaded.items():
+        out[server_id] = McpServerConfig(
+            id=server_id,
+            command=tuple(server.get("command") or ()),
+            env=dict(server.get("env") or {}),
+            cwd=server.get("cwd"),
+            url=server.get("url"),
+            api_key_env=server.get("api_key_env"),
+            allow_tools=tuple(server.get("allow_tools", ("*",))),
+            deny_tools=tuple(server.get("deny_tools") or ()),
+            timeout_ms=server.get("timeout_ms"),
+            risk_level=server.get("risk_level", "low"),
+        )
+    return out
 
 
 def read_config(environ: Mapping[str, str] | None = None) -> FleetConfig:
@@ -288,8 +365,9 @@ def _flatten(messages: Any, prefix: str = "") -> list[tuple[str, str]]:
     if isinstance(messages, Mapping):
         out: list[tuple[str, str]] = []
         for key, value in messages.items():
-            # `_schema`: about the object as a whole; `value`: fields.Dict's, about an entry
-            whole = key == "_schema" or (key == "value" and prefix)
+            # `_schema`: about the object as a whole; `key`, `value`: fields.Dict's, about an
+            # entry's key or value
+            whole = key == "_schema" or (key in ("key", "value") and prefix)
             path = prefix if whole else f"{prefix}.{key}" if prefix else str(key)
             out.extend(_flatten(value, path))
         return out

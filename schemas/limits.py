@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from schemas.mcp import McpServerConfig
 
 TOOL_TIMEOUT_CAP_MS = 120_000
 COMPRESS_MODES = ("excerpt", "summarize")
@@ -42,6 +45,7 @@ class Environment:
     allow_tools: tuple[str, ...] = ()  # globs; empty: any tool
     deny_tools: tuple[str, ...] = ()
     users: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # user -> allow globs
+    mcp_servers: tuple[str, ...] = ()  # the MCP servers its sessions may enable (ids)
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,14 @@ class ToolDefaults:
     auto_tool_call: bool = True
     environments: Mapping[str, Environment] = field(default_factory=dict)
     default_environment: str | None = None
+    # the configuration's `mcp_servers`, by id; a session may use those its environment lists
+    mcp_servers: Mapping[str, McpServerConfig] = field(default_factory=dict)
+
+    def mcp_allowed(self, environment: str | None) -> tuple[str, ...]:
+        """The MCP servers a session of `environment` (None: the default one) may enable:
+        none without an environment."""
+        env = self.environments.get(environment or self.default_environment or "")
+        return () if env is None else env.mcp_servers
 
 
 # a program run's limits: name -> (default, cap); the run's deadline stays below the default

@@ -30,6 +30,7 @@ from schemas.limits import (
     RETRY_BACKOFF_CAP_MS,
     TOOL_TIMEOUT_CAP_MS,
 )
+from schemas.mcp import SERVER_ID
 from schemas.spec_types import (
     INVALID_CALL_NAME,
     RISK_LEVELS,
@@ -330,6 +331,17 @@ class SessionSpecSchema(Schema):
     limits = fields.Nested(LimitsSchema)
     metadata = fields.Dict(keys=fields.String(), load_default=dict)
     permissions = fields.Nested(PermissionsSchema)
+    # MCP servers of the configuration whose tools the session offers (checked at submit
+    # against the configuration: producer/backend_check.py)
+    mcp_servers = fields.List(
+        fields.String(validate=validate.Regexp(SERVER_ID, error="Must be an MCP server id.")),
+        load_default=list,
+    )
+
+    @validates("mcp_servers")
+    def _check_mcp_servers(self, value: list[str], **kwargs: Any) -> None:
+        if len(set(value)) != len(value):
+            raise ValidationError("Each server once.")
 
     @validates_schema
     def _check_builtin_names(self, data: dict[str, Any], **kwargs: Any) -> None:

@@ -121,9 +121,22 @@ class ToolPolicy:
         return {k: v for k, v in _plain(self).items() if v != getattr(default, k)}
 
 
+MCP_MODULE = "mcp"  # the module of a tool an MCP server serves (schemas/mcp.py)
+
+
+@dataclass(frozen=True)
+class McpToolRef:
+    """Which MCP server (an id of the configuration's `mcp_servers`) serves a tool, under
+    which of its own names."""
+
+    server: str
+    tool: str
+
+
 @dataclass(frozen=True)
 class ToolSpec:
-    """A tool: its function, the WASM function that runs it, and how its calls run."""
+    """A tool: its function, the WASM function (or MCP server) that runs it, and how its calls
+    run."""
 
     function: FunctionSpec
     module: str  # the module file: a path at submit, its file name once stored
@@ -132,6 +145,7 @@ class ToolSpec:
     module_sha256: str = ""  # set when the module is uploaded
     fork_sha256: str | None = None  # a program's tool: runs in this snapshot of the program
     policy: ToolPolicy = field(default_factory=ToolPolicy)
+    mcp: McpToolRef | None = None  # an MCP server's tool (module MCP_MODULE)
 
     @property
     def name(self) -> str:
@@ -152,6 +166,9 @@ class SessionSpec:
     provider: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     permissions: Permissions = field(default_factory=Permissions)
+    # MCP servers whose tools are still to be offered: the first round lists them and stores
+    # them with the session (with_mcp_tools), and the spec read back names none
+    mcp_servers: tuple[str, ...] = ()
 
     def tool(self, name: str) -> ToolSpec | None:
         return next((t for t in self.tools if t.name == name), None)
@@ -197,7 +214,7 @@ def spec_to_json(spec: Spec) -> dict[str, Any]:
             "metadata": spec.metadata,
             "permissions": spec.permissions.to_json(),
         }
-    return {
+    out: dict[str, Any] = {
         "id": spec.id,
         "provider": spec.provider,
         "model": spec.model,
@@ -209,6 +226,9 @@ def spec_to_json(spec: Spec) -> dict[str, Any]:
         "metadata": spec.metadata,
         "permissions": spec.permissions.to_json(),
     }
+    if spec.mcp_servers:  # absent otherwise: the stored form of other specs is unchanged
+        out["mcp_servers"] = list(spec.mcp_servers)
+    return out
 
 
 def spec_from_json(obj: dict[str, Any]) -> Spec:
@@ -237,7 +257,16 @@ def spec_from_json(obj: dict[str, Any]) -> Spec:
         provider=obj.get("provider"),
         metadata=dict(obj.get("metadata") or {}),
         permissions=Permissions.from_json(obj.get("permissions")),
+        mcp_servers=tuple(obj.get("mcp_servers") or ()),
     )
+
+
+def with_mcp_tools(spec: SessionSpec, tools: tuple[ToolSpec, ...]) -> SessionSpec:
+    """The spec with its MCP servers' tools as its first round listed them (after its own; a
+    name one of its own tools has is left out)."""
+    names = {t.name for t in spec.tools}
+    offered = tuple(t for t in tools if t.name not in names)
+    return replace(spec, tools=(*spec.tools, *offered), mcp_servers=())
 
 
 TASK_STATUS = "task_status"  # the built-in tool of a session with async background tools
@@ -313,6 +342,8 @@ def _tool_to_json(tool: ToolSpec) -> dict[str, Any]:
     policy = tool.policy.to_json()
     if policy:
         out["policy"] = policy
+    if tool.mcp is not None:
+        out["mcp"] = {"server": tool.mcp.server, "tool": tool.mcp.tool}
     return out
 
 
@@ -325,6 +356,7 @@ def tool_from_json(raw: dict[str, Any]) -> ToolSpec:
         module_sha256=raw.get("module_sha256", ""),
         fork_sha256=raw.get("fork_sha256"),
         policy=ToolPolicy.from_json(raw.get("policy")),
+        mcp=McpToolRef(**raw["mcp"]) if raw.get("mcp") else None,
     )
 
 
