@@ -25,6 +25,8 @@ call i:
     cq:module:{sha256}      WASM module bytes, content-addressed
     cq:fork:{sha256}        a program's memory snapshot at cchat_send (zlib), for its tool forks
     cq:fds:{sk}             a program run's fd table: hash fd -> entry JSON
+    cq:mcp:{sk}             the MCP tools a spec session offers, listed by its first round
+                            (first writer wins); read with its spec
     cq:partial:{sk}         the text of the round being streamed (for `cchatq status`)
     cq:rl:{backend}:req     rate limit: zset of recent requests (member -> time)
     cq:rl:{backend}:tok     rate limit: hash member -> tokens
@@ -219,6 +221,10 @@ def fork(sha256: str) -> str:
 
 def fds(sk: str) -> str:
     return f"{PREFIX}:fds:{sk}"
+
+
+def mcp_tools(sk: str) -> str:
+    return f"{PREFIX}:mcp:{sk}"
 
 
 def partial(sk: str) -> str:

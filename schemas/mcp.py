@@ -9,6 +9,7 @@ Pure: no I/O. The worker's edge (worker/edges/mcp_tools.py) lists and calls the 
 from __future__ import annotations
 
 import base64
+import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -42,6 +43,12 @@ class McpServerConfig:
     @property
     def transport(self) -> str:
         return "stdio" if self.command else "http"
+
+    def api_key(self, environ: Mapping[str, str] | None = None) -> str | None:
+        """An HTTP server's bearer token, read at call time (never stored)."""
+        if not self.api_key_env:
+            return None
+        return (environ if environ is not None else os.environ).get(self.api_key_env)
 
 
 @dataclass(frozen=True)

@@ -347,6 +347,11 @@ def _tool_to_json(tool: ToolSpec) -> dict[str, Any]:
     return out
 
 
+def tool_to_json(tool: ToolSpec) -> dict[str, Any]:
+    """A tool's stored form, as in a stored spec's `tools`."""
+    return _tool_to_json(tool)
+
+
 def tool_from_json(raw: dict[str, Any]) -> ToolSpec:
     return ToolSpec(
         function=FunctionSpec.from_json(raw["function"]),

@@ -16,7 +16,8 @@ import redis
 from producer.fleet import Fleet
 from schemas import keys
 from schemas.bodies import dump_body
-from schemas.spec_types import spec_from_json, spec_to_json
+from schemas.mcp import McpServerConfig, McpToolInfo, offered_tools
+from schemas.spec_types import McpToolRef, SessionSpec, spec_from_json, spec_to_json
 from worker.edges.store import RedisStore
 from worker.errors import StoreError
 from worker.session.outcomes import ToolFailure, ToolOutcome
@@ -238,6 +239,20 @@ def test_specs_round_trip_as_json(backend: Backend, sk: str) -> None:
     original = spec(sk) | {"params": {"temperature": 0.5, "stop": ["\n"]}}
     backend.submit(sk, original, "")
     assert spec_to_json(backend.store.load_spec(sk)) == spec_to_json(spec_from_json(original))
+
+
+def test_a_specs_mcp_tools_are_stored_once_and_read_with_it(backend: Backend, sk: str) -> None:
+    backend.submit(sk, spec(sk) | {"mcp_servers": ["fs"]}, "")
+    unlisted = backend.store.load_spec(sk)
+    assert isinstance(unlisted, SessionSpec) and unlisted.mcp_servers == ("fs",)
+    server = McpServerConfig(id="fs", command=("x",), timeout_ms=3000)
+    first = offered_tools(server, [McpToolInfo("add", "Add", {"type": "object"})])
+    later = offered_tools(server, [McpToolInfo("echo", None, {"type": "object"})])
+    backend.store.store_mcp_tools(sk, first)
+    backend.store.store_mcp_tools(sk, later)  # a redelivered first round's: the first wins
+    listed = backend.store.load_spec(sk)
+    assert isinstance(listed, SessionSpec) and listed.mcp_servers == ()
+    assert listed.tools == first and listed.tools[0].mcp == McpToolRef("fs", "add")
 
 
 def test_a_round_with_many_calls_reads_every_outcome(backend: Backend, sk: str) -> None:

@@ -11,6 +11,7 @@ CchatqError                      root; `code` is the error-body code, `errno` th
 │   ├── StepFailedError          step_failed
 │   ├── InvalidRequestError      invalid_request
 │   ├── DeadlineExceededError    deadline_exceeded
+│   ├── McpError                 mcp_error
 │   └── InternalError            internal_error
 ├── ToolError                    a tool call failed: an error tool message, the loop goes on
 │   ├── ToolValidationError      VALIDATION_ERROR
@@ -102,6 +103,14 @@ class DeadlineExceededError(SessionError):
     )
 
 
+class McpError(SessionError):
+    code = "mcp_error"
+    raised_when = (
+        "an MCP server a session uses could not list its tools (not started, not reachable, "
+        "timed out), or is not configured or allowed where the session runs"
+    )
+
+
 class InternalError(SessionError):
     code = "internal_error"
     raised_when = "a bug or an inconsistent stored state: the session still gets this body"
@@ -150,7 +159,8 @@ class ToolRuntimeError(ToolError):
     code = "RUNTIME_ERROR"
     raised_when = (
         "the tool trapped, returned rc < 0, wrote bad UTF-8, hit its memory limit, or its "
-        "module could not load (was tool_exec_failed)"
+        "module could not load (was tool_exec_failed); an MCP tool's result said isError, or "
+        "its server failed or could not be reached"
     )
     retryable = True
     ran_by_default = True

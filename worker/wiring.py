@@ -21,12 +21,14 @@ from worker.codecs.text_tags import TextTagCodec
 from worker.config import BackendConfig, Settings, load_settings
 from worker.edges import broker
 from worker.edges.dispatch import Dispatcher
+from worker.edges.mcp_tools import McpTools
 from worker.edges.provider_http import HttpProvider
 from worker.edges.rate_limit import RateLimiter
 from worker.edges.store import RedisStore
 from worker.edges.store_programs import ProgramStore
 from worker.edges.wasm_runtime import WasmToolRuntime
 from worker.guest.step import ProgramSteps
+from worker.session.mcp_offer import ToolRouter
 from worker.session.reconciler import Reconciler
 from worker.session.steps import StepRunner
 
@@ -49,13 +51,17 @@ class Wiring:
         self._runtime: WasmToolRuntime | None = None
         self._lock = threading.Lock()
         self.programs = ProgramStore(self.store)
+        fleet = settings.tool_defaults
+        self.mcp = McpTools(fleet.mcp_servers, fleet.timeout_ms)  # holds nothing until used
+        self._tools = ToolRouter(self.runtime, self.mcp)  # WASM tools, or MCP servers' tools
         self.runner = StepRunner(
             store=self.store,
             dispatch=Dispatcher(app, self.store),
             provider_for=self.provider_for,
-            tools=self.runtime,
+            tools=lambda: self._tools,
             settings=settings,
             rate_limiter=RateLimiter(self.store.client),
+            mcp=self.mcp,
         )
         self.program_steps = ProgramSteps(
             runner=self.runner, programs=self.programs, source=_LazySource(self)

@@ -22,7 +22,16 @@ import redis
 
 from schemas import keys
 from schemas.bodies import dump_body, outcome_code
-from schemas.spec_types import SessionSpec, Spec, spec_from_json, with_builtins
+from schemas.spec_types import (
+    SessionSpec,
+    Spec,
+    ToolSpec,
+    spec_from_json,
+    tool_from_json,
+    tool_to_json,
+    with_builtins,
+    with_mcp_tools,
+)
 from worker.edges import liveness
 from worker.errors import SpecMissingError, StoreError
 from worker.session.engine import Round, Session
@@ -168,10 +177,21 @@ class RedisStore:
         raw = _loads(self.client.get(keys.spec(sk)))
         if raw is None:
             raise SpecMissingError(f"session {sk}: spec not found (expired or never submitted)")
+        spec = with_builtins(spec_from_json(raw))
+        if isinstance(spec, SessionSpec) and spec.mcp_servers:
+            listed = _loads(self.client.get(keys.mcp_tools(sk)))
+            if listed is None:
+                return spec  # not listed yet (its first round will): not kept
+            spec = with_mcp_tools(spec, tuple(tool_from_json(t) for t in listed))
         if len(self._specs) >= SPEC_CACHE_SIZE:
             self._specs.pop(next(iter(self._specs)))
-        spec = self._specs[sk] = with_builtins(spec_from_json(raw))
+        self._specs[sk] = spec
         return spec
+
+    @_translated
+    def store_mcp_tools(self, sk: str, tools: tuple[ToolSpec, ...]) -> None:
+        listed = dump_body([tool_to_json(t) for t in tools])
+        self.client.set(keys.mcp_tools(sk), listed, nx=True, ex=self.ttl_s)
 
     @_translated
     def load_session(self, sk: str, backend: str, upto_round: int | None = None) -> Session:

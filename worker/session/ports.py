@@ -11,7 +11,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from schemas.keys import ChunkMember
-from schemas.spec_types import Spec
+from schemas.mcp import McpToolInfo
+from schemas.spec_types import McpToolRef, Spec, ToolSpec
 from worker.codecs.protocol import ChatRequest, Delta
 from worker.config import BackendConfig
 from worker.session.engine import Session
@@ -90,6 +91,7 @@ class ToolCall:
     watcher: CallWatcher | None = field(default=None, compare=False)
     # where the tool's `log` lines and stdout/stderr go, as it writes them (all its attempts)
     logs: ToolLogs | None = field(default=None, compare=False)
+    mcp: McpToolRef | None = None  # an MCP server's tool: called there, not in WASM
 
 
 class SessionStore(Protocol):
@@ -142,6 +144,11 @@ class SessionStore(Protocol):
         ...
 
     def set_partial(self, sk: str, text: str | None) -> None: ...
+    def store_mcp_tools(self, sk: str, tools: tuple[ToolSpec, ...]) -> None:
+        """Store the MCP tools a session offers, as its first round listed them (first writer
+        wins); `load_spec` then returns the spec with them (spec_types.with_mcp_tools)."""
+        ...
+
     def trace(self, write: TraceWrite) -> None: ...
     def task_state(self, sk: str, task_id: str) -> dict[str, str] | None:
         """An async background task's state (status, percent, message, outcome), if any."""
@@ -286,4 +293,12 @@ class CompletionProvider(Protocol):
 class ToolRuntime(Protocol):
     """Runs one tool call: its output text, or a raised ToolError / GuestError."""
 
+    def run(self, call: ToolCall) -> str: ...
+
+
+class McpClient(Protocol):
+    """MCP servers (the configuration's `mcp_servers`): lists a server's tools (a raised
+    McpError when it cannot), and runs a call of one (a ToolRuntime for calls with `mcp`)."""
+
+    def list_tools(self, server: str) -> tuple[McpToolInfo, ...]: ...
     def run(self, call: ToolCall) -> str: ...

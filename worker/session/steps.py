@@ -39,9 +39,11 @@ from worker.session.engine import (
     next_call,
 )
 from worker.session.guard import StepGuard
+from worker.session.mcp_offer import offer_mcp_tools
 from worker.session.ports import (
     CompletionProvider,
     Dispatcher,
+    McpClient,
     Outbox,
     Permit,
     RateLimiter,
@@ -101,6 +103,7 @@ class StepRunner:
     tools: Callable[[], ToolRuntime]  # lazy: a prefork child builds its own wasmtime engine
     settings: Settings
     rate_limiter: RateLimiter
+    mcp: McpClient | None = None  # MCP servers' tool lists (their calls go through `tools`)
 
     def __post_init__(self) -> None:
         self.guard = StepGuard(self.store, self.dispatch, self.settings)
@@ -196,7 +199,11 @@ class StepRunner:
                         outbox.events.append(event("session.started", spec_id))
                     outbox.events.append(event("model.call.started", spec_id, round=round_no))
                 started = time.monotonic()
-                reply = self._call_model(sk, session, next_call(session))
+                failed = None
+                if session.spec.mcp_servers:  # listed once, by the first round, and stored
+                    fleet = self.settings.tool_defaults
+                    session, failed = offer_mcp_tools(self.store, self.mcp, fleet, sk, session)
+                reply = failed or self._call_model(sk, session, next_call(session))
                 winner = self.store.store_model_reply(sk, round_no, reply)
                 session = replace(session, rounds=(*session.rounds, Round(reply=winner)))
                 if self.settings.trace:

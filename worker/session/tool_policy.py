@@ -123,6 +123,7 @@ class ToolCaller:
                 attempt=retry,
                 watcher=watcher,
                 logs=logs,
+                mcp=tool.mcp,
             )
             logs.attempt = first_attempt + retry
             try:

@@ -24,7 +24,17 @@ from typing import Any
 from schemas import keys
 from schemas.bodies import dump_body
 from schemas.keys import ChunkMember
-from schemas.spec_types import SessionSpec, Spec, spec_from_json, spec_to_json, with_builtins
+from schemas.spec_types import (
+    SessionSpec,
+    Spec,
+    ToolSpec,
+    spec_from_json,
+    spec_to_json,
+    tool_from_json,
+    tool_to_json,
+    with_builtins,
+    with_mcp_tools,
+)
 from worker.codecs.protocol import ChatRequest, Delta
 from worker.config import BackendConfig
 from worker.errors import (
@@ -75,6 +85,7 @@ class MemoryStore:
     deadletters: list[tuple[str, str]] = field(default_factory=list)
     forks: dict[str, bytes] = field(default_factory=dict)
     fd_mirror: dict[str, dict[int, bytes]] = field(default_factory=dict)
+    mcp_listed: dict[str, bytes] = field(default_factory=dict)  # sk -> its MCP tools' JSON
     # Called by a blocking wait that finds nothing (a program waiting on its chats): runs the
     # queued steps in the same thread, so one-threaded tests need no workers.
     pump: Callable[[], None] | None = None
@@ -111,7 +122,15 @@ class MemoryStore:
         raw = self.specs.get(sk)
         if raw is None:
             raise SpecMissingError(f"session {sk}: spec not found (expired or never submitted)")
-        return with_builtins(spec_from_json(raw))
+        spec = with_builtins(spec_from_json(raw))
+        listed = self.mcp_listed.get(sk)
+        if isinstance(spec, SessionSpec) and spec.mcp_servers and listed is not None:
+            spec = with_mcp_tools(spec, tuple(tool_from_json(t) for t in json.loads(listed)))
+        return spec
+
+    def store_mcp_tools(self, sk: str, tools: tuple[ToolSpec, ...]) -> None:
+        with self._cond:
+            self.mcp_listed.setdefault(sk, dump_body([tool_to_json(t) for t in tools]))
 
     def load_session(self, sk: str, backend: str, upto_round: int | None = None) -> Session:
         spec = self.load_spec(sk)
