@@ -31,6 +31,7 @@ from worker.errors import (
     DeadlineExceededError,
     GuestFault,
     InvalidRequestError,
+    McpError,
     RunAborted,
     SessionError,
     StoreError,
@@ -41,6 +42,7 @@ from worker.guest.epoll import EpollCalls
 from worker.guest.fds import FdEntry, FdTable, RegisteredTool, write_with_len
 from worker.guest.fork import ProgramFork
 from worker.guest.imports import GuestMemory
+from worker.guest.mcp_params import McpAccess, chat_mcp_tools, is_mcp_param, set_mcp_param
 from worker.guest.ports import ProgramStore
 from worker.session.ports import Dispatcher
 from worker.session.tool_logs import LEVELS
@@ -68,6 +70,7 @@ class ChatDefaults:
     model: str | None
     deadline: float  # time.monotonic() at which the run ends
     permissions: Permissions = field(default_factory=Permissions)  # the spec's, for its chats
+    mcp: McpAccess = field(default_factory=McpAccess)  # the MCP servers its chats may enable
 
 
 class ProgramHost:
@@ -180,7 +183,13 @@ class ProgramHost:
             parsed = abi.parse_set_param(mem.read(arg_ptr, mem.read_u32(arg_len_ptr)))
             if isinstance(parsed, int):
                 return parsed
-            session.params[parsed[0]] = parsed[1]
+            key, value = parsed
+            if is_mcp_param(key):  # consumed at the send, never sent upstream
+                rc = set_mcp_param(session.params, key, value, self.d.mcp)
+                if rc < 0:
+                    return rc
+            else:
+                session.params[key] = value
             self.fd_table.persist(fd)
             return 0
         if cmd == abi.CTL_GET_METRICS:
@@ -233,6 +242,7 @@ class ProgramHost:
             for k in (*CONSUMED_PARAMS, *LIMIT_BOUNDS, *LIMIT_ALIASES)
             if k in params
         }
+        mcp_params = {k: params.pop(k) for k in list(params) if is_mcp_param(k)}
         model = consumed.get("model") or self.d.model
         if not isinstance(model, str) or not model:
             return dump_body(InvalidRequestError("no model: set the `model` param").body())
@@ -259,6 +269,12 @@ class ProgramHost:
             )
             for tool in session.tools
         )
+        try:  # its MCP servers' tools, after its own (a name of its own wins)
+            offered = chat_mcp_tools(mcp_params, self.d.mcp)
+        except McpError as exc:
+            return dump_body(exc.body())
+        own = {t.name for t in tools}
+        tools += tuple(t for t in offered if t.name not in own)
         return SessionSpec(
             id=chat_id,
             provider=backend,

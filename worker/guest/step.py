@@ -13,6 +13,7 @@ from schemas.bodies import error_obj
 from schemas.spec_types import ProgramSpec
 from worker.errors import CancelledError
 from worker.guest.host import ChatDefaults, ProgramHost
+from worker.guest.mcp_params import McpAccess
 from worker.guest.ports import ProgramStore
 from worker.guest.runner import ModuleSource, ProgramOutcome, ProgramRun, run_program
 from worker.session.decisions import Decision, Ending
@@ -43,6 +44,7 @@ class ProgramSteps:
                         model=spec.model,
                         deadline=started + spec.limits.run_timeout_ms / 1000,
                         permissions=spec.permissions,
+                        mcp=self._mcp_access(spec),
                     ),
                     self.programs,
                     self.runner.dispatch,
@@ -56,6 +58,12 @@ class ProgramSteps:
         return self.runner.guard.run(
             keys.program_step(sk), sk, body, stop_if_cancelled=False, state="running"
         )
+
+    def _mcp_access(self, spec: ProgramSpec) -> McpAccess:
+        """The MCP servers the run's environment allows its chats to enable."""
+        fleet = self.runner.settings.tool_defaults
+        allowed = fleet.mcp_allowed(spec.permissions.environment)
+        return McpAccess(allowed=allowed, client=self.runner.mcp, fleet=fleet)
 
 
 def _run_of(spec: ProgramSpec) -> ProgramRun:
