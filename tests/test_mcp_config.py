@@ -6,6 +6,7 @@ server runs here (tests/test_mcp_tools.py talks to one)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from schemas.spec_types import (
     spec_to_json,
     with_mcp_tools,
 )
+from tests.test_config import cli
 
 CONFIG: dict[str, Any] = {
     "mcp_servers": {
@@ -184,3 +186,21 @@ def test_submit_refuses_an_mcp_server_not_configured_or_not_allowed(tmp_path: Pa
     path.write_text(json.dumps(lines[0]) + "\n")
     with pytest.raises(SpecFileError, match="needs an environment that lists it"):
         load_spec_file(path, backend_check(no_environment))
+
+
+def test_the_readmes_mcp_example_is_a_valid_configuration() -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    [example] = [b for b in re.findall(r"```json\n(.*?)```", readme, re.S) if '"mcp_servers"' in b]
+    fleet = parse_config(json.loads(example)).tool_defaults
+    assert sorted(fleet.mcp_servers) == ["fs", "web"]
+    assert fleet.mcp_allowed(None) == ("fs", "web") and fleet.mcp_allowed("batch") == ("fs",)
+
+
+def test_config_check_lists_the_mcp_servers_and_where_they_are_usable() -> None:
+    shown = cli("config", "check", env={"CCHATQ_BACKENDS": json.dumps(CONFIG)})
+    assert shown.returncode == 0, shown.stderr
+    lines = [line.split() for line in shown.stdout.splitlines() if "mcp " in line]
+    assert lines == [
+        ["mcp", "fs", "stdio", "python", "usable", "in:", "dev"],
+        ["mcp", "web", "http", "https://mcp.example.com/mcp", "usable", "in:", "no", "environment"],
+    ]
