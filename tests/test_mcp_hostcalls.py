@@ -136,6 +136,8 @@ def test_with_permission_the_allowed_tools_are_offered_and_called(twins: McpPipe
     assert [t.name for t in chat.tools] == [ADD, ECHO]  # the allowlist leaves out `secret`
     assert chat.params == {"temperature": 0}
     assert twins.mcp.listings == ["fs"]
+    [budget] = twins.mcp.budgets  # the listing is bounded by what is left of the run
+    assert budget is not None and 0 < budget <= 30_000
     assert twins.mcp.calls == [("fs", "add", {"a": 40, "b": 2})]
     body = host.response_bodies()[0]
     said = body["choices"][0]["message"]["content"]

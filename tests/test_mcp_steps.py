@@ -125,6 +125,7 @@ def test_the_first_round_offers_the_allowed_tools_and_a_call_runs_on_its_server(
     assert secret["error"]["code"] == "TOOL_NOT_FOUND"  # not offered: not called either
     assert run.mcp.calls == [("fs", "add", {"a": 40, "b": 2})]
     assert run.mcp.listings == ["fs"]  # once: every later step read the stored tools
+    assert run.mcp.budgets == [None]  # the server's own timeout bounds it
     assert run.wasm.calls == []
     # the second round offered the same tools, read back with the session
     assert run.provider.requests[1].tools == run.provider.requests[0].tools

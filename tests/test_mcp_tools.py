@@ -96,6 +96,9 @@ def test_failures_are_the_error_trees(fixture_server: McpServerConfig) -> None:
     assert not unsent.value.ran  # never sent: a retry is safe whatever the tool
     with pytest.raises(McpError, match="'nope' is not configured"):
         broken.list_tools("nope")
+    # a program's listing gets what is left of its run, when that is less than the timeout
+    with pytest.raises(McpError, match="fx did not list its tools within 50 ms"):
+        tools.list_tools("fx", budget_ms=50)
 
 
 def test_a_call_past_its_timeout_stops_the_server_process(

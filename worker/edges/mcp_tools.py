@@ -80,7 +80,7 @@ class McpTools:
 
     # listing -------------------------------------------------------------------------------
 
-    def list_tools(self, server_id: str) -> tuple[McpToolInfo, ...]:
+    def list_tools(self, server_id: str, budget_ms: int | None = None) -> tuple[McpToolInfo, ...]:
         server = self._servers.get(server_id)
         if server is None:
             raise McpError(f"MCP server {server_id!r} is not configured")
@@ -90,6 +90,8 @@ class McpTools:
             if cached is not None and now - cached[0] < self._list_ttl_s:
                 return cached[1]
         timeout_ms = self.timeout_ms(server)
+        if budget_ms is not None:
+            timeout_ms = max(1, min(timeout_ms, budget_ms))
         try:
             listed = anyio.run(self._list, server, timeout_ms / 1000)
         except Exception as exc:

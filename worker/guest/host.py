@@ -270,7 +270,7 @@ class ProgramHost:
             for tool in session.tools
         )
         try:  # its MCP servers' tools, after its own (a name of its own wins)
-            offered = chat_mcp_tools(mcp_params, self.d.mcp)
+            offered = chat_mcp_tools(mcp_params, self.d.mcp, self._left_ms)
         except McpError as exc:
             return dump_body(exc.body())
         own = {t.name for t in tools}
@@ -292,6 +292,10 @@ class ProgramHost:
             limits=Limits.resolve(consumed),
             permissions=self.d.permissions,
         )
+
+    def _left_ms(self) -> int:
+        """What is left of the run, in ms (a blocking call is bounded by it); aborts at 0."""
+        return max(1, int(self._check_time() * 1000))
 
     def _wait(self, ready: Callable[[], bool], until: float | None = None) -> bool:
         """Block until `ready()`, the run's deadline (which aborts), or `until`."""

@@ -16,6 +16,7 @@ the response an `mcp_error` body.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,8 +68,11 @@ def set_mcp_param(params: dict[str, Any], key: str, value: Any, access: McpAcces
     return 0
 
 
-def chat_mcp_tools(consumed: dict[str, Any], access: McpAccess) -> tuple[ToolSpec, ...]:
-    """The MCP tools a chat offers, from its consumed `mcp.` params (raises McpError)."""
+def chat_mcp_tools(
+    consumed: dict[str, Any], access: McpAccess, budget_ms: Callable[[], int]
+) -> tuple[ToolSpec, ...]:
+    """The MCP tools a chat offers, from its consumed `mcp.` params (raises McpError), each
+    listing within `budget_ms()` (what is left of the run)."""
     if consumed.get(ENABLED) is not True:
         return ()
     servers = [s for s in consumed.get(SERVER_IDS) or () if s]
@@ -78,4 +82,5 @@ def chat_mcp_tools(consumed: dict[str, Any], access: McpAccess) -> tuple[ToolSpe
         dict.fromkeys(servers),  # each once, in order
         consumed.get(TOOL_ALLOWLIST) or (),
         consumed.get(TOOL_DENYLIST) or (),
+        budget_ms,
     )

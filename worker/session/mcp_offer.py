@@ -42,9 +42,11 @@ def mcp_tools(
     servers: Iterable[str],
     allowlist: Iterable[str] = (),
     denylist: Iterable[str] = (),
+    budget_ms: Callable[[], int] | None = None,
 ) -> tuple[ToolSpec, ...]:
     """The tools `servers` offer, in their order (a name already offered is not offered twice).
-    Raises McpError when a server is not configured or cannot list its tools."""
+    Raises McpError when a server is not configured or cannot list its tools. `budget_ms`: the
+    time left for each listing (a program's run deadline)."""
     allowlist, denylist = tuple(allowlist), tuple(denylist)
     out: dict[str, ToolSpec] = {}
     for server_id in servers:
@@ -53,7 +55,8 @@ def mcp_tools(
             raise McpError(f"MCP server {server_id!r} is not configured")
         if client is None:
             raise McpError("this worker calls no MCP server")
-        for tool in offered_tools(server, client.list_tools(server_id), allowlist, denylist):
+        listed = client.list_tools(server_id, None if budget_ms is None else budget_ms())
+        for tool in offered_tools(server, listed, allowlist, denylist):
             out.setdefault(tool.name, tool)
     return tuple(out.values())
 

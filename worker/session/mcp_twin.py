@@ -25,12 +25,14 @@ class MemoryMcp:
     down: set[str] = field(default_factory=set)
     listings: list[str] = field(default_factory=list)
     calls: list[tuple[str, str, dict[str, Any]]] = field(default_factory=list)
+    budgets: list[int | None] = field(default_factory=list)  # each listing's budget_ms
 
     def add(self, server: str, info: McpToolInfo, handler: Handler) -> None:
         self.servers.setdefault(server, {})[info.name] = (info, handler)
 
-    def list_tools(self, server: str) -> tuple[McpToolInfo, ...]:
+    def list_tools(self, server: str, budget_ms: int | None = None) -> tuple[McpToolInfo, ...]:
         self.listings.append(server)
+        self.budgets.append(budget_ms)
         if server in self.down or server not in self.servers:
             raise McpError(f"MCP server {server} could not list its tools: ConnectionError")
         return tuple(info for info, _ in self.servers[server].values())

@@ -300,5 +300,8 @@ class McpClient(Protocol):
     """MCP servers (the configuration's `mcp_servers`): lists a server's tools (a raised
     McpError when it cannot), and runs a call of one (a ToolRuntime for calls with `mcp`)."""
 
-    def list_tools(self, server: str) -> tuple[McpToolInfo, ...]: ...
+    def list_tools(self, server: str, budget_ms: int | None = None) -> tuple[McpToolInfo, ...]:
+        """Its tools, within the server's timeout (and `budget_ms`, when less)."""
+        ...
+
     def run(self, call: ToolCall) -> str: ...
