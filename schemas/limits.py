@@ -29,6 +29,9 @@ LIMIT_BOUNDS: dict[str, tuple[int | None, int]] = {
     "max_parallel": (None, 1_000),  # tool tasks of one session in flight at once
     # a longer tool output reaches the model as an excerpt (the store keeps it whole)
     "compress_over_bytes": (16_384, 1 << 20),
+    # the bound on each model request (SPEAR's `timeout_ms`); None: the backend's own
+    # total_timeout_s, which also caps it. Below the default visibility timeout (300 s).
+    "request_timeout_ms": (None, 280_000),
 }
 LIMIT_ALIASES = {
     "max_tool_calls": "max_total_tool_calls",
@@ -103,6 +106,7 @@ class Limits:
     max_tool_retries: int | None = None
     max_parallel: int | None = None
     compress_over_bytes: int = _default("compress_over_bytes")
+    request_timeout_ms: int | None = None
     # how a longer output reaches the model: an excerpt, or a summary a model writes (on
     # compress_backend, else the session's own)
     compress: str = "excerpt"

@@ -298,6 +298,7 @@ class LimitsSchema(Schema):
     max_tool_retries = _limit_field("max_tool_retries", least=0)
     max_parallel = _limit_field("max_parallel")
     compress_over_bytes = _limit_field("compress_over_bytes")
+    request_timeout_ms = _limit_field("request_timeout_ms")
     compress = fields.String(validate=validate.OneOf(COMPRESS_MODES))
     compress_backend = fields.String(validate=validate.Length(min=1, max=200))
     compress_model = fields.String(validate=validate.Length(min=1, max=200))

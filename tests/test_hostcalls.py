@@ -727,29 +727,39 @@ def test_send_to_an_unknown_backend_gives_an_error_body(h: Harness) -> None:
     assert data == jb(err)
 
 
-def test_send_timeout_ms_param_bounds_a_blocking_send(h: Harness) -> None:
+def test_timeout_ms_bounds_the_model_request_and_recv_reads_its_error_body(h: Harness) -> None:
+    # SPEAR's timeout_ms is the model request's bound: past it the chat ends with an error
+    # body, which a blocking send waits for and cchat_recv returns (never -EAGAIN)
     p = Program()
     s = p.call("cchat_create")
-    with_arg(p, "cchat_ctl", Ref(s), SET_PARAM, '{"key":"timeout_ms","value":200}')
-    write_msg(p, Ref(s), "user", "[[latency_ms:1500]] give up early")
-    t0 = p.call("time_now_ms")
+    param = with_arg(p, "cchat_ctl", Ref(s), SET_PARAM, '{"key":"timeout_ms","value":200}')
+    write_msg(p, Ref(s), "user", "[[latency_ms:5000]] give up early")
     r = p.call("cchat_send", Ref(s), 0)
-    t1 = p.call("time_now_ms")
-    early = with_out(p, "cchat_recv", Ref(r), cap=1024)
-    e = p.call("spear_epoll_create")
-    p.call("spear_epoll_ctl", Ref(e), ADD, Ref(r), EPOLLIN)
-    woke = with_out(p, "spear_epoll_wait", Ref(e), cap=64, tail=(10_000,))
-    late = with_out(p, "cchat_recv", Ref(r), cap=1024)
+    body = with_out(p, "cchat_recv", Ref(r), cap=1024)
+    status = with_out(p, "spear_fd_ctl", Ref(r), GET_STATUS, cap=256)
+    quick = p.call("cchat_create")
+    with_arg(p, "cchat_ctl", Ref(quick), SET_PARAM, '{"key":"timeout_ms","value":5000}')
+    write_msg(p, Ref(quick), "user", "[[latency_ms:50]] in time")
+    r2 = p.call("cchat_send", Ref(quick), 0)
+    answer = with_out(p, "cchat_recv", Ref(r2), cap=1024)
     ran = h.run(p)
-    assert ran.r(r) == 1001
-    assert 150 <= ran.r(t1) - ran.r(t0) < 1200
-    assert ran.r(early.call) == -EAGAIN
-    assert ran.untouched(early.ptr, 1024)
-    assert ran.r(woke.call) == 1
-    assert ran.out(woke.ptr, woke.cell) == struct.pack("<ii", 1001, EPOLLIN)
-    assert ran.out(late.ptr, late.cell) == echo_body(
-        "[[latency_ms:1500]] give up early", "give up early"
-    )
+    assert (ran.r(param), ran.r(r), ran.r(r2)) == (0, 1001, 1003)
+    data = ran.out(body.ptr, body.cell)
+    assert ran.r(body.call) == len(data)
+    assert json.loads(data) == {
+        "error": {
+            "code": "provider_timeout",
+            "message": "the model request passed its timeout of 200 ms",
+        }
+    }
+    assert data == jb(json.loads(data))
+    assert json.loads(ran.out(status.ptr, status.cell))["poll_mask"] == ["EPOLLIN"]
+    assert ran.out(answer.ptr, answer.cell) == echo_body("[[latency_ms:50]] in time", "in time")
+    # the param reached the chat's spec as its request bound, not as a wire field
+    chats = [ran.host.fds[fd].sk for fd in (1001, 1003)]
+    limits = [h.shared.store.specs[sk]["limits"] for sk in chats]
+    assert [lim["request_timeout_ms"] for lim in limits] == [200, 5000]
+    assert all("timeout_ms" not in h.shared.store.specs[sk]["params"] for sk in chats)
 
 
 def test_send_auto_appends_the_reply_to_the_session_plain_does_not(h: Harness) -> None:

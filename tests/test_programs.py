@@ -130,6 +130,24 @@ def test_a_forked_tools_log_lines_reach_the_program_result_and_cchatq_run(
     assert "sum invoked" not in trace.stdout
 
 
+def test_timeout_ms_below_the_model_latency_gives_an_error_body_and_exit_0(
+    running: Running, tmp_path: Path, fresh_id: str
+) -> None:
+    # SPEAR's chat_completion sample, its way: timeout_ms bounds the model request, and a
+    # request that passes it leaves an error body for cchat_recv (the sample exits 0)
+    record = run_program(
+        running, tmp_path, f"{fresh_id}/timeout", "prog_chat_timeout.wasm",
+        program={"args": ["300", "[[latency_ms:5000]] too slow"]}, model="replay/plain",
+    )  # fmt: skip
+    assert record["status"] == "ok" and record["exit_code"] == 0, record
+    size, body = record["stdout"].splitlines()
+    error = json.loads(body.removeprefix("response_json="))
+    assert size == f"response_bytes={len(body.removeprefix('response_json=').encode())}"
+    assert error["error"]["code"] == "provider_timeout"
+    assert error["error"]["message"].startswith("the model request passed its timeout of 300 ms")
+    assert record["responses"] == [error]
+
+
 def test_fanout_chats_run_concurrently(running: Running, tmp_path: Path, fresh_id: str) -> None:
     running.slow_replay_reset()
     record = run_program(running, tmp_path, f"{fresh_id}/fan", "prog_fanout.wasm", provider="slow")

@@ -9,7 +9,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -20,7 +20,12 @@ from worker.codecs.openai_codec import OpenAICodec
 from worker.codecs.protocol import ChatRequest
 from worker.config import BackendConfig
 from worker.edges.provider_http import CompletionResult, HttpProvider, _pool_for
-from worker.errors import ProviderProtocolError, ProviderRequestError, ProviderRetryableError
+from worker.errors import (
+    ProviderProtocolError,
+    ProviderRequestError,
+    ProviderRetryableError,
+    ProviderTimeoutError,
+)
 
 REQUEST = ChatRequest(model="m", messages=[{"role": "user", "content": "TOPSECRETPROMPT"}])
 
@@ -274,6 +279,26 @@ def test_total_timeout_stops_before_a_long_sleep(make: Any, server: ScriptedServ
     assert info.value.retry_after_s == 30.0
     assert h.sleeps == []
     assert len(server.seen) == 1
+
+
+def test_request_timeout_bounds_the_call_and_is_not_retried(
+    make: Any, server: ScriptedServer
+) -> None:
+    # the request's own bound (a program chat's timeout_ms): a read timeout past it ends the
+    # call with provider_timeout at once, though the backend would retry and wait longer
+    h = make(Reply(delay_s=1.0), Reply(), read_timeout_s=30.0, max_attempts=3)
+    with pytest.raises(ProviderTimeoutError) as info:
+        h.complete(replace(REQUEST, timeout_s=0.2))
+    assert info.value.code == "provider_timeout"
+    assert info.value.message == (
+        "the model request passed its timeout of 200 ms (backend test, attempt 1)"
+    )
+    assert (len(server.seen), h.sleeps) == (1, [])
+
+
+def test_request_timeout_longer_than_the_reply_changes_nothing(make: Any) -> None:
+    result = make(Reply(delay_s=0.05)).complete(replace(REQUEST, timeout_s=5.0))
+    assert (result.attempts, result.completion["choices"][0]["message"]["content"]) == (1, "hello")
 
 
 def test_no_secrets_in_logs_or_errors(make: Any, caplog: pytest.LogCaptureFixture) -> None:

@@ -44,6 +44,7 @@ from worker.errors import (
     ProviderProtocolError,
     ProviderRequestError,
     ProviderRetryableError,
+    ProviderTimeoutError,
     RateLimited,
     RetryLater,
 )
@@ -68,7 +69,8 @@ class ReplayTwin:
     unexpected: list[str] = field(default_factory=list)  # what the server prints loudly
     rejected: list[str] = field(default_factory=list)
     _seen: set[str] = field(default_factory=set, init=False)
-    _in_flight: dict[bytes, tuple[float, Outcome]] = field(default_factory=dict, init=False)
+    # body -> (when it lands, its outcome, when it was sent)
+    _in_flight: dict[bytes, tuple[float, Outcome, float]] = field(default_factory=dict, init=False)
     _lock: threading.RLock = field(default_factory=threading.RLock, init=False)
 
     def __call__(self, backend: BackendConfig) -> ReplayProvider:
@@ -80,9 +82,11 @@ class ReplayTwin:
             self._seen.add(key)
             return new
 
-    def exchange(self, body: bytes) -> Outcome:
+    def exchange(self, body: bytes, timeout_s: float | None = None) -> Outcome:
         """The server's answer to one request body, once its latency has passed: until then
-        RateLimited with the time left (the request stays in flight, answered once)."""
+        RateLimited with the time left (the request stays in flight, answered once). A
+        request whose `timeout_s` passes first is dropped: ProviderTimeoutError, as the HTTP
+        provider raises it."""
         with self._lock:
             flying = self._in_flight.get(body)
             if flying is None:
@@ -92,11 +96,22 @@ class ReplayTwin:
                 self._count(outcome)
                 if outcome.latency_ms <= 0:
                     return outcome
-                flying = (time.monotonic() + outcome.latency_ms / 1000, outcome)
+                now = time.monotonic()
+                flying = (now + outcome.latency_ms / 1000, outcome, now)
                 self._in_flight[body] = flying
-            landed, outcome = flying
-            left = landed - time.monotonic()
+            landed, outcome, sent = flying
+            now = time.monotonic()
+            left = landed - now
             if left > 0:
+                if timeout_s is not None:
+                    over = sent + timeout_s - now
+                    if over <= 0:
+                        del self._in_flight[body]
+                        ms = round(timeout_s * 1000)
+                        raise ProviderTimeoutError(
+                            f"the model request passed its timeout of {ms} ms"
+                        )
+                    left = min(left, over)
                 raise RateLimited(left)
             del self._in_flight[body]
             return outcome
@@ -136,7 +151,7 @@ class ReplayProvider:
         empty_retried = False
         failure: ProviderError = ProviderRetryableError("no attempt made")
         for _ in range(max(self.backend.max_attempts, 1)):
-            reply = self.twin.exchange(body).reply
+            reply = self.twin.exchange(body, request.timeout_s).reply
             if 200 <= reply.status < 300:
                 try:
                     payload = json.loads(reply.body)

@@ -25,7 +25,8 @@ CchatqError                      root; `code` is the error-body code, `errno` th
 ├── ProviderError                provider_error (the model call failed)
 │   ├── ProviderRetryableError   provider_unavailable
 │   ├── ProviderRequestError     provider_error
-│   └── ProviderProtocolError    provider_protocol_error
+│   ├── ProviderProtocolError    provider_protocol_error
+│   └── ProviderTimeoutError     provider_timeout
 ├── GuestError                   guest_error
 │   └── GuestTrapError           guest_trap
 ├── StoreError                   store_error (never in a body: the step is retried)
@@ -223,6 +224,14 @@ class ProviderRequestError(ProviderError):
 class ProviderProtocolError(ProviderError):
     code = "provider_protocol_error"
     raised_when = "the backend's reply could not be read (not JSON, wrong shape, bad stream)"
+
+
+class ProviderTimeoutError(ProviderError):
+    code = "provider_timeout"
+    raised_when = (
+        "the model request passed its own bound (a program chat's timeout_ms, a session's "
+        "limits.request_timeout_ms) before the backend answered"
+    )
 
 
 # Guests, the store --------------------------------------------------------------------------

@@ -38,6 +38,9 @@ class ChatRequest:
     stream: bool = False
     thinking_budget_tokens: int | None = None  # None: thinking off
     max_tokens: int | None = None  # Anthropic requires one: its codec falls back to a default
+    # the bound on the whole call, retries included (limits.request_timeout_ms); None: the
+    # backend's total_timeout_s. Not part of the wire body.
+    timeout_s: float | None = None
 
 
 @dataclass(frozen=True)

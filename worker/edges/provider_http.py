@@ -47,6 +47,7 @@ from worker.errors import (
     ProviderProtocolError,
     ProviderRequestError,
     ProviderRetryableError,
+    ProviderTimeoutError,
 )
 
 log = logging.getLogger(__name__)
@@ -147,7 +148,7 @@ class HttpProvider:
                 if (
                     empty_retried
                     or attempts >= policy.max_attempts
-                    or self._past_deadline(start, 0.0)
+                    or self._past_deadline(request, start, 0.0)
                 ):
                     raise ProviderProtocolError("empty response")
                 empty_retried = True
@@ -155,10 +156,16 @@ class HttpProvider:
                     "backend %s: empty reply (attempt %d), retrying", backend.name, attempts
                 )
                 continue
+            if request.timeout_s is not None and time.monotonic() - start >= request.timeout_s:
+                # the request's own bound ran out (SPEAR's per-request timeout_ms)
+                raise ProviderTimeoutError(
+                    f"the model request passed its timeout of {round(request.timeout_s * 1000)}"
+                    f" ms (backend {backend.name}, attempt {attempts})"
+                )
             if attempts >= policy.max_attempts:
                 raise outcome
             delay = backoff_s(attempts, policy, outcome.retry_after_s, random.random())
-            if self._past_deadline(start, delay):
+            if self._past_deadline(request, start, delay):
                 raise outcome
             # outcome.message holds at most the upstream error text, never our request.
             log.warning(
@@ -167,8 +174,13 @@ class HttpProvider:
             )  # fmt: skip
             self._sleep(delay)
 
-    def _past_deadline(self, start: float, delay: float) -> bool:
-        return time.monotonic() - start + delay >= self._backend.total_timeout_s
+    def _total_s(self, request: ChatRequest) -> float:
+        """The whole call's deadline: the backend's, or the request's own when shorter."""
+        total = self._backend.total_timeout_s
+        return total if request.timeout_s is None else min(total, request.timeout_s)
+
+    def _past_deadline(self, request: ChatRequest, start: float, delay: float) -> bool:
+        return time.monotonic() - start + delay >= self._total_s(request)
 
     def _attempt(
         self,
@@ -181,9 +193,10 @@ class HttpProvider:
     ) -> dict[str, Any] | ProviderRetryableError:
         """One HTTP exchange: the completion, a retryable failure, or a raised final error."""
         backend = self._backend
-        remaining = backend.total_timeout_s - (time.monotonic() - start)
+        remaining = self._total_s(request) - (time.monotonic() - start)
         # read_s is the idle timeout between reads of a stream; the total deadline bounds it too
         read_s = max(min(backend.read_timeout_s, remaining), _MIN_READ_TIMEOUT_S)
+        connect_s = max(min(backend.connect_timeout_s, remaining), _MIN_READ_TIMEOUT_S)
         url = self._base + wire.path
         if wire.query:
             url += "?" + urlencode(wire.query)
@@ -193,7 +206,7 @@ class HttpProvider:
                 url,
                 body=body,
                 headers=self._headers(wire, request.stream),
-                timeout=urllib3.Timeout(connect=backend.connect_timeout_s, read=read_s),
+                timeout=urllib3.Timeout(connect=connect_s, read=read_s),
                 preload_content=not request.stream,
                 redirect=False,
             )
@@ -266,7 +279,7 @@ class HttpProvider:
                     if on_delta is not None:
                         for delta in deltas:
                             on_delta(delta)
-                if time.monotonic() - start > self._backend.total_timeout_s:
+                if time.monotonic() - start > self._total_s(request):
                     name = self._backend.name
                     return ProviderRetryableError(f"stream from backend {name} passed its deadline")
             for event in parser.close():

@@ -44,6 +44,7 @@ class FdEntry:
     body: bytes | None = None
     record: dict[str, Any] | None = None
     sent_messages: int = 0
+    nonblocking: bool = False  # sent from an O_NONBLOCK session: cchat_recv never blocks
     # an epoll instance: fd -> interest events
     watch: dict[int, int] = field(default_factory=dict)
 

@@ -223,14 +223,10 @@ class ProgramHost:
                 self.dispatch.round(sk, 0)
         resp_fd = self.fd_table.new(response)
         self.responses.append(resp_fd)
-        if abi.O_NONBLOCK not in session.flags:
-            timeout_ms = session.params.get("timeout_ms")
-            limit = (
-                time.monotonic() + timeout_ms / 1000
-                if isinstance(timeout_ms, int | float)
-                else None
-            )
-            self._wait(lambda: self.fd_table.observe(response), until=limit)
+        if abi.O_NONBLOCK in session.flags:
+            response.nonblocking = True
+        else:  # until the body is there: timeout_ms bounds the model request, not this wait
+            self._wait(lambda: self.fd_table.observe(response))
         return resp_fd
 
     def _chat_spec(
@@ -243,6 +239,9 @@ class ProgramHost:
             if k in params
         }
         mcp_params = {k: params.pop(k) for k in list(params) if is_mcp_param(k)}
+        if "timeout_ms" in consumed and "request_timeout_ms" not in consumed:
+            # SPEAR's timeout_ms is the model request's bound: the round's provider call
+            consumed["request_timeout_ms"] = consumed["timeout_ms"]
         model = consumed.get("model") or self.d.model
         if not isinstance(model, str) or not model:
             return dump_body(InvalidRequestError("no model: set the `model` param").body())
@@ -315,7 +314,10 @@ class ProgramHost:
         if response is None:
             return -abi.EBADF
         if not self.fd_table.observe(response):
-            return -abi.EAGAIN
+            if response.nonblocking or abi.O_NONBLOCK in response.flags:
+                return -abi.EAGAIN
+            # blocks until the chat ends (a timeout_ms passed is an error body), or the run does
+            self._wait(lambda: self.fd_table.observe(response))
         assert response.body is not None
         return write_with_len(mem, out_ptr, out_len_ptr, response.body)
 

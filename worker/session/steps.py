@@ -257,6 +257,7 @@ class StepRunner:
             parallel_tool_calls=step.parallel_tool_calls,
             stream=backend.stream,
             thinking_budget_tokens=backend.thinking_budget_tokens,
+            timeout_s=_seconds(session.spec.limits.request_timeout_ms),
         )
         try:
             return self.complete(backend, chat, partial_of=sk)
@@ -386,3 +387,7 @@ class StepRunner:
                 outbox.events.append(finished)
             else:
                 self.guard.trace_now(sk, finished, expire=True)
+
+
+def _seconds(ms: int | None) -> float | None:
+    return None if ms is None else ms / 1000
