@@ -27,6 +27,10 @@ call i:
     cq:fds:{sk}             a program run's fd table: hash fd -> entry JSON
     cq:mcp:{sk}             the MCP tools a spec session offers, listed by its first round
                             (first writer wins); read with its spec
+    cq:us:{sk}:in           a program run's user streams, user -> program: a Redis stream of
+                            open/data/close events (schemas/user_stream.py), auto ids
+    cq:us:{sk}:out          the same, program -> user, with ids 0-1, 0-2, ... so a replayed
+                            run's writes land once
     cq:partial:{sk}         the text of the round being streamed (for `cchatq status`)
     cq:rl:{backend}:req     rate limit: zset of recent requests (member -> time)
     cq:rl:{backend}:tok     rate limit: hash member -> tokens
@@ -225,6 +229,17 @@ def fds(sk: str) -> str:
 
 def mcp_tools(sk: str) -> str:
     return f"{PREFIX}:mcp:{sk}"
+
+
+def user_in(sk: str) -> str:
+    return f"{PREFIX}:us:{sk}:in"
+
+
+def user_out(sk: str) -> str:
+    return f"{PREFIX}:us:{sk}:out"
+
+
+USER_WAKE = "ustream"  # pushed on a run's done list when its user sends: its waits wake
 
 
 def partial(sk: str) -> str:

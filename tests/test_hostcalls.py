@@ -1248,7 +1248,7 @@ def test_unserved_spear_imports_link_and_return_enosys(h: Harness) -> None:
         signatures={
             "mic_open": (("i32",), "i32"),
             "rtasr_read": (("i32", "i32", "i32"), "i32"),
-            "user_stream_open": ((), "i32"),
+            "mic_close": ((), "i32"),
             "mic_level": ((), "i64"),
             "rtasr_close": (("i32",), None),
         }
@@ -1256,7 +1256,7 @@ def test_unserved_spear_imports_link_and_return_enosys(h: Harness) -> None:
     calls = [
         p.call("mic_open", 0),
         p.call("rtasr_read", 1000, 64, 128),
-        p.call("user_stream_open"),
+        p.call("mic_close"),
         p.call("mic_level"),
     ]
     p.call("rtasr_close", 3)

@@ -46,6 +46,12 @@ SPEAR_SIGS: dict[str, tuple[tuple[str, ...], str | None]] = {
     "spear_epoll_ctl": (("i32",) * 4, "i32"),
     "spear_epoll_wait": (("i32",) * 4, "i32"),
     "spear_epoll_close": (("i32",), "i32"),
+    "user_stream_open": (("i32",) * 2, "i32"),
+    "user_stream_read": (("i32",) * 3, "i32"),
+    "user_stream_write": (("i32",) * 3, "i32"),
+    "user_stream_close": (("i32",), "i32"),
+    "user_stream_ctl_open": ((), "i32"),
+    "user_stream_ctl_read": (("i32",) * 3, "i32"),
 }
 
 

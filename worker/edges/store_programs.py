@@ -1,4 +1,4 @@
-"""Redis operations of program runs: their chats, fd tables and memory snapshots.
+"""Redis operations of program runs: their chats, fd tables, memory snapshots and user streams.
 Same rules as store.py: every key has a TTL; redis errors become StoreError."""
 
 from __future__ import annotations
@@ -8,11 +8,16 @@ import json
 import time
 from typing import Any
 
+import redis
+
 from schemas import keys
 from schemas.bodies import dump_body
 from schemas.spec_types import SessionSpec, spec_to_json
+from schemas.user_stream import StreamEvent
 from worker.edges.store import RedisStore, _translated
 from worker.errors import StoreError
+
+USER_EVENTS_BATCH = 256  # user events read at once
 
 
 class ProgramStore:
@@ -91,3 +96,23 @@ class ProgramStore:
         pipe.hset(keys.fds(run_sk), str(fd), dump_body(entry))
         pipe.expire(keys.fds(run_sk), self.ttl_s)
         pipe.execute()
+
+    @_translated
+    def user_events(self, run_sk: str, after: str) -> list[tuple[str, StreamEvent | None]]:
+        read = self.client.xread({keys.user_in(run_sk): after}, count=USER_EVENTS_BATCH)
+        entries = read[0][1] if read else []
+        return [
+            (entry_id.decode(), StreamEvent.from_fields(fields)) for entry_id, fields in entries
+        ]
+
+    @_translated
+    def emit_user_event(self, run_sk: str, seq: int, event: StreamEvent) -> bool:
+        key = keys.user_out(run_sk)
+        try:
+            self.client.xadd(key, event.fields(), id=f"0-{seq}")
+        except redis.ResponseError as exc:
+            if "equal or smaller" not in str(exc):
+                raise
+            return False  # written by this run before its task was delivered again
+        self.client.expire(key, self.ttl_s)
+        return True

@@ -16,7 +16,7 @@ from schemas.spec_types import ToolPolicy, default_parameters
 
 # Linux errno numbers (not wasi-libc's)
 EPERM, ENOENT, EIO, EBADF, EAGAIN, ENOMEM, EACCES, EFAULT = 1, 2, 5, 9, 11, 12, 13, 14
-EINVAL, ENOSPC, EPIPE, ENOSYS, ETIMEDOUT = 22, 28, 32, 38, 110
+EINVAL, ENOSPC, EPIPE, ENOSYS, ENOTCONN, ETIMEDOUT = 22, 28, 32, 38, 107, 110
 
 FIRST_FD = 1000
 LOG_MAX_BYTES = 16_384
@@ -42,8 +42,10 @@ EPOLL_RECORD_BYTES = 8
 KIND_SESSION = "ChatSession"
 KIND_RESPONSE = "ChatResponse"
 KIND_EPOLL = "Epoll"
+KIND_USER_STREAM = "UserStream"
+KIND_USER_STREAM_CTL = "UserStreamCtl"
 
-UNSERVED_PREFIXES = ("mic_", "rtasr_", "user_stream_")
+UNSERVED_PREFIXES = ("mic_", "rtasr_")
 
 
 def write_with_len_plan(capacity: int, data: bytes) -> tuple[int, bool]:

@@ -3,6 +3,11 @@ any fd) and the `spear_epoll_*` calls, over the run's fd table.
 
 Like every hostcall they return -errno and never raise, except RunAborted from a blocking
 `spear_epoll_wait` (deadline, cancellation), raised by the host's wait.
+
+Level-triggered, as SPEAR's: a guest watching EPOLLOUT on an idle writable fd (SPEAR's
+user_stream_echo sample does) gets it at every wait. A wait that would only repeat the
+EPOLLOUT records the last one gave first waits IDLE_WRITABLE_S for anything else, so such a
+guest loops a few hundred times a second, not as fast as a programs worker can.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ HOSTCALLS = (
     "spear_epoll_close",
 )  # fmt: skip
 
+IDLE_WRITABLE_S = 0.005  # how long a wait that would only repeat EPOLLOUT waits for more
+
 # The host's blocking wait: until `ready()` (True), the `until` monotonic time (False), or
 # the run's deadline or cancellation (RunAborted).
 Wait = Callable[[Callable[[], bool], float | None], bool]
@@ -29,6 +36,7 @@ class EpollCalls:
     def __init__(self, fds: FdTable, wait: Wait) -> None:
         self.fds = fds
         self._wait = wait
+        self._last: dict[int, list[tuple[int, int]]] = {}  # epfd -> what its last wait gave
 
     def spear_fd_ctl(
         self, mem: GuestMemory, fd: int, cmd: int, arg_ptr: int, arg_len_ptr: int
@@ -92,7 +100,12 @@ class EpollCalls:
         ready: list[tuple[int, int]] = []
         entries = self.fds.entries
 
+        looks = 0
+
         def scan() -> bool:
+            nonlocal looks
+            self.fds.refresh(first=looks == 0)  # user streams read what their users sent
+            looks += 1
             pending = [entries[fd] for fd in ep.watch if entries[fd].kind == abi.KIND_RESPONSE]
             self.fds.observe_many(pending)
             ready[:] = [
@@ -110,6 +123,15 @@ class EpollCalls:
             scan()
         else:
             self._wait(scan, until)
+            if self._last.get(epfd) == ready and all(ev == abi.EPOLLOUT for _, ev in ready):
+                # Only writability, as the last wait reported: a guest spinning on an idle
+                # writable fd (SPEAR's echo sample). Wait a moment for anything else first.
+                idle = list(ready)
+                soon = time.monotonic() + IDLE_WRITABLE_S
+                self._wait(
+                    lambda: scan() and ready != idle, soon if until is None else min(soon, until)
+                )
+        self._last[epfd] = list(ready)
         packed = abi.pack_epoll_records(ready, capacity)
         if isinstance(packed, int):
             mem.write_u32(out_len_ptr, abi.EPOLL_RECORD_BYTES)

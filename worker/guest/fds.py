@@ -1,8 +1,10 @@
-"""The fd table of one program run: chat sessions, responses and epoll instances, mirrored to
-Redis (`cq:fds:<run>`) on every change.
+"""The fd table of one program run: chat sessions, responses, epoll instances and user
+streams, mirrored to Redis (`cq:fds:<run>`) on every change.
 
 A response fd learns that its chat finished by reading the chat's response, written by
-whichever worker finished it (`observe`); the poll mask of an fd follows from that.
+whichever worker finished it (`observe`); the poll mask of an fd follows from that. Kinds
+served elsewhere (user streams) register their poll masks (`pollers`) and what brings their
+state up to date before a poll (`refreshers`).
 """
 
 from __future__ import annotations
@@ -47,6 +49,12 @@ class FdEntry:
     nonblocking: bool = False  # sent from an O_NONBLOCK session: cchat_recv never blocks
     # an epoll instance: fd -> interest events
     watch: dict[int, int] = field(default_factory=dict)
+    # a user stream (its stream id, direction), or a user stream ctl fd (its unread events,
+    # as (stream id, kind), and whether it gave its session-closed event)
+    stream_id: int = 0
+    direction: int = 0
+    ctl_events: list[tuple[int, int]] = field(default_factory=list)
+    ctl_closed_read: bool = False
 
     def summary(self) -> dict[str, Any]:
         """What the Redis mirror shows (`cchatq status`): no message text."""
@@ -59,7 +67,9 @@ class FdEntry:
             out.update(messages=len(self.messages), tools=[t.function["name"] for t in self.tools])
         elif self.kind == abi.KIND_RESPONSE:
             out.update(session=self.sk, ready=self.body is not None)
-        else:
+        elif self.kind == abi.KIND_USER_STREAM:
+            out.update(stream_id=self.stream_id, direction=self.direction)
+        elif self.kind == abi.KIND_EPOLL:
             out.update(watch=sorted(self.watch))
         return out
 
@@ -81,6 +91,8 @@ class FdTable:
         self.entries: dict[int, FdEntry] = {}
         self.next_fd = abi.FIRST_FD
         self.on_tool_logs = on_tool_logs
+        self.pollers: dict[str, Callable[[FdEntry], int]] = {}  # kind -> its poll mask
+        self.refreshers: list[Callable[[bool], None]] = []  # arg: a first look (may be skipped)
 
     def new(self, entry: FdEntry) -> int:
         fd, self.next_fd = self.next_fd, self.next_fd + 1
@@ -123,7 +135,17 @@ class FdTable:
             if done:
                 self.observe(response)
 
+    def refresh(self, first: bool) -> None:
+        """Bring the state of the registered kinds up to date before a poll. `first`: the
+        first look of a wait, which a guest spinning on epoll repeats at once (may be rate
+        limited); a look after a wait has slept is never skipped."""
+        for refresh in self.refreshers:
+            refresh(first)
+
     def poll_mask(self, entry: FdEntry) -> int:
+        poller = self.pollers.get(entry.kind)
+        if poller is not None:
+            return poller(entry)
         mask = abi.EPOLLHUP if entry.closed else 0
         if entry.kind == abi.KIND_RESPONSE and self.observe(entry):
             mask |= abi.EPOLLIN

@@ -4,7 +4,8 @@ Each `cchat_send` becomes a chat session on the same round/tool pipeline as a sp
 (id `<run id>#send<n>`), with its tools forked from the program's memory at the send. The fd
 table (`program_fds`) is mirrored to Redis (`cq:fds:<run>`); response bodies are read from the
 chats' response fds, written by whichever worker finished them. `spear_fd_ctl` and the
-`spear_epoll_*` calls are in `program_epoll`; this module holds the chat and other hostcalls.
+`spear_epoll_*` calls are in `epoll`, the `user_stream_*` calls in `user_streams`; this module
+holds the chat and other hostcalls.
 
 Hostcalls return -errno and never raise, except RunAborted (deadline, cancellation), which
 traps the guest and ends the run.
@@ -44,6 +45,8 @@ from worker.guest.fork import ProgramFork
 from worker.guest.imports import GuestMemory
 from worker.guest.mcp_params import McpAccess, chat_mcp_tools, is_mcp_param, set_mcp_param
 from worker.guest.ports import ProgramStore
+from worker.guest.user_streams import HOSTCALLS as STREAM_HOSTCALLS
+from worker.guest.user_streams import UserStreamCalls
 from worker.session.ports import Dispatcher
 from worker.session.tool_logs import LEVELS
 
@@ -88,9 +91,11 @@ class ProgramHost:
         self.table_name: str | None = None
         self._aborted: RunAborted | None = None
         epoll = EpollCalls(self.fd_table, self._wait)
+        streams = UserStreamCalls(self.fd_table, store, defaults.run_sk)
         self._calls: dict[str, Callable[..., int | None]] = {
             **{name: getattr(self, f"_{name}") for name in _HOSTCALLS},
             **{name: getattr(epoll, name) for name in EPOLL_HOSTCALLS},
+            **{name: getattr(streams, name) for name in STREAM_HOSTCALLS},
         }
 
     # SpearHost -----------------------------------------------------------------------------
@@ -323,7 +328,7 @@ class ProgramHost:
 
     def _cchat_close(self, mem: GuestMemory, fd: int) -> int:
         entry = self.fds.get(fd)
-        if entry is None or entry.kind == abi.KIND_EPOLL:
+        if entry is None or entry.kind not in (abi.KIND_SESSION, abi.KIND_RESPONSE):
             return -abi.EBADF
         if not entry.closed:
             entry.closed = True

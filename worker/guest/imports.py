@@ -2,7 +2,7 @@
 access with bounds checks, and the link step shared by program runs and tool calls.
 
 A host object implements the calls; this module only adapts wasm values and memory to it.
-Unserved SPEAR families (mic_*, rtasr_*, user_stream_*) link and return -ENOSYS.
+Unserved SPEAR families (mic_*, rtasr_*) link and return -ENOSYS.
 """
 
 from __future__ import annotations
@@ -38,6 +38,12 @@ SPEAR_IMPORTS: dict[str, tuple[tuple[wasmtime.ValType, ...], tuple[wasmtime.ValT
     "spear_epoll_ctl": ((I32, I32, I32, I32), (I32,)),
     "spear_epoll_wait": ((I32, I32, I32, I32), (I32,)),
     "spear_epoll_close": ((I32,), (I32,)),
+    "user_stream_open": ((I32, I32), (I32,)),
+    "user_stream_read": ((I32, I32, I32), (I32,)),
+    "user_stream_write": ((I32, I32, I32), (I32,)),
+    "user_stream_close": ((I32,), (I32,)),
+    "user_stream_ctl_open": ((), (I32,)),
+    "user_stream_ctl_read": ((I32, I32, I32), (I32,)),
 }
 
 

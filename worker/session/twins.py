@@ -58,11 +58,13 @@ from worker.session.ports import (
     TraceWrite,
 )
 from worker.session.trace import TraceEvent
+from worker.session.twin_streams import UserStreamTwin
 
 
 @dataclass
-class MemoryStore:
-    """SessionStore (and the guest's ProgramStore) in memory."""
+class MemoryStore(UserStreamTwin):
+    """SessionStore (and the guest's ProgramStore, its user streams from UserStreamTwin) in
+    memory."""
 
     specs: dict[str, dict[str, Any]] = field(default_factory=dict)  # the stored JSON form
     meta_of: dict[str, dict[str, str]] = field(default_factory=dict)
