@@ -32,6 +32,7 @@ from producer.openai_batch import (
 )
 from producer.report import Progress, batch_states, summary
 from producer.specfile import SpecFileError, load_spec_file, load_spec_from_objects
+from producer.user_stream import pipe_lines
 from producer.validation_progress import validation_progress
 from schemas import task_names
 from schemas.bodies import dump_text
@@ -329,6 +330,22 @@ def cmd_metrics(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_stream(args: argparse.Namespace) -> int:
+    """Talk to a running program: stdin lines in, the lines it writes out (user stream N)."""
+    client = Client(_redis_url())
+    try:
+        stream = client.stream(args.id, args.stream_id)
+        pipe_lines(stream, sys.stdin, sys.stdout)
+    except LookupError as exc:
+        print(exc.args[0], file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    finally:
+        client.close()
+    return 0
+
+
 def cmd_cancel(args: argparse.Namespace) -> int:
     if not Client(_redis_url()).cancel(args.id):
         print(f"unknown session id: {args.id}", file=sys.stderr)
@@ -587,6 +604,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=9808)
     p.add_argument("--address", default="127.0.0.1")
     p.set_defaults(fn=cmd_metrics)
+
+    p = sub.add_parser(
+        "stream", help="talk to a running program: stdin lines in, its user stream's lines out"
+    )
+    p.add_argument("id")
+    p.add_argument("--stream-id", type=int, default=1, help="the user stream (default 1)")
+    p.set_defaults(fn=cmd_stream)
 
     p = sub.add_parser("cancel", help="cancel a session at its next step boundary")
     p.add_argument("id")

@@ -1,6 +1,7 @@
 """Reading and steering one session by its spec id (or a batch's sessions by key): its run's
 key through the id's claim, its state and outcome, response, record, a tool call's whole
-output, its trace events, and cancelling it. A part of the Client (producer/client.py)."""
+output, its trace events, cancelling it, and a program run's user streams. A part of the
+Client (producer/client.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 
 from celery import Celery
 
+from producer.user_stream import UserStream
 from schemas import keys, task_names
 from schemas.spec_types import ProgramSpec, spec_from_json
 
@@ -123,3 +125,17 @@ class SessionLookups:
             queue=task_names.ROUTES[task_names.FINISH],
         )
         return True
+
+    def stream(self, spec_id: str, stream_id: int = 1) -> UserStream:
+        """Attach to user stream `stream_id` of a program run (SPEAR's user streams): what it
+        `send`s the program reads with user_stream_read, what the program writes comes out of
+        `lines()`. LookupError if the id names no program run (or it expired)."""
+        sk = self.session_key(spec_id)
+        raw = None if sk is None else self.redis.get(keys.spec(sk))
+        if sk is None or raw is None:
+            raise LookupError(f"unknown session id: {spec_id}")
+        if not isinstance(spec_from_json(json.loads(raw)), ProgramSpec):
+            raise LookupError(f"not a program run: {spec_id}")
+        stream = UserStream(self.redis, sk, stream_id, self.ttl_s)
+        stream.open()
+        return stream

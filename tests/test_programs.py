@@ -17,7 +17,7 @@ import pytest
 from producer.specfile import load_spec_file
 from schemas import keys
 from tests.conftest import GUESTS, Running
-from tests.test_pipeline import run_specs
+from tests.test_pipeline import run_specs, submit_specs
 
 pytestmark = pytest.mark.fleet
 
@@ -146,6 +146,36 @@ def test_timeout_ms_below_the_model_latency_gives_an_error_body_and_exit_0(
     assert error["error"]["code"] == "provider_timeout"
     assert error["error"]["message"].startswith("the model request passed its timeout of 300 ms")
     assert record["responses"] == [error]
+
+
+def test_a_program_echoes_the_lines_sent_with_cchatq_stream(
+    running: Running, tmp_path: Path, fresh_id: str
+) -> None:
+    # SPEAR's user_stream_echo sample, written its way (its own imports, a static arena): the
+    # user's lines come back on cchatq stream's stdout, and the end of its stdin ends the run
+    spec_id = f"{fresh_id}/echo"
+    program = {"id": spec_id, "program": {"module": "prog_user_stream_echo.wasm"}}
+    sub = submit_specs(running.client, [program], tmp_path)
+    env = {"REDIS_URL": running.redis_url, "PATH": "/usr/bin:/bin"}
+    streamed = subprocess.run(
+        [sys.executable, "-m", "producer.cli", "stream", spec_id],
+        input="hello\nworld, with spaces \u2713\n", env=env, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert (streamed.returncode, streamed.stderr) == (0, "")
+    assert streamed.stdout == "hello\nworld, with spaces \u2713\n"
+    record = next(iter(running.client.wait(sub, timeout_s=90)))[1]
+    assert record["status"] == "ok" and record["exit_code"] == 0, record
+    assert record["stdout"].splitlines() == [
+        "user_stream_echo started (waiting for user streams)",
+        "stream connected: stream_id=1 fd=1002",
+        "session closed",
+    ]
+    unknown = subprocess.run(
+        [sys.executable, "-m", "producer.cli", "stream", f"{fresh_id}/nope"],
+        input="", env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert (unknown.returncode, unknown.stderr) == (1, f"unknown session id: {fresh_id}/nope\n")
 
 
 def test_fanout_chats_run_concurrently(running: Running, tmp_path: Path, fresh_id: str) -> None:

@@ -5,6 +5,7 @@ Redis. Every return value and every byte the host wrote into guest memory is che
 
 from __future__ import annotations
 
+import hashlib
 import struct
 import threading
 import time
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from schemas import keys
 from schemas.user_stream import (
     CLOSE,
     DATA,
@@ -22,10 +24,11 @@ from schemas.user_stream import (
     StreamEvent,
     parse_frame,
 )
+from tests.conftest import GUESTS
 from tests.test_hostcalls import Harness, Shared, _Source, jb, with_out
 from tests.twin_pipeline import pipeline
 from tests.wat_program import Dump, Program, Ref
-from worker.guest.host import ProgramHost
+from worker.guest.host import ChatDefaults, ProgramHost
 from worker.guest.runner import ProgramRun, run_program
 from worker.session.twins import MemoryStore
 
@@ -245,4 +248,30 @@ def test_a_replayed_run_reads_its_input_again_and_writes_each_frame_once(h: Harn
     assert store.user_received(first.run_sk) == [
         StreamEvent(DATA, 3, hello),
         StreamEvent(CLOSE, 3),
+    ]
+
+
+def test_spears_echo_sample_written_its_way_echoes_each_line_then_ends(h: Harness) -> None:
+    """fixtures/guests/prog_user_stream_echo.c (SPEAR's sample: its own imports, a static
+    arena) on the twins: the user attached, sent two frames and closed, before it started."""
+    blob = (GUESTS / "prog_user_stream_echo.wasm").read_bytes()
+    sha = hashlib.sha256(blob).hexdigest()
+    h.shared.blobs[sha] = blob
+    run_sk = keys.run_session_key(f"{h.fresh_id}/echo", keys.new_generation())
+    sent = [frame(1, "hello"), frame(1, "world", 2)]
+    for event in (StreamEvent(OPEN, 1), *(StreamEvent(DATA, 1, f) for f in sent)):
+        h.shared.store.user_send(run_sk, event)
+    h.shared.store.user_send(run_sk, StreamEvent(CLOSE, 1))
+    defaults = ChatDefaults(f"{h.fresh_id}/echo", run_sk, sha, None, None, time.monotonic() + 30)
+    host = ProgramHost(defaults, h.shared.programs, h.shared.dispatcher)
+    outcome = run_program(h.shared.source, ProgramRun(module_sha256=sha), host)
+    assert (outcome.exit_code, outcome.error_code) == (0, None), outcome
+    assert outcome.stdout.decode().splitlines() == [
+        "user_stream_echo started (waiting for user streams)",
+        "stream connected: stream_id=1 fd=1002",
+        "session closed",
+    ]
+    assert h.shared.store.user_received(run_sk) == [
+        *(StreamEvent(DATA, 1, f) for f in sent),
+        StreamEvent(CLOSE, 1),
     ]
