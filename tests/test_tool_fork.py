@@ -547,3 +547,12 @@ def _with_header(header: bytes, body: bytes) -> bytes:
 def test_damaged_blob(blob: bytes, message: str) -> None:
     with pytest.raises(ToolRuntimeError, match=message):
         ProgramFork.from_blob(blob)
+
+
+def test_a_tool_may_not_start_chats_touch_fds_or_talk_to_the_programs_user() -> None:
+    from worker.guest.fork import ToolModeHost
+
+    host = ToolModeHost()
+    for name in ("cchat_create", "spear_fd_ctl", "spear_epoll_create", "user_stream_open",
+                 "user_stream_write"):  # fmt: skip
+        assert host.hostcall(name, None, ())  # type: ignore[arg-type] == -1  # -EPERM, before the memory is looked at

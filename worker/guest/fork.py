@@ -34,7 +34,7 @@ _BLOB_MAGIC = b"CQF1"
 _BLOB_HEAD = struct.Struct("<4sI")  # magic, length of the JSON header that follows
 _BLOB_MAX_HEADER = 1 << 20
 _BLOB_MAX_SNAPSHOT = 4 << 30  # a wasm32 memory is at most 4 GiB
-_DENIED = ("cchat_", "spear_fd_ctl", "spear_epoll_")
+_DENIED = ("cchat_", "spear_fd_ctl", "spear_epoll_", "user_stream_")
 PROGRESS_MAX_BYTES = 200  # a progress message, as trace events carry it
 SLEEP_SLICE_S = 1.0  # a sleeping tool's watcher is asked this often whether it may go on
 
@@ -191,7 +191,7 @@ class ToolModeHost:
 
     def hostcall(self, name: str, mem: GuestMemory, args: tuple[int, ...]) -> int | None:
         if name.startswith(_DENIED):
-            return -EPERM  # a tool cannot start chats or touch the program's fds
+            return -EPERM  # a tool cannot start chats, touch the program's fds or talk to its user
         if name == "cchatq.attempt":
             return self.attempt
         if name == "cchatq.progress":
