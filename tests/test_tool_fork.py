@@ -555,4 +555,5 @@ def test_a_tool_may_not_start_chats_touch_fds_or_talk_to_the_programs_user() -> 
     host = ToolModeHost()
     for name in ("cchat_create", "spear_fd_ctl", "spear_epoll_create", "user_stream_open",
                  "user_stream_write"):  # fmt: skip
-        assert host.hostcall(name, None, ())  # type: ignore[arg-type] == -1  # -EPERM, before the memory is looked at
+        # -EPERM, before the memory is looked at
+        assert host.hostcall(name, None, ()) == -1  # type: ignore[arg-type]
