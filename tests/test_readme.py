@@ -125,3 +125,63 @@ def test_the_openai_batch_example_runs_as_written(running: Running, tmp_path: Pa
     assert [line["custom_id"] for line in out] == ["q1", "q2"]
     assert all(line["response"]["status_code"] == 200 for line in out)
     assert [(e["custom_id"], e["response"]["status_code"]) for e in errors] == [("q3", 400)]
+
+
+# every import SPEAR's runtime gives module `spear` (lfedgeai/SPEAR's wasmedge import builder)
+SPEAR_IMPORTS = (
+    # time
+    "time_now_ms",
+    "wall_time_s",
+    "random_i64",
+    "log",
+    "sleep_ms",
+    # cchat
+    "cchat_create",
+    "cchat_write_msg",
+    "cchat_write_fn",
+    "cchat_ctl",
+    "cchat_send",
+    "cchat_recv",
+    "cchat_close",
+    # rtasr
+    "rtasr_create",
+    "rtasr_ctl",
+    "rtasr_write",
+    "rtasr_read",
+    "rtasr_close",
+    # mic
+    "mic_create",
+    "mic_ctl",
+    "mic_read",
+    "mic_close",
+    # user
+    "user_stream_open",
+    "user_stream_read",
+    "user_stream_write",
+    "user_stream_close",
+    "user_stream_ctl_open",
+    "user_stream_ctl_read",
+    # spear
+    "spear_epoll_create",
+    "spear_epoll_ctl",
+    "spear_epoll_wait",
+    "spear_epoll_close",
+    "spear_fd_ctl",
+)
+
+
+def test_the_spear_compatibility_table_names_every_import_and_each_links() -> None:
+    from worker.guest.abi import UNSERVED_PREFIXES
+    from worker.guest.imports import SPEAR_IMPORTS as SERVED
+
+    table = README.split("### SPEAR compatibility", 1)[1].split("\n\n", 3)[2]
+    named = re.findall(
+        r"`([a-z_0-9]+)`", "\n".join(line.split(" | ")[0] for line in table.splitlines())
+    )
+    assert sorted(named) == sorted(SPEAR_IMPORTS)
+    for name in SPEAR_IMPORTS:
+        assert name in SERVED or name.startswith(UNSERVED_PREFIXES), name
+    for row in table.splitlines()[2:]:
+        status = row.split(" | ")[1]
+        for name in re.findall(r"`([a-z_0-9]+)`", row.split(" | ")[0]):
+            assert (status == "served") == (name in SERVED), name
