@@ -1,4 +1,5 @@
-"""`cchatq`: submit batches, inspect sessions, run workers and the demo. Parses and delegates."""
+"""`cchatq`: submit batches, inspect sessions, run workers and the demo. Parses and delegates
+(producer/cli_batches.py, cli_programs.py)."""
 
 from __future__ import annotations
 
@@ -7,268 +8,26 @@ import json
 import os
 import sys
 import threading
-import time
-import uuid
 from collections.abc import Sequence
 from importlib import metadata
-from pathlib import Path
-from typing import Any, TextIO
 from urllib.parse import urlencode
 
-import fixtures
-from producer.backend_check import backend_check
-from producer.batch import batch_line, result_line
-from producer.batches import Batches
-from producer.client import Client, ModuleExpiredError, SpecConflictError, Submission
-from producer.fleet import REPLAY_PROTOCOL_PATHS, Fleet, replay_backend_name, worker_command
-from producer.fleet_status import read_fleet_status, unserved
-from producer.openai_batch import (
-    ResultFiles,
-    ToolsFileError,
-    converter,
-    errors_path,
-    load_tool_bindings,
-    openai_lines,
-)
-from producer.report import Progress, batch_states, summary
-from producer.specfile import SpecFileError, load_spec_file, load_spec_from_objects
-from producer.user_stream import pipe_lines
-from producer.validation_progress import validation_progress
+from producer.batch import result_line
+from producer.cli_batches import cmd_batch, cmd_submit
+from producer.cli_common import EXIT_OK, EXIT_REJECTED, redis_url
+from producer.cli_programs import cmd_demo, cmd_run, cmd_stream
+from producer.client import Client
+from producer.fleet import REPLAY_PROTOCOL_PATHS, worker_command
+from producer.fleet_status import read_fleet_status
 from schemas import task_names
 from schemas.bodies import dump_text
-from schemas.config import ConfigError, FleetConfig, read_config
-from schemas.spec_types import Spec, spec_from_json, spec_to_json
+from schemas.config import ConfigError, read_config
 
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_FLOWER_URL = "http://127.0.0.1:5555"  # CCHATQ_FLOWER_URL: where `status` points
-DEMO_FILE = Path(fixtures.__file__).parent / "demo" / "sessions.jsonl"
-
-
-def _redis_url() -> str:
-    return os.environ.get("REDIS_URL", DEFAULT_REDIS_URL)
-
-
-MAX_LISTED = 20  # rejected lines listed, then how many more
-
-# `cchatq submit`'s exit codes (README: Results)
-EXIT_OK = 0  # every session ended ok
-EXIT_FAILED = 1  # every session ended, some with an error body
-EXIT_REJECTED = 2  # the input was rejected: nothing enqueued
-EXIT_INTERRUPTED = 3  # Ctrl-C or --timeout-s: the sessions left keep running on the fleet
-
-
-class BatchInterrupted(Exception):
-    """The wait stopped (Ctrl-C, or its timeout) before every session of the batch ended."""
-
-    def __init__(self, batch: str, done: int, total: int) -> None:
-        super().__init__(f"batch {batch}: {done} of {total} done")
-        self.batch, self.done, self.total = batch, done, total
-
-
-def result_files(fmt: str, out: Path, errors: str | None = None) -> ResultFiles:
-    """Where a batch's result lines go: `cchatq` (one file) or `openai` (OpenAI Batch output
-    lines, failed requests in the errors file: `errors`, else beside `out`)."""
-    if fmt == "openai":
-        return ResultFiles(out, openai_lines(program_body), Path(errors or errors_path(out)))
-
-    def line(sk: str, record: dict[str, Any], batch: str, attempt: int) -> tuple[bool, str]:
-        return False, batch_line(record, batch, attempt)
-
-    return ResultFiles(out, line)
-
-
-def program_body(record: dict[str, Any]) -> dict[str, Any]:
-    """A program run's OpenAI Batch `response.body`: its result line's fields."""
-    return {k: v for k, v in result_line(record).items() if k not in ("id", "kind", "error")}
-
-
-def warn_unserved(client: Client, specs: Sequence[Spec], stream: TextIO = sys.stderr) -> None:
-    """A needed queue no worker takes from: say so, rather than wait in silence."""
-    for queue in unserved(read_fleet_status(client.redis), specs):
-        stream.write(
-            f"warning: no worker takes from queue {queue!r}: its steps wait until one does"
-            f" (cchatq worker --queues {queue})\n"
-        )
-
-
-def run_batch(
-    client: Client,
-    specs: list[Spec],
-    out: Path,
-    timeout_s: float | None,
-    stream: TextIO = sys.stderr,
-    rerun: bool = False,
-    files: ResultFiles | None = None,
-) -> list[dict[str, Any]]:
-    """Submit, show progress, write one JSON line per session (with its batch and which
-    attempt of its id it is; or, with `files`, in their format), print the summary. Each line
-    is written (and flushed) as its session finishes, so a producer that dies keeps what it
-    had; once all are in, the files are rewritten in input order."""
-    started = time.monotonic()
-    files = files or result_files("cchatq", out)
-    sub: Submission = client.enqueue(specs, rerun=rerun)
-    warn_unserved(client, specs, stream)
-
-    reused = len(sub.order) - len(sub.new)
-    stream.write(
-        f"batch {sub.batch}: {len(sub.new)} sessions enqueued"
-        + (f", {reused} already submitted" if reused else "")
-        + "\n"
-    )
-    records: dict[str, dict[str, Any]] = {}
-    states = batch_states(client, sub, records)
-    progress = Progress(len(sub.order), stream, already=sub.done, states=states)
-    with files, progress:
-        try:
-            for sk, record in client.wait(sub, timeout_s=timeout_s):
-                records[sk] = record
-                files.write(sk, record, sub.batch, sub.attempts[sk])
-                progress.update(sk, record)
-        except (KeyboardInterrupt, TimeoutError):
-            raise BatchInterrupted(sub.batch, len(records), len(sub.order)) from None
-    ordered = [records[sk] for sk in sub.order]
-    files.rewrite((sk, records[sk], sub.batch, sub.attempts[sk]) for sk in sub.order)
-    stream.write(f"results: {files}\n{summary(ordered, time.monotonic() - started)}\n")
-    return ordered
-
-
-def fleet_config() -> FleetConfig | None:
-    """The configuration shared with the workers, or None after saying what is wrong with it."""
-    try:
-        return read_config()
-    except ConfigError as exc:
-        print(f"rejected, nothing enqueued:\n{exc}", file=sys.stderr)
-        return None
-
-
-def cmd_submit(args: argparse.Namespace) -> int:
-    """Exit codes: EXIT_OK, EXIT_FAILED, EXIT_REJECTED, EXIT_INTERRUPTED."""
-    config = fleet_config()
-    if config is None:
-        return EXIT_REJECTED
-    check = backend_check(config, check_keys=not args.no_key_check)
-    try:  # OpenAI Batch request lines are made specs, their tools bound by --tools
-        bindings = load_tool_bindings(args.tools) if args.tools else None
-        with validation_progress(args.file, sys.stderr) as on_progress:
-            loaded = load_spec_file(
-                args.file,
-                check,
-                convert=converter(bindings, args.provider),
-                on_progress=on_progress,
-            )
-    except (ToolsFileError, SpecFileError) as exc:
-        print(f"rejected, nothing enqueued:\n{exc}", file=sys.stderr)
-        return EXIT_REJECTED
-    out = Path(args.out)
-    files = result_files(args.format, out, args.errors)
-    if not args.no_wait:  # a results file that cannot be written is found before anything runs
-        for path, flag in zip(files.paths, ("--out", "--errors"), strict=False):
-            try:
-                path.open("a").close()
-            except OSError as exc:
-                print(f"rejected, nothing enqueued: {flag} {path}: {exc.strerror}", file=sys.stderr)
-                return EXIT_REJECTED
-    client = Client(_redis_url(), config=config)
-    try:
-        if args.no_wait:
-            sub = client.enqueue([s.spec for s in loaded], rerun=args.rerun)
-            print(f"batch {sub.batch}: {len(sub.new)} sessions enqueued")
-            warn_unserved(client, [s.spec for s in loaded])
-            return EXIT_OK
-        specs = [s.spec for s in loaded]
-        records = run_batch(client, specs, out, args.timeout_s, rerun=args.rerun, files=files)
-    except SpecConflictError as exc:
-        lines = {s.spec.id: s.line for s in loaded}
-        print("rejected, nothing enqueued:", file=sys.stderr)
-        for spec_id in exc.spec_ids[:MAX_LISTED]:
-            print(
-                f"{args.file}:{lines[spec_id]}: id: {spec_id!r} was already submitted with a"
-                " different spec (--rerun runs every submitted id again, as a new attempt)",
-                file=sys.stderr,
-            )
-        if len(exc.spec_ids) > MAX_LISTED:
-            print(f"... and {len(exc.spec_ids) - MAX_LISTED} more", file=sys.stderr)
-        return EXIT_REJECTED
-    except BatchInterrupted as stop:
-        return interrupted(stop, out)
-    finally:
-        client.close()
-    return ended(records)
-
-
-def ended(records: list[dict[str, Any]]) -> int:
-    """The exit code of a batch whose every session ended."""
-    return EXIT_OK if all(r.get("status") == "ok" for r in records) else EXIT_FAILED
-
-
-def interrupted(stop: BatchInterrupted, out: Path) -> int:
-    print(
-        f"{stop}; the rest keep running on the fleet. Their results so far are in {out};"
-        f" `cchatq batch results {stop.batch} --out FILE` collects them all.",
-        file=sys.stderr,
-    )
-    return EXIT_INTERRUPTED
-
-
-def cmd_batch(args: argparse.Namespace) -> int:
-    """`cchatq batch list | status B | results B --out F | cancel B | retry B --failed`."""
-    batches = Batches(Client(_redis_url()))
-    if args.action == "list":
-        for batch, submitted_ms, sessions in batches.recent():
-            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(submitted_ms / 1000))
-            print(f"{batch}  {when}  {sessions} sessions")
-        return EXIT_OK
-    if args.batch is None:
-        print(f"cchatq batch {args.action}: which batch?", file=sys.stderr)
-        return EXIT_REJECTED
-    summary = batches.summary(args.batch)
-    if summary is None:
-        print(f"unknown batch: {args.batch}", file=sys.stderr)
-        return EXIT_REJECTED
-    if args.action == "status":
-        print(json.dumps(summary.to_json(), indent=2, sort_keys=True))
-        return EXIT_OK
-    if args.action == "cancel":
-        print(f"batch {args.batch}: cancel requested for {batches.cancel(args.batch)} sessions")
-        return EXIT_OK
-    if args.action == "retry":
-        if not args.failed:
-            print(
-                "cchatq batch retry runs the failed sessions again: say --failed", file=sys.stderr
-            )
-            return EXIT_REJECTED
-        again = batches.failed_specs(args.batch)
-        if not again:
-            print(f"batch {args.batch}: no failed session to run again", file=sys.stderr)
-            return EXIT_OK
-        out = Path(args.out)
-        files = result_files(args.format, out, args.errors)
-        try:  # a new batch of their next attempts, waited for as a submit is
-            records = run_batch(batches.client, again, out, None, rerun=True, files=files)
-        except ModuleExpiredError as exc:
-            print(f"batch {args.batch}: {exc}", file=sys.stderr)
-            return EXIT_REJECTED
-        except BatchInterrupted as stop:
-            return interrupted(stop, out)
-        return ended(records)
-    written, failed = 0, 0
-    with result_files(args.format, Path(args.out), args.errors) as files:
-        for member, record in batches.results(args.batch):
-            if record is not None and member.claim is not None:
-                files.write(member.claim.sk, record, args.batch, member.claim.attempt)
-                written += 1
-                failed += record.get("status") != "ok"
-    left = summary.sessions - written
-    shown = f"batch {args.batch}: {written} of {summary.sessions} results in {files}"
-    print(shown, file=sys.stderr)
-    if left:
-        print(f"{left} not finished (`cchatq batch status {args.batch}`)", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    return EXIT_FAILED if failed else EXIT_OK
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    client = Client(_redis_url())
+    client = Client(redis_url())
     if args.id is None:  # the fleet: tasks queued and running per queue, workers, sessions
         print(json.dumps(read_fleet_status(client.redis).to_json(), indent=2))
         return 0
@@ -286,7 +45,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_result(args: argparse.Namespace) -> int:
-    client = Client(_redis_url())
+    client = Client(redis_url())
     if args.tool_output is not None:
         output = client.tool_output(args.id, args.tool_output)
         if output is None:
@@ -306,7 +65,7 @@ def cmd_result(args: argparse.Namespace) -> int:
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
-    client = Client(_redis_url())
+    client = Client(redis_url())
     if client.status(args.id) is None:
         print(f"unknown session id: {args.id}", file=sys.stderr)
         return 1
@@ -318,7 +77,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
 def cmd_metrics(args: argparse.Namespace) -> int:
     from producer.metrics import Exporter
 
-    exporter = Exporter(_redis_url())
+    exporter = Exporter(redis_url())
     exporter.serve(args.port, args.address)
     print(f"metrics on http://{args.address}:{args.port}/metrics", flush=True)
     try:
@@ -330,24 +89,8 @@ def cmd_metrics(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_stream(args: argparse.Namespace) -> int:
-    """Talk to a running program: stdin lines in, the lines it writes out (user stream N)."""
-    client = Client(_redis_url())
-    try:
-        stream = client.stream(args.id, args.stream_id)
-        pipe_lines(stream, sys.stdin, sys.stdout)
-    except LookupError as exc:
-        print(exc.args[0], file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return EXIT_INTERRUPTED
-    finally:
-        client.close()
-    return 0
-
-
 def cmd_cancel(args: argparse.Namespace) -> int:
-    if not Client(_redis_url()).cancel(args.id):
+    if not Client(redis_url()).cancel(args.id):
         print(f"unknown session id: {args.id}", file=sys.stderr)
         return 1
     print(f"cancel requested: {args.id}")
@@ -419,104 +162,6 @@ def cmd_replay_server(args: argparse.Namespace) -> int:
     cmd = [sys.executable, "-m", "fixtures.replay", "--host", args.host, "--port", str(args.port),
            "--latency-ms", str(args.latency_ms)]  # fmt: skip
     os.execv(cmd[0], cmd)
-
-
-def log_origin(log: dict[str, Any]) -> str:
-    """Where a program's log line comes from: nothing for its own, the tool call for a
-    forked tool's (`sum call_1` and the stream it wrote to, unless its `log` hostcall)."""
-    if log.get("source") != "tool":
-        return ""
-    stream = log.get("stream", "log")
-    return f"{log.get('tool')} {log.get('call_id')}{'' if stream == 'log' else ' ' + stream}: "
-
-
-def cmd_run(args: argparse.Namespace) -> int:
-    """Run one program on the fleet: its stdout on ours, its logs and stderr on our stderr,
-    its exit code as ours (1 when it ended in an error)."""
-    spec: dict[str, Any] = {
-        "id": f"run/{uuid.uuid4().hex[:12]}",
-        "program": {"module": str(Path(args.module).resolve()), "args": list(args.arg)},
-        "limits": {"run_timeout_ms": args.timeout_ms},
-    }
-    if args.stdin:
-        spec["program"]["stdin"] = Path(args.stdin).read_text()
-    if args.provider:
-        spec["provider"] = args.provider
-    if args.model:
-        spec["model"] = args.model
-    config = fleet_config()
-    if config is None:
-        return EXIT_REJECTED
-    try:
-        loaded = load_spec_from_objects([spec], check=backend_check(config))
-    except SpecFileError as exc:
-        print(f"rejected:\n{exc}", file=sys.stderr)
-        return EXIT_REJECTED
-    client = Client(_redis_url(), config=config)
-    run_id = spec["id"]
-    print(f"run {run_id}", file=sys.stderr, flush=True)  # first: to cancel or look it up
-    try:
-        sub = client.enqueue(loaded)
-        record = next(iter(client.wait(sub, timeout_s=args.timeout_ms / 1000 + 60)))[1]
-    except (KeyboardInterrupt, TimeoutError):
-        print(
-            f"run {run_id} keeps running on the fleet: `cchatq result {run_id}` once it ends,"
-            f" `cchatq cancel {run_id}` to stop it",
-            file=sys.stderr,
-        )
-        return EXIT_INTERRUPTED
-    finally:
-        client.close()
-    sys.stdout.write(record.get("stdout", ""))
-    sys.stderr.write(record.get("stderr", ""))
-    for log in record.get("logs", []):  # as the guest wrote it: a line may end in its newline
-        message = str(log["message"])
-        end = "" if message.endswith("\n") else "\n"
-        print(f"[{log['level']}] {log_origin(log)}{message}", file=sys.stderr, end=end)
-    error = (record.get("body") or {}).get("error")
-    if error:
-        print(f"program failed: {error.get('code')}: {error.get('message')}", file=sys.stderr)
-        return 1
-    return int(record.get("exit_code") or 0)
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    from fixtures.demo_batch import check, on_backend
-
-    loaded = load_spec_file(DEMO_FILE)[: args.limit]
-    run = uuid.uuid4().hex[:8]  # fresh ids, so a shared Redis never answers from an earlier run
-    backend = replay_backend_name(args.provider, args.stream)
-    specs = [
-        spec_from_json(
-            on_backend({**spec_to_json(s.spec), "id": f"{run}:{s.spec.id}"}, backend, args.provider)
-        )
-        for s in loaded
-    ]
-    with Fleet() as fleet:
-        # always a Redis of its own: never a user's (REDIS_URL), nor workers already on it
-        redis_url = fleet.ensure_redis(private=True)
-        replay_url = fleet.start_replay()
-        fleet.start_workers()
-        fleet.wait_served()
-        print(
-            f"redis {redis_url}  replay {replay_url} ({backend})  "
-            f"workers llm/tools/control/programs  logs {fleet.workdir}",
-            file=sys.stderr,
-        )
-        client = Client(redis_url, config=fleet.config())
-        try:
-            records = run_batch(client, specs, Path(args.out), args.timeout_s)
-        except BatchInterrupted as stop:
-            print(f"{stop}: the demo fleet stops now", file=sys.stderr)
-            return EXIT_INTERRUPTED
-        finally:
-            client.close()
-    problems = [(r["id"], p) for r in records for p in check({**r, "id": r["id"].split(":", 1)[1]})]
-    for spec_id, problem in problems[:20]:
-        print(f"  MISMATCH {spec_id}: {problem}", file=sys.stderr)
-    verdict = "all match" if not problems else f"{len(problems)} mismatches"
-    print(f"checked {len(records)} sessions against expected outcomes: {verdict}", file=sys.stderr)
-    return 1 if problems else 0
 
 
 def version() -> str:

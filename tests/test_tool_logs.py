@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from producer.batch import result_line
-from producer.cli import log_origin
+from producer.cli_programs import log_origin
 from schemas import keys
 from tests.test_engine import WEATHER_FN
 from tests.test_hostcalls import _Source

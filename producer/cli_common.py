@@ -1,0 +1,30 @@
+"""What the `cchatq` commands share: where Redis is, the exit codes, the fleet's configuration."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from schemas.config import ConfigError, FleetConfig, read_config
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+def redis_url() -> str:
+    return os.environ.get("REDIS_URL", DEFAULT_REDIS_URL)
+
+
+# `cchatq submit`'s exit codes (README: Results)
+EXIT_OK = 0  # every session ended ok
+EXIT_FAILED = 1  # every session ended, some with an error body
+EXIT_REJECTED = 2  # the input was rejected: nothing enqueued
+EXIT_INTERRUPTED = 3  # Ctrl-C or --timeout-s: the sessions left keep running on the fleet
+
+
+def fleet_config() -> FleetConfig | None:
+    """The configuration shared with the workers, or None after saying what is wrong with it."""
+    try:
+        return read_config()
+    except ConfigError as exc:
+        print(f"rejected, nothing enqueued:\n{exc}", file=sys.stderr)
+        return None

@@ -1,0 +1,136 @@
+"""`cchatq run`, `cchatq stream` and `cchatq demo`: one agent program on the fleet, talking
+with a running program, and the demo batch on a fleet of its own."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import fixtures
+from producer.backend_check import backend_check
+from producer.cli_batches import BatchInterrupted, run_batch
+from producer.cli_common import EXIT_INTERRUPTED, EXIT_REJECTED, fleet_config, redis_url
+from producer.client import Client
+from producer.fleet import Fleet, replay_backend_name
+from producer.specfile import SpecFileError, load_spec_file, load_spec_from_objects
+from producer.user_stream import pipe_lines
+from schemas.spec_types import spec_from_json, spec_to_json
+
+DEMO_FILE = Path(fixtures.__file__).parent / "demo" / "sessions.jsonl"
+
+
+def log_origin(log: dict[str, Any]) -> str:
+    """Where a program's log line comes from: nothing for its own, the tool call for a
+    forked tool's (`sum call_1` and the stream it wrote to, unless its `log` hostcall)."""
+    if log.get("source") != "tool":
+        return ""
+    stream = log.get("stream", "log")
+    return f"{log.get('tool')} {log.get('call_id')}{'' if stream == 'log' else ' ' + stream}: "
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """Run one program on the fleet: its stdout on ours, its logs and stderr on our stderr,
+    its exit code as ours (1 when it ended in an error)."""
+    spec: dict[str, Any] = {
+        "id": f"run/{uuid.uuid4().hex[:12]}",
+        "program": {"module": str(Path(args.module).resolve()), "args": list(args.arg)},
+        "limits": {"run_timeout_ms": args.timeout_ms},
+    }
+    if args.stdin:
+        spec["program"]["stdin"] = Path(args.stdin).read_text()
+    if args.provider:
+        spec["provider"] = args.provider
+    if args.model:
+        spec["model"] = args.model
+    config = fleet_config()
+    if config is None:
+        return EXIT_REJECTED
+    try:
+        loaded = load_spec_from_objects([spec], check=backend_check(config))
+    except SpecFileError as exc:
+        print(f"rejected:\n{exc}", file=sys.stderr)
+        return EXIT_REJECTED
+    client = Client(redis_url(), config=config)
+    run_id = spec["id"]
+    print(f"run {run_id}", file=sys.stderr, flush=True)  # first: to cancel or look it up
+    try:
+        sub = client.enqueue(loaded)
+        record = next(iter(client.wait(sub, timeout_s=args.timeout_ms / 1000 + 60)))[1]
+    except (KeyboardInterrupt, TimeoutError):
+        print(
+            f"run {run_id} keeps running on the fleet: `cchatq result {run_id}` once it ends,"
+            f" `cchatq cancel {run_id}` to stop it",
+            file=sys.stderr,
+        )
+        return EXIT_INTERRUPTED
+    finally:
+        client.close()
+    sys.stdout.write(record.get("stdout", ""))
+    sys.stderr.write(record.get("stderr", ""))
+    for log in record.get("logs", []):  # as the guest wrote it: a line may end in its newline
+        message = str(log["message"])
+        end = "" if message.endswith("\n") else "\n"
+        print(f"[{log['level']}] {log_origin(log)}{message}", file=sys.stderr, end=end)
+    error = (record.get("body") or {}).get("error")
+    if error:
+        print(f"program failed: {error.get('code')}: {error.get('message')}", file=sys.stderr)
+        return 1
+    return int(record.get("exit_code") or 0)
+
+
+def cmd_stream(args: argparse.Namespace) -> int:
+    """Talk to a running program: stdin lines in, the lines it writes out (user stream N)."""
+    client = Client(redis_url())
+    try:
+        stream = client.stream(args.id, args.stream_id)
+        pipe_lines(stream, sys.stdin, sys.stdout)
+    except LookupError as exc:
+        print(exc.args[0], file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    finally:
+        client.close()
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from fixtures.demo_batch import check, on_backend
+
+    loaded = load_spec_file(DEMO_FILE)[: args.limit]
+    run = uuid.uuid4().hex[:8]  # fresh ids, so a shared Redis never answers from an earlier run
+    backend = replay_backend_name(args.provider, args.stream)
+    specs = [
+        spec_from_json(
+            on_backend({**spec_to_json(s.spec), "id": f"{run}:{s.spec.id}"}, backend, args.provider)
+        )
+        for s in loaded
+    ]
+    with Fleet() as fleet:
+        # always a Redis of its own: never a user's (REDIS_URL), nor workers already on it
+        redis_url = fleet.ensure_redis(private=True)
+        replay_url = fleet.start_replay()
+        fleet.start_workers()
+        fleet.wait_served()
+        print(
+            f"redis {redis_url}  replay {replay_url} ({backend})  "
+            f"workers llm/tools/control/programs  logs {fleet.workdir}",
+            file=sys.stderr,
+        )
+        client = Client(redis_url, config=fleet.config())
+        try:
+            records = run_batch(client, specs, Path(args.out), args.timeout_s)
+        except BatchInterrupted as stop:
+            print(f"{stop}: the demo fleet stops now", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        finally:
+            client.close()
+    problems = [(r["id"], p) for r in records for p in check({**r, "id": r["id"].split(":", 1)[1]})]
+    for spec_id, problem in problems[:20]:
+        print(f"  MISMATCH {spec_id}: {problem}", file=sys.stderr)
+    verdict = "all match" if not problems else f"{len(problems)} mismatches"
+    print(f"checked {len(records)} sessions against expected outcomes: {verdict}", file=sys.stderr)
+    return 1 if problems else 0
