@@ -17,6 +17,7 @@ ToolOutputTooLargeError. Tool arguments and outputs are never logged.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -215,6 +216,7 @@ def _devnull() -> Any:
     global _DEVNULL
     if _DEVNULL is None or _DEVNULL.closed:
         _DEVNULL = open(os.devnull, "w")  # noqa: SIM115 - kept open for the process
+        atexit.register(_DEVNULL.close)  # closed at exit, not left to the ResourceWarning
     return _DEVNULL
 
 
