@@ -93,6 +93,7 @@ class Batch:
     def __init__(self, client: Client, submission: Submission) -> None:
         self.client = client
         self.submission = submission
+        self._waited = False
 
     @property
     def id(self) -> str:
@@ -111,7 +112,8 @@ class Batch:
         TimeoutError after `timeout_s` with sessions still running; they keep running, and
         another call (or `cchatq batch results ID`) collects them."""
         sub = self.submission
-        for sk, record in self.client.wait(sub, timeout_s=timeout_s):
+        again, self._waited = self._waited, True  # an earlier wait took entries of the done list
+        for sk, record in self.client.wait(sub, timeout_s=timeout_s, look_first=again):
             status = str(record.get("status"))
             yield Result(sub.ids[sk], status, sub.batch, sub.attempts[sk], record)
 

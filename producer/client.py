@@ -299,6 +299,7 @@ class Client(SessionLookups):
         timeout_s: float | None = None,
         poll_s: float = 0.5,
         stall_s: float = STALL_S,
+        look_first: bool = False,
     ) -> Iterator[tuple[str, dict[str, Any]]]:
         """Yield (session key, record) as sessions finish, by blocking reads of the batch's
         done list. When no session of the batch has moved (finished, or changed state:
@@ -306,10 +307,12 @@ class Client(SessionLookups):
         next step is published again unless a worker holds it. A batch waiting on slow model
         calls moves from round to round, so it is not nudged because none of its sessions
         has finished yet; nor is a big batch whose sessions wait their turn in the queues.
-        Raises TimeoutError naming how many are still running."""
+        Raises TimeoutError naming how many are still running. `look_first`: first look for
+        sessions already finished (a wait of this batch before took their done entries)."""
         pending = set(sub.order)
-        # finished before this wait: before the submit, or read by an earlier wait
-        ready = [*sub.done, *self._finished(pending - sub.done)]
+        ready = list(sub.done)  # finished before the submit
+        if look_first:  # and those an earlier wait of this batch took from its done list
+            ready.extend(self._finished(pending - sub.done))
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         done_key = keys.done_list(sub.batch)
         seen: dict[str, tuple[bytes | None, float]] = {}
