@@ -290,7 +290,7 @@ def test_a_held_lease_is_renewed_and_a_dead_holders_runs_out(base_fleet: Fleet, 
     renewed every 200 ms: it outlives many of its lengths while held, and runs out once its
     holder stops renewing (a worker that died), so another delivery takes the step over."""
     from tests.test_pipeline import wait_for
-    from worker.edges.store import LeaseKeeper
+    from worker.edges.step_leases import LeaseKeeper
 
     backend = _redis(base_fleet)
     store = backend.store

@@ -6,15 +6,12 @@ so a step that runs twice never forks a transcript. Redis errors become StoreErr
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
-import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any, ParamSpec, TypeVar
 
@@ -33,11 +30,11 @@ from schemas.spec_types import (
     with_mcp_tools,
 )
 from worker.edges import liveness
+from worker.edges.step_leases import TAKE_OVER, LeaseKeeper, StepLeases, translated
 from worker.errors import SpecMissingError, StoreError
 from worker.session.engine import Round, Session
 from worker.session.outcomes import ToolOutcome
 from worker.session.ports import (
-    STEP_LEASE_MS,
     RoundReads,
     StepStart,
     ToolInputs,
@@ -53,17 +50,6 @@ TRACE_SESSION_MAXLEN = 2_000  # events kept per session
 TRACE_FLEET_MAXLEN = 100_000  # events kept for the fleet
 POOL_WAIT_S = 30  # longest wait for a free connection before the step fails (and is retried)
 T = TypeVar("T")
-
-
-def _translated(fn: Callable[P, T]) -> Callable[P, T]:
-    @functools.wraps(fn)
-    def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
-        try:
-            return fn(*args, **kwargs)
-        except redis.RedisError as exc:
-            raise StoreError(f"redis: {type(exc).__name__}: {exc}") from exc
-
-    return wrapper
 
 
 def _loads(raw: bytes | None) -> Any:
@@ -82,70 +68,7 @@ def _tool_inputs(raw: list[bytes | None]) -> ToolInputs:
     )
 
 
-# renews every lease still held by the delivery that took it, one round trip for all of them
-_RENEW = """
-local renewed = 0
-for i, key in ipairs(KEYS) do
-  if redis.call('get', key) == ARGV[i + 1] then
-    redis.call('pexpire', key, ARGV[1])
-    renewed = renewed + 1
-  end
-end
-return renewed
-"""
-
-
-# takes over a lease whose holder is gone, if it is still that holder's (compare and set)
-_TAKE_OVER = """
-if redis.call('get', KEYS[1]) == ARGV[1] then
-  redis.call('set', KEYS[1], ARGV[2], 'PX', ARGV[3])
-  return 1
-end
-return 0
-"""
-
-
-class LeaseKeeper:
-    """A process's step leases, renewed while their steps run: a lease lasts STEP_LEASE_MS and
-    is renewed every third of it, so a worker that dies frees its steps within STEP_LEASE_MS,
-    whatever the model's timeout. One thread per process (a prefork child starts its own)."""
-
-    def __init__(self, client: Any, lease_ms: int = STEP_LEASE_MS) -> None:
-        self.client = client
-        self.lease_ms = lease_ms
-        self.held: dict[str, bytes] = {}  # step_state key -> the lease value this process holds
-        self._lock = threading.Lock()
-        self._pid = 0
-        self._renew = client.register_script(_RENEW)
-
-    @contextmanager
-    def hold(self, key: str, token: str) -> Iterator[None]:
-        with self._lock:
-            self.held[key] = keys.step_lease(token)
-            if self._pid != os.getpid():  # first lease of this process: start its renewer
-                self._pid = os.getpid()
-                threading.Thread(target=self._loop, name="lease-keeper", daemon=True).start()
-        try:
-            yield
-        finally:
-            with self._lock:
-                self.held.pop(key, None)
-            liveness.retire(token)
-
-    def _loop(self) -> None:
-        while True:
-            time.sleep(self.lease_ms / 3000)
-            with self._lock:
-                held = dict(self.held)
-            if not held:
-                continue
-            try:
-                self._renew(keys=list(held), args=[self.lease_ms, *held.values()])
-            except redis.RedisError as exc:  # the next round tries again; a lost lease is
-                log.warning("lease renewal failed: %s", type(exc).__name__)  # taken over
-
-
-class RedisStore:
+class RedisStore(StepLeases):
     def __init__(self, client: redis.Redis, ttl_s: int) -> None:
         # Any: redis-py annotates replies as bytes | str whatever decode_responses says;
         # this client never decodes, so replies are bytes.
@@ -153,7 +76,7 @@ class RedisStore:
         self.ttl_s = ttl_s
         self._specs: dict[str, Spec] = {}
         self._keeper = LeaseKeeper(self.client)
-        self._take_over = self.client.register_script(_TAKE_OVER)
+        self._take_over = self.client.register_script(TAKE_OVER)
 
     @classmethod
     def from_url(cls, url: str, ttl_s: int, max_connections: int = 100) -> RedisStore:
@@ -167,7 +90,7 @@ class RedisStore:
 
     # reading a session ---------------------------------------------------------------------
 
-    @_translated
+    @translated
     def load_spec(self, sk: str) -> Spec:
         """A session's spec. Specs never change after submit, so each process keeps the
         recent ones and saves a round trip on every later step."""
@@ -188,12 +111,12 @@ class RedisStore:
         self._specs[sk] = spec
         return spec
 
-    @_translated
+    @translated
     def store_mcp_tools(self, sk: str, tools: tuple[ToolSpec, ...]) -> None:
         listed = dump_body([tool_to_json(t) for t in tools])
         self.client.set(keys.mcp_tools(sk), listed, nx=True, ex=self.ttl_s)
 
-    @_translated
+    @translated
     def load_session(self, sk: str, backend: str, upto_round: int | None = None) -> Session:
         """The spec and every stored round (up to `upto_round` inclusive), usually in one
         round trip: one MGET reads the replies with the outcome keys of their first
@@ -247,7 +170,7 @@ class RedisStore:
                 outcomes[r][i] = ToolOutcome.from_json(json.loads(value))
         return [Round(reply=reply, outcomes=outcomes[r]) for r, reply in enumerate(replies)]
 
-    @_translated
+    @translated
     def tool_inputs(
         self, sk: str, round_no: int, index: int
     ) -> tuple[dict[str, Any] | None, ToolOutcome | None]:
@@ -256,7 +179,7 @@ class RedisStore:
 
     # writing outputs (first writer wins) ---------------------------------------------------
 
-    @_translated
+    @translated
     def store_model_reply(self, sk: str, round_no: int, reply: dict[str, Any]) -> dict[str, Any]:
         body = dump_body(reply)
         earlier = self.client.set(
@@ -264,7 +187,7 @@ class RedisStore:
         )
         return dict(json.loads(body if earlier is None else earlier))
 
-    @_translated
+    @translated
     def store_tool_outcomes(
         self, sk: str, round_no: int, outcomes: dict[int, ToolOutcome], calls: int
     ) -> int:
@@ -288,7 +211,7 @@ class RedisStore:
 
     # step guards ---------------------------------------------------------------------------
 
-    @_translated
+    @translated
     def begin_step(
         self,
         step: str,
@@ -350,21 +273,6 @@ class RedisStore:
             return start
         return start
 
-    def _abandoned(self, step: str, lease: bytes, token: str, lease_ms: int) -> bool:
-        """Whether `lease` was held by a process that is gone (liveness), and this delivery
-        took it over: a killed worker's step runs again at once, not after its lease's TTL."""
-        if not lease.startswith(keys.STEP_LEASED + b":"):
-            return False
-        held = lease[len(keys.STEP_LEASED) + 1 :].decode(errors="replace")
-        if not liveness.token_abandoned(held):
-            return False
-        taken = self._take_over(
-            keys=[keys.step_state(step)], args=[lease, keys.step_lease(token), lease_ms]
-        )
-        if taken:
-            log.warning("step %s: lease of a process that is gone taken over", step)
-        return bool(taken)
-
     def _speculative(
         self, sk: str, reads: RoundReads | ToolReads | None
     ) -> tuple[SessionSpec, int, list[str]] | None:
@@ -377,27 +285,19 @@ class RedisStore:
         except StoreError:
             return None
 
-    def hold(self, step: str, token: str) -> AbstractContextManager[None]:
-        """Keep renewing this delivery's lease while the step runs (LeaseKeeper)."""
-        return self._keeper.hold(keys.step_state(step), token)
-
-    @_translated
-    def uncount_try(self, step: str) -> None:
-        self.client.decr(keys.tries(step))
-
-    @_translated
+    @translated
     def task_state(self, sk: str, task_id: str) -> dict[str, str] | None:
         raw = self.client.hgetall(keys.task(sk, task_id))
         return {k.decode(): v.decode() for k, v in raw.items()} or None
 
-    @_translated
+    @translated
     def update_task(self, sk: str, task_id: str, fields: dict[str, str]) -> None:
         pipe = self.client.pipeline(transaction=False)
         pipe.hset(keys.task(sk, task_id), mapping=fields)
         pipe.expire(keys.task(sk, task_id), self.ttl_s)
         pipe.execute()
 
-    @_translated
+    @translated
     def trace(self, write: TraceWrite) -> None:
         pipe = self.client.pipeline(transaction=False)
         self.add_trace(pipe, write)
@@ -417,23 +317,14 @@ class RedisStore:
             client.expire(stream, self.ttl_s)
             client.expire(keys.TRACE, self.ttl_s)
 
-    @_translated
+    @translated
     def set_partial(self, sk: str, text: str | None) -> None:
         if text is None:
             self.client.delete(keys.partial(sk))
         else:
             self.client.set(keys.partial(sk), text.encode(), ex=self.ttl_s)
 
-    @_translated
-    def lease_left_ms(self, step: str) -> int:
-        pipe = self.client.pipeline(transaction=False)
-        pipe.get(keys.step_state(step))
-        pipe.pttl(keys.step_state(step))
-        state, left_ms = pipe.execute()
-        leased = state is not None and state.startswith(keys.STEP_LEASED)
-        return max(int(left_ms), 0) if leased else 0
-
-    @_translated
+    @translated
     def unstarted_calls(self, sk: str, round_no: int, calls: int) -> tuple[list[int], int]:
         # one MGET: every call's outcome key, its queued mark, its step's state
         names = [
@@ -457,7 +348,7 @@ class RedisStore:
                 placed += 1
         return waiting, placed
 
-    @_translated
+    @translated
     def queue_calls(self, sk: str, round_no: int, indexes: list[int], claim: bool) -> list[int]:
         if not indexes:
             return []
@@ -466,45 +357,18 @@ class RedisStore:
             pipe.set(keys.tool_queued(sk, round_no, i), 1, nx=claim, ex=self.ttl_s)
         return [i for i, won in zip(indexes, pipe.execute(), strict=True) if won]
 
-    @_translated
-    def active_steps(self, steps: list[str]) -> set[str]:
-        return {s for s, state in self._step_states(steps) if state is not None}
-
-    @_translated
-    def published_steps(self, steps: list[str]) -> set[str]:
-        return {s for s, state in self._step_states(steps) if state == keys.STEP_DONE}
-
-    def _step_states(self, steps: list[str]) -> list[tuple[str, bytes | None]]:
-        """Each step with its state (a lease, done, or None): one MGET."""
-        if not steps:
-            return []
-        return list(zip(steps, self.client.mget([keys.step_state(s) for s in steps]), strict=True))
-
-    @_translated
-    def end_step(self, step: str) -> None:
-        """Mark the continuation published (after publishing it) and drop the lease."""
-        self.mark_published(self.client, step)
-
-    def mark_published(self, client: Any, step: str) -> None:
-        """The published marker, written by `client` (this store's, or a pipeline on it)."""
-        client.set(keys.step_state(step), keys.STEP_DONE, ex=self.ttl_s)
-
-    @_translated
-    def release_lease(self, step: str) -> None:
-        self.client.delete(keys.step_state(step))
-
     # cancellation and failure --------------------------------------------------------------
 
-    @_translated
+    @translated
     def is_cancelled(self, sk: str) -> bool:
         return bool(self.client.exists(keys.cancel(sk)))
 
-    @_translated
+    @translated
     def failure(self, sk: str) -> dict[str, Any] | None:
         value = _loads(self.client.get(keys.failure(sk)))
         return None if value is None else dict(value)
 
-    @_translated
+    @translated
     def ending_inputs(self, sk: str) -> tuple[dict[str, Any] | None, bool, int]:
         pipe = self.client.pipeline(transaction=False)
         pipe.get(keys.failure(sk))
@@ -514,7 +378,7 @@ class RedisStore:
         failed = _loads(failure)
         return (None if failed is None else dict(failed)), bool(cancelled), int(submitted or 0)
 
-    @_translated
+    @translated
     def dead_letter(self, step: str, sk: str, body: dict[str, Any], reason: str) -> None:
         pipe = self.client.pipeline(transaction=True)
         pipe.set(keys.failure(sk), dump_body(body), nx=True, ex=self.ttl_s)
@@ -524,18 +388,18 @@ class RedisStore:
 
     # meta ----------------------------------------------------------------------------------
 
-    @_translated
+    @translated
     def meta(self, sk: str) -> dict[str, str]:
         raw = self.client.hgetall(keys.meta(sk))
         return {k.decode(): v.decode() for k, v in raw.items()}
 
     # results -------------------------------------------------------------------------------
 
-    @_translated
+    @translated
     def has_result(self, sk: str) -> bool:
         return bool(self.client.exists(keys.response(sk)))
 
-    @_translated
+    @translated
     def write_result(self, sk: str, body: bytes, record: dict[str, Any]) -> bool:
         """Write the response fd once, then tell every waiting batch. True if this call wrote it."""
         # No MULTI: the record is written before the response, so whoever sees the response
@@ -551,7 +415,7 @@ class RedisStore:
         self.notify(sk, (b.decode() for b in batches))
         return bool(wrote)
 
-    @_translated
+    @translated
     def watcher_batches(self, sk: str) -> list[str]:
         return [b.decode() for b in self.client.smembers(keys.watchers(sk))]
 
@@ -562,19 +426,19 @@ class RedisStore:
             pipe.expire(keys.done_list(batch), self.ttl_s)
         pipe.execute()
 
-    @_translated
+    @translated
     def chunk_members(self, batch: str, chunk_no: int) -> list[keys.ChunkMember]:
         raw = self.client.lrange(keys.chunk(batch, chunk_no), 0, -1)
         return [keys.ChunkMember.decode(m.decode()) for m in raw]
 
     # the reconciler ------------------------------------------------------------------------
 
-    @_translated
+    @translated
     def take_reconciler_turn(self, hold_ms: int) -> bool:
         """Whether this process reconciles now: one in the fleet at a time, for `hold_ms`."""
         return bool(self.client.set(keys.RECONCILER_LOCK, os.getpid(), nx=True, px=hold_ms))
 
-    @_translated
+    @translated
     def stalled(self, quiet_ms: int, most: int) -> list[str]:
         """Unfinished sessions with no sign of progress for `quiet_ms`, oldest first; each is
         marked as just seen, so the next turns look at others first."""
@@ -586,19 +450,19 @@ class RedisStore:
             self.client.zadd(keys.ACTIVE, dict.fromkeys(found, now), xx=True)
         return found
 
-    @_translated
+    @translated
     def submitted_ms(self, sks: list[str]) -> list[int | None]:
         pipe = self.client.pipeline(transaction=False)
         for sk in sks:
             pipe.hget(keys.meta(sk), "submitted_ms")
         return [None if raw is None else int(raw) for raw in pipe.execute()]
 
-    @_translated
+    @translated
     def forget_session(self, sk: str) -> None:
         """Not to be watched any more (its spec expired: nothing left to recover)."""
         self.client.zrem(keys.ACTIVE, sk)
 
-    @_translated
+    @translated
     def module_bytes(self, sha256: str) -> bytes:
         data = self.client.get(keys.module(sha256))
         if data is None:

@@ -14,7 +14,8 @@ from schemas import keys
 from schemas.bodies import dump_body
 from schemas.spec_types import SessionSpec, spec_to_json
 from schemas.user_stream import StreamEvent
-from worker.edges.store import RedisStore, _translated
+from worker.edges.step_leases import translated
+from worker.edges.store import RedisStore
 from worker.errors import StoreError
 
 USER_EVENTS_BATCH = 256  # user events read at once
@@ -27,7 +28,7 @@ class ProgramStore:
         self.ttl_s = store.ttl_s
         self._forks: dict[str, bytes] = {}
 
-    @_translated
+    @translated
     def submit_chat(self, sk: str, spec: SessionSpec, batch: str) -> bool:
         """Store a chat's spec and watch it from the run's batch. False if it already exists
         (a redelivered program replaying its chats): then it is not started again. Its id
@@ -42,21 +43,21 @@ class ProgramStore:
         pipe.expire(keys.watchers(sk), self.ttl_s)
         return bool(pipe.execute()[0])
 
-    @_translated
+    @translated
     def ready(self, sks: list[str]) -> list[bool]:
         pipe = self.client.pipeline(transaction=False)
         for sk in sks:
             pipe.exists(keys.response(sk))
         return [bool(x) for x in pipe.execute()]
 
-    @_translated
+    @translated
     def response_and_record(self, sk: str) -> tuple[bytes | None, dict[str, Any] | None]:
         body, record = self.client.mget([keys.response(sk), keys.record(sk)])
         return (None if body is None else bytes(body)), (
             None if record is None else json.loads(record)
         )
 
-    @_translated
+    @translated
     def wait_done(self, batch: str, timeout_s: float) -> list[str]:
         """Block until a chat of the batch finishes (or the timeout): the keys announced."""
         item = self.client.blpop([keys.done_list(batch)], timeout=max(timeout_s, 0.01))
@@ -68,7 +69,7 @@ class ProgramStore:
     def is_cancelled(self, sk: str) -> bool:
         return self.store.is_cancelled(sk)
 
-    @_translated
+    @translated
     def put_fork(self, blob: bytes) -> str:
         """Content-addressed, so unchanged memory between sends is stored once."""
         sha = hashlib.sha256(blob).hexdigest()
@@ -76,7 +77,7 @@ class ProgramStore:
         self.client.expire(keys.fork(sha), self.ttl_s)
         return sha
 
-    @_translated
+    @translated
     def fork_blob(self, sha: str) -> bytes:
         """A snapshot; each tools process keeps the recent ones (a program's tool calls share
         one snapshot per send)."""
@@ -90,14 +91,14 @@ class ProgramStore:
             blob = self._forks[sha] = bytes(raw)
         return blob
 
-    @_translated
+    @translated
     def save_fd(self, run_sk: str, fd: int, entry: dict[str, Any]) -> None:
         pipe = self.client.pipeline(transaction=False)
         pipe.hset(keys.fds(run_sk), str(fd), dump_body(entry))
         pipe.expire(keys.fds(run_sk), self.ttl_s)
         pipe.execute()
 
-    @_translated
+    @translated
     def user_events(self, run_sk: str, after: str) -> list[tuple[str, StreamEvent | None]]:
         read = self.client.xread({keys.user_in(run_sk): after}, count=USER_EVENTS_BATCH)
         entries = read[0][1] if read else []
@@ -105,7 +106,7 @@ class ProgramStore:
             (entry_id.decode(), StreamEvent.from_fields(fields)) for entry_id, fields in entries
         ]
 
-    @_translated
+    @translated
     def emit_user_event(self, run_sk: str, seq: int, event: StreamEvent) -> bool:
         key = keys.user_out(run_sk)
         try:

@@ -1,0 +1,167 @@
+"""Step leases in Redis, a part of RedisStore: a delivery's lease on its step, renewed while
+it runs (LeaseKeeper) and taken over when its holder is gone (liveness), the published marker
+that ends a step, and the try counter. Key layout: `schemas/keys.py`."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any, ParamSpec, TypeVar
+
+import redis
+
+from schemas import keys
+from worker.edges import liveness
+from worker.errors import StoreError
+from worker.session.ports import STEP_LEASE_MS
+
+P = ParamSpec("P")
+T = TypeVar("T")
+log = logging.getLogger("worker.edges.store")
+
+
+def translated(fn: Callable[P, T]) -> Callable[P, T]:
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            return fn(*args, **kwargs)
+        except redis.RedisError as exc:
+            raise StoreError(f"redis: {type(exc).__name__}: {exc}") from exc
+
+    return wrapper
+
+
+# renews every lease still held by the delivery that took it, one round trip for all of them
+_RENEW = """
+local renewed = 0
+for i, key in ipairs(KEYS) do
+  if redis.call('get', key) == ARGV[i + 1] then
+    redis.call('pexpire', key, ARGV[1])
+    renewed = renewed + 1
+  end
+end
+return renewed
+"""
+
+
+# takes over a lease whose holder is gone, if it is still that holder's (compare and set)
+TAKE_OVER = """
+if redis.call('get', KEYS[1]) == ARGV[1] then
+  redis.call('set', KEYS[1], ARGV[2], 'PX', ARGV[3])
+  return 1
+end
+return 0
+"""
+
+
+class LeaseKeeper:
+    """A process's step leases, renewed while their steps run: a lease lasts STEP_LEASE_MS and
+    is renewed every third of it, so a worker that dies frees its steps within STEP_LEASE_MS,
+    whatever the model's timeout. One thread per process (a prefork child starts its own)."""
+
+    def __init__(self, client: Any, lease_ms: int = STEP_LEASE_MS) -> None:
+        self.client = client
+        self.lease_ms = lease_ms
+        self.held: dict[str, bytes] = {}  # step_state key -> the lease value this process holds
+        self._lock = threading.Lock()
+        self._pid = 0
+        self._renew = client.register_script(_RENEW)
+
+    @contextmanager
+    def hold(self, key: str, token: str) -> Iterator[None]:
+        with self._lock:
+            self.held[key] = keys.step_lease(token)
+            if self._pid != os.getpid():  # first lease of this process: start its renewer
+                self._pid = os.getpid()
+                threading.Thread(target=self._loop, name="lease-keeper", daemon=True).start()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.held.pop(key, None)
+            liveness.retire(token)
+
+    def _loop(self) -> None:
+        while True:
+            time.sleep(self.lease_ms / 3000)
+            with self._lock:
+                held = dict(self.held)
+            if not held:
+                continue
+            try:
+                self._renew(keys=list(held), args=[self.lease_ms, *held.values()])
+            except redis.RedisError as exc:  # the next round tries again; a lost lease is
+                log.warning("lease renewal failed: %s", type(exc).__name__)  # taken over
+
+
+class StepLeases:
+    """The lease half of RedisStore (which sets `client`, `ttl_s`, `_keeper`, `_take_over`)."""
+
+    client: Any
+    ttl_s: int
+    _keeper: LeaseKeeper
+    _take_over: Any
+
+    def _abandoned(self, step: str, lease: bytes, token: str, lease_ms: int) -> bool:
+        """Whether `lease` was held by a process that is gone (liveness), and this delivery
+        took it over: a killed worker's step runs again at once, not after its lease's TTL."""
+        if not lease.startswith(keys.STEP_LEASED + b":"):
+            return False
+        held = lease[len(keys.STEP_LEASED) + 1 :].decode(errors="replace")
+        if not liveness.token_abandoned(held):
+            return False
+        taken = self._take_over(
+            keys=[keys.step_state(step)], args=[lease, keys.step_lease(token), lease_ms]
+        )
+        if taken:
+            log.warning("step %s: lease of a process that is gone taken over", step)
+        return bool(taken)
+
+    def hold(self, step: str, token: str) -> AbstractContextManager[None]:
+        """Keep renewing this delivery's lease while the step runs (LeaseKeeper)."""
+        return self._keeper.hold(keys.step_state(step), token)
+
+    @translated
+    def uncount_try(self, step: str) -> None:
+        self.client.decr(keys.tries(step))
+
+    @translated
+    def lease_left_ms(self, step: str) -> int:
+        pipe = self.client.pipeline(transaction=False)
+        pipe.get(keys.step_state(step))
+        pipe.pttl(keys.step_state(step))
+        state, left_ms = pipe.execute()
+        leased = state is not None and state.startswith(keys.STEP_LEASED)
+        return max(int(left_ms), 0) if leased else 0
+
+    @translated
+    def active_steps(self, steps: list[str]) -> set[str]:
+        return {s for s, state in self._step_states(steps) if state is not None}
+
+    @translated
+    def published_steps(self, steps: list[str]) -> set[str]:
+        return {s for s, state in self._step_states(steps) if state == keys.STEP_DONE}
+
+    def _step_states(self, steps: list[str]) -> list[tuple[str, bytes | None]]:
+        """Each step with its state (a lease, done, or None): one MGET."""
+        if not steps:
+            return []
+        return list(zip(steps, self.client.mget([keys.step_state(s) for s in steps]), strict=True))
+
+    @translated
+    def end_step(self, step: str) -> None:
+        """Mark the continuation published (after publishing it) and drop the lease."""
+        self.mark_published(self.client, step)
+
+    def mark_published(self, client: Any, step: str) -> None:
+        """The published marker, written by `client` (this store's, or a pipeline on it)."""
+        client.set(keys.step_state(step), keys.STEP_DONE, ex=self.ttl_s)
+
+    @translated
+    def release_lease(self, step: str) -> None:
+        self.client.delete(keys.step_state(step))
