@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from schemas.bodies import dump_text
+from schemas.bodies import OK, dump_text, outcome_code
 
 if TYPE_CHECKING:
     from producer.batches import BatchSummary
@@ -72,8 +72,8 @@ class Result:
 
     @property
     def error_code(self) -> str | None:
-        error = self.body.get("error")
-        return error.get("code") if isinstance(error, dict) else None
+        code = outcome_code(self.body)
+        return None if code == OK else code
 
     @property
     def text(self) -> str | None:

@@ -20,6 +20,7 @@ from rich.text import Text
 
 from producer.client import STATE_SAMPLE, Submission
 from producer.lookups import SessionLookups
+from schemas.bodies import outcome_code
 
 SAMPLE_S = 1.0  # the pending sessions' states are read at most this often
 PLAIN_EVERY_S = 10.0  # off a terminal: a progress line at most this often (and a final one)
@@ -28,10 +29,6 @@ REFRESH_PER_S = 4  # rich's refresh thread redraws the terminal display this oft
 
 # (queued, running) among the pending sessions, or a sample of them when there are many
 States = Callable[[], tuple[int, int]]
-
-
-def error_code(record: dict[str, Any]) -> str:
-    return str(((record.get("body") or {}).get("error") or {}).get("code", "?"))
 
 
 def batch_states(client: SessionLookups, sub: Submission, finished: Container[str]) -> States:
@@ -145,7 +142,7 @@ class Progress:
             if record.get("status") == "ok":
                 self.ok += 1
             else:
-                self.failures[error_code(record)] += 1
+                self.failures[outcome_code(record.get("body"))] += 1
 
     def snapshot(self) -> Snapshot:
         with self._lock:
@@ -248,7 +245,7 @@ def percentile(values: Sequence[int], q: float) -> int:
 
 
 def summary(records: Sequence[dict[str, Any]], wall_s: float) -> str:
-    errors = Counter(error_code(r) for r in records if r.get("status") != "ok")
+    errors = Counter(outcome_code(r.get("body")) for r in records if r.get("status") != "ok")
     programs = [r for r in records if r.get("kind") == "program"]
     program_chats = sum(int((r.get("metrics") or {}).get("chats", 0)) for r in programs)
     metrics = [r.get("metrics") or {} for r in records]
