@@ -25,6 +25,7 @@ from typing import IO
 import redis
 
 from producer.fleet_status import read_fleet_status
+from schemas import task_names
 from schemas.config import FleetConfig, parse_config
 
 # queue -> (pool, concurrency): I/O-bound model calls on threads, CPU-bound WASM on one process
@@ -234,13 +235,14 @@ class Fleet:
         return proc
 
     def start_workers(self, extra_env: dict[str, str] | None = None) -> None:
-        for queue in ("llm", "tools", "control", "programs", "background"):
+        for queue in task_names.ALL_QUEUES:
             self.start_worker(queue, extra_env=extra_env)
 
-    def wait_served(self, timeout_s: float = 60) -> None:
-        """Until each queue a worker was started for has a consumer beating in Redis (a worker
+    def wait_served(
+        self, queues: Sequence[str] = task_names.ALL_QUEUES, timeout_s: float = 60
+    ) -> None:
+        """Until each of `queues` (start_workers' own) has a consumer beating in Redis (a worker
         registers once it has booted), so that a batch submitted next is not warned about."""
-        queues = {q for name in self.workers for q in name.rsplit("-", 1)[0].split("-")}
         client = redis.Redis.from_url(self.redis_url)
         deadline = time.monotonic() + timeout_s
         try:
