@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from producer.backend_check import backend_check
-from producer.batch import batch_line, result_line
+from producer.batch import batch_line
 from producer.batches import Batches
 from producer.cli_common import (
     EXIT_FAILED,
@@ -52,17 +52,12 @@ def result_files(fmt: str, out: Path, errors: str | None = None) -> ResultFiles:
     """Where a batch's result lines go: `cchatq` (one file) or `openai` (OpenAI Batch output
     lines, failed requests in the errors file: `errors`, else beside `out`)."""
     if fmt == "openai":
-        return ResultFiles(out, openai_lines(program_body), Path(errors or errors_path(out)))
+        return ResultFiles(out, openai_lines(), Path(errors or errors_path(out)))
 
     def line(sk: str, record: dict[str, Any], batch: str, attempt: int) -> tuple[bool, str]:
         return False, batch_line(record, batch, attempt)
 
     return ResultFiles(out, line)
-
-
-def program_body(record: dict[str, Any]) -> dict[str, Any]:
-    """A program run's OpenAI Batch `response.body`: its result line's fields."""
-    return {k: v for k, v in result_line(record).items() if k not in ("id", "kind", "error")}
 
 
 def warn_unserved(client: Client, specs: Sequence[Spec], stream: TextIO = sys.stderr) -> None:

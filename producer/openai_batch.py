@@ -36,6 +36,7 @@ from typing import Any, TextIO
 
 from marshmallow import ValidationError
 
+from producer.batch import result_line
 from producer.modules import ModuleChecker
 from producer.specfile import Conversion, SpecConvert, flatten_errors
 from schemas.bodies import OK
@@ -259,9 +260,12 @@ def request_line_id(sk: str) -> str:
     return BATCH_REQ_PREFIX + hashlib.sha256(f"batch_req:{sk}".encode()).hexdigest()[:32]
 
 
-def output_line(
-    sk: str, record: dict[str, Any], program_body: Callable[[dict[str, Any]], dict[str, Any]]
-) -> tuple[bool, dict[str, Any]]:
+def program_body(record: dict[str, Any]) -> dict[str, Any]:
+    """A program run's `response.body`: its cchatq result line's fields (OpenAI defines none)."""
+    return {k: v for k, v in result_line(record).items() if k not in ("id", "kind", "error")}
+
+
+def output_line(sk: str, record: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
     """(failed, the session's OpenAI Batch output line). A chat session's `response.body` is its
     response body without cchatq's `_spear`; a program run's is `program_body(record)`.
     `request_id` is the provider's id of the reply, else the session key."""
@@ -298,9 +302,9 @@ RecordLine = Callable[[str, dict[str, Any], str, int], tuple[bool, str]]
 Row = tuple[str, dict[str, Any], str, int]  # (sk, record, batch, attempt)
 
 
-def openai_lines(program_body: Callable[[dict[str, Any]], dict[str, Any]]) -> RecordLine:
+def openai_lines() -> RecordLine:
     def line(sk: str, record: dict[str, Any], batch: str, attempt: int) -> tuple[bool, str]:
-        failed, obj = output_line(sk, record, program_body)
+        failed, obj = output_line(sk, record)
         return failed, json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n"
 
     return line

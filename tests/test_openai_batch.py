@@ -331,30 +331,26 @@ def record(status: str, body: dict[str, Any], spec_id: str = "req-1") -> dict[st
     return {"id": spec_id, "status": status, "body": body, "transcript": [], "metrics": {}}
 
 
-def no_program(record: dict[str, Any]) -> dict[str, Any]:
-    raise AssertionError("not a program")
-
-
 def test_an_answer_is_a_200_line_without_cchatq_fields() -> None:
     body = {**COMPLETION, "_spear": {"backend": "replay", "model": "replay/plain"}}
-    failed, line = output_line("sk1", record("ok", body), no_program)
+    failed, line = output_line("sk1", record("ok", body))
     assert not failed
     assert list(line) == ["id", "custom_id", "response", "error"]
     assert LINE_ID.match(line["id"])
-    assert line["id"] == output_line("sk1", record("ok", body), no_program)[1]["id"]  # stable
-    assert line["id"] != output_line("sk2", record("ok", body), no_program)[1]["id"]
+    assert line["id"] == output_line("sk1", record("ok", body))[1]["id"]  # stable
+    assert line["id"] != output_line("sk2", record("ok", body))[1]["id"]
     assert line["custom_id"] == "req-1"
     assert line["response"] == {"status_code": 200, "request_id": "chatcmpl-1", "body": COMPLETION}
     assert line["error"] is None
     no_id = {k: v for k, v in body.items() if k != "id"}
-    assert output_line("sk1", record("ok", no_id), no_program)[1]["response"]["request_id"] == "sk1"
+    assert output_line("sk1", record("ok", no_id))[1]["response"]["request_id"] == "sk1"
 
 
 def test_a_failure_is_an_error_file_line_shaped_as_openai_writes_them() -> None:
     """An HTTP error from the model: its status and the error as response.body, error null (as
     OpenAI's error files hold them); any other failure: response null, error {code, message}."""
     http = {"error": {"code": "provider_error", "message": "HTTP 400: bad model\nsecond line"}}
-    failed, line = output_line("sk1", record("error", http), no_program)
+    failed, line = output_line("sk1", record("error", http))
     assert failed
     assert list(line) == ["id", "custom_id", "response", "error"]
     assert line["response"] == {
@@ -365,11 +361,11 @@ def test_a_failure_is_an_error_file_line_shaped_as_openai_writes_them() -> None:
     }  # fmt: skip
     assert line["error"] is None
     limit = {"error": {"code": "tool_call_limit", "message": "exceeded max_iterations"}}
-    failed, line = output_line("sk1", record("error", limit), no_program)
+    failed, line = output_line("sk1", record("error", limit))
     assert failed and line["response"] is None
     assert line["error"] == {"code": "tool_call_limit", "message": "exceeded max_iterations"}
     timeout = {"error": {"code": "provider_unavailable", "message": "read timeout calling x"}}
-    assert output_line("sk1", record("error", timeout), no_program)[1]["error"] == {
+    assert output_line("sk1", record("error", timeout))[1]["error"] == {
         "code": "provider_unavailable",
         "message": "read timeout calling x",
     }
@@ -377,16 +373,18 @@ def test_a_failure_is_an_error_file_line_shaped_as_openai_writes_them() -> None:
 
 def test_a_program_run_answers_with_its_result_fields() -> None:
     run = {**record("ok", {}), "kind": "program", "exit_code": 0, "stdout": "hi\n"}
-    failed, line = output_line("sk1", run, lambda r: {"exit_code": r["exit_code"]})
+    failed, line = output_line("sk1", run)
     assert not failed
-    assert line["response"] == {"status_code": 200, "request_id": "sk1", "body": {"exit_code": 0}}
+    fields = {"status": "ok", "exit_code": 0, "stdout": "hi\n", "stderr": None, "logs": None,
+              "responses": None, "metrics": {}}  # fmt: skip
+    assert line["response"] == {"status_code": 200, "request_id": "sk1", "body": fields}
 
 
 def test_result_files_write_as_sessions_finish_then_in_input_order(tmp_path: Path) -> None:
     out = tmp_path / "out.jsonl"
     assert errors_path(out) == tmp_path / "out.errors.jsonl"
     assert errors_path(tmp_path / "out") == tmp_path / "out.errors.jsonl"
-    files = ResultFiles(out, openai_lines(no_program), errors_path(out))
+    files = ResultFiles(out, openai_lines(), errors_path(out))
     rows = [
         ("sk-a", record("ok", COMPLETION, "a"), "B", 1),
         ("sk-b", record("error", {"error": {"code": "cancelled", "message": "x"}}, "b"), "B", 1),
