@@ -13,7 +13,7 @@ from celery import Celery
 
 from producer.user_stream import UserStream
 from schemas import keys, task_names
-from schemas.spec_types import ProgramSpec, spec_from_json
+from schemas.spec_types import ProgramSpec, Spec, spec_from_json
 
 QUEUED = b"queued"  # a session's state from submit until its first round
 
@@ -113,10 +113,11 @@ class SessionLookups:
     def cancel(self, spec_id: str) -> bool:
         """Ask a session to stop; every step checks at its boundary. False if unknown."""
         sk = self.session_key(spec_id)
-        if sk is None or not self.redis.exists(keys.spec(sk)):
+        spec = None if sk is None else self._stored_spec(sk)
+        if sk is None or spec is None:
             return False
         self.redis.set(keys.cancel(sk), "1", ex=self.ttl_s)
-        if isinstance(spec_from_json(json.loads(self.redis.get(keys.spec(sk)))), ProgramSpec):
+        if isinstance(spec, ProgramSpec):
             return True  # a program run checks the flag at its hostcalls and waits
         self.celery.send_task(
             task_names.FINISH,
@@ -131,11 +132,16 @@ class SessionLookups:
         `send`s the program reads with user_stream_read, what the program writes comes out of
         `lines()`. LookupError if the id names no program run (or it expired)."""
         sk = self.session_key(spec_id)
-        raw = None if sk is None else self.redis.get(keys.spec(sk))
-        if sk is None or raw is None:
+        spec = None if sk is None else self._stored_spec(sk)
+        if sk is None or spec is None:
             raise LookupError(f"unknown session id: {spec_id}")
-        if not isinstance(spec_from_json(json.loads(raw)), ProgramSpec):
+        if not isinstance(spec, ProgramSpec):
             raise LookupError(f"not a program run: {spec_id}")
         stream = UserStream(self.redis, sk, stream_id, self.ttl_s)
         stream.open()
         return stream
+
+    def _stored_spec(self, sk: str) -> Spec | None:
+        """The spec a run was submitted with, None once it expired."""
+        raw = self.redis.get(keys.spec(sk))
+        return None if raw is None else spec_from_json(json.loads(raw))
