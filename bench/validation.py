@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 import fixtures
-from fixtures.demo_batch import WEATHER
 
 GUESTS = Path(fixtures.__file__).parent / "guests"
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,7 +33,18 @@ ASKS = [
     "The temperature in {city} in Celsius, please: case {n}.",
     "Should I take a coat to {city} today? Briefly.",
 ]
-TOOL = {**WEATHER, "module": "fixtures/guests/weather.wasm"}  # the demo's weather tool
+TOOL = {
+    "module": "fixtures/guests/weather.wasm",
+    "export": "get_weather",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
 
 
 def generate(folder: Path, sessions: int = SESSIONS, seed: int = 7) -> Path:
