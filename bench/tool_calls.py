@@ -13,6 +13,7 @@ import fixtures
 from bench.codecs import median_us
 from schemas.limits import ToolDefaults
 from schemas.spec_types import SessionSpec, spec_from_json
+from worker.codecs.reply import Reply
 from worker.edges.wasm_runtime import WasmToolRuntime
 from worker.session.engine import tool_run
 from worker.session.ports import ToolCall
@@ -51,7 +52,7 @@ def tool_call_rows(rows: list[tuple[str, str]]) -> None:
             }
         ]
     }
-    run = tool_run(spec, reply, 0)
+    run = tool_run(spec, Reply.parse(reply), 0)
     assert run is not None
     limits = spec.limits
     call = ToolCall(sha, "get_weather", None, None, b'{"city":"Paris"}', 10_000,

@@ -482,10 +482,10 @@ def test_workers_read_the_mounted_configuration_and_keys_from_env_file(tmp_path:
             configs.add(Path(Plan.make(tmp_path).env(name)["CCHATQ_CONFIG"]))
     assert configs == {ROOT / "fixtures" / "config" / "cchatq.json"}, configs
     settings = load_settings({"CCHATQ_CONFIG": str(ROOT / "fixtures" / "config" / "cchatq.json")})
-    assert settings.default_backend == "replay", "the stack runs with no key at all"
+    assert settings.fleet.default_backend == "replay", "the stack runs with no key at all"
     real = {
         name: backend
-        for name, backend in settings.backends.items()
+        for name, backend in settings.fleet.backends.items()
         if backend.base_url.startswith("https://")
     }
     assert {b.protocol for b in real.values()} >= {"anthropic", "openai", "gemini"}
@@ -507,7 +507,7 @@ def test_workers_stop_after_their_longest_step(tmp_path: Path) -> None:
             "task_time_limit": hard_limit_s,
             "run_timeout_ms cap": RUN_LIMIT_BOUNDS["run_timeout_ms"][1] / 1000,
             "tool timeout cap": TOOL_TIMEOUT_CAP_MS / 1000,
-            **{f"backend {b.name}": b.total_timeout_s for b in settings.backends.values()},
+            **{f"backend {b.name}": b.total_timeout_s for b in settings.fleet.backends.values()},
         }
         grace_s = duration_s(SERVICES[name]["stop_grace_period"])
         short = {what: s for what, s in budgets_s.items() if s >= grace_s}

@@ -55,7 +55,7 @@ def test_without_configuration_the_named_backends_are_the_real_apis_and_replay_i
     local = read_config({"CCHATQ_REPLAY_URL": "http://10.0.0.2:9/v1"})
     assert local.backends["replay"].base_url == "http://10.0.0.2:9/v1"
     # the workers read the very same thing
-    assert load_settings({}).backends == config.backends
+    assert load_settings({}).fleet.backends == config.backends
 
 
 def test_the_configuration_is_checked_strictly_and_every_problem_named() -> None:

@@ -32,14 +32,19 @@ from worker.codecs.anthropic import AnthropicCodec
 from worker.codecs.gemini import GeminiCodec
 from worker.codecs.openai_codec import OpenAICodec
 from worker.codecs.protocol import ChatRequest, Codec
-from worker.config import BackendConfig, Settings
+from worker.codecs.reply import Reply as ModelReply
+from worker.config import BackendConfig, FleetConfig, Settings
 from worker.edges.provider_http import CompletionResult, HttpProvider
 from worker.errors import ProviderRequestError, ProviderRetryableError
-from worker.session.engine import CallModel, Round, RunTools, plan
+from worker.session.ending import metrics
+from worker.session.engine import CallModel, RunTools, plan
 from worker.session.outcomes import ToolOutcome
-from worker.session.records import metrics
+from worker.session.state import Round
 from worker.session.steps import StepRunner
-from worker.session.twins import MemoryStore, NoTools, OpenRateLimiter, Published, StepQueue
+from worker.session.twins.models import OpenRateLimiter
+from worker.session.twins.queue import Published, StepQueue
+from worker.session.twins.store import MemoryStore
+from worker.session.twins.tools import NoTools
 
 # Fixtures ---------------------------------------------------------------------------------------
 
@@ -379,7 +384,7 @@ TWO_CALLS = canonical_completion(
 def test_b9_78_a_stored_round_reply_is_never_requested_again(
     stored: dict[int, ToolOutcome],
 ) -> None:
-    s = session(make_spec(), Round(reply=TWO_CALLS, outcomes=stored))
+    s = session(make_spec(), Round(reply=ModelReply.parse(TWO_CALLS), outcomes=stored))
     step = plan(s)
     if len(stored) < 2:
         assert isinstance(step, RunTools)
@@ -422,7 +427,7 @@ def test_b9_78_round_step_calls_the_model_only_before_its_tools_run() -> None:
         dispatch=dispatch,
         provider_for=lambda _: provider,
         tools=NoTools,
-        settings=Settings(backends={"replay": backend}),
+        settings=Settings(fleet=FleetConfig(backends={"replay": backend})),
         rate_limiter=OpenRateLimiter(),
     )
     runner.round("s1", 0)  # the round's model call, before any tool is planned
@@ -458,5 +463,5 @@ def test_b10_82_retried_attempt_usage_reaches_run_totals(
     c = client(Reply(body=completion(None)), Reply())  # each reply bills 4 tokens
     result = c.complete()
     assert result.attempts == 2
-    s = session(make_spec(), Round(reply=result.completion))
+    s = session(make_spec(), Round(reply=ModelReply.parse(result.completion)))
     assert metrics(s, 0)["usage"]["total_tokens"] == 8

@@ -28,6 +28,7 @@ from tests.test_engine import (
     call,
     canon,
     completion,
+    ended_transcript,
     err,
     err_text,
     make_spec,
@@ -40,25 +41,26 @@ from worker.codecs.anthropic import AnthropicCodec
 from worker.codecs.gemini import GeminiCodec
 from worker.codecs.openai_chat import normalize_usage
 from worker.codecs.protocol import ChatRequest
+from worker.codecs.reply import Reply
 from worker.config import Settings
 from worker.edges.wasm_runtime import ToolInvocation, WasmToolRuntime
 from worker.errors import ToolCallLimitError, ToolTimeoutError
+from worker.session.ending import metrics
 from worker.session.engine import (
     REPEAT_LIMIT,
     CallModel,
     Finish,
-    Round,
     RunTools,
-    Session,
     plan,
     tool_run,
-    transcript,
 )
 from worker.session.outcomes import ToolOutcome
-from worker.session.records import metrics
+from worker.session.state import Round, Session
 from worker.session.steps import StepRunner
 from worker.session.tool_policy import ToolCaller
-from worker.session.twins import MemoryStore, NoProvider, OpenRateLimiter, StepQueue
+from worker.session.twins.models import NoProvider, OpenRateLimiter
+from worker.session.twins.queue import StepQueue
+from worker.session.twins.store import MemoryStore
 
 GUESTS = Path(__file__).resolve().parents[1] / "fixtures" / "guests"
 
@@ -90,7 +92,7 @@ def drive(
             return s, step, kinds
         if isinstance(step, CallModel):
             assert step.round_no == len(s.rounds)
-            s = replace(s, rounds=(*s.rounds, Round(reply=next(script))))
+            s = replace(s, rounds=(*s.rounds, Round(reply=Reply.parse(next(script)))))
         else:
             assert isinstance(step, RunTools)
             outcomes = dict(step.presets)
@@ -169,7 +171,7 @@ def execute(runner: StepRunner, s: Session, index: int) -> ToolOutcome:
     """What a tools worker does for call `index` of the last round (StepRunner.tool)."""
     run = tool_run(s.spec, s.rounds[-1].reply, index)
     assert run is not None
-    return ToolCaller(runner.tools(), runner.settings.tool_defaults).run(s.spec, run)
+    return ToolCaller(runner.tools(), runner.settings.fleet.tool_defaults).run(s.spec, run)
 
 
 # B1 8: unknown tool name -----------------------------------------------------------------------
@@ -182,7 +184,7 @@ def test_b1_08_unknown_tool_is_an_error_result() -> None:
         call("call_x", "get_wether", '{"city":"Paris"}'),
         call("call_a", "get_weather", '{"city":"Paris"}'),
     )
-    s = session(make_spec(), Round(reply=reply))
+    s = session(make_spec(), Round(reply=Reply.parse(reply)))
     step = plan(s)
     assert isinstance(step, RunTools)
     assert [r.index for r in step.runs] == [1]  # the unknown call never runs
@@ -207,7 +209,7 @@ def test_b1_08_unknown_tool_never_raises_out_of_the_loop() -> None:
     assert finish.body["choices"][0]["message"]["content"] == "It is sunny in Paris."
     # an all-unknown round runs nothing and still goes back to the model
     assert kinds == ["CallModel", "RunTools", "CallModel", "RunTools", "CallModel", "Finish"]
-    tools = [m for m in transcript(s) if m["role"] == "tool"]
+    tools = [m for m in ended_transcript(s) if m["role"] == "tool"]
     assert [json.loads(m["content"])["error"]["code"] for m in tools] == ["TOOL_NOT_FOUND"] * 2
 
 
@@ -215,7 +217,9 @@ def test_b1_08_unknown_tool_error_keeps_the_guest_abi_text() -> None:
     """B1 8 would list the valid names; guest-abi.md section 4 fixes the exact message (SPEAR
     guests search these bytes), and the tools the model may call are in every request anyway.
     The ABI wins: the message names the unknown tool and nothing else."""
-    s = session(make_spec(), Round(reply=completion(call("call_x", "get_wether", "{}"))))
+    s = session(
+        make_spec(), Round(reply=Reply.parse(completion(call("call_x", "get_wether", "{}"))))
+    )
     step = plan(s)
     assert isinstance(step, RunTools)
     assert json.loads(step.presets[0].message(envelope=False))["error"] == {
@@ -242,9 +246,9 @@ SECOND = completion(
 
 def two_rounds_stored_out_of_order() -> Session:
     """Two tool rounds whose outcomes were stored in reverse call order."""
-    s = session(make_spec(), Round(reply=FIRST))
+    s = session(make_spec(), Round(reply=Reply.parse(FIRST)))
     s = with_outcomes(s, {2: ok("rain"), 1: ok("12:00"), 0: ok("sunny")})
-    s = replace(s, rounds=(*s.rounds, Round(reply=SECOND)))
+    s = replace(s, rounds=(*s.rounds, Round(reply=Reply.parse(SECOND))))
     step = plan(s)
     assert isinstance(step, RunTools)
     assert list(step.presets) == [0]  # get_wether is unknown
@@ -349,7 +353,7 @@ def test_b7_65_max_turns_ends_with_typed_error_and_answered_transcript(
         {"error": {"code": "tool_call_limit", "message": "exceeded max_iterations"}}
     )
     assert finish.body["error"]["code"] == ToolCallLimitError.code
-    history = transcript(s)
+    history = ended_transcript(s)
     assert unanswered_calls(history) == []
     skipped = err_text("NOT_RUN", "skipped: exceeded max_iterations")
     last = max_iterations - 1
@@ -388,7 +392,7 @@ def test_b7_66_timeout_is_an_error_result_and_siblings_keep_call_order(
         call("call_b", "spin", "{}"),
         call("call_c", "get_weather", '{"city":"Oslo"}'),
     )
-    s = session(spec, Round(reply=reply))
+    s = session(spec, Round(reply=Reply.parse(reply)))
     step = plan(s)
     assert isinstance(step, RunTools)
     assert [r.index for r in step.runs] == [0, 1, 2]
@@ -443,7 +447,7 @@ def test_b7_67_trapping_tool_is_an_error_result_and_keeps_siblings(
         call("call_b", "boom", "{}"),
         call("call_c", "get_weather", '{"city":"Oslo"}'),
     )
-    s = session(spec, Round(reply=reply))
+    s = session(spec, Round(reply=Reply.parse(reply)))
     step = plan(s)
     assert isinstance(step, RunTools)
     runner = make_runner()
@@ -485,7 +489,7 @@ def rounds_asking(*arguments: str, extra: list[dict[str, Any]] | None = None) ->
         last = n == len(arguments) - 1
         calls = [call(f"call_{n}", "get_weather", args), *((extra or []) if last else [])]
         reply = completion(*calls, completion_id=f"c{n}")
-        rounds.append(Round(reply=reply, outcomes={} if last else {0: ok("sunny")}))
+        rounds.append(Round(reply=Reply.parse(reply), outcomes={} if last else {0: ok("sunny")}))
     return session(make_spec(), *rounds)
 
 
@@ -540,15 +544,18 @@ def test_b10_82_run_totals_sum_the_final_usage_of_every_call() -> None:
     first = completion(call("call_a", "get_weather", '{"city":"Paris"}'), completion_id="c0")
     second = completion(call("call_b", "get_time", "{}"), completion_id="c1")
     rounds = [
-        Round(reply={**first, "usage": usages[0]}, outcomes={0: ok("sunny")}),
+        Round(reply=Reply.parse({**first, "usage": usages[0]}), outcomes={0: ok("sunny")}),
         # a stored usage with an extra integer field: summed like the others
-        Round(reply={**second, "usage": {**usages[1], "cached_tokens": 4}}, outcomes={0: ok("x")}),
-        Round(reply={**ANSWER, "usage": usages[2]}),
+        Round(
+            reply=Reply.parse({**second, "usage": {**usages[1], "cached_tokens": 4}}),
+            outcomes={0: ok("x")},
+        ),
+        Round(reply=Reply.parse({**ANSWER, "usage": usages[2]})),
     ]
     s = session(make_spec(), *rounds)
     assert isinstance(plan(s), Finish)
     # per-call records: each stored reply keeps its own final usage
-    per_call = [r.reply["usage"] for r in s.rounds]
+    per_call = [r.reply.usage for r in s.rounds]
     assert per_call == [usages[0], {**usages[1], "cached_tokens": 4}, usages[2]]
     assert metrics(s, 0)["usage"] == {
         "prompt_tokens": 90,
@@ -596,8 +603,8 @@ def test_b10_82_streaming_partials_are_never_summed(body: bytes) -> None:
 
     s = session(
         make_spec(),
-        Round(reply=streamed, outcomes={0: ok("12:00")}),
-        Round(reply=completion(content="12:00 UTC", usage=FINAL)),
+        Round(reply=Reply.parse(streamed), outcomes={0: ok("12:00")}),
+        Round(reply=Reply.parse(completion(content="12:00 UTC", usage=FINAL))),
     )
     assert metrics(s, 0)["usage"] == {
         "prompt_tokens": 182,

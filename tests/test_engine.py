@@ -16,22 +16,21 @@ import pytest
 from schemas.limits import Limits
 from schemas.spec_types import SessionSpec, spec_from_json, tool_from_json
 from worker.codecs.openai_chat import normalize_completion
+from worker.codecs.reply import Reply
 from worker.errors import ToolNotFoundError
+from worker.session.ending import closing_fill, metrics
 from worker.session.engine import (
     CANCELLED,
     CallModel,
     Finish,
-    Round,
     RunTools,
-    Session,
     ToolRun,
     argument_problem,
     plan,
-    success_body,
-    transcript,
 )
 from worker.session.outcomes import ToolFailure, ToolOutcome
-from worker.session.records import metrics
+from worker.session.state import Round, Session
+from worker.session.transcript import success_body, transcript
 
 # Fixtures as plain data --------------------------------------------------------------------
 
@@ -122,6 +121,12 @@ def session(spec: dict[str, Any], *rounds: Round) -> Session:
     typed = spec_from_json(spec)
     assert isinstance(typed, SessionSpec)
     return Session(spec=typed, backend="replay", rounds=tuple(rounds))
+
+
+def ended_transcript(s: Session, missing: ToolOutcome | None = None) -> list[dict[str, Any]]:
+    """The transcript a session ends with (worker.session.ending): the plan's answers to its
+    last round's unanswered calls, and `missing` for the rest."""
+    return transcript(s, closing_fill(s, plan(s), missing))
 
 
 def ok(content: str) -> ToolOutcome:
@@ -277,7 +282,7 @@ def test_reply_without_tool_calls_finishes_with_reply_and_spear(
     reply: dict[str, Any], spear_model: str
 ) -> None:
     before = copy.deepcopy(reply)
-    step = plan(session(make_spec(), Round(reply=reply)))
+    step = plan(session(make_spec(), Round(reply=Reply.parse(reply))))
     assert step == Finish({**before, "_spear": {"backend": "replay", "model": spear_model}})
     assert isinstance(step, Finish) and step.ok
     assert reply == before  # the stored reply is not mutated
@@ -286,13 +291,17 @@ def test_reply_without_tool_calls_finishes_with_reply_and_spear(
 def test_success_body_adds_spear_without_mutating() -> None:
     reply = completion(content="hello")
     before = copy.deepcopy(reply)
-    body = success_body(session(make_spec()), reply)
+    body = success_body(session(make_spec()), Reply.parse(reply))
     assert body == {**before, "_spear": {"backend": "replay", "model": "m-upstream"}}
     assert reply == before
 
 
 def test_final_answer_after_tool_round_finishes() -> None:
-    s = session(make_spec(), Round(reply=THREE_CALLS, outcomes=THREE_OUTCOMES), Round(reply=ANSWER))
+    s = session(
+        make_spec(),
+        Round(reply=Reply.parse(THREE_CALLS), outcomes=THREE_OUTCOMES),
+        Round(reply=Reply.parse(ANSWER)),
+    )
     assert plan(s) == Finish({**ANSWER, "_spear": {"backend": "replay", "model": "m-upstream"}})
 
 
@@ -308,7 +317,11 @@ def test_final_answer_after_tool_round_finishes() -> None:
 )
 def test_auto_tool_call_off_finishes_with_tool_call_reply(flags: dict[str, bool]) -> None:
     reply = completion(call("call_a", "get_weather", '{"city":"Paris"}'), call("call_x", "nope"))
-    step = plan(session(make_spec(flags=flags, limits={"max_iterations": 1}), Round(reply=reply)))
+    step = plan(
+        session(
+            make_spec(flags=flags, limits={"max_iterations": 1}), Round(reply=Reply.parse(reply))
+        )
+    )
     assert step == Finish({**reply, "_spear": {"backend": "replay", "model": "m-upstream"}})
     assert isinstance(step, Finish)
     assert step.body["choices"][0]["message"]["tool_calls"] == [
@@ -321,7 +334,7 @@ def test_auto_tool_call_off_finishes_with_tool_call_reply(flags: dict[str, bool]
 
 
 def test_tool_calls_run_in_call_order() -> None:
-    step = plan(session(make_spec(), Round(reply=THREE_CALLS)))
+    step = plan(session(make_spec(), Round(reply=Reply.parse(THREE_CALLS))))
     assert step == RunTools(
         round_no=0,
         call_count=3,
@@ -358,7 +371,7 @@ def test_partially_stored_round_plans_only_what_is_missing(
         2: ok("12:00"),
     }
     outcomes = {i: all_outcomes[i] for i in stored}
-    step = plan(session(make_spec(), Round(reply=reply, outcomes=outcomes)))
+    step = plan(session(make_spec(), Round(reply=Reply.parse(reply), outcomes=outcomes)))
     expected_runs = {
         1: weather_run(1, "call_a", '{"city":"Paris"}'),
         2: time_run(2, "call_b", "{}"),
@@ -373,7 +386,11 @@ def test_partially_stored_round_plans_only_what_is_missing(
 
 def test_second_tool_round_is_round_1() -> None:
     second = completion(call("call_d", "get_time", '{"tz":"CET"}'), completion_id="chatcmpl-2")
-    s = session(make_spec(), Round(reply=THREE_CALLS, outcomes=THREE_OUTCOMES), Round(reply=second))
+    s = session(
+        make_spec(),
+        Round(reply=Reply.parse(THREE_CALLS), outcomes=THREE_OUTCOMES),
+        Round(reply=Reply.parse(second)),
+    )
     assert plan(s) == RunTools(
         round_no=1, call_count=1, runs=(time_run(0, "call_d", '{"tz":"CET"}'),), presets={}
     )
@@ -393,7 +410,10 @@ def test_all_outcomes_stored_calls_model_with_tool_messages_in_call_order(
     outcomes = {i: THREE_OUTCOMES[i] for i in fill_order}
     assert list(outcomes) == list(fill_order)
     step = plan(
-        session(make_spec(params={"temperature": 0}), Round(reply=THREE_CALLS, outcomes=outcomes))
+        session(
+            make_spec(params={"temperature": 0}),
+            Round(reply=Reply.parse(THREE_CALLS), outcomes=outcomes),
+        )
     )
     assert step == CallModel(
         round_no=1,
@@ -417,8 +437,10 @@ def test_two_tool_rounds_build_the_whole_history() -> None:
     second = completion(call("call_d", "get_time", '{"tz":"CET"}'), completion_id="chatcmpl-2")
     s = session(
         make_spec(),
-        Round(reply=THREE_CALLS, outcomes={2: ok("rain"), 0: ok("sunny"), 1: ok("12:00")}),
-        Round(reply=second, outcomes={0: ok("13:00")}),
+        Round(
+            reply=Reply.parse(THREE_CALLS), outcomes={2: ok("rain"), 0: ok("sunny"), 1: ok("12:00")}
+        ),
+        Round(reply=Reply.parse(second), outcomes={0: ok("13:00")}),
     )
     step = plan(s)
     assert isinstance(step, CallModel)
@@ -448,7 +470,7 @@ def test_two_tool_rounds_build_the_whole_history() -> None:
 )
 def test_tool_message_content(content: str, message_content: str) -> None:
     reply = completion(call("call_a", "get_weather", '{"city":"Paris"}'))
-    step = plan(session(make_spec(), Round(reply=reply, outcomes={0: ok(content)})))
+    step = plan(session(make_spec(), Round(reply=Reply.parse(reply), outcomes={0: ok(content)})))
     assert isinstance(step, CallModel)
     assert step.messages[-1] == tool_msg("call_a", message_content)
 
@@ -461,11 +483,14 @@ def test_duplicate_and_missing_ids_are_paired_by_normalised_id() -> None:
     )
     synthetic = reply["choices"][0]["message"]["tool_calls"][2]["id"]
     assert synthetic.startswith("call_")
-    step = plan(session(make_spec(), Round(reply=reply)))
+    step = plan(session(make_spec(), Round(reply=Reply.parse(reply))))
     assert isinstance(step, RunTools)
     assert [r.call_id for r in step.runs] == ["call_0", "call_0_2", synthetic]
     step = plan(
-        session(make_spec(), Round(reply=reply, outcomes={0: ok("a"), 1: ok("b"), 2: ok("c")}))
+        session(
+            make_spec(),
+            Round(reply=Reply.parse(reply), outcomes={0: ok("a"), 1: ok("b"), 2: ok("c")}),
+        )
     )
     assert isinstance(step, CallModel)
     assert step.messages[2:] == [
@@ -521,7 +546,7 @@ def test_unknown_tool_error_text_is_compact_and_sorted() -> None:
 def test_unknown_tool_is_preset_not_run(
     calls: list[dict[str, Any]], runs: tuple[ToolRun, ...], presets: dict[int, ToolOutcome]
 ) -> None:
-    step = plan(session(make_spec(), Round(reply=completion(*calls))))
+    step = plan(session(make_spec(), Round(reply=Reply.parse(completion(*calls)))))
     assert step == RunTools(round_no=0, call_count=len(calls), runs=runs, presets=presets)
 
 
@@ -530,7 +555,7 @@ def test_unknown_tool_outcome_reaches_the_next_model_call() -> None:
         call("call_x", "get_wether", "{}"), call("call_a", "get_weather", '{"city":"Paris"}')
     )
     outcomes = {1: ok("sunny"), 0: err("TOOL_NOT_FOUND", "unknown tool: get_wether")}
-    step = plan(session(make_spec(), Round(reply=reply, outcomes=outcomes)))
+    step = plan(session(make_spec(), Round(reply=Reply.parse(reply), outcomes=outcomes)))
     assert isinstance(step, CallModel)
     assert step.messages[2:] == [
         tool_msg(
@@ -557,14 +582,21 @@ def test_unknown_tool_outcome_reaches_the_next_model_call() -> None:
 )
 def test_strict_unknown_tool_finishes_with_error(calls: list[dict[str, Any]], name: str) -> None:
     step = plan(
-        session(make_spec(flags={"strict_unknown_tool": True}), Round(reply=completion(*calls)))
+        session(
+            make_spec(flags={"strict_unknown_tool": True}),
+            Round(reply=Reply.parse(completion(*calls))),
+        )
     )
     assert step == Finish({"error": {"code": "unknown_tool", "message": f"unknown tool: {name}"}})
     assert isinstance(step, Finish) and not step.ok
 
 
 def test_strict_unknown_tool_with_known_calls_only_runs_them() -> None:
-    step = plan(session(make_spec(flags={"strict_unknown_tool": True}), Round(reply=THREE_CALLS)))
+    step = plan(
+        session(
+            make_spec(flags={"strict_unknown_tool": True}), Round(reply=Reply.parse(THREE_CALLS))
+        )
+    )
     assert isinstance(step, RunTools)
     assert [r.index for r in step.runs] == [0, 1, 2]
 
@@ -605,7 +637,7 @@ def test_invalid_arguments_are_preset_and_valid_siblings_still_run(
         call("call_bad", "get_weather", arguments),
         call("call_b", "get_time", "{}"),
     )
-    step = plan(session(make_spec(), Round(reply=reply)))
+    step = plan(session(make_spec(), Round(reply=Reply.parse(reply))))
     assert step == RunTools(
         round_no=0,
         call_count=3,
@@ -624,7 +656,7 @@ def test_invalid_arguments_are_preset_and_valid_siblings_still_run(
 )
 def test_a_run_call_gets_the_arguments_that_were_validated(arguments: str) -> None:
     reply = completion(call("call_a", "get_weather", arguments))
-    step = plan(session(make_spec(), Round(reply=reply)))
+    step = plan(session(make_spec(), Round(reply=Reply.parse(reply))))
     assert isinstance(step, RunTools)
     if 0 in step.presets:  # rejecting the call would be consistent too
         assert step.runs == ()
@@ -656,7 +688,7 @@ def test_finish_reason_length_presets_every_call(
 ) -> None:
     reply = completion(*calls, finish_reason="length")
     assert reply["choices"][0]["finish_reason"] == "length"
-    step = plan(session(make_spec(), Round(reply=reply)))
+    step = plan(session(make_spec(), Round(reply=Reply.parse(reply))))
     assert step == RunTools(round_no=0, call_count=len(calls), runs=(), presets=presets)
     assert err_text("VALIDATION_ERROR", TRUNCATED) == (
         '{"error":{"code":"VALIDATION_ERROR",'
@@ -666,8 +698,8 @@ def test_finish_reason_length_presets_every_call(
 
 def test_finish_reason_length_presets_appear_in_transcript() -> None:
     reply = completion(call("call_a", "get_weather", '{"city":"Paris"}'), finish_reason="length")
-    s = session(make_spec(), Round(reply=reply))
-    assert transcript(s)[2:] == [tool_msg("call_a", err_text("VALIDATION_ERROR", TRUNCATED))]
+    s = session(make_spec(), Round(reply=Reply.parse(reply)))
+    assert ended_transcript(s)[2:] == [tool_msg("call_a", err_text("VALIDATION_ERROR", TRUNCATED))]
 
 
 # Limits ------------------------------------------------------------------------------------------
@@ -689,12 +721,12 @@ def test_max_iterations_ends_second_tool_turn_and_answers_every_call() -> None:
     )
     s = session(
         make_spec(limits={"max_iterations": 2}),
-        Round(reply=first, outcomes={0: ok("sunny")}),
-        Round(reply=second),
+        Round(reply=Reply.parse(first), outcomes={0: ok("sunny")}),
+        Round(reply=Reply.parse(second)),
     )
     assert plan(s) == Finish(ITER_LIMIT)
     skipped = err_text("NOT_RUN", "skipped: exceeded max_iterations")
-    assert transcript(s) == [
+    assert ended_transcript(s) == [
         USER,
         {
             "role": "assistant",
@@ -716,7 +748,7 @@ def test_max_iterations_ends_second_tool_turn_and_answers_every_call() -> None:
         tool_msg("call_d", skipped),
     ]
     # the cancelled filler does not override the limit verdict
-    assert transcript(s, CANCELLED) == transcript(s)
+    assert ended_transcript(s, CANCELLED) == ended_transcript(s)
 
 
 @pytest.mark.parametrize(
@@ -734,11 +766,13 @@ def test_max_iterations_table(max_iterations: int, replies: list[str], expected:
     for n, kind in enumerate(replies):
         last = n == len(replies) - 1
         if kind == "answer":
-            rounds.append(Round(reply=ANSWER))
+            rounds.append(Round(reply=Reply.parse(ANSWER)))
         else:
             rounds.append(
                 Round(
-                    reply=completion(call(f"call_{n}", "get_time", "{}"), completion_id=f"c{n}"),
+                    reply=Reply.parse(
+                        completion(call(f"call_{n}", "get_time", "{}"), completion_id=f"c{n}")
+                    ),
                     outcomes={} if last else {0: ok("12:00")},
                 )
             )
@@ -760,7 +794,9 @@ def _calls_rounds(counts: list[int]) -> list[Round]:
         calls = [call(f"call_{n}_{i}", "get_time", f'{{"tz":"T{n}"}}') for i in range(count)]
         last = n == len(counts) - 1
         outcomes = {} if last else {i: ok("12:00") for i in range(count)}
-        rounds.append(Round(reply=completion(*calls, completion_id=f"c{n}"), outcomes=outcomes))
+        rounds.append(
+            Round(reply=Reply.parse(completion(*calls, completion_id=f"c{n}")), outcomes=outcomes)
+        )
     return rounds
 
 
@@ -781,7 +817,7 @@ def test_max_total_tool_calls_table(allowed: int, counts: list[int], runs: int |
     if runs is None:
         assert step == Finish(TOTAL_LIMIT)
         skipped = err_text("NOT_RUN", "skipped: exceeded max_total_tool_calls")
-        assert transcript(s)[-counts[-1] :] == [
+        assert ended_transcript(s)[-counts[-1] :] == [
             tool_msg(f"call_{len(counts) - 1}_{i}", skipped) for i in range(counts[-1])
         ]
     else:
@@ -792,7 +828,7 @@ def test_max_total_tool_calls_table(allowed: int, counts: list[int], runs: int |
 def test_max_total_tool_calls_second_turn_none_run() -> None:
     s = session(make_spec(limits={"max_total_tool_calls": 3}), *_calls_rounds([2, 2]))
     assert plan(s) == Finish(TOTAL_LIMIT)
-    msgs = transcript(s)
+    msgs = ended_transcript(s)
     assert [m["role"] for m in msgs] == [
         "user",
         "assistant",
@@ -814,9 +850,12 @@ PROVIDER_ERROR = {"error": {"code": "provider_error", "message": "upstream said 
 @pytest.mark.parametrize(
     ("rounds", "transcript_tail"),
     [
-        pytest.param([Round(reply=PROVIDER_ERROR)], [], id="first-round-error"),
+        pytest.param([Round(reply=Reply.parse(PROVIDER_ERROR))], [], id="first-round-error"),
         pytest.param(
-            [Round(reply=THREE_CALLS, outcomes=THREE_OUTCOMES), Round(reply=PROVIDER_ERROR)],
+            [
+                Round(reply=Reply.parse(THREE_CALLS), outcomes=THREE_OUTCOMES),
+                Round(reply=Reply.parse(PROVIDER_ERROR)),
+            ],
             [
                 THREE_CALLS_ASSISTANT,
                 tool_msg("call_a", "sunny"),
@@ -836,7 +875,7 @@ def test_error_reply_finishes_with_that_body(
     step = plan(s)
     assert step == Finish(PROVIDER_ERROR)
     assert isinstance(step, Finish) and not step.ok
-    assert transcript(s) == [USER, *transcript_tail]
+    assert ended_transcript(s) == [USER, *transcript_tail]
 
 
 # Transcript ---------------------------------------------------------------------------------------
@@ -850,10 +889,12 @@ def test_transcript_missing_cancelled_fills_every_unanswered_call() -> None:
         call("call_d", "get_time", "{}"),
         call("call_e", "get_time", "{}"),
     )
-    s = session(make_spec(), Round(reply=reply, outcomes={4: ok("12:00"), 0: ok("sunny")}))
+    s = session(
+        make_spec(), Round(reply=Reply.parse(reply), outcomes={4: ok("12:00"), 0: ok("sunny")})
+    )
     cancelled = '{"error":{"code":"NOT_RUN","message":"session cancelled before this call ran"}}'
     assert CANCELLED.message(envelope=False) == cancelled
-    assert transcript(s, CANCELLED)[2:] == [
+    assert ended_transcript(s, CANCELLED)[2:] == [
         tool_msg("call_a", "sunny"),
         tool_msg("call_x", err_text("TOOL_NOT_FOUND", "unknown tool: nope")),
         tool_msg(
@@ -863,7 +904,7 @@ def test_transcript_missing_cancelled_fills_every_unanswered_call() -> None:
         tool_msg("call_e", "12:00"),
     ]
     # without a filler, the call still to run is left out (the plan has no verdict for it)
-    assert [m.get("tool_call_id") for m in transcript(s)[2:]] == [
+    assert [m.get("tool_call_id") for m in ended_transcript(s)[2:]] == [
         "call_a",
         "call_x",
         "call_bad",
@@ -873,53 +914,61 @@ def test_transcript_missing_cancelled_fills_every_unanswered_call() -> None:
 
 TRANSCRIPT_SESSIONS = [
     pytest.param(session(make_spec()), id="no-rounds"),
-    pytest.param(session(make_spec(), Round(reply=THREE_CALLS)), id="nothing-run"),
+    pytest.param(session(make_spec(), Round(reply=Reply.parse(THREE_CALLS))), id="nothing-run"),
     pytest.param(
-        session(make_spec(), Round(reply=THREE_CALLS, outcomes={1: ok("x")})), id="partly-run"
+        session(make_spec(), Round(reply=Reply.parse(THREE_CALLS), outcomes={1: ok("x")})),
+        id="partly-run",
     ),
     pytest.param(
-        session(make_spec(), Round(reply=THREE_CALLS, outcomes=THREE_OUTCOMES)), id="all-run"
+        session(make_spec(), Round(reply=Reply.parse(THREE_CALLS), outcomes=THREE_OUTCOMES)),
+        id="all-run",
     ),
     pytest.param(
         session(
-            make_spec(), Round(reply=THREE_CALLS, outcomes=THREE_OUTCOMES), Round(reply=ANSWER)
+            make_spec(),
+            Round(reply=Reply.parse(THREE_CALLS), outcomes=THREE_OUTCOMES),
+            Round(reply=Reply.parse(ANSWER)),
         ),
         id="answered",
     ),
     pytest.param(
         session(
             make_spec(),
-            Round(reply=THREE_CALLS, outcomes=THREE_OUTCOMES),
-            Round(reply=PROVIDER_ERROR),
+            Round(reply=Reply.parse(THREE_CALLS), outcomes=THREE_OUTCOMES),
+            Round(reply=Reply.parse(PROVIDER_ERROR)),
         ),
         id="error-after-tools",
     ),
     pytest.param(
-        session(make_spec(limits={"max_iterations": 1}), Round(reply=THREE_CALLS)),
+        session(make_spec(limits={"max_iterations": 1}), Round(reply=Reply.parse(THREE_CALLS))),
         id="iteration-limit",
     ),
     pytest.param(
-        session(make_spec(limits={"max_total_tool_calls": 2}), Round(reply=THREE_CALLS)),
+        session(
+            make_spec(limits={"max_total_tool_calls": 2}), Round(reply=Reply.parse(THREE_CALLS))
+        ),
         id="total-limit",
     ),
     pytest.param(
         session(
             make_spec(),
-            Round(reply=completion(call("c1", "nope"), call("c2", "get_weather", "[]"))),
+            Round(
+                reply=Reply.parse(completion(call("c1", "nope"), call("c2", "get_weather", "[]")))
+            ),
         ),
         id="all-preset",
     ),
     pytest.param(
         session(
             make_spec(flags={"strict_unknown_tool": True}),
-            Round(reply=completion(call("c1", "nope"))),
+            Round(reply=Reply.parse(completion(call("c1", "nope")))),
         ),
         id="strict-unknown-only",
     ),
     pytest.param(
         session(
             make_spec(flags={"strict_unknown_tool": True}),
-            Round(reply=completion(call("c1", "nope"), call("c2", "get_time", "{}"))),
+            Round(reply=Reply.parse(completion(call("c1", "nope"), call("c2", "get_time", "{}")))),
         ),
         id="strict-unknown-with-sibling",
     ),
@@ -928,7 +977,7 @@ TRANSCRIPT_SESSIONS = [
 
 @pytest.mark.parametrize("s", TRANSCRIPT_SESSIONS)
 def test_transcript_with_cancelled_never_leaves_a_call_unanswered(s: Session) -> None:
-    msgs = transcript(s, CANCELLED)
+    msgs = ended_transcript(s, CANCELLED)
     assert unanswered_calls(msgs) == []
     assert msgs[0] == USER
 
@@ -945,18 +994,18 @@ FINISHED_SESSIONS = [p for p in TRANSCRIPT_SESSIONS if p.id in FINISHED]
 
 @pytest.mark.parametrize("s", FINISHED_SESSIONS)
 def test_finished_transcript_answers_every_call(s: Session) -> None:
-    # worker.session.steps.finish calls transcript(session, None) when plan says Finish
+    # worker.session.steps.finish calls ended_transcript(session, None) when plan says Finish
     assert isinstance(plan(s), Finish)
-    assert unanswered_calls(transcript(s)) == []
+    assert unanswered_calls(ended_transcript(s)) == []
 
 
 def test_strict_unknown_tool_finish_transcript_answers_known_siblings() -> None:
     reply = completion(
         call("call_x", "nope", "{}"), call("call_a", "get_weather", '{"city":"Paris"}')
     )
-    s = session(make_spec(flags={"strict_unknown_tool": True}), Round(reply=reply))
+    s = session(make_spec(flags={"strict_unknown_tool": True}), Round(reply=Reply.parse(reply)))
     assert plan(s) == Finish({"error": {"code": "unknown_tool", "message": "unknown tool: nope"}})
-    assert unanswered_calls(transcript(s)) == []
+    assert unanswered_calls(ended_transcript(s)) == []
 
 
 # Metrics ------------------------------------------------------------------------------------------
@@ -978,7 +1027,9 @@ def test_metrics_sum_over_rounds() -> None:
     )
     unknown = err("TOOL_NOT_FOUND", "unknown tool: get_wether")
     s = session(
-        make_spec(), Round(reply=first, outcomes={0: ok("☀ 20°C"), 1: unknown}), Round(reply=second)
+        make_spec(),
+        Round(reply=Reply.parse(first), outcomes={0: ok("☀ 20°C"), 1: unknown}),
+        Round(reply=Reply.parse(second)),
     )
     assert metrics(s, 1234) == {
         "iterations": 2,
@@ -1006,7 +1057,7 @@ def test_metrics_sum_over_rounds() -> None:
             id="empty",
         ),
         pytest.param(
-            [Round(reply=PROVIDER_ERROR)],
+            [Round(reply=Reply.parse(PROVIDER_ERROR))],
             {
                 "iterations": 0,
                 "latency_ms": 7,
@@ -1018,7 +1069,7 @@ def test_metrics_sum_over_rounds() -> None:
             id="error-only",
         ),
         pytest.param(
-            [Round(reply=completion(content="x"))],
+            [Round(reply=Reply.parse(completion(content="x")))],
             {
                 "iterations": 1,
                 "latency_ms": 7,
@@ -1032,15 +1083,17 @@ def test_metrics_sum_over_rounds() -> None:
         pytest.param(
             [
                 Round(
-                    reply=completion(
-                        call("a", "get_time"),
-                        call("b", "get_time"),
-                        call("c", "get_time"),
-                        usage={"prompt_tokens": 3, "completion_tokens": 4},
+                    reply=Reply.parse(
+                        completion(
+                            call("a", "get_time"),
+                            call("b", "get_time"),
+                            call("c", "get_time"),
+                            usage={"prompt_tokens": 3, "completion_tokens": 4},
+                        )
                     ),
                     outcomes={0: ok(""), 1: ok("é"), 2: err("RUNTIME_ERROR", "tool rc: -1")},
                 ),
-                Round(reply=PROVIDER_ERROR),
+                Round(reply=Reply.parse(PROVIDER_ERROR)),
             ],
             {
                 "iterations": 1,
@@ -1063,12 +1116,17 @@ def test_metrics_table(rounds: list[Round], expected: dict[str, Any]) -> None:
 PLAN_SESSIONS = [
     *TRANSCRIPT_SESSIONS,
     pytest.param(
-        session(make_spec(flags={"auto_tool_call": False}), Round(reply=THREE_CALLS)), id="auto-off"
+        session(make_spec(flags={"auto_tool_call": False}), Round(reply=Reply.parse(THREE_CALLS))),
+        id="auto-off",
     ),
     pytest.param(
         session(
             make_spec(),
-            Round(reply=completion(call("a", "get_weather", "{}"), finish_reason="length")),
+            Round(
+                reply=Reply.parse(
+                    completion(call("a", "get_weather", "{}"), finish_reason="length")
+                )
+            ),
         ),
         id="truncated",
     ),
@@ -1081,7 +1139,7 @@ def test_plan_is_deterministic_and_pure(s: Session) -> None:
     first = plan(s)
     assert plan(s) == first
     assert plan(copy.deepcopy(s)) == first  # a redelivered step reloads the same state
-    assert transcript(s, CANCELLED) == transcript(copy.deepcopy(s), CANCELLED)
+    assert ended_transcript(s, CANCELLED) == ended_transcript(copy.deepcopy(s), CANCELLED)
     assert s == before
 
 

@@ -27,7 +27,8 @@ from tests.wat_program import FILL, OOB, PAGE, Arg, Dump, Program, Ref
 from worker.edges.wasm_runtime import WasmToolRuntime
 from worker.guest.host import ChatDefaults, ProgramHost
 from worker.guest.runner import ProgramOutcome, ProgramRun, run_program
-from worker.session.twins import MemoryStore, StepQueue
+from worker.session.twins.queue import StepQueue
+from worker.session.twins.store import MemoryStore
 
 # errno (Linux numbers) and ABI constants, spelled out here rather than imported from the host
 EPERM, ENOENT, EIO, EBADF, EAGAIN, EFAULT, EEXIST = 1, 2, 5, 9, 11, 14, 17

@@ -27,7 +27,7 @@ from worker.guest.host import ChatDefaults, ProgramHost
 from worker.guest.mcp_params import McpAccess
 from worker.guest.runner import ProgramRun, run_program
 from worker.session.mcp_offer import ToolRouter
-from worker.session.mcp_twin import MemoryMcp
+from worker.session.twins.mcp import MemoryMcp
 
 EACCES, EINVAL = 13, 22
 AUTO_TOOL_CALL = 2

@@ -1,4 +1,4 @@
-"""MCP tools in spec sessions, through the twins (worker/session/twins.py, mcp_twin.py): the
+"""MCP tools in spec sessions, through the twins (worker/session/twins/, its mcp.py): the
 first round lists the servers' tools and stores them with the session, the model is offered
 the allowed ones under SPEAR's names, and a call of one is a tool call like any other (its
 envelope, retries and trace events), routed to its server. No Redis, no server process."""
@@ -12,20 +12,16 @@ from schemas.limits import Environment, ToolDefaults
 from schemas.mcp import McpServerConfig, McpToolInfo, offered_tools, tool_name
 from schemas.spec_types import McpToolRef, SessionSpec, spec_from_json
 from tests.test_steps import SK, reply
-from worker.config import BackendConfig, Settings
+from worker.config import BackendConfig, FleetConfig, Settings
 from worker.errors import ToolRuntimeError
 from worker.session.mcp_offer import ToolRouter
-from worker.session.mcp_twin import MemoryMcp
 from worker.session.ports import ToolCall
 from worker.session.steps import StepRunner
-from worker.session.twins import (
-    MemoryStore,
-    OpenRateLimiter,
-    Published,
-    PythonTools,
-    ScriptedProvider,
-    StepQueue,
-)
+from worker.session.twins.mcp import MemoryMcp
+from worker.session.twins.models import OpenRateLimiter, ScriptedProvider
+from worker.session.twins.queue import StepQueue
+from worker.session.twins.store import MemoryStore
+from worker.session.twins.tools import PythonTools
 
 ADD = tool_name("fs", "add")
 SECRET = tool_name("fs", "secret")
@@ -69,21 +65,13 @@ class Run:
             provider_for=self.provider,
             tools=lambda: router,
             settings=Settings(
-                backends={"replay": BackendConfig(name="replay")}, tool_defaults=fleet
+                fleet=FleetConfig(
+                    backends={"replay": BackendConfig(name="replay")}, tool_defaults=fleet
+                )
             ),
             rate_limiter=OpenRateLimiter(),
             mcp=mcp,
         )
-
-    def step(self, step: Published) -> None:
-        kind, sk, *rest = step
-        if kind == "round":
-            self.runner.round(sk, rest[0])
-        elif kind == "tool":
-            self.runner.tool(sk, rest[0], rest[1])
-        else:
-            assert kind == "finish", step
-            self.runner.finish(sk)
 
     def session(self, **extra: Any) -> dict[str, Any]:
         spec = {
@@ -96,7 +84,7 @@ class Run:
         }
         self.store.submit(SK, spec_from_json(spec), batch="b")
         self.queue.round(SK, 0)
-        self.queue.drain(self.step)
+        self.queue.drain(self.runner)
         record = self.store.record(SK)
         assert record is not None
         return record

@@ -32,7 +32,7 @@ from tests.test_steps import (
     submit,
 )
 from worker.session.reconciler import Reconciler
-from worker.session.twins import OpenRateLimiter
+from worker.session.twins.models import OpenRateLimiter
 
 KINDS = ("start", "round", "tool", "background", "finish", "program")
 
@@ -63,7 +63,7 @@ def counted(*events: dict[str, Any]) -> CollectorRegistry:
 
 def test_a_rate_limited_round_is_traced_and_counted() -> None:
     p = pipeline([reply("hello")])
-    p.runner.rate_limiter = OpenRateLimiter(wait_s=[0.5, 0.25])
+    p.runner.models.rate_limiter = OpenRateLimiter(wait_s=[0.5, 0.25])
     submit(p, spec())
     p.drain()
     events = [e.to_json() for e in p.store.traces[SK]]
@@ -86,7 +86,7 @@ def test_a_rate_limited_round_is_traced_and_counted() -> None:
 def test_reconciler_passes_are_fleet_events_and_counted() -> None:
     p = pipeline(WEATHER_SCRIPT)
     submit(p, spec(WEATHER_FN))
-    p.queue.run_next(p.run)  # round 0 ran and published its tool step ...
+    p.queue.run_next(p.runner)  # round 0 ran and published its tool step ...
     p.queue.pending.clear()  # ... which the broker lost
     reconciler = Reconciler(p.runner, ReconcileTwin(p.store, [SK, "gone"]))
     assert reconciler.turn() == 1  # nudged SK, forgot "gone" (no spec)

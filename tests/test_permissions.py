@@ -15,9 +15,11 @@ from schemas.spec import SessionSpecSchema
 from schemas.spec_types import Permissions, SessionSpec, spec_from_json, tool_from_json
 from tests.test_engine import TIME, USER, WEATHER, call, completion, err, make_spec, session
 from tests.test_tool_policy import FlakyTools, _run
+from worker.codecs.reply import Reply
 from worker.errors import ToolRuntimeError
-from worker.session.engine import Round, RunTools, plan
+from worker.session.engine import RunTools, plan
 from worker.session.permissions import permission_problem
+from worker.session.state import Round
 
 FLEET = ToolDefaults(
     environments={
@@ -80,20 +82,20 @@ def test_a_denied_call_is_answered_permission_denied_and_its_siblings_run() -> N
     reply = completion(
         call("call_a", "get_weather", '{"city":"Paris"}'), call("call_b", "get_time", "{}")
     )
-    step = plan(session(_high_spec(), Round(reply=reply)))
+    step = plan(session(_high_spec(), Round(reply=Reply.parse(reply))))
     assert isinstance(step, RunTools) and [r.index for r in step.runs] == [0]
     message = "permission denied: get_time is a high-risk tool: the spec must grant it "
     assert step.presets == {1: err("PERMISSION_DENIED", message + "(permissions.grant)")}
-    granted = plan(session(_high_spec(grant=["get_time"]), Round(reply=reply)))
+    granted = plan(session(_high_spec(grant=["get_time"]), Round(reply=Reply.parse(reply))))
     assert isinstance(granted, RunTools) and [r.index for r in granted.runs] == [0, 1]
 
 
 def test_the_fleets_environments_reach_the_plan() -> None:
     reply = completion(call("call_a", "get_weather", '{"city":"Paris"}'))
-    s = replace(session(make_spec(), Round(reply=reply)), fleet=FLEET)
+    s = replace(session(make_spec(), Round(reply=Reply.parse(reply))), fleet=FLEET)
     assert isinstance(plan(s), RunTools) and plan(s).runs  # type: ignore[union-attr]
     prod_intern = {**make_spec(), "permissions": {"environment": "prod", "user": "intern"}}
-    denied = plan(replace(session(prod_intern, Round(reply=reply)), fleet=FLEET))
+    denied = plan(replace(session(prod_intern, Round(reply=Reply.parse(reply))), fleet=FLEET))
     assert isinstance(denied, RunTools) and denied.runs == ()
     assert denied.presets[0].code == "PERMISSION_DENIED"
 

@@ -1,4 +1,4 @@
-"""The steps driven through the in-memory twins (worker/session/twins.py): no Redis, no
+"""The steps driven through the in-memory twins (worker/session/twins/): no Redis, no
 workers. Each test runs whole sessions step by step, as Celery would, and asserts the body
 and transcript they end with, including when the store fails or the engine cannot go on."""
 
@@ -14,18 +14,14 @@ from fixtures.replay.conversation import read_envelope
 from schemas import keys
 from schemas.spec_types import spec_from_json
 from tests.test_engine import WEATHER_FN
-from worker.config import BackendConfig, Settings
+from worker.config import BackendConfig, FleetConfig, Settings
 from worker.errors import ProviderRequestError
 from worker.session.steps import StepRunner
-from worker.session.twins import (
-    FailingStore,
-    MemoryStore,
-    OpenRateLimiter,
-    Published,
-    PythonTools,
-    ScriptedProvider,
-    StepQueue,
-)
+from worker.session.twins.failing import FailingStore
+from worker.session.twins.models import OpenRateLimiter, ScriptedProvider
+from worker.session.twins.queue import Published, StepQueue, run_step
+from worker.session.twins.store import MemoryStore
+from worker.session.twins.tools import PythonTools
 
 SK = "sk1"
 
@@ -86,22 +82,10 @@ class Pipeline:
     tools: PythonTools
 
     def run(self, step: Published) -> None:
-        kind, sk, *rest = step
-        if kind == "round":
-            self.runner.round(sk, rest[0])
-        elif kind == "tool":
-            self.runner.tool(sk, rest[0], rest[1])
-        elif kind == "background":
-            self.runner.tool(sk, rest[0], rest[1], background=True)
-        elif kind == "finish":
-            self.runner.finish(sk)
-        elif kind == "start":
-            self.runner.start(sk, rest[0])
-        else:
-            raise AssertionError(f"unexpected step {step}")
+        run_step(self.runner, step)
 
     def drain(self) -> int:
-        return self.queue.drain(self.run)
+        return self.queue.drain(self.runner)
 
     def body(self) -> dict[str, Any]:
         body = self.store.result(SK)
@@ -114,7 +98,12 @@ class Pipeline:
         return list(record["transcript"])
 
 
-def pipeline(script: list[Any], store: Any = None, tools: dict[str, Any] | None = None) -> Pipeline:
+def pipeline(
+    script: list[Any],
+    store: Any = None,
+    tools: dict[str, Any] | None = None,
+    trace: bool = True,
+) -> Pipeline:
     memory = MemoryStore()
     queue = StepQueue()
     provider = ScriptedProvider(list(script))
@@ -125,9 +114,9 @@ def pipeline(script: list[Any], store: Any = None, tools: dict[str, Any] | None 
         provider_for=provider,
         tools=lambda: python_tools,
         settings=Settings(
-            backends={"replay": BackendConfig(name="replay")},
-            default_backend="replay",
+            fleet=FleetConfig(backends={"replay": BackendConfig(name="replay")}),
             max_step_attempts=3,
+            trace=trace,
         ),
         rate_limiter=OpenRateLimiter(),
     )
@@ -156,7 +145,7 @@ def test_a_session_runs_its_tool_and_finishes() -> None:
 @pytest.mark.parametrize(
     "method",
     # a step's session and tool inputs are read with begin_step, in its round trip
-    ["load_spec", "begin_step", "store_model_reply", "ending_inputs"],
+    ["load_spec", "begin_step", "store_round", "ending_inputs"],
 )
 def test_a_store_failing_on_a_steps_read_retries_the_step_and_the_session_finishes(
     method: str,
@@ -174,7 +163,7 @@ def test_a_store_failing_on_a_steps_read_retries_the_step_and_the_session_finish
     assert p.body()["choices"][0]["message"]["content"] == "Tool said: sunny"
     assert p.store.deadletters == []
     # the model was called once per round, once more only when its reply was never stored
-    assert len(p.provider.requests) == (3 if method == "store_model_reply" else 2)
+    assert len(p.provider.requests) == (3 if method == "store_round" else 2)
     if method != "load_spec":  # the spec read for the lease is advisory: no retry needed
         assert p.queue.retries >= 1
 
@@ -268,7 +257,7 @@ def test_an_unknown_backend_ends_the_session_with_provider_error() -> None:
 def test_cancel_ends_the_session_at_the_next_step() -> None:
     p = pipeline(WEATHER_SCRIPT)
     submit(p, spec(WEATHER_FN))
-    p.queue.run_next(p.run)  # the first round ran
+    p.queue.run_next(p.runner)  # the first round ran
     p.store.cancel(SK)
     p.drain()
     assert p.body()["error"]["code"] == "cancelled"
@@ -277,7 +266,7 @@ def test_cancel_ends_the_session_at_the_next_step() -> None:
 
 def test_a_rate_limited_round_waits_without_spending_a_try() -> None:
     p = pipeline([reply("hello")])
-    p.runner.rate_limiter = OpenRateLimiter(wait_s=[0.5, 0.5, 0.5, 0.5])
+    p.runner.models.rate_limiter = OpenRateLimiter(wait_s=[0.5, 0.5, 0.5, 0.5])
     submit(p, spec())
     p.drain()
     assert p.body()["choices"][0]["message"]["content"] == "hello"
@@ -287,7 +276,7 @@ def test_a_rate_limited_round_waits_without_spending_a_try() -> None:
 def test_a_lost_message_is_recovered_by_a_nudge() -> None:
     p = pipeline(WEATHER_SCRIPT)
     submit(p, spec(WEATHER_FN))
-    p.queue.run_next(p.run)  # the round ran and published its tool step ...
+    p.queue.run_next(p.runner)  # the round ran and published its tool step ...
     assert list(p.queue.pending) == [("tool", SK, 0, 0)]
     p.queue.pending.clear()  # ... which the broker lost
     p.runner.nudge(SK)
@@ -304,8 +293,8 @@ def test_a_lost_background_call_is_recovered_by_a_nudge() -> None:
     session_spec = spec(WEATHER_FN)
     session_spec["tools"][0]["policy"] = {"background": True, "timeout_ms": 600_000}
     submit(p, session_spec)
-    p.queue.run_next(p.run)  # round 0 published its tool step
-    assert p.queue.run_next(p.run) == ("tool", SK, 0, 0)  # which handed its call over ...
+    p.queue.run_next(p.runner)  # round 0 published its tool step
+    assert p.queue.run_next(p.runner) == ("tool", SK, 0, 0)  # which handed its call over ...
     assert list(p.queue.pending) == [("background", SK, 0, 0)]
     p.queue.pending.clear()  # ... in a message the broker lost
     p.runner.nudge(SK)
@@ -337,7 +326,7 @@ def test_a_nudge_leaves_a_step_that_is_running_or_done_alone() -> None:
     round would only queue a copy behind it."""
     p = pipeline(WEATHER_SCRIPT)
     submit(p, spec(WEATHER_FN))
-    p.queue.run_next(p.run)  # round 0 ran and published its tool step
+    p.queue.run_next(p.runner)  # round 0 ran and published its tool step
     p.queue.pending.clear()
     p.store.begin_step(keys.tool_step(SK, 0, 0), 60_000, None, SK)  # a worker holds it
     p.runner.nudge(SK)
@@ -354,11 +343,11 @@ def test_deliveries_that_find_the_step_leased_spend_no_try() -> None:
     are not counted, so they never dead-letter a healthy step (max_step_attempts is 3 here)."""
     p = pipeline(WEATHER_SCRIPT)
     submit(p, spec(WEATHER_FN))
-    p.queue.run_next(p.run)  # round 0 ran and published its tool step
+    p.queue.run_next(p.runner)  # round 0 ran and published its tool step
     step = keys.tool_step(SK, 0, 0)
     p.store.begin_step(step, 60_000, None, SK)  # another worker holds it
     for _ in range(10):  # redeliveries (nudges, a restored message): each waits
-        p.queue.run_next(p.run)
+        p.queue.run_next(p.runner)
     assert p.queue.retries == 10 and p.store.deadletters == []
     p.store.release_lease(step)  # that worker died: its lease ran out
     p.drain()
@@ -393,7 +382,7 @@ def test_the_reconciler_recovers_a_lost_message_with_no_producer() -> None:
 
     p = pipeline(WEATHER_SCRIPT)
     submit(p, spec(WEATHER_FN))
-    p.queue.run_next(p.run)  # round 0 ran and published its tool step ...
+    p.queue.run_next(p.runner)  # round 0 ran and published its tool step ...
     p.queue.pending.clear()  # ... which the broker lost
     twin = ReconcileTwin(p.store, [SK, "gone"])
     reconciler = Reconciler(p.runner, twin)
@@ -413,7 +402,7 @@ def test_the_reconciler_ends_a_stalled_session_past_the_fleets_deadline() -> Non
 
     p = pipeline(WEATHER_SCRIPT)
     submit(p, spec(WEATHER_FN))
-    p.queue.run_next(p.run)  # round 0 ran and published its tool step ...
+    p.queue.run_next(p.runner)  # round 0 ran and published its tool step ...
     p.queue.pending.clear()  # ... which the broker lost, long ago
     twin = ReconcileTwin(p.store, [SK])
     twin.submitted[SK] = int(time.time() * 1000) - 3_600_001
@@ -434,8 +423,56 @@ def test_a_step_of_a_session_that_is_gone_is_dropped() -> None:
     (a result under a key no one reads); a waiting producer submits the session again."""
     p = pipeline(WEATHER_SCRIPT)
     submit(p, spec(WEATHER_FN))
-    p.queue.run_next(p.run)  # round 0 published its tool step
+    p.queue.run_next(p.runner)  # round 0 published its tool step
     del p.store.specs[SK]
     assert p.drain() == 1
     assert p.queue.retries == 0 and p.store.deadletters == []
     assert p.store.result(SK) is None and p.tools.calls == []
+
+
+def test_a_round_reads_its_reply_once_and_decodes_each_calls_arguments_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A two-call round after one earlier round: its round step parses each stored reply once
+    and decodes each call's arguments once; its tool steps read their runs as the round planned
+    them, parsing and decoding nothing."""
+    import worker.codecs.reply as reply_module
+
+    parsed: list[str] = []
+    decoded: list[str] = []
+    parse = reply_module.Reply.parse.__func__  # type: ignore[attr-defined]
+    decode = reply_module.decode_arguments  # type: ignore[attr-defined]
+
+    def counting_parse(cls: type, completion: dict[str, Any]) -> Any:
+        parsed.append(str(completion.get("id")))
+        return parse(cls, completion)
+
+    def counting_decode(raw: str) -> dict[str, Any]:
+        decoded.append(raw)
+        return decode(raw)
+
+    monkeypatch.setattr(reply_module.Reply, "parse", classmethod(counting_parse))
+    monkeypatch.setattr(reply_module, "decode_arguments", counting_decode)
+    first = {**reply(None, ("c0", "get_weather", '{"city":"Paris"}')), "id": "r0"}
+    second = {
+        **reply(None, ("c1", "get_weather", '{"city":"Oslo"}'), ("c2", "get_weather", "{}")),
+        "id": "r1",
+    }
+    p = pipeline([first, second, {**reply("done"), "id": "r2"}])
+    submit(p, spec(WEATHER_FN))
+    p.queue.run_next(p.runner)  # round 0
+    p.queue.run_next(p.runner)  # its tool step
+    parsed.clear()
+    decoded.clear()
+    assert p.queue.run_next(p.runner) == ("round", SK, 1)
+    assert sorted(parsed) == ["r0", "r1"]  # each stored reply once: round 0's, and its own
+    assert decoded.count('{"city":"Oslo"}') == 1 and decoded.count("{}") == 1
+    assert decoded.count('{"city":"Paris"}') <= 1  # round 0's call, read to spot a repeat
+    # the second call's arguments miss `city`: answered VALIDATION_ERROR without running
+    assert list(p.queue.pending) == [("tool", SK, 1, 0)]
+    parsed.clear()
+    decoded.clear()
+    p.queue.run_next(p.runner)  # the tool step of call 0: its run as the round planned it
+    assert parsed == [] and decoded == []
+    p.drain()
+    assert p.body()["choices"][0]["message"]["content"] == "done"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest
@@ -17,12 +17,22 @@ from producer.fleet import Fleet
 from schemas import keys
 from schemas.bodies import dump_body
 from schemas.mcp import McpServerConfig, McpToolInfo, offered_tools
-from schemas.spec_types import McpToolRef, SessionSpec, spec_from_json, spec_to_json
+from schemas.spec_types import (
+    FunctionSpec,
+    McpToolRef,
+    SessionSpec,
+    ToolSpec,
+    spec_from_json,
+    spec_to_json,
+)
+from worker.codecs.reply import Reply
 from worker.edges.store import RedisStore
 from worker.errors import StoreError
+from worker.session.engine import ToolRun
 from worker.session.outcomes import ToolFailure, ToolOutcome
 from worker.session.ports import RoundReads, SessionStore, ToolReads
-from worker.session.twins import MemoryStore
+from worker.session.round_record import PlannedRun
+from worker.session.twins.store import MemoryStore
 
 REDIS_DB = 9
 
@@ -94,6 +104,27 @@ def completion(*call_ids: str) -> dict[str, Any]:
     return {"choices": [{"index": 0, "message": message, "finish_reason": "stop"}]}
 
 
+def store_reply(store: Any, sk: str, round_no: int, raw: dict[str, Any]) -> Reply:
+    return store.store_round(sk, round_no, Reply.parse(raw), ())
+
+
+def test_a_round_is_stored_with_the_runs_its_plan_made(backend: Backend, sk: str) -> None:
+    """A tool step reads its run as the round step planned it: id, tool, canonical args."""
+    typed = spec_from_json(spec(sk))
+    assert isinstance(typed, SessionSpec)
+    backend.submit(sk, spec(sk), "")
+    reply = Reply.parse(completion("a", "b"))
+    tool = ToolSpec(FunctionSpec("get_weather"), "weather.wasm", export="get_weather")
+    runs = (ToolRun(1, "b", "get_weather", tool, '{"city":"Paris"}'),)
+    backend.store.store_round(sk, 0, reply, runs)
+    stored, _ = backend.store.tool_inputs(sk, 0, 1)
+    assert stored is not None and stored.calls == 2
+    assert stored.runs == {1: PlannedRun("b", "get_weather", '{"city":"Paris"}')}
+    with_tool = replace(typed, tools=(tool,))
+    assert stored.run(with_tool, 1) == runs[0]
+    assert stored.run(with_tool, 0) is None  # the plan made no run of call 0
+
+
 def test_a_missing_spec_is_a_store_error(backend: Backend, sk: str) -> None:
     with pytest.raises(StoreError, match="spec not found"):
         backend.store.load_spec(sk)
@@ -101,16 +132,18 @@ def test_a_missing_spec_is_a_store_error(backend: Backend, sk: str) -> None:
 
 def test_the_first_model_reply_wins(backend: Backend, sk: str) -> None:
     backend.submit(sk, spec(sk), "")
-    first = backend.store.store_model_reply(sk, 0, completion("a"))
-    second = backend.store.store_model_reply(sk, 0, completion())
-    assert first == second == completion("a")
+    ours = Reply.parse(completion("a"))
+    first = backend.store.store_round(sk, 0, ours, ())
+    second = backend.store.store_round(sk, 0, Reply.parse(completion()), ())
+    assert first is ours  # this call stored it
+    assert first.completion == second.completion == completion("a")
 
 
 def test_tool_outcomes_first_writer_wins_and_fan_in_counts_each_call_once(
     backend: Backend, sk: str
 ) -> None:
     backend.submit(sk, spec(sk), "")
-    backend.store.store_model_reply(sk, 0, completion("a", "b"))
+    store_reply(backend.store, sk, 0, completion("a", "b"))
     store = backend.store
     assert store.store_tool_outcomes(sk, 0, {1: ToolOutcome.success("one")}, 2) == 1
     assert (
@@ -120,8 +153,9 @@ def test_tool_outcomes_first_writer_wins_and_fan_in_counts_each_call_once(
         == 1
     )
     assert store.store_tool_outcomes(sk, 0, {0: ToolOutcome.success("zero")}, 2) == 2
-    reply, outcome = store.tool_inputs(sk, 0, 1)
-    assert reply == completion("a", "b") and outcome == ToolOutcome.success("one")
+    stored, outcome = store.tool_inputs(sk, 0, 1)
+    assert stored is not None and stored.completion == completion("a", "b")
+    assert outcome == ToolOutcome.success("one")
     assert store.tool_inputs(sk, 1, 0) == (None, None)
     session = store.load_session(sk, "replay")
     assert session.backend == "replay"
@@ -133,27 +167,24 @@ def test_tool_outcomes_first_writer_wins_and_fan_in_counts_each_call_once(
 def test_a_step_reads_what_it_asks_for_with_its_lease(backend: Backend, sk: str) -> None:
     backend.submit(sk, spec(sk), "")
     store = backend.store
-    store.store_model_reply(sk, 0, completion("a", "b"))
+    store_reply(store, sk, 0, completion("a", "b"))
     store.store_tool_outcomes(sk, 0, {1: ToolOutcome.success("one")}, 2)
     start = store.begin_step(keys.round_step(sk, 1), 1000, None, sk, RoundReads(1, "r"))
     assert start.leased and start.session == store.load_session(sk, "r", upto_round=1)
     tool = store.begin_step(keys.tool_step(sk, 0, 1), 1000, None, sk, ToolReads(0, 1))
-    assert (
-        tool.tool_inputs
-        == store.tool_inputs(sk, 0, 1)
-        == (
-            completion("a", "b"),
-            ToolOutcome.success("one"),
-        )
-    )
+    assert tool.tool_inputs == store.tool_inputs(sk, 0, 1)
+    assert tool.tool_inputs is not None
+    stored, outcome = tool.tool_inputs
+    assert stored is not None and stored.completion == completion("a", "b")
+    assert outcome == ToolOutcome.success("one")
     assert store.begin_step(keys.round_step(sk, 2), 1000, None, sk).session is None
 
 
 def test_load_session_reads_rounds_up_to_the_one_asked(backend: Backend, sk: str) -> None:
     backend.submit(sk, spec(sk), "")
-    backend.store.store_model_reply(sk, 0, completion("a"))
+    store_reply(backend.store, sk, 0, completion("a"))
     backend.store.store_tool_outcomes(sk, 0, {0: ToolOutcome.success("x")}, 1)
-    backend.store.store_model_reply(sk, 1, completion())
+    store_reply(backend.store, sk, 1, completion())
     assert len(backend.store.load_session(sk, "r").rounds) == 2
     assert len(backend.store.load_session(sk, "r", upto_round=0).rounds) == 1
 
@@ -259,7 +290,7 @@ def test_a_round_with_many_calls_reads_every_outcome(backend: Backend, sk: str) 
     """More calls than the store reads speculatively with the replies (a second read)."""
     backend.submit(sk, spec(sk), "")
     ids = [f"c{i}" for i in range(9)]
-    backend.store.store_model_reply(sk, 0, completion(*ids))
+    store_reply(backend.store, sk, 0, completion(*ids))
     outcomes = {i: ToolOutcome.success(f"out{i}") for i in (0, 7, 8)}
     assert backend.store.store_tool_outcomes(sk, 0, outcomes, 9) == 3
     [round_0] = backend.store.load_session(sk, "r").rounds

@@ -18,6 +18,7 @@ from tests.test_engine import (
     WEATHER,
     call,
     completion,
+    ended_transcript,
     err,
     make_spec,
     ok,
@@ -25,6 +26,7 @@ from tests.test_engine import (
 )
 from tests.test_steps import pipeline, reply, submit
 from tests.test_steps import spec as pipeline_spec
+from worker.codecs.reply import Reply
 from worker.errors import (
     GuestError,
     ToolOutputTooLargeError,
@@ -32,9 +34,10 @@ from worker.errors import (
     ToolTimeoutError,
     ToolValidationError,
 )
-from worker.session.engine import CallModel, Finish, Round, RunTools, plan, tool_run, transcript
+from worker.session.engine import CallModel, Finish, RunTools, plan, tool_run
 from worker.session.outcomes import ToolFailure, ToolOutcome
 from worker.session.ports import ToolCall
+from worker.session.state import Round
 from worker.session.tool_policy import (
     CallPolicy,
     ToolCaller,
@@ -118,7 +121,7 @@ def _spec(policy: dict[str, Any], time_policy: dict[str, Any] | None = None) -> 
 def _run(spec: SessionSpec, tools: Any, clock: Clock | None = None) -> ToolOutcome:
     clock = clock or Clock()
     reply = completion(call("call_1", "get_weather", '{"city":"Paris"}'))
-    run = tool_run(spec, reply, 0)
+    run = tool_run(spec, Reply.parse(reply), 0)
     assert run is not None
     return ToolCaller(tools, ToolDefaults(), sleep=clock.sleep, clock=clock).run(spec, run)
 
@@ -253,9 +256,12 @@ def test_an_outcome_round_trips_through_its_stored_form_and_reads_the_old_one() 
 def test_spec_sessions_send_the_envelope_to_the_model_by_default() -> None:
     s = session(
         make_spec(flags={"tool_result_envelope": True}),
-        Round(reply=completion(call("call_1", "get_time", "{}")), outcomes={0: ok("12:00")}),
+        Round(
+            reply=Reply.parse(completion(call("call_1", "get_time", "{}"))),
+            outcomes={0: ok("12:00")},
+        ),
     )
-    [tool_message] = [m for m in transcript(s) if m["role"] == "tool"]
+    [tool_message] = [m for m in ended_transcript(s) if m["role"] == "tool"]
     assert json.loads(tool_message["content"])["data"] == "12:00"
     loaded = spec_from_json({**make_spec(), "flags": {}})
     assert loaded.flags.tool_result_envelope  # type: ignore[union-attr]
@@ -270,8 +276,8 @@ def test_calls_that_never_ran_do_not_count_toward_max_total_tool_calls() -> None
     asks = completion(call("c1", "get_time", '{"tz":"UTC"}'), completion_id="c1")
     s = session(
         make_spec(limits={"max_total_tool_calls": 1}),
-        Round(reply=unknown, outcomes=outcomes),
-        Round(reply=asks),
+        Round(reply=Reply.parse(unknown), outcomes=outcomes),
+        Round(reply=Reply.parse(asks)),
     )
     step = plan(s)
     assert isinstance(step, RunTools) and [r.index for r in step.runs] == [0]
@@ -285,17 +291,22 @@ LOOPING = [
 
 def test_a_limit_is_followed_by_a_final_answer_with_tool_choice_none() -> None:
     spec = make_spec(limits={"max_iterations": 2}, flags={"final_answer_on_limit": True})
-    first = Round(reply=LOOPING[0], outcomes={0: ok("12:00")})
-    s = session(spec, first, Round(reply=LOOPING[1]))
+    first = Round(reply=Reply.parse(LOOPING[0]), outcomes={0: ok("12:00")})
+    s = session(spec, first, Round(reply=Reply.parse(LOOPING[1])))
     step = plan(s)  # the second round's call would pass max_iterations: answered as not run
     assert isinstance(step, RunTools) and step.runs == ()
     assert step.presets == {0: err("NOT_RUN", "skipped: exceeded max_iterations")}
-    s = session(spec, first, Round(reply=LOOPING[1], outcomes=step.presets))
+    s = session(spec, first, Round(reply=Reply.parse(LOOPING[1]), outcomes=step.presets))
     final = plan(s)
     assert isinstance(final, CallModel)
     assert (final.round_no, final.tool_choice) == (2, "none")
     # the model still calls a tool: its answer is the body, without the call, naming the limit
-    s = session(spec, first, Round(reply=LOOPING[1], outcomes=step.presets), Round(LOOPING[2]))
+    s = session(
+        spec,
+        first,
+        Round(reply=Reply.parse(LOOPING[1]), outcomes=step.presets),
+        Round(Reply.parse(LOOPING[2])),
+    )
     done = plan(s)
     assert isinstance(done, Finish) and done.ok
     message = done.body["choices"][0]["message"]
@@ -308,7 +319,7 @@ def test_a_limit_is_followed_by_a_final_answer_with_tool_choice_none() -> None:
 
 def test_with_the_final_answer_off_a_limit_ends_the_session_with_its_error() -> None:
     spec = make_spec(limits={"max_iterations": 1}, flags={"final_answer_on_limit": False})
-    step = plan(session(spec, Round(reply=LOOPING[0])))
+    step = plan(session(spec, Round(reply=Reply.parse(LOOPING[0]))))
     assert step == Finish(
         {"error": {"code": "tool_call_limit", "message": "exceeded max_iterations"}}
     )
@@ -318,7 +329,8 @@ def test_the_fleet_can_turn_automatic_tool_calling_off() -> None:
     from dataclasses import replace
 
     s = replace(
-        session(make_spec(), Round(reply=LOOPING[0])), fleet=ToolDefaults(auto_tool_call=False)
+        session(make_spec(), Round(reply=Reply.parse(LOOPING[0]))),
+        fleet=ToolDefaults(auto_tool_call=False),
     )
     step = plan(s)
     assert isinstance(step, Finish) and step.body["choices"][0]["message"]["tool_calls"]
@@ -343,7 +355,7 @@ def test_max_parallel_keeps_at_most_n_tool_steps_of_a_session_in_flight() -> Non
     while p.queue.pending:
         in_flight = sum(1 for step in p.queue.pending if step[0] == "tool")
         most = max(most, in_flight)
-        p.queue.run_next(p.run)
+        p.queue.run_next(p.runner)
     assert most == 2
     assert [json.loads(c.arguments)["city"] for c in p.tools.calls] == [f"C{i}" for i in range(5)]
     assert p.body()["choices"][0]["message"]["content"] == "5 answers"
@@ -397,7 +409,7 @@ def test_an_unreadable_call_is_a_validation_error_and_the_loop_goes_on() -> None
     reply = completion(
         call("call_x", INVALID_CALL_NAME, "{}"), call("call_a", "get_time", '{"tz":"UTC"}')
     )
-    step = plan(session(make_spec(), Round(reply=reply)))
+    step = plan(session(make_spec(), Round(reply=Reply.parse(reply))))
     assert isinstance(step, RunTools) and [r.index for r in step.runs] == [1]
     assert step.presets == {
         0: err("VALIDATION_ERROR", "this tool call could not be read: it names no function")

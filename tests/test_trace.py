@@ -11,7 +11,6 @@ from fixtures.replay.conversation import read_envelope
 from tests.test_engine import WEATHER_FN
 from tests.test_steps import SK, pipeline, reply, submit
 from tests.test_steps import spec as pipeline_spec
-from worker.config import Settings
 from worker.errors import ToolRuntimeError
 from worker.session.ports import ToolCall
 
@@ -83,9 +82,7 @@ def test_no_event_holds_a_prompt_an_argument_or_an_output() -> None:
 
 
 def test_trace_off_writes_no_event() -> None:
-    p = pipeline([reply("hi")])
-    p.runner.settings = Settings(**{**p.runner.settings.__dict__, "trace": False})
-    p.runner.guard.settings = p.runner.settings
+    p = pipeline([reply("hi")], trace=False)
     submit(p, pipeline_spec())
     p.drain()
     assert p.store.traces == {}
@@ -115,7 +112,7 @@ def test_a_background_tool_is_handed_over_and_reports_its_progress() -> None:
     submit(p, session_spec)
     kinds = []
     while p.queue.pending:
-        kinds.append(p.queue.run_next(p.run)[0])
+        kinds.append(p.queue.run_next(p.runner)[0])
     assert kinds == ["round", "tool", "background", "round"]
     assert [c.timeout_ms for c in runtime.calls] == [600_000]  # over the 120 s of a tool step
     assert p.body()["choices"][0]["message"]["content"] == "Tool said: done"

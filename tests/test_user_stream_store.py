@@ -20,7 +20,7 @@ from schemas.user_stream import CLOSE, DATA, OPEN, Frame, StreamEvent
 from worker.edges.store import RedisStore
 from worker.edges.store_programs import ProgramStore as RedisProgramStore
 from worker.guest.ports import ProgramStore
-from worker.session.twins import MemoryStore
+from worker.session.twins.store import MemoryStore
 
 REDIS_DB = 9
 TTL_S = 600

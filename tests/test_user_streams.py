@@ -30,7 +30,7 @@ from tests.twin_pipeline import pipeline
 from tests.wat_program import Dump, Program, Ref
 from worker.guest.host import ChatDefaults, ProgramHost
 from worker.guest.runner import ProgramRun, run_program
-from worker.session.twins import MemoryStore
+from worker.session.twins.store import MemoryStore
 
 EBADF, EAGAIN, EINVAL, ENOSPC, ENOTCONN = 9, 11, 22, 28, 107
 IN, OUT, BIDI = 1, 2, 3

@@ -1,4 +1,4 @@
-"""The fleet a program run talks to, in this process, on the twins of worker/session/twins.py:
+"""The fleet a program run talks to, in this process, on the twins of worker/session/twins/:
 a MemoryStore (session store and the guest's ProgramStore), a StepQueue (the dispatcher), a
 real StepRunner, the replay server's scenarios answering in process, and a real
 WasmToolRuntime running the programs' tools in their forks. No Redis, no Celery, no sockets.
@@ -37,7 +37,7 @@ from worker.codecs.openai_chat import is_empty_reply
 from worker.codecs.openai_codec import OpenAICodec
 from worker.codecs.protocol import ChatRequest, Delta
 from worker.codecs.retry import should_retry_status
-from worker.config import BackendConfig, Settings
+from worker.config import BackendConfig, FleetConfig, Settings
 from worker.edges.wasm_runtime import WasmToolRuntime
 from worker.errors import (
     ProviderError,
@@ -49,7 +49,9 @@ from worker.errors import (
     RetryLater,
 )
 from worker.session.steps import StepRunner
-from worker.session.twins import Completed, MemoryStore, OpenRateLimiter, Published, StepQueue
+from worker.session.twins.models import Completed, OpenRateLimiter
+from worker.session.twins.queue import Published, StepQueue
+from worker.session.twins.store import MemoryStore
 
 PUMP_SLICE_S = 0.005
 REPLAY_BACKEND = BackendConfig(name="replay", base_url="http://replay.twin/v1")
@@ -205,37 +207,24 @@ class Pipeline:
     runtime: WasmToolRuntime
     parked: list[tuple[float, int, Published]] = field(default_factory=list)  # a heap by due
     retried: list[tuple[Published, str]] = field(default_factory=list)
-    crashed: list[tuple[Published, Exception]] = field(default_factory=list)
     _order: itertools.count[int] = field(default_factory=itertools.count, init=False)
 
-    def run(self, step: Published) -> None:
-        """One delivery of a published step, as its Celery task runs it."""
-        kind, *args = step
-        try:
-            if kind == "round":
-                self.runner.round(args[0], args[1])
-            elif kind == "tool":
-                self.runner.tool(args[0], args[1], args[2])
-            elif kind == "finish":
-                self.runner.finish(args[0])
-            elif kind == "start":
-                self.runner.start(args[0], args[1])
-            else:
-                raise NotImplementedError(f"the twin pipeline runs no {kind!r} step: {step}")
-        except RetryLater as exc:
-            self.retried.append((step, str(exc)))
-            due = time.monotonic() + max(exc.countdown_s, 0.0)
-            heapq.heappush(self.parked, (due, next(self._order), step))
-        except Exception as exc:
-            self.crashed.append((step, exc))
-            raise
+    def park(self, step: Published, later: RetryLater) -> None:
+        """A step asked to be retried: held until its countdown is due."""
+        self.retried.append((step, str(later)))
+        due = time.monotonic() + max(later.countdown_s, 0.0)
+        heapq.heappush(self.parked, (due, next(self._order), step))
+
+    @property
+    def crashed(self) -> list[tuple[Published, Exception]]:
+        return self.queue.crashed
 
     def pump(self) -> None:
         """Run every step that can run now; if none could, wait one slice for a parked one."""
         now = time.monotonic()
         while self.parked and self.parked[0][0] <= now:
             self.queue.pending.append(heapq.heappop(self.parked)[2])
-        if self.queue.drain(self.run):
+        if self.queue.drain(self.runner):
             return
         wait = PUMP_SLICE_S
         if self.parked:
@@ -275,10 +264,10 @@ def pipeline(
         dispatch=queue,
         provider_for=replay,
         tools=lambda: runtime,
-        settings=settings
-        or Settings(backends={"replay": REPLAY_BACKEND}, default_backend="replay"),
+        settings=settings or Settings(fleet=FleetConfig(backends={"replay": REPLAY_BACKEND})),
         rate_limiter=OpenRateLimiter(),
     )
     pipe = Pipeline(store, queue, runner, replay, runtime)
+    queue.park = pipe.park
     store.pump = pipe.pump
     return pipe

@@ -24,25 +24,23 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from schemas.config import BackendConfig, builtin_backends, read_config
-from schemas.limits import ToolDefaults
+from schemas.config import BackendConfig, FleetConfig, read_config
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
-__all__ = ["BackendConfig", "Settings", "load_settings"]
+__all__ = ["BackendConfig", "FleetConfig", "Settings", "load_settings"]
 
 
 @dataclass(frozen=True)
 class Settings:
     redis_url: str = DEFAULT_REDIS_URL
-    backends: Mapping[str, BackendConfig] = field(default_factory=builtin_backends)
-    default_backend: str = "replay"
+    # the fleet's configuration: its backends, its default backend and its tools' defaults
+    fleet: FleetConfig = field(default_factory=FleetConfig)
     visibility_timeout_s: int = 300  # the task time limit's backstop (wiring)
     # a worker that stops beating this long has its taken messages handed out again
     consumer_dead_after_s: int = 15
     result_ttl_s: int = 86_400
     module_cache_dir: Path = Path.home() / ".cache" / "cchatq" / "modules"
     max_step_attempts: int = 5
-    tool_defaults: ToolDefaults = field(default_factory=ToolDefaults)
     trace: bool = True  # trace events (issue 9): the session's stream, the fleet's, log lines
     reconcile_every_s: float = 10.0  # how often the fleet's reconciler looks (issue 10)
     stall_after_ms: int = 30_000  # a session with no progress this long is nudged
@@ -50,24 +48,13 @@ class Settings:
     # session ends with a body
     session_deadline_ms: int = 43_200_000
 
-    def backend(self, name: str | None) -> BackendConfig:
-        key = name or self.default_backend
-        try:
-            return self.backends[key]
-        except KeyError:
-            raise KeyError(
-                f"unknown backend {key!r}; configured: {sorted(self.backends)}"
-            ) from None
-
 
 def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     env = os.environ if environ is None else environ
-    config = read_config(env)  # a ConfigError stops the worker at start, naming each problem
     return Settings(
-        tool_defaults=config.tool_defaults,
+        # a ConfigError stops the worker at start, naming each problem
+        fleet=read_config(env),
         redis_url=env.get("REDIS_URL", DEFAULT_REDIS_URL),
-        backends=config.backends,
-        default_backend=config.default_backend,
         visibility_timeout_s=int(env.get("CCHATQ_VISIBILITY_TIMEOUT_S", "300")),
         consumer_dead_after_s=int(env.get("CCHATQ_CONSUMER_DEAD_AFTER_S", "15")),
         result_ttl_s=int(env.get("CCHATQ_RESULT_TTL_S", "86400")),

@@ -51,7 +51,7 @@ class Wiring:
         self._runtime: WasmToolRuntime | None = None
         self._lock = threading.Lock()
         self.programs = ProgramStore(self.store)
-        fleet = settings.tool_defaults
+        fleet = settings.fleet.tool_defaults
         self.mcp = McpTools(fleet.mcp_servers, fleet.timeout_ms)  # holds nothing until used
         self._tools = ToolRouter(self.runtime, self.mcp)  # WASM tools, or MCP servers' tools
         self.runner = StepRunner(

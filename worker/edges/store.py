@@ -11,7 +11,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import Any, ParamSpec, TypeVar
 
@@ -29,10 +29,11 @@ from schemas.spec_types import (
     with_builtins,
     with_mcp_tools,
 )
+from worker.codecs.reply import Reply
 from worker.edges import liveness
 from worker.edges.step_leases import TAKE_OVER, LeaseKeeper, StepLeases, translated
 from worker.errors import SpecMissingError, StoreError
-from worker.session.engine import Round, Session
+from worker.session.engine import ToolRun
 from worker.session.outcomes import ToolOutcome
 from worker.session.ports import (
     RoundReads,
@@ -41,6 +42,8 @@ from worker.session.ports import (
     ToolReads,
     TraceWrite,
 )
+from worker.session.round_record import decode_round, encode_round
+from worker.session.state import Round, Session
 
 P = ParamSpec("P")
 log = logging.getLogger(__name__)
@@ -61,9 +64,9 @@ def _tool_keys(sk: str, round_no: int, index: int) -> list[str]:
 
 
 def _tool_inputs(raw: list[bytes | None]) -> ToolInputs:
-    reply, outcome = raw
+    stored, outcome = raw
     return (
-        None if reply is None else dict(json.loads(reply)),
+        None if stored is None else decode_round(stored),
         None if outcome is None else ToolOutcome.from_json(json.loads(outcome)),
     )
 
@@ -141,24 +144,23 @@ class RedisStore(StepLeases):
     ) -> Session:
         guessed = [(r, i) for r in range(last + 1) for i in range(GUESSED_CALLS)]
         known = dict(zip(guessed, raw[last + 1 :], strict=True))
-        replies: list[dict[str, Any]] = []
+        replies: list[Reply] = []
         for value in raw[: last + 1]:
             if value is None:
                 break
-            replies.append(json.loads(value))
+            replies.append(Reply.parse(decode_round(value).completion))
         rounds = self._with_outcomes(sk, replies, known)
         return Session(spec=spec, backend=spec.provider or backend, rounds=tuple(rounds))
 
     def _with_outcomes(
         self,
         sk: str,
-        replies: list[dict[str, Any]],
+        replies: list[Reply],
         known: dict[tuple[int, int], bytes | None],
     ) -> list[Round]:
         wanted: list[tuple[int, int]] = []
         for r, reply in enumerate(replies):
-            calls = ((reply.get("choices") or [{}])[0].get("message") or {}).get("tool_calls") or []
-            wanted.extend((r, i) for i in range(len(calls)))
+            wanted.extend((r, i) for i in range(reply.call_count))
         missing = [key for key in wanted if key not in known]
         if missing:  # a round with more calls than guessed
             fetched = self.client.mget([keys.tool_out(sk, r, i) for r, i in missing])
@@ -171,21 +173,23 @@ class RedisStore(StepLeases):
         return [Round(reply=reply, outcomes=outcomes[r]) for r, reply in enumerate(replies)]
 
     @translated
-    def tool_inputs(
-        self, sk: str, round_no: int, index: int
-    ) -> tuple[dict[str, Any] | None, ToolOutcome | None]:
-        """A tool step's round reply and its own stored outcome, in one round trip."""
+    def tool_inputs(self, sk: str, round_no: int, index: int) -> ToolInputs:
+        """A tool step's round (reply and planned runs) and its own stored outcome, in one
+        round trip."""
         return _tool_inputs(self.client.mget(_tool_keys(sk, round_no, index)))
 
     # writing outputs (first writer wins) ---------------------------------------------------
 
     @translated
-    def store_model_reply(self, sk: str, round_no: int, reply: dict[str, Any]) -> dict[str, Any]:
-        body = dump_body(reply)
+    def store_round(self, sk: str, round_no: int, reply: Reply, runs: Sequence[ToolRun]) -> Reply:
         earlier = self.client.set(
-            keys.model_out(sk, round_no), body, nx=True, ex=self.ttl_s, get=True
+            keys.model_out(sk, round_no),
+            encode_round(reply, runs),
+            nx=True,
+            ex=self.ttl_s,
+            get=True,
         )
-        return dict(json.loads(body if earlier is None else earlier))
+        return reply if earlier is None else Reply.parse(decode_round(earlier).completion)
 
     @translated
     def store_tool_outcomes(

@@ -16,9 +16,9 @@ from worker.guest.host import ChatDefaults, ProgramHost
 from worker.guest.mcp_params import McpAccess
 from worker.guest.ports import ProgramStore
 from worker.guest.runner import ModuleSource, ProgramOutcome, ProgramRun, run_program
-from worker.session.decisions import Decision, Ending
+from worker.session.decisions import WriteEnding
+from worker.session.ending import Ending, failed_program_record
 from worker.session.ports import Outbox, StepStart
-from worker.session.records import failed_program_record
 from worker.session.steps import StepRunner
 
 
@@ -53,7 +53,7 @@ class ProgramSteps:
                 record = program_record(
                     spec, outcome, host, int((time.monotonic() - started) * 1000)
                 )
-            self.runner.apply(sk, Decision(ending=Ending(record["body"], record)), dispatch=outbox)
+            self.runner.apply(sk, WriteEnding(Ending(record["body"], record)), outbox)
 
         return self.runner.guard.run(
             keys.program_step(sk), sk, body, stop_if_cancelled=False, state="running"
@@ -61,7 +61,7 @@ class ProgramSteps:
 
     def _mcp_access(self, spec: ProgramSpec) -> McpAccess:
         """The MCP servers the run's environment allows its chats to enable."""
-        fleet = self.runner.settings.tool_defaults
+        fleet = self.runner.settings.fleet.tool_defaults
         allowed = fleet.mcp_allowed(spec.permissions.environment)
         return McpAccess(allowed=allowed, client=self.runner.mcp, fleet=fleet)
 

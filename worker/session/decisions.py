@@ -1,62 +1,85 @@
-"""One decision per step: what the engine says a step must do, as a value. The steps apply it
-(`StepRunner.apply`), the same way for the round, tool, nudge, finish and program steps."""
+"""One decision per step: what a step must do, as a value of one of these kinds, carrying the
+plan's own values (its runs, the calls it answered without running, its finish body) to the
+applier (worker.session.apply), which carries each kind out the same way whichever step made
+it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from schemas.limits import max_parallel
-from worker.session.engine import CallModel, Finish, Session, plan
+from worker.session.ending import Ending
+from worker.session.engine import CallModel, Finish, RunTools, Step
 from worker.session.outcomes import ToolOutcome
+from worker.session.state import Session
 
 
 @dataclass(frozen=True)
-class Ending:
-    """How a session ends: its response body and its result record."""
+class CallNext:
+    """Publish the round step of round `round_no`: the model is called again."""
 
-    body: dict[str, Any]
-    record: dict[str, Any]
+    round_no: int
 
 
 @dataclass(frozen=True)
-class Decision:
-    """Everything one step must do, as the engine decided it; `steps.StepRunner.apply` carries
-    it out, the same way for the round, tool, nudge and finish steps."""
+class StartTools:
+    """Store the calls the plan answered without running and publish the tool steps of
+    `publish` (its first runs, at most `window`); the next round once every call is answered.
+    When more calls wait than may run (`queued`), the published ones hold places."""
 
-    round_no: int = 0
-    store: dict[int, ToolOutcome] = field(default_factory=dict)  # tool messages of round_no
-    tools: tuple[int, ...] = ()  # tool steps of round_no to publish
-    fan_in: int | None = None  # publish round_no + 1 once this many calls are answered
-    # until then, keep this many tool steps of the round in flight (limits.max_parallel)
-    refill: int | None = None
-    next_round: int | None = None  # publish this round step
-    finish: bool = False  # the session ends: in place from a round step, else a finish step
-    ending: Ending | None = None  # write this result
+    plan: RunTools
+    publish: tuple[int, ...]
+    window: int  # max_parallel
+
+    @property
+    def queued(self) -> bool:
+        return len(self.plan.runs) > self.window
 
 
-def decide(session: Session) -> Decision:
-    """What follows the stored state: the plan as a decision (round and nudge steps)."""
-    step = plan(session)
-    if isinstance(step, Finish):
-        return Decision(finish=True)
+@dataclass(frozen=True)
+class ToolAnswered:
+    """A tool step's outcome: stored, and the next round published once every call of the
+    round is answered; until then, with more calls than `window`, the next waiting call."""
+
+    round_no: int
+    index: int
+    outcome: ToolOutcome
+    call_count: int
+    window: int
+
+
+@dataclass(frozen=True)
+class EndSession:
+    """The session ends here, under the ending rules (worker.session.ending), from its state
+    and the plan's value for it (a Finish, or what the rules override; None: planned by the
+    ending rules, which end the session even when its state cannot be planned on)."""
+
+    session: Session
+    step: Step | None
+
+
+@dataclass(frozen=True)
+class FinishLater:
+    """The session ends in a finish step of its own (it runs the ending rules there)."""
+
+
+@dataclass(frozen=True)
+class WriteEnding:
+    """Write this ending (a program run's, or one decided without the session's rounds)."""
+
+    ending: Ending
+
+
+Decision = CallNext | StartTools | ToolAnswered | EndSession | FinishLater | WriteEnding
+
+
+def decide(session: Session, step: Step) -> Decision:
+    """The decision of a step that planned `step` for `session` (a round step, or a finish)."""
     if isinstance(step, CallModel):
-        return Decision(next_round=step.round_no)
-    window = max_parallel(session.limits, session.fleet)
-    runs = tuple(run.index for run in step.runs)
-    return Decision(
-        round_no=step.round_no,
-        store=step.presets,
-        tools=runs[:window],  # the rest start as these finish
-        fan_in=step.call_count,
-        refill=window if len(runs) > window else None,
-    )
-
-
-def after_tool(
-    round_no: int, index: int, outcome: ToolOutcome, call_count: int, window: int
-) -> Decision:
-    """A tool step's outcome: stored, and the next round once every call is answered; until
-    then, with more calls than `window` (max_parallel), the next waiting call starts."""
-    refill = window if call_count > window else None
-    return Decision(round_no=round_no, store={index: outcome}, fan_in=call_count, refill=refill)
+        return CallNext(step.round_no)
+    if isinstance(step, RunTools):
+        window = max_parallel(session.limits, session.fleet)
+        first = tuple(run.index for run in step.runs[:window])  # the rest start as these end
+        return StartTools(step, first, window)
+    assert isinstance(step, Finish)
+    return EndSession(session, step)

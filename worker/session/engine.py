@@ -1,14 +1,14 @@
-"""The pure session engine: the auto tool-call loop of guest-abi.md section 4.
+"""The pure session engine: the auto tool-call loop of docs/guest-abi.md section 4.
 
 No Celery, Redis, HTTP or wasmtime here. Given what a session has stored so far (its spec
-and, per round, the model reply and the tool outcomes), `plan` says what happens next:
-call the model, run these tools, or finish with this body. Tasks only carry that out.
+and, per round, the model reply and the tool outcomes), `plan` says what happens next: call
+the model, run these tools, or finish with this body. The plan carries its own values (the
+runs with their decoded arguments, the calls answered without running, the finish body) to
+whoever carries it out, so nothing downstream plans again.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -16,10 +16,10 @@ import jsonschema
 
 from schemas import tool_schema
 from schemas.bodies import is_error_body
-from schemas.limits import Limits, ToolDefaults
-from schemas.spec_types import INVALID_CALL_NAME, TASK_STATUS, Flags, SessionSpec, ToolSpec
-from worker.codecs.openai_chat import decode_arguments, tool_calls_of, tool_message_content
+from schemas.spec_types import INVALID_CALL_NAME, TASK_STATUS, SessionSpec, ToolSpec
+from worker.codecs.openai_chat import decode_arguments
 from worker.codecs.protocol import ToolChoice
+from worker.codecs.reply import Arguments, Reply, ReplyCall
 from worker.errors import (
     RepeatedCallError,
     ToolCallLimitError,
@@ -31,40 +31,8 @@ from worker.errors import (
 )
 from worker.session.outcomes import ToolOutcome
 from worker.session.permissions import permission_problem
-
-
-@dataclass(frozen=True)
-class Round:
-    """One model call: its reply (a canonical chat.completion, or an error body) and the
-    outcomes stored so far for its tool calls, by call index."""
-
-    reply: dict[str, Any]
-    outcomes: dict[int, ToolOutcome] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Session:
-    spec: SessionSpec
-    backend: str
-    rounds: tuple[Round, ...] = ()
-    fleet: ToolDefaults = field(default_factory=ToolDefaults)  # the configuration's defaults
-
-    @property
-    def auto_tool_call(self) -> bool:
-        """Whether the loop runs the tools a reply calls: the spec's flag and the fleet's."""
-        return self.spec.flags.auto_tool_call and self.fleet.auto_tool_call
-
-    @property
-    def limits(self) -> Limits:
-        return self.spec.limits
-
-    @property
-    def flags(self) -> Flags:
-        return self.spec.flags
-
-    def tools_by_name(self) -> dict[str, ToolSpec]:
-        return {t.name: t for t in self.spec.tools}
-
+from worker.session.state import Session
+from worker.session.transcript import limited_body, success_body, transcript
 
 # What happens next -------------------------------------------------------------------------
 
@@ -103,6 +71,8 @@ class RunTools:
 @dataclass(frozen=True)
 class Finish:
     body: dict[str, Any]
+    # the tool messages the last round's unanswered calls get in the session's transcript
+    fill: dict[int, ToolOutcome] = field(default_factory=dict, compare=False)
 
     @property
     def ok(self) -> bool:
@@ -118,23 +88,21 @@ def next_call(session: Session) -> CallModel:
     return _call_model(session, len(session.rounds))
 
 
-def tool_run(spec: SessionSpec, reply: dict[str, Any], index: int) -> ToolRun | None:
-    """The run of call `index` of a round, as `plan` builds it and the tool step runs it; None
-    when the call names no tool of the spec (plan answers such a call without a run)."""
-    calls = tool_calls_of(reply)
-    if index >= len(calls):
+def tool_run(spec: SessionSpec, reply: Reply, index: int) -> ToolRun | None:
+    """The run of call `index` of a round, as `plan` builds it; None when the call names no
+    tool of the spec or its arguments cannot be read (plan answers such a call without a
+    run)."""
+    if index >= len(reply.calls):
         return None
-    call = calls[index]
-    tool = spec.tool(call["function"]["name"])
-    if tool is None:
+    return _run(spec, index, reply.calls[index])
+
+
+def _run(spec: SessionSpec, index: int, call: ReplyCall) -> ToolRun | None:
+    tool = spec.tool(call.name)
+    canonical = call.arguments.canonical
+    if tool is None or canonical is None:
         return None
-    return ToolRun(
-        index=index,
-        call_id=call["id"],
-        name=tool.name,
-        tool=tool,
-        arguments=canonical_arguments(call["function"]["arguments"]),
-    )
+    return ToolRun(index, call.id, tool.name, tool, canonical)
 
 
 def plan(session: Session) -> Step:
@@ -143,30 +111,34 @@ def plan(session: Session) -> Step:
         return _call_model(session, 0)
     round_no = len(session.rounds) - 1
     last = session.rounds[-1]
-    if is_error_body(last.reply):
-        return Finish(last.reply)
+    reply = last.reply
+    if reply.is_error:
+        return Finish(reply.completion)
+    calls = reply.calls
+    answered = all(i in last.outcomes for i in range(len(calls)))
     ended_by = _final_answer_of(session, round_no)
     if ended_by is not None:  # the answer after a limit ended the loop, whatever it says
-        return Finish(limited_body(session, last.reply, ended_by))
-    calls = tool_calls_of(last.reply)
+        fill = {}
+        if calls and session.auto_tool_call and not answered:
+            fill = _closing_fill(session, _presets(session, reply))
+        return Finish(limited_body(session, reply, ended_by), fill)
     if not calls or not session.auto_tool_call:
-        return Finish(success_body(session, last.reply))
-    presets = _presets(session, last.reply, calls)
+        return Finish(success_body(session, reply))
+    presets = _presets(session, reply)
     limit = _limit_hit(session, len(calls) - len(presets))
     if limit and not session.flags.final_answer_on_limit:
-        return Finish(ToolCallLimitError(f"exceeded {limit}").body())
+        return Finish(ToolCallLimitError(f"exceeded {limit}").body(), _skip_all(calls, limit))
     if limit:  # answer every call as not run, then ask once more with tool choice none
-        presets = {i: _skipped(limit) for i in range(len(calls))}
+        presets = _skip_all(calls, limit)
     if session.flags.strict_unknown_tool:
-        unknown = [c for c in calls if c["function"]["name"] not in session.tools_by_name()]
+        unknown = [c for c in calls if c.name not in session.tools_by_name()]
         if unknown:
-            return Finish(
-                UnknownToolError(f"unknown tool: {unknown[0]['function']['name']}").body()
-            )
-    if all(i in last.outcomes for i in range(len(calls))):
+            body = UnknownToolError(f"unknown tool: {unknown[0].name}").body()
+            return Finish(body, _closing_fill(session, presets))
+    if answered:
         return _call_model(session, round_no + 1)
     pending = [i for i in range(len(calls)) if i not in last.outcomes and i not in presets]
-    runs = tuple(run for i in pending if (run := tool_run(session.spec, last.reply, i)) is not None)
+    runs = tuple(run for i in pending if (run := _run(session.spec, i, calls[i])) is not None)
     unstored = {i: o for i, o in presets.items() if i not in last.outcomes}
     return RunTools(round_no=round_no, call_count=len(calls), runs=runs, presets=unstored)
 
@@ -175,7 +147,7 @@ def _call_model(session: Session, round_no: int) -> CallModel:
     params = dict(session.spec.params)
     choice = neutral_tool_choice(params.pop("tool_choice", None))
     parallel = params.pop("parallel_tool_calls", None)
-    if choice not in (None, "auto", "none") and any(tool_calls_of(r.reply) for r in session.rounds):
+    if choice not in (None, "auto", "none") and any(r.reply.calls for r in session.rounds):
         # a forced choice holds for the first tool round only, or the model could never answer
         choice = "auto"
     if round_no > 0 and _final_answer_of(session, round_no) is not None:
@@ -220,10 +192,10 @@ def _round_limit(session: Session, round_no: int) -> str | None:
     """The limit round `round_no`'s tool calls hit, if they hit one."""
     upto = replace(session, rounds=session.rounds[: round_no + 1])
     reply = upto.rounds[-1].reply
-    calls = tool_calls_of(reply) if not is_error_body(reply) else []
+    calls = reply.calls
     if not calls or not session.auto_tool_call or _limit_hit(upto, len(calls)) is None:
         return None  # the common case, decided without validating the calls again
-    return _limit_hit(upto, len(calls) - len(_presets(upto, reply, calls)))
+    return _limit_hit(upto, len(calls) - len(_presets(upto, reply)))
 
 
 def _final_answer_of(session: Session, round_no: int) -> str | None:
@@ -233,18 +205,38 @@ def _final_answer_of(session: Session, round_no: int) -> str | None:
     return _round_limit(session, round_no - 1)
 
 
-def _skipped(limit: str) -> ToolOutcome:
-    return ToolOutcome.error(ToolNotRunError(f"skipped: exceeded {limit}"))
+def _skip_all(calls: tuple[ReplyCall, ...], limit: str) -> dict[int, ToolOutcome]:
+    skipped = ToolOutcome.error(ToolNotRunError(f"skipped: exceeded {limit}"))
+    return dict.fromkeys(range(len(calls)), skipped)
 
 
-def _presets(
-    session: Session, reply: dict[str, Any], calls: list[dict[str, Any]]
-) -> dict[int, ToolOutcome]:
+def _closing_fill(session: Session, presets: dict[int, ToolOutcome]) -> dict[int, ToolOutcome]:
+    """What the last round's calls are answered with in the transcript when the session ends
+    on them: the calls answered without running, every call skipped when a limit ends the
+    loop, and the rest skipped when an unknown tool ends it."""
+    calls = session.rounds[-1].reply.calls
+    limit = _limit_hit(session, len(calls) - len(presets))
+    if limit:
+        return _skip_all(calls, limit)
+    fill = dict(presets)
+    if session.flags.strict_unknown_tool and any(
+        o.code == ToolNotFoundError.code for o in fill.values()
+    ):
+        skipped = ToolOutcome.error(
+            ToolNotRunError("skipped: the session ended on an unknown tool")
+        )
+        for i in range(len(calls)):
+            fill.setdefault(i, skipped)
+    return fill
+
+
+def _presets(session: Session, reply: Reply) -> dict[int, ToolOutcome]:
+    """The calls of `reply` (the last round's) answered without running, by index."""
     tools = session.tools_by_name()
-    truncated = _finish_reason(reply) == "length"
+    truncated = reply.finish_reason == "length"
     presets: dict[int, ToolOutcome] = {}
-    for i, call in enumerate(calls):
-        name = call["function"]["name"]
+    for i, call in enumerate(reply.calls):
+        name = call.name
         if name == INVALID_CALL_NAME:
             presets[i] = ToolOutcome.error(
                 ToolValidationError("this tool call could not be read: it names no function")
@@ -254,61 +246,55 @@ def _presets(
         elif problem := permission_problem(tools[name], session.spec.permissions, session.fleet):
             presets[i] = ToolOutcome.error(ToolPermissionError(f"permission denied: {problem}"))
         elif truncated:
-            # conformance B1 #13: never execute a call cut off by the token limit
+            # a call cut off by the token limit is never executed (its arguments are partial)
             presets[i] = ToolOutcome.error(
                 ToolValidationError("arguments truncated (finish_reason length), not executed")
             )
         elif name != TASK_STATUS and _repeats(session, call) >= REPEAT_LIMIT - 1:
-            # conformance B7 68: the model keeps asking the same thing; tell it, do not rerun
-            # (asking a task how it is going again is polling, not repeating)
+            # the model keeps asking the same thing: tell it, do not run it again (asking a
+            # task how it is going again is polling, not repeating)
             presets[i] = ToolOutcome.error(
                 RepeatedCallError(
                     f"this exact call was made {REPEAT_LIMIT} times in a row; "
                     "use its earlier result or change the arguments"
                 )
             )
-        else:
-            problem = argument_problem(
-                call["function"]["arguments"], tools[name].function.parameters
-            )
-            if problem:
-                presets[i] = ToolOutcome.error(ToolValidationError(problem))
+        elif problem := decoded_problem(call.arguments, tools[name].function.parameters):
+            presets[i] = ToolOutcome.error(ToolValidationError(problem))
     return presets
 
 
 REPEAT_LIMIT = 3  # the same name and arguments in this many consecutive rounds
 
 
-def _repeats(session: Session, call: dict[str, Any]) -> int:
+def _repeats(session: Session, call: ReplyCall) -> int:
     """In how many rounds right before the last one the same call was made."""
-    key = _call_key(call)
+    key = call.key
     count = 0
     for rnd in reversed(session.rounds[:-1]):
-        if is_error_body(rnd.reply) or key not in {_call_key(c) for c in tool_calls_of(rnd.reply)}:
+        if rnd.reply.is_error or key not in {c.key for c in rnd.reply.calls}:
             break
         count += 1
     return count
 
 
-def _call_key(call: dict[str, Any]) -> tuple[str, str]:
-    arguments = call["function"]["arguments"]
-    with contextlib.suppress(ToolValidationError):
-        arguments = canonical_arguments(arguments)
-    return call["function"]["name"], arguments
-
-
-def canonical_arguments(arguments: str) -> str:
-    """The arguments a tool receives: the decoded object (repaired, unwrapped) as compact JSON,
-    so a tool never sees text other than what was validated."""
-    return json.dumps(decode_arguments(arguments), separators=(",", ":"), ensure_ascii=False)
-
-
 def argument_problem(arguments: str, parameters: dict[str, Any] | None) -> str | None:
-    """Why these arguments cannot be passed to the tool, or None when they can."""
+    """Why these arguments (as text) cannot be passed to the tool, or None when they can."""
     try:
         decoded = decode_arguments(arguments)
     except ToolValidationError as exc:
         return exc.message
+    return _schema_problem(decoded, parameters)
+
+
+def decoded_problem(arguments: Arguments, parameters: dict[str, Any] | None) -> str | None:
+    """Why decoded arguments cannot be passed to the tool, or None when they can."""
+    if arguments.value is None:
+        return arguments.problem
+    return _schema_problem(arguments.value, parameters)
+
+
+def _schema_problem(decoded: dict[str, Any], parameters: dict[str, Any] | None) -> str | None:
     schema = parameters or {"type": "object"}
     try:
         error = jsonschema.exceptions.best_match(tool_schema.validator(schema).iter_errors(decoded))
@@ -318,112 +304,6 @@ def argument_problem(arguments: str, parameters: dict[str, Any] | None) -> str |
         return None
     where = "/".join(str(p) for p in error.absolute_path) or "arguments"
     return f"{where}: {error.message}"[:500]
-
-
-def _finish_reason(reply: dict[str, Any]) -> str | None:
-    choices = reply.get("choices") or [{}]
-    reason = choices[0].get("finish_reason")
-    return reason if isinstance(reason, str) else None
-
-
-# Transcript, bodies, metrics ---------------------------------------------------------------
-
-
-REPLAYED_FIELDS = ("tool_calls", "reasoning_content", "reasoning", "_provider")
-
-
-def assistant_message(reply: dict[str, Any]) -> dict[str, Any]:
-    """The assistant turn as history: with its thinking and the provider's own blocks, which
-    a codec replays verbatim (Anthropic signed thinking, Gemini thought signatures)."""
-    message = dict((reply.get("choices") or [{}])[0].get("message") or {})
-    out: dict[str, Any] = {"role": "assistant", "content": message.get("content")}
-    out.update({k: message[k] for k in REPLAYED_FIELDS if message.get(k)})
-    return out
-
-
-def transcript(session: Session, missing: ToolOutcome | None = None) -> list[dict[str, Any]]:
-    """Spec messages, then per round the assistant message and one tool message per call, in
-    call order. A call with no stored outcome gets `missing` (or the plan's verdict), so the
-    transcript never holds a tool call without its answer."""
-    messages: list[dict[str, Any]] = [dict(m) for m in session.spec.messages]
-    auto = session.auto_tool_call
-    envelope = session.flags.tool_result_envelope
-    for round_no, rnd in enumerate(session.rounds):
-        if is_error_body(rnd.reply):
-            break
-        messages.append(assistant_message(rnd.reply))
-        calls = tool_calls_of(rnd.reply)
-        if not calls or not auto:
-            continue
-        answered = all(i in rnd.outcomes for i in range(len(calls)))
-        # a round whose calls are all answered needs no fill (and no schema validation)
-        fill = {} if answered else _fill_for_round(session, round_no, calls, missing)
-        for i, call in enumerate(calls):
-            outcome = rnd.outcomes.get(i) or fill.get(i)
-            if outcome is None:
-                continue
-            messages.append(
-                {
-                    "role": "tool",
-                    "tool_call_id": call["id"],
-                    "content": tool_message_content(
-                        outcome.message(envelope, session.limits.compress_over_bytes, call["id"])
-                    ),
-                }
-            )
-    return messages
-
-
-def _fill_for_round(
-    session: Session, round_no: int, calls: list[dict[str, Any]], missing: ToolOutcome | None
-) -> dict[int, ToolOutcome]:
-    if round_no != len(session.rounds) - 1:
-        return {}
-    upto = replace(session, rounds=session.rounds[: round_no + 1])
-    fill = _presets(upto, session.rounds[round_no].reply, calls)
-    limit = _limit_hit(upto, len(calls) - len(fill))
-    if limit:
-        return {i: _skipped(limit) for i in range(len(calls))}
-    if session.flags.strict_unknown_tool and any(
-        o.code == ToolNotFoundError.code for o in fill.values()
-    ):
-        for i in range(len(calls)):
-            fill.setdefault(
-                i,
-                ToolOutcome.error(ToolNotRunError("skipped: the session ended on an unknown tool")),
-            )
-    if missing is not None:
-        for i in range(len(calls)):
-            fill.setdefault(i, missing)
-    return fill
-
-
-def success_body(session: Session, reply: dict[str, Any]) -> dict[str, Any]:
-    """The reply in OpenAI shape: the provider's replay blocks stay in the transcript only."""
-    body = dict(reply)
-    choices = [dict(c) for c in body.get("choices") or []]
-    for choice in choices:
-        if isinstance(choice.get("message"), dict) and "_provider" in choice["message"]:
-            choice["message"] = {k: v for k, v in choice["message"].items() if k != "_provider"}
-    if choices:
-        body["choices"] = choices
-    body["_spear"] = {
-        "backend": session.backend,
-        "model": reply.get("model") or session.spec.model,
-    }
-    return body
-
-
-def limited_body(session: Session, reply: dict[str, Any], limit: str) -> dict[str, Any]:
-    """The final answer after a limit ended the loop: the reply, without tool calls the
-    model still made, saying which limit ended it (`_spear.limit`)."""
-    body = success_body(session, reply)
-    for choice in body.get("choices") or []:
-        message = choice.get("message")
-        if isinstance(message, dict) and "tool_calls" in message:
-            choice["message"] = {k: v for k, v in message.items() if k != "tool_calls"}
-    body["_spear"]["limit"] = ToolCallLimitError(f"exceeded {limit}").body()["error"]
-    return body
 
 
 CANCELLED = ToolOutcome.error(ToolNotRunError("session cancelled before this call ran"))

@@ -1,4 +1,4 @@
-"""The guard every step runs under (architecture.md section 2): a lease while one delivery
+"""The guard every step runs under (docs/architecture.md section 2): a lease while one delivery
 works, a try count that dead-letters a step failing for good, the cancel flag read at every
 step boundary, and the commit that publishes what the step decided together with its
 published marker and trace events. Steps (worker.session.steps) and program runs
@@ -24,6 +24,7 @@ from worker.errors import (
     StepFailedError,
     StoreError,
 )
+from worker.session.ending import bare_record
 from worker.session.ports import (
     STEP_LEASE_MS,
     Dispatcher,
@@ -34,7 +35,6 @@ from worker.session.ports import (
     ToolReads,
     TraceWrite,
 )
-from worker.session.records import bare_record
 from worker.session.trace import TraceEvent, rate_limit_waited, step_timed
 
 log = logging.getLogger(__name__)

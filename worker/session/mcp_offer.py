@@ -17,8 +17,8 @@ from schemas.limits import ToolDefaults
 from schemas.mcp import offered_tools
 from schemas.spec_types import SessionSpec, ToolSpec
 from worker.errors import McpError, ToolRuntimeError
-from worker.session.engine import Session
 from worker.session.ports import McpClient, SessionStore, ToolCall, ToolRuntime
+from worker.session.state import Session
 
 
 class ToolRouter:

@@ -14,9 +14,12 @@ from schemas.keys import ChunkMember
 from schemas.mcp import McpToolInfo
 from schemas.spec_types import McpToolRef, Spec, ToolSpec
 from worker.codecs.protocol import ChatRequest, Delta
+from worker.codecs.reply import Reply
 from worker.config import BackendConfig
-from worker.session.engine import Session
+from worker.session.engine import ToolRun
 from worker.session.outcomes import ToolOutcome
+from worker.session.round_record import StoredRound
+from worker.session.state import Session
 from worker.session.tool_logs import ToolLogs
 from worker.session.trace import TraceEvent
 
@@ -35,13 +38,14 @@ class RoundReads:
 
 @dataclass(frozen=True)
 class ToolReads:
-    """What a tool step reads: its round's reply and its own stored outcome."""
+    """What a tool step reads: its round as stored (its reply and planned runs) and its own
+    stored outcome."""
 
     round_no: int
     index: int
 
 
-ToolInputs = tuple[dict[str, Any] | None, ToolOutcome | None]
+ToolInputs = tuple[StoredRound | None, ToolOutcome | None]
 
 
 @dataclass(frozen=True)
@@ -99,12 +103,12 @@ class SessionStore(Protocol):
 
     def load_spec(self, sk: str) -> Spec: ...
     def load_session(self, sk: str, backend: str, upto_round: int | None = None) -> Session: ...
-    def tool_inputs(
-        self, sk: str, round_no: int, index: int
-    ) -> tuple[dict[str, Any] | None, ToolOutcome | None]: ...
-    def store_model_reply(
-        self, sk: str, round_no: int, reply: dict[str, Any]
-    ) -> dict[str, Any]: ...
+    def tool_inputs(self, sk: str, round_no: int, index: int) -> ToolInputs: ...
+    def store_round(self, sk: str, round_no: int, reply: Reply, runs: Sequence[ToolRun]) -> Reply:
+        """Store a round's reply with the runs its plan made, unless one is stored (first
+        writer wins): the stored reply, `reply` itself when this call stored it."""
+        ...
+
     def store_tool_outcomes(
         self, sk: str, round_no: int, outcomes: dict[int, ToolOutcome], calls: int
     ) -> int:

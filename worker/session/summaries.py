@@ -1,4 +1,4 @@
-"""Long tool results summed up by a model (issue 9, point 5, `limits.compress: "summarize"`):
+"""Long tool results summed up by a model (`limits.compress: "summarize"`):
 the tool step asks the session's backend (or `compress_backend`, with `compress_model`) for a
 summary of an output over `compress_over_bytes`, and stores it with the outcome, so the model
 reads the summary and the store keeps the output whole. No summary (no backend, no room under
@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from schemas.spec_types import SessionSpec
 from worker.codecs.protocol import ChatRequest
+from worker.codecs.reply import Reply
 from worker.errors import ProviderError, RateLimited
 from worker.session.engine import ToolRun
+from worker.session.model_call import ModelCaller
 from worker.session.outcomes import ToolOutcome, excerpt
-
-if TYPE_CHECKING:
-    from worker.session.steps import StepRunner
 
 log = logging.getLogger(__name__)
 SUMMARY_INPUT_BYTES = 200_000  # the most of an output sent to be summed up (an excerpt beyond)
@@ -29,7 +27,7 @@ PROMPT = (
 
 
 def summarized(
-    runner: StepRunner, spec: SessionSpec, run: ToolRun, outcome: ToolOutcome
+    models: ModelCaller, spec: SessionSpec, run: ToolRun, outcome: ToolOutcome
 ) -> ToolOutcome:
     limits = spec.limits
     output = outcome.output or ""
@@ -39,7 +37,7 @@ def summarized(
         or outcome.output_bytes <= limits.compress_over_bytes
     ):
         return outcome
-    backend = runner.backend(limits.compress_backend or spec.provider)
+    backend = models.backend(limits.compress_backend or spec.provider)
     if backend is None:
         return outcome
     text = (
@@ -60,13 +58,13 @@ def summarized(
         params={},
     )
     try:
-        reply = runner.complete(backend, chat)
+        reply = Reply.parse(models.complete(backend, chat))
     except RateLimited:
         return outcome  # no room now: the excerpt will do
     except ProviderError as exc:
         log.info("summary of call %s failed: %s", run.call_id, exc.code)
         return outcome
-    message = ((reply.get("choices") or [{}])[0].get("message") or {}).get("content")
-    if not isinstance(message, str) or not message.strip():
+    summary = reply.content
+    if summary is None or not summary.strip():
         return outcome
-    return replace(outcome, summary=message.strip())
+    return replace(outcome, summary=summary.strip())

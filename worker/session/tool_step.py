@@ -1,6 +1,7 @@
-"""The step of one tool call (architecture.md section 2): read the round's reply and the call's
-stored outcome, run the call under its policy if it has none, store it, and publish the next
-round once every call of the round is answered (or the next waiting call, under max_parallel).
+"""The step of one tool call (docs/architecture.md section 2): read its run as its round planned
+it and the call's stored outcome, run the call under its policy if it has none, store it, and
+publish the next round once every call of the round is answered (or the next waiting call,
+under max_parallel).
 
 A `background` tool's call is handed over instead: its tool step publishes a background step
 (its own step id, on the background queue) and ends; that step runs the call with the tool's
@@ -12,33 +13,45 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from schemas import keys
-from schemas.bodies import is_error_body
-from schemas.limits import max_parallel
+from schemas.limits import ToolDefaults, max_parallel
 from schemas.spec_types import BUILTIN_MODULE, SessionSpec
-from worker.codecs.openai_chat import tool_calls_of
 from worker.errors import InternalError, StoreError, ToolNotRunError, ToolValidationError
-from worker.session.decisions import after_tool
-from worker.session.engine import ToolRun, tool_run
+from worker.session.apply import Applier
+from worker.session.decisions import ToolAnswered
+from worker.session.engine import ToolRun
+from worker.session.guard import StepGuard
+from worker.session.model_call import ModelCaller
 from worker.session.outcomes import ToolOutcome
-from worker.session.ports import Outbox, StepStart, ToolReads
+from worker.session.ports import Outbox, SessionStore, StepStart, ToolReads, ToolRuntime
 from worker.session.summaries import summarized
 from worker.session.tool_policy import ToolCaller
 from worker.session.trace import event, tool_call_ended, tool_logs_kept
-
-if TYPE_CHECKING:
-    from worker.session.steps import StepRunner
 
 PROGRESS_EVERY_S = 0.5  # task.progress events of one call, at most this often
 CANCEL_CHECK_S = 1.0  # a background call reads its session's cancel flag at most this often
 
 
+@dataclass(frozen=True)
+class ToolContext:
+    """What a tool step works with."""
+
+    store: SessionStore
+    guard: StepGuard
+    applier: Applier
+    tools: Callable[[], ToolRuntime]  # lazy: a prefork child builds its own wasmtime engine
+    fleet: ToolDefaults
+    models: ModelCaller  # for summaries of long outputs
+    trace: bool
+
+
 @dataclass
 class ToolStep:
-    runner: StepRunner
+    ctx: ToolContext
     sk: str
     round_no: int
     index: int
@@ -47,16 +60,18 @@ class ToolStep:
     def run(self) -> str | None:
         sk, round_no, index = self.sk, self.round_no, self.index
         step = (keys.background_step if self.background else keys.tool_step)(sk, round_no, index)
-        return self.runner.guard.run(step, sk, self._body, reads=ToolReads(round_no, index))
+        return self.ctx.guard.run(step, sk, self._body, reads=ToolReads(round_no, index))
 
     def _body(self, start: StepStart, outbox: Outbox) -> None:
-        runner, round_no, index = self.runner, self.round_no, self.index
-        spec = runner.spec_of(self.sk, SessionSpec)
+        ctx, round_no, index = self.ctx, self.round_no, self.index
+        spec = ctx.store.load_spec(self.sk)
+        if not isinstance(spec, SessionSpec):
+            raise InternalError(f"session {self.sk} is not a SessionSpec")
         outbox.spec_ids[self.sk] = spec.id
-        reply, outcome = start.tool_inputs or runner.store.tool_inputs(self.sk, round_no, index)
-        if reply is None or is_error_body(reply):
+        stored, outcome = start.tool_inputs or ctx.store.tool_inputs(self.sk, round_no, index)
+        if stored is None or stored.is_error:
             raise StoreError(f"round {round_no} reply missing for tool step")
-        run = tool_run(spec, reply, index)
+        run = stored.run(spec, index)
         if run is None:
             raise InternalError(f"call {index} of round {round_no} is not a tool run")
         policy = run.tool.policy
@@ -65,17 +80,17 @@ class ToolStep:
             return
         if outcome is None:
             if run.tool.module == BUILTIN_MODULE:
-                outcome = self._task_status(run)
+                outcome = self._task_status(spec, run)
             elif policy.background and not self.background:
                 self._hand_over(spec, run, outbox)
                 if policy.background_mode != "async":
                     return  # the round waits: the background step stores the outcome
                 outcome = self._submitted(run)
             else:
-                outcome = summarized(runner, spec, run, self._call(spec, run, outbox))
-        calls = len(tool_calls_of(reply))
-        window = max_parallel(spec.limits, runner.settings.tool_defaults)
-        runner.apply(self.sk, after_tool(round_no, index, outcome, calls, window), dispatch=outbox)
+                outcome = summarized(ctx.models, spec, run, self._call(spec, run, outbox))
+        window = max_parallel(spec.limits, ctx.fleet)
+        answered = ToolAnswered(round_no, index, outcome, stored.calls, window)
+        ctx.applier.apply(self.sk, answered, outbox)
 
     # async background tasks ----------------------------------------------------------------
 
@@ -85,33 +100,33 @@ class ToolStep:
     def _submitted(self, run: ToolRun) -> ToolOutcome:
         """An async call's answer at once: its task id, to ask task_status with."""
         task_id = self.task_id()
-        self.runner.store.update_task(self.sk, task_id, {"status": "submitted"})
+        self.ctx.store.update_task(self.sk, task_id, {"status": "submitted"})
         return ToolOutcome.success(_compact({"task_id": task_id, "status": "submitted"}))
 
     def _run_task(self, spec: SessionSpec, run: ToolRun, outbox: Outbox) -> None:
         """An async call on the background queue: its outcome goes to its task, not to the
         round (which went on long ago)."""
-        store, task_id = self.runner.store, self.task_id()
+        store, task_id = self.ctx.store, self.task_id()
         state = store.task_state(self.sk, task_id) or {}
         if state.get("status") in ("completed", "failed"):
             return  # a redelivery after the work was done
         store.update_task(self.sk, task_id, {"status": "running"})
-        outcome = summarized(self.runner, spec, run, self._call(spec, run, outbox))
+        outcome = summarized(self.ctx.models, spec, run, self._call(spec, run, outbox))
         status = "completed" if outcome.ok else "failed"
         store.update_task(
             self.sk, task_id, {"status": status, "outcome": _compact(outcome.to_json())}
         )
 
-    def _task_status(self, run: ToolRun) -> ToolOutcome:
+    def _task_status(self, spec: SessionSpec, run: ToolRun) -> ToolOutcome:
         """The built-in task_status tool: a task's status, with its progress or outcome."""
         task_id = json.loads(run.arguments).get("task_id")
-        state = self.runner.store.task_state(self.sk, task_id) if isinstance(task_id, str) else None
+        state = self.ctx.store.task_state(self.sk, task_id) if isinstance(task_id, str) else None
         if state is None:
             return ToolOutcome.error(ToolValidationError(f"unknown task_id {task_id!r}"))
         answer: dict[str, Any] = {"task_id": task_id, "status": state["status"]}
         if "outcome" in state:
             done = ToolOutcome.from_json(json.loads(state["outcome"]))
-            limit = self.runner.spec_of(self.sk, SessionSpec).limits.compress_over_bytes
+            limit = spec.limits.compress_over_bytes
             shown = json.loads(done.message(True, limit, ref=task_id))  # a long one cut too
             answer.update(result=shown["data"], error=shown["error"])
             answer.update({k: shown[k] for k in ("truncated", "bytes", "summarized") if k in shown})
@@ -121,19 +136,18 @@ class ToolStep:
 
     def _hand_over(self, spec: SessionSpec, run: ToolRun, outbox: Outbox) -> None:
         outbox.background(self.sk, self.round_no, self.index)
-        if self.runner.settings.trace:
+        if self.ctx.trace:
             outbox.events.append(event("task.submitted", spec.id, tool=run.name, **self.where(run)))
 
     def _call(self, spec: SessionSpec, run: ToolRun, outbox: Outbox) -> ToolOutcome:
-        runner = self.runner
-        fleet = runner.settings.tool_defaults
+        ctx = self.ctx
         watcher = BackgroundWatch(self, spec, run) if self.background else None
-        if not runner.settings.trace:
-            return ToolCaller(runner.tools(), fleet).run(spec, run, watcher)
+        if not ctx.trace:
+            return ToolCaller(ctx.tools(), ctx.fleet).run(spec, run, watcher)
         where = self.where(run)
         started = event("tool.call.started", spec.id, tool=run.name, **where)
         if self.background:  # a long call: seen as it starts (its progress too)
-            runner.guard.trace_now(self.sk, started)
+            ctx.guard.trace_now(self.sk, started)
         else:  # written with the step's end, as its other events: no round trip of its own
             outbox.events.append(started)
 
@@ -142,7 +156,7 @@ class ToolStep:
                 event("tool.call.retried", spec.id, tool=tool, attempt=attempt, error=code, **where)
             )
 
-        caller = ToolCaller(runner.tools(), fleet, on_retry=retried)
+        caller = ToolCaller(ctx.tools(), ctx.fleet, on_retry=retried)
         outcome = caller.run(spec, run, watcher)
         if outcome.logs or outcome.dropped_logs:  # before the end, which the step's time rides
             logged = tool_logs_kept(spec.id, self.round_no, run.call_id, run.name, outcome)
@@ -180,18 +194,18 @@ class BackgroundWatch:
         self.reported = now
         if self.run.tool.policy.background_mode == "async":  # what task_status answers
             fields = {"percent": str(percent), "message": message}
-            step.runner.store.update_task(step.sk, step.task_id(), fields)
-        if step.runner.settings.trace:
+            step.ctx.store.update_task(step.sk, step.task_id(), fields)
+        if step.ctx.trace:
             progress = event(
                 "task.progress", self.spec.id, tool=self.run.name, percent=percent,
                 message=message, **step.where(self.run),
             )  # fmt: skip
-            step.runner.guard.trace_now(step.sk, progress)
+            step.ctx.guard.trace_now(step.sk, progress)
 
     def check(self) -> None:
         now = time.monotonic()
         if now - self.checked < CANCEL_CHECK_S:
             return
         self.checked = now
-        if self.step.runner.store.is_cancelled(self.step.sk):
+        if self.step.ctx.store.is_cancelled(self.step.sk):
             raise ToolNotRunError("the session was cancelled while this call ran", ran=True)

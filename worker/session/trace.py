@@ -22,7 +22,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from schemas import keys
-from worker.codecs.openai_chat import tool_calls_of
+from worker.codecs.reply import Reply
 from worker.errors import RateLimited
 from worker.session.outcomes import ToolOutcome
 
@@ -97,11 +97,11 @@ def rate_limit_waited(session: str, step: str, waited: RateLimited) -> TraceEven
 
 
 def model_call_ended(
-    session: str, round_no: int, reply: dict[str, Any], latency_ms: int, backend: str
+    session: str, round_no: int, reply: Reply, latency_ms: int, backend: str
 ) -> TraceEvent:
     """model.call.finished (with its token counts), or .failed with the error body's code."""
-    error = reply.get("error")
-    if isinstance(error, dict):
+    error = reply.error
+    if error is not None:
         return event(
             "model.call.failed",
             session,
@@ -110,8 +110,7 @@ def model_call_ended(
             error=str(error.get("code")),
             backend=backend,
         )
-    request_id = reply.get("id")
-    usage = reply.get("usage") or {}
+    request_id = reply.completion.get("id")
     return event(
         "model.call.finished",
         session,
@@ -119,13 +118,9 @@ def model_call_ended(
         latency_ms=latency_ms,
         request_id=request_id if isinstance(request_id, str) else None,
         backend=backend,
-        tokens_in=_count(usage.get("prompt_tokens")),
-        tokens_out=_count(usage.get("completion_tokens")),
+        tokens_in=reply.tokens("prompt_tokens"),
+        tokens_out=reply.tokens("completion_tokens"),
     )
-
-
-def _count(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def tool_call_ended(
@@ -162,18 +157,18 @@ def tool_logs_kept(
 
 
 def unrun_calls(
-    session: str, round_no: int, reply: dict[str, Any], outcomes: dict[int, ToolOutcome]
+    session: str, round_no: int, reply: Reply, outcomes: dict[int, ToolOutcome]
 ) -> list[TraceEvent]:
     """tool.call.failed for the calls answered without running (unknown, invalid, denied,
     repeated, not run): they never started."""
-    calls = tool_calls_of(reply)
+    calls = reply.calls
     return [
         event(
             "tool.call.failed",
             session,
             round=round_no,
-            call_id=calls[i]["id"],
-            tool=calls[i]["function"]["name"],
+            call_id=calls[i].id,
+            tool=calls[i].name,
             error=outcome.code,
         )
         for i, outcome in sorted(outcomes.items())

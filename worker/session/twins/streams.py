@@ -1,4 +1,4 @@
-"""The user-stream half of the ProgramStore twin (`twins.MemoryStore` inherits it): a run's
+"""The user-stream part of the ProgramStore twin (MemoryStore inherits it): a run's
 user events both ways, in memory, with the Redis store's rules (entry ids after a cursor; the
 run's writes numbered, a replayed write refused), and the user's side a producer plays on Redis
 (`producer/user_stream.py`), for tests."""

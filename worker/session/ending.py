@@ -1,59 +1,91 @@
-"""What a session ends with: the ending rules, its result record and its metrics. Pure, like
-the engine: the finish step applies the Ending it returns."""
+"""How a chat session ends, in one place: the ending rules (a dead-lettered step's failure wins,
+then a cancel, then the plan's finish), the answers its last round's unanswered calls get in its
+transcript, and its result record with its metrics. Pure, like the engine: the applier writes
+the Ending it returns."""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from schemas.bodies import is_error_body
 from schemas.spec_types import ProgramSpec
-from worker.codecs.openai_chat import tool_calls_of
 from worker.errors import CancelledError, InternalError, ToolNotRunError
-from worker.session.decisions import Decision, Ending
-from worker.session.engine import CANCELLED, Finish, Session, plan, transcript
+from worker.session.engine import CANCELLED, Finish, RunTools, Step, plan
 from worker.session.outcomes import ToolOutcome
+from worker.session.state import Session
 from worker.session.tool_logs import record_entries
+from worker.session.transcript import transcript
 
 log = logging.getLogger(__name__)
+FAILED = ToolOutcome.error(ToolNotRunError("session failed before this call ran"))
+
+
+@dataclass(frozen=True)
+class Ending:
+    """How a session ends: its response body and its result record."""
+
+    body: dict[str, Any]
+    record: dict[str, Any]
 
 
 def ending(
-    session: Session, failure: dict[str, Any] | None, cancelled: bool, latency_ms: int
-) -> Decision:
-    """The ending rules: a dead-lettered step wins, then a cancel, then what the engine plans.
+    session: Session,
+    step: Step | None,
+    failure: dict[str, Any] | None,
+    cancelled: bool,
+    latency_ms: int,
+) -> Ending:
+    """The ending of a session whose plan for its stored state is `step` (None: planned here).
     Never raises: an engine that fails on this session (a bug, a state it cannot read) still
     ends it, with the dead-lettered body or internal_error, and a bare record."""
     missing: ToolOutcome | None = None
     try:
+        if step is None:
+            step = plan(session)
         if failure is not None:
-            result = failure
-            missing = ToolOutcome.error(ToolNotRunError("session failed before this call ran"))
+            result, missing = failure, FAILED
         elif cancelled:
             result, missing = CancelledError("session cancelled").body(), CANCELLED
+        elif isinstance(step, Finish):
+            result = step.body
         else:
-            step = plan(session)
-            if isinstance(step, Finish):
-                result = step.body
-            else:
-                result = InternalError("finish before the session ended").body()
-                missing = CANCELLED
+            result = InternalError("finish before the session ended").body()
+            missing = CANCELLED
         record = {
             "id": session.spec.id,
             "status": "error" if is_error_body(result) else "ok",
             "body": result,
-            "transcript": transcript(session, missing),
+            "transcript": transcript(session, closing_fill(session, step, missing)),
             "metrics": metrics(session, latency_ms) if session.flags.metrics else {},
         }
         logs = tool_logs(session)
         if logs:  # only then: a session whose tools wrote nothing keeps its record's shape
             record["tool_logs"] = logs
-        return Decision(ending=Ending(result, record))
+        return Ending(result, record)
     except Exception as exc:
         log.exception("session %s: ending rules failed", session.spec.id)
         error = InternalError(f"the session could not be ended normally: {type(exc).__name__}")
         body = failure or error.body()
-        return Decision(ending=Ending(body, bare_record(session.spec.id, body)))
+        return Ending(body, bare_record(session.spec.id, body))
+
+
+def closing_fill(
+    session: Session, step: Step, missing: ToolOutcome | None
+) -> dict[int, ToolOutcome]:
+    """What the last round's calls without an outcome answer in the transcript: what the plan
+    answered them with (calls not run, a limit, an unknown tool), and `missing` for the rest."""
+    if isinstance(step, Finish):
+        fill = dict(step.fill)
+    elif isinstance(step, RunTools):
+        fill = dict(step.presets)
+    else:
+        fill = {}
+    if missing is not None and session.rounds and session.auto_tool_call:
+        for i in range(len(session.rounds[-1].reply.calls)):
+            fill.setdefault(i, missing)
+    return fill
 
 
 def bare_record(spec_id: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -74,12 +106,11 @@ def tool_logs(session: Session) -> list[dict[str, Any]]:
     call in transcript order, each line marked with its call."""
     out: list[dict[str, Any]] = []
     for round_no, rnd in enumerate(session.rounds):
-        calls = [] if is_error_body(rnd.reply) else tool_calls_of(rnd.reply)
-        for index, call in enumerate(calls):
+        for index, call in enumerate(rnd.reply.calls):
             outcome = rnd.outcomes.get(index)
             if outcome is None or not (outcome.logs or outcome.dropped_logs):
                 continue
-            mark = {"call_id": call["id"], "round": round_no, "tool": call["function"]["name"]}
+            mark = {"call_id": call.id, "round": round_no, "tool": call.name}
             out.extend(record_entries(mark, outcome.logs, outcome.dropped_logs))
     return out
 
@@ -88,7 +119,7 @@ def metrics(session: Session, latency_ms: int) -> dict[str, Any]:
     usage: dict[str, int] = {}
     tool_calls = tool_failures = output_bytes = 0
     for rnd in session.rounds:
-        for key, value in (rnd.reply.get("usage") or {}).items():
+        for key, value in rnd.reply.usage.items():
             if isinstance(value, int) and not isinstance(value, bool):
                 usage[key] = usage.get(key, 0) + value
         for outcome in rnd.outcomes.values():
@@ -96,7 +127,7 @@ def metrics(session: Session, latency_ms: int) -> dict[str, Any]:
             tool_failures += 0 if outcome.ok else 1
             output_bytes += outcome.output_bytes
     return {
-        "iterations": sum(1 for r in session.rounds if not is_error_body(r.reply)),
+        "iterations": sum(1 for r in session.rounds if not r.reply.is_error),
         "latency_ms": latency_ms,
         "tool_calls": tool_calls,
         "tool_failures": tool_failures,

@@ -1,17 +1,11 @@
-"""In-memory twins of the session ports (as dramatiq ships its StubBroker and httpx its
-MockTransport): the steps run on them exactly as on Redis and Celery, in one process.
-
-`MemoryStore` keeps the same rules as the Redis store (first writer wins, leases, published
-markers, try counters, the fan-in count); `tests/test_store_contract.py` runs one contract
-over both. Keys never expire here. `StepQueue` is the dispatcher: it records what was
-published and runs it (`drain`), turning `RetryLater` into a requeue, as Celery's retry does.
-`MemoryStore` also serves the guest's ProgramStore port, so program runs use the same twin.
-"""
+"""The SessionStore port in memory: `MemoryStore` keeps the Redis store's rules (first writer
+wins, leases, published markers, try counters, the fan-in count); `tests/test_store_contract.py`
+runs one contract over both. Keys never expire here. It also serves the guest's ProgramStore
+port (`programs`, `streams`), so program runs use the same twin."""
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import threading
 import time
@@ -35,35 +29,20 @@ from schemas.spec_types import (
     with_builtins,
     with_mcp_tools,
 )
-from worker.codecs.protocol import ChatRequest, Delta
-from worker.config import BackendConfig
-from worker.errors import (
-    ProviderRequestError,
-    RetryLater,
-    SpecMissingError,
-    StepDeadLettered,
-    StoreError,
-    ToolRuntimeError,
-)
-from worker.session.engine import Round, Session
+from worker.codecs.reply import Reply
+from worker.errors import SpecMissingError, StoreError
+from worker.session.engine import ToolRun
 from worker.session.outcomes import ToolOutcome
-from worker.session.ports import (
-    NextStep,
-    Permit,
-    RoundReads,
-    StepPublisher,
-    StepStart,
-    ToolCall,
-    ToolReads,
-    TraceWrite,
-)
+from worker.session.ports import RoundReads, StepStart, ToolInputs, ToolReads, TraceWrite
+from worker.session.round_record import decode_round, encode_round
+from worker.session.state import Round, Session
 from worker.session.trace import TraceEvent
-from worker.session.twin_streams import UserStreamTwin
+from worker.session.twins.programs import ProgramTwin
 
 
 @dataclass
-class MemoryStore(UserStreamTwin):
-    """SessionStore (and the guest's ProgramStore, its user streams from UserStreamTwin) in
+class MemoryStore(ProgramTwin):
+    """SessionStore (and the guest's ProgramStore: ProgramTwin and its user streams) in
     memory."""
 
     specs: dict[str, dict[str, Any]] = field(default_factory=dict)  # the stored JSON form
@@ -145,32 +124,30 @@ class MemoryStore(UserStreamTwin):
                 raw = self.replies.get((sk, r))
                 if raw is None:
                     break
-                reply = json.loads(raw)
-                calls = ((reply.get("choices") or [{}])[0].get("message") or {}).get(
-                    "tool_calls"
-                ) or []
+                reply = Reply.parse(decode_round(raw).completion)
                 outcomes = {
                     i: ToolOutcome.from_json(json.loads(self.outcomes[(sk, r, i)]))
-                    for i in range(len(calls))
+                    for i in range(reply.call_count)
                     if (sk, r, i) in self.outcomes
                 }
                 rounds.append(Round(reply=reply, outcomes=outcomes))
         return Session(spec=spec, backend=spec.provider or backend, rounds=tuple(rounds))
 
-    def tool_inputs(
-        self, sk: str, round_no: int, index: int
-    ) -> tuple[dict[str, Any] | None, ToolOutcome | None]:
-        reply = self.replies.get((sk, round_no))
+    def tool_inputs(self, sk: str, round_no: int, index: int) -> ToolInputs:
+        stored = self.replies.get((sk, round_no))
         outcome = self.outcomes.get((sk, round_no, index))
         return (
-            None if reply is None else dict(json.loads(reply)),
+            None if stored is None else decode_round(stored),
             None if outcome is None else ToolOutcome.from_json(json.loads(outcome)),
         )
 
-    def store_model_reply(self, sk: str, round_no: int, reply: dict[str, Any]) -> dict[str, Any]:
+    def store_round(self, sk: str, round_no: int, reply: Reply, runs: Sequence[ToolRun]) -> Reply:
         with self._cond:
-            winner = self.replies.setdefault((sk, round_no), dump_body(reply))
-        return dict(json.loads(winner))
+            earlier = self.replies.get((sk, round_no))
+            if earlier is None:
+                self.replies[(sk, round_no)] = encode_round(reply, runs)
+                return reply
+        return Reply.parse(decode_round(earlier).completion)
 
     def store_tool_outcomes(
         self, sk: str, round_no: int, outcomes: dict[int, ToolOutcome], calls: int
@@ -317,187 +294,3 @@ class MemoryStore(UserStreamTwin):
 
     def chunk_members(self, batch: str, chunk_no: int) -> list[ChunkMember]:
         return list(self.chunks.get((batch, chunk_no), []))
-
-    # the guest's ProgramStore --------------------------------------------------------------
-
-    def submit_chat(self, sk: str, spec: SessionSpec, batch: str) -> bool:
-        return self.submit(sk, spec, batch)
-
-    def ready(self, sks: list[str]) -> list[bool]:
-        return [sk in self.responses for sk in sks]
-
-    def response_and_record(self, sk: str) -> tuple[bytes | None, dict[str, Any] | None]:
-        return self.responses.get(sk), self.record(sk)
-
-    def wait_done(self, batch: str, timeout_s: float) -> list[str]:
-        if self.pump is not None and not self.done.get(batch):
-            self.pump()
-        with self._cond:
-            queue = self.done.setdefault(batch, deque())
-            if not queue:
-                self._cond.wait(timeout=max(timeout_s, 0.0) if self.pump is None else 0)
-            out = list(queue)
-            queue.clear()
-            return out
-
-    def put_fork(self, blob: bytes) -> str:
-        sha = hashlib.sha256(blob).hexdigest()
-        self.forks.setdefault(sha, bytes(blob))
-        return sha
-
-    def fork_blob(self, sha: str) -> bytes:
-        blob = self.forks.get(sha)
-        if blob is None:
-            raise StoreError(f"fork {sha[:12]} not stored (expired)")
-        return blob
-
-    def save_fd(self, run_sk: str, fd: int, entry: dict[str, Any]) -> None:
-        self.fd_mirror.setdefault(run_sk, {})[fd] = dump_body(entry)
-
-
-class FailingStore:
-    """A store whose named methods raise StoreError on their first N calls each (a Redis
-    blip, or an outage), then behave like the store they wrap."""
-
-    def __init__(self, store: MemoryStore, **failures: int) -> None:
-        self._store = store
-        self._left = dict(failures)
-        self.raised: list[str] = []
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._store, name)
-        if name not in self._left:
-            return attr
-
-        def failing(*args: Any, **kwargs: Any) -> Any:
-            if self._left[name] > 0:
-                self._left[name] -= 1
-                self.raised.append(name)
-                raise StoreError(f"twin: {name} failed")
-            return attr(*args, **kwargs)
-
-        return failing
-
-
-Published = tuple[Any, ...]  # ("round", sk, r) | ("tool", sk, r, i) | ("finish", sk) | ...
-
-
-@dataclass
-class StepQueue(StepPublisher):
-    """The Dispatcher port: published steps wait here until `drain` runs them."""
-
-    pending: deque[Published] = field(default_factory=deque)
-    sent: list[Published] = field(default_factory=list)
-    retries: int = 0
-    failed: list[Published] = field(default_factory=list)  # tasks that ended as FAILURE
-
-    def start(self, batch: str, chunk_no: int) -> None:
-        self._put(("start", batch, chunk_no))
-
-    def publish(
-        self,
-        steps: Sequence[NextStep],
-        published: str | None = None,
-        trace: TraceWrite | None = None,
-    ) -> bool:
-        for step in steps:
-            self._put((step.kind, *step.args))
-        return False  # the published marker is the store's (MemoryStore.end_step)
-
-    def _put(self, step: Published) -> None:
-        self.sent.append(step)
-        self.pending.append(step)
-
-    def drain(self, run: Callable[[Published], None], max_steps: int = 10_000) -> int:
-        """Run published steps until none is left; a step that asks to be retried (its
-        task's `retry`) goes to the back of the queue. Returns how many ran."""
-        ran = 0
-        while self.pending:
-            if ran >= max_steps:
-                raise RuntimeError(f"more than {max_steps} steps: a loop?")
-            self.run_next(run)
-            ran += 1
-        return ran
-
-    def run_next(self, run: Callable[[Published], None]) -> Published:
-        """Run the oldest published step once (a retry requeues it)."""
-        step = self.pending.popleft()
-        try:
-            run(step)
-        except RetryLater:
-            self.retries += 1
-            self.pending.append(step)
-        except StepDeadLettered:  # a Celery FAILURE: the task is done, its sessions ended
-            self.failed.append(step)
-        return step
-
-
-@dataclass(frozen=True)
-class Completed:
-    completion: dict[str, Any]
-
-
-@dataclass
-class ScriptedProvider:
-    """The CompletionProvider port answering from a script: each entry a canonical
-    chat.completion, a ProviderError to raise, or a function of the request."""
-
-    script: list[dict[str, Any] | Exception | Callable[[ChatRequest], dict[str, Any]]]
-    requests: list[ChatRequest] = field(default_factory=list)
-
-    def __call__(self, backend: BackendConfig) -> ScriptedProvider:  # as `provider_for`
-        return self
-
-    def complete(
-        self, request: ChatRequest, on_delta: Callable[[Delta], None] | None = None
-    ) -> Completed:
-        self.requests.append(request)
-        if not self.script:
-            raise ProviderRequestError("the scripted provider has no more replies")
-        entry = self.script.pop(0)
-        if isinstance(entry, Exception):
-            raise entry
-        return Completed(entry(request) if callable(entry) else entry)
-
-
-def NoProvider(backend: BackendConfig) -> ScriptedProvider:
-    """`provider_for` of a process that calls no model."""
-    return ScriptedProvider([])
-
-
-class NoTools:
-    """The ToolRuntime port of a process that runs no tools."""
-
-    def run(self, call: ToolCall) -> str:
-        raise ToolRuntimeError("this twin runs no tools")
-
-
-@dataclass
-class PythonTools:
-    """The ToolRuntime port running Python functions by export name: text in, text out."""
-
-    functions: dict[str, Callable[[str], str]]
-    calls: list[ToolCall] = field(default_factory=list)
-
-    def run(self, call: ToolCall) -> str:
-        self.calls.append(call)
-        function = self.functions.get(call.export or "")
-        if function is None:
-            raise ToolRuntimeError(f"no function {call.export!r} in this twin")
-        return function(call.arguments.decode())
-
-
-@dataclass
-class OpenRateLimiter:
-    """The RateLimiter port with room for every call (or a fixed wait, to test waiting)."""
-
-    wait_s: list[float] = field(default_factory=list)  # waits to answer first, in order
-    settled: list[tuple[Permit, int]] = field(default_factory=list)
-
-    def acquire(self, backend: BackendConfig, estimated_tokens: int) -> Permit | float:
-        if self.wait_s:
-            return self.wait_s.pop(0)
-        return Permit(backend.name, "")
-
-    def settle(self, permit: Permit, used_tokens: int) -> None:
-        self.settled.append((permit, used_tokens))

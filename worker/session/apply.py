@@ -1,0 +1,102 @@
+"""The one place a decision becomes store writes and published steps (worker.session.decisions):
+the round, tool, finish, nudge and program steps hand theirs here."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from schemas.bodies import OK, dump_body, outcome_code
+from worker.session.decisions import (
+    CallNext,
+    Decision,
+    EndSession,
+    FinishLater,
+    StartTools,
+    ToolAnswered,
+)
+from worker.session.ending import Ending, ending
+from worker.session.ports import Dispatcher, Outbox, SessionStore
+from worker.session.trace import event
+
+
+@dataclass
+class Applier:
+    store: SessionStore
+    trace: bool  # a session's end makes its session.finished event
+
+    def apply(self, sk: str, decision: Decision, send: Dispatcher) -> None:
+        """Carry out `decision` for session `sk`; what it publishes goes through `send` (a
+        step passes its Outbox, sent with the step's published marker)."""
+        if isinstance(decision, CallNext):
+            send.round(sk, decision.round_no)
+        elif isinstance(decision, StartTools):
+            self._start_tools(sk, decision, send)
+        elif isinstance(decision, ToolAnswered):
+            self._answered(sk, decision, send)
+        elif isinstance(decision, EndSession):
+            self._end(sk, decision, send)
+        elif isinstance(decision, FinishLater):
+            send.finish(sk)
+        else:
+            self._write(sk, decision.ending, send)
+
+    def _start_tools(self, sk: str, decision: StartTools, send: Dispatcher) -> None:
+        plan = decision.plan
+        done = (
+            self.store.store_tool_outcomes(sk, plan.round_no, plan.presets, plan.call_count)
+            if plan.presets
+            else 0
+        )
+        if decision.queued and decision.publish:  # a window opens: its calls hold places
+            self.store.queue_calls(sk, plan.round_no, list(decision.publish), claim=False)
+        for index in decision.publish:
+            send.tool(sk, plan.round_no, index)
+        if done >= plan.call_count:
+            send.round(sk, plan.round_no + 1)
+        elif decision.queued and not decision.publish:  # a nudge: start what has room
+            self._refill(sk, plan.round_no, plan.call_count, decision.window, send)
+
+    def _answered(self, sk: str, decision: ToolAnswered, send: Dispatcher) -> None:
+        round_no, calls = decision.round_no, decision.call_count
+        done = self.store.store_tool_outcomes(
+            sk, round_no, {decision.index: decision.outcome}, calls
+        )
+        if done >= calls:
+            send.round(sk, round_no + 1)
+        elif calls > decision.window:
+            self._refill(sk, round_no, calls, decision.window, send)
+
+    def _refill(self, sk: str, round_no: int, calls: int, window: int, send: Dispatcher) -> None:
+        """A call of a max_parallel window finished: start the next waiting ones. Each is
+        claimed first, so two calls finishing at once never start the same one twice."""
+        waiting, placed = self.store.unstarted_calls(sk, round_no, calls)
+        for index in self.store.queue_calls(
+            sk, round_no, waiting[: max(0, window - placed)], claim=True
+        ):
+            send.tool(sk, round_no, index)
+
+    def _end(self, sk: str, decision: EndSession, send: Dispatcher) -> None:
+        """A chat session's ending, under the ending rules (they read its failure, its cancel
+        flag and when it was submitted). Its session.finished event joins the step's Outbox,
+        after the round's own events."""
+        session = decision.session
+        failure, cancelled, submitted_ms = self.store.ending_inputs(sk)
+        latency_ms = int(time.time() * 1000) - submitted_ms
+        closing = ending(session, decision.step, failure, cancelled, latency_ms)
+        self._write(sk, closing, send)
+        if self.trace and isinstance(send, Outbox):
+            code = outcome_code(closing.body)
+            send.events.append(
+                event(
+                    "session.finished",
+                    session.spec.id,
+                    latency_ms=latency_ms,
+                    error=None if code == OK else code,
+                )
+            )
+
+    def _write(self, sk: str, closing: Ending, send: Dispatcher) -> None:
+        self.store.write_result(sk, dump_body(closing.body), closing.record)
+        if isinstance(send, Outbox):  # the step's task result: a code, never content
+            send.outcome = outcome_code(closing.body)
