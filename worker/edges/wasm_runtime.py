@@ -1,12 +1,12 @@
 """Runs one tool call in a fresh wasmtime instance (guest-abi.md, "Tool ABI"): of its module
-after `_initialize`, or, for a program's tool, a fork of the program (wasm_fork.py). Linked:
-WASI with nothing granted (stdout/stderr go to the call's ToolLogs, with its `log` lines), and
-the `spear` imports in tool mode. wasmtime exceptions of a call
-are translated here, once, into worker.errors: a timeout -> ToolTimeoutError, output over the
-cap -> ToolOutputTooLargeError, other tool misbehaviour (trap, rc < 0, bad output, memory
-limit) -> ToolRuntimeError; a module that cannot load or link -> GuestError. An error found
-before the tool's function was entered says so (`ran=False`): such a call may be retried even
-when the tool is not idempotent.
+after `_initialize`, or, for a program's tool, a fork of the program (worker/guest/fork.py).
+Linked: WASI with nothing granted (stdout/stderr go to the call's ToolLogs, with its `log`
+lines), and the `spear` imports in tool mode. wasmtime exceptions of a call are translated
+here, once, into worker.errors: a timeout -> ToolTimeoutError, output over the cap ->
+ToolOutputTooLargeError, other tool misbehaviour (trap, rc < 0, bad output, memory limit) ->
+ToolRuntimeError; a module that cannot load or link -> GuestError. An error found before the
+tool's function was entered says so (`ran=False`): such a call may be retried even when the
+tool is not idempotent.
 """
 
 from __future__ import annotations
