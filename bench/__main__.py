@@ -99,7 +99,8 @@ def fork_micro(rows: list[tuple[str, str]]) -> None:
     import hashlib
     import tempfile
 
-    from worker.edges.wasm_runtime import ToolInvocation, WasmToolRuntime
+    from worker.edges.wasm_call import ToolInvocation
+    from worker.edges.wasm_runtime import WasmToolRuntime
     from worker.guest.fork import ProgramFork
 
     blobs = {n: (GUESTS / n).read_bytes() for n in ("weather.wasm", "prog_spear_style.wasm")}

@@ -12,7 +12,8 @@ from typing import Any
 
 from openai import AsyncOpenAI
 
-from worker.edges.wasm_runtime import ToolInvocation, WasmToolRuntime
+from worker.edges.wasm_call import ToolInvocation
+from worker.edges.wasm_runtime import WasmToolRuntime
 
 MAX_ROUNDS = 8
 

@@ -41,7 +41,8 @@ from worker.codecs.gemini import GeminiCodec
 from worker.codecs.openai_chat import normalize_usage
 from worker.codecs.protocol import ChatRequest
 from worker.config import Settings
-from worker.edges.wasm_runtime import ToolInvocation, WasmToolRuntime
+from worker.edges.wasm_call import ToolInvocation
+from worker.edges.wasm_runtime import WasmToolRuntime
 from worker.errors import ToolCallLimitError, ToolTimeoutError
 from worker.session.engine import (
     REPEAT_LIMIT,

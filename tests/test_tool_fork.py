@@ -15,7 +15,8 @@ import pytest
 from wasmtime import Global, Linker, Module, Store, WasiConfig
 
 from tests.test_wasm_runtime import SIG, Limits, Modules
-from worker.edges.wasm_runtime import ToolInvocation, WasmToolRuntime
+from worker.edges.wasm_call import ToolInvocation
+from worker.edges.wasm_runtime import WasmToolRuntime
 from worker.errors import (
     GuestError,
     ToolOutputTooLargeError,

@@ -15,9 +15,11 @@ from pathlib import Path
 from typing import TypedDict, Unpack
 
 import pytest
-from wasmtime import wat2wasm
+from wasmtime import Instance, Store, wat2wasm
 
-from worker.edges.wasm_runtime import WASMTIME_VERSION, ToolInvocation, WasmToolRuntime
+from worker.edges.wasm_call import ToolInvocation
+from worker.edges.wasm_modules import WASMTIME_VERSION
+from worker.edges.wasm_runtime import WasmToolRuntime
 from worker.errors import (
     GuestError,
     ToolOutputTooLargeError,
@@ -533,6 +535,20 @@ def test_close_stops_the_ticker(tmp_path: Path, modules: Modules, tools: str) ->
     assert not any(t.is_alive() for t in started)
     assert call(rt, tools, "echo", b"reopened") == "reopened"  # lazily restarted
     rt.close()
+
+
+def test_a_program_module_after_close_is_of_the_new_engine(
+    tmp_path: Path, modules: Modules, tools: str
+) -> None:
+    rt = WasmToolRuntime(tmp_path / "cache", modules)
+    _, first = rt.compiled(tools)
+    rt.close()
+    try:
+        engine, module = rt.compiled(tools)
+        assert module is not first
+        Instance(Store(engine), module, [])  # a module of the old engine would not instantiate
+    finally:
+        rt.close()
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
