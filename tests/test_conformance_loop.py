@@ -41,7 +41,6 @@ from worker.codecs.gemini import GeminiCodec
 from worker.codecs.openai_chat import normalize_usage
 from worker.codecs.protocol import ChatRequest
 from worker.config import Settings
-from worker.edges.wasm_call import ToolInvocation
 from worker.edges.wasm_runtime import WasmToolRuntime
 from worker.errors import ToolCallLimitError, ToolTimeoutError
 from worker.session.engine import (
@@ -56,6 +55,7 @@ from worker.session.engine import (
     transcript,
 )
 from worker.session.outcomes import ToolOutcome
+from worker.session.ports import ToolCall
 from worker.session.records import metrics
 from worker.session.steps import StepRunner
 from worker.session.tool_policy import ToolCaller
@@ -369,9 +369,9 @@ def test_b7_66_tool_that_never_returns_times_out(
 ) -> None:
     rt = make_runner().tools()
     assert isinstance(rt, WasmToolRuntime)
-    invocation = ToolInvocation(guests.sha("spin"), "spin", None, b"{}", timeout_ms=200)
+    invocation = ToolCall(guests.sha("spin"), "spin", None, None, b"{}", timeout_ms=200)
     with pytest.raises(ToolTimeoutError, match=r"^tool timed out after 200 ms$"):
-        rt.call_tool(invocation)
+        rt.run(invocation)
 
 
 def test_b7_66_timeout_is_an_error_result_and_siblings_keep_call_order(

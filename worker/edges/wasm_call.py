@@ -42,25 +42,10 @@ from worker.errors import (
 from worker.guest.fork import ProgramFork, ToolModeHost, place_buffers, restore_fork
 from worker.guest.imports import function_table, wasmtime_reason
 from worker.guest.memory import as_i32, pack_u32, unpack_u32
-from worker.session.ports import CallWatcher
+from worker.session.ports import ToolCall
 from worker.session.tool_logs import ToolLogs
 
 ENOSPC = -28
-
-
-@dataclass(frozen=True)
-class ToolInvocation:
-    module_sha256: str  # hex sha256 of the module bytes
-    export: str | None  # call by export name ...
-    table_index: int | None  # ... or by index into the exported function table
-    arguments: bytes  # UTF-8 JSON text from the model
-    timeout_ms: int = 10_000
-    memory_bytes: int = 256 << 20
-    max_output_bytes: int = 65_536
-    fork: ProgramFork | None = None  # a program's tool: run in a fork of the program
-    attempt: int = 0  # what the tool's `cchatq::attempt` import answers
-    watcher: CallWatcher | None = None  # hears `cchatq::progress`, may stop the call
-    logs: ToolLogs | None = None  # gets its `log` lines and stdout/stderr (else the host's own)
 
 
 @dataclass(frozen=True)
@@ -73,42 +58,44 @@ class _Outcome:
 def call_tool(
     engine: WasmEngine,
     modules: ModuleCache,
-    inv: ToolInvocation,
+    call: ToolCall,
+    fork: ProgramFork | None,
     host: ToolModeHost | None,
     initial_output_bytes: int,
 ) -> str:
-    """Run the tool once (twice after -ENOSPC) and return its output text.
+    """Run the tool once (twice after -ENOSPC) and return its output text; a program's tool
+    (`fork`, the one `call.fork_sha256` names) in a fork of the program.
 
-    `host` serves the tool's `spear` hostcalls (a fresh one, writing to `inv.logs`, when
+    `host` serves the tool's `spear` hostcalls (a fresh one, writing to `call.logs`, when
     None). Its `deadline` is set to this call's. The tool's `log` lines and stdout/stderr
     go to its `logs`, whatever the call's end (a failing tool's lines matter most)."""
-    if inv.fork is not None and inv.table_index is None:
+    if fork is not None and call.table_index is None:
         raise ToolRuntimeError("a tool of a program fork needs a table index")
-    deadline = time.monotonic() + inv.timeout_ms / 1000
-    host = ToolModeHost(logs=inv.logs) if host is None else host
+    deadline = time.monotonic() + call.timeout_ms / 1000
+    host = ToolModeHost(logs=call.logs) if host is None else host
     host.deadline = deadline
-    host.attempt = inv.attempt
-    host.watcher = inv.watcher
+    host.attempt = call.attempt
+    host.watcher = call.watcher
     state = engine.current()
-    pre = modules.linked(state, inv.module_sha256)
-    cap = max(0, min(initial_output_bytes, inv.max_output_bytes))
+    pre = modules.linked(state, call.module_sha256)
+    cap = max(0, min(initial_output_bytes, call.max_output_bytes))
     logs = host.logs
     with state.hosts.serving(host):
         try:
-            outcome = _attempt(state, pre, inv, cap, engine.ticks(inv.timeout_ms), logs)
+            outcome = _attempt(state, pre, call, fork, cap, engine.ticks(call.timeout_ms), logs)
             if outcome.rc == ENOSPC:
                 need = outcome.cell
-                if need > inv.max_output_bytes:
+                if need > call.max_output_bytes:
                     raise ToolOutputTooLargeError(
                         f"tool output of {need} bytes exceeds max_tool_output_bytes "
-                        f"{inv.max_output_bytes}"
+                        f"{call.max_output_bytes}"
                     )
                 # The retry (a fresh instance or fork, scratch buffers even after an arena
                 # proved too small) gets what is left of the same budget, not a new
                 # timeout. Its lines follow the first run's: the tool did run twice.
                 left_ms = max(0.0, (deadline - time.monotonic()) * 1000)
                 outcome = _attempt(
-                    state, pre, inv, need, engine.ticks(left_ms), logs, use_arena=False
+                    state, pre, call, fork, need, engine.ticks(left_ms), logs, use_arena=False
                 )
         finally:
             logs.flush()
@@ -123,7 +110,8 @@ def call_tool(
 def _attempt(
     state: EngineState,
     pre: InstancePre,
-    inv: ToolInvocation,
+    call: ToolCall,
+    fork: ProgramFork | None,
     cap: int,
     ticks: int,
     logs: ToolLogs,
@@ -131,7 +119,7 @@ def _attempt(
 ) -> _Outcome:
     store = Store(state.engine)
     try:
-        return _run(store, pre, inv, cap, ticks, logs, use_arena)
+        return _run(store, pre, call, fork, cap, ticks, logs, use_arena)
     finally:
         # Frees the call's linear memory now. Without it a trap left the store to the
         # cyclic GC: wasmtime-py keeps the raised Trap in a local of its own frame, which
@@ -142,41 +130,44 @@ def _attempt(
 def _run(
     store: Store,
     pre: InstancePre,
-    inv: ToolInvocation,
+    call: ToolCall,
+    fork: ProgramFork | None,
     cap: int,
     ticks: int,
     logs: ToolLogs,
     use_arena: bool,
 ) -> _Outcome:
-    store.set_limits(memory_size=max(0, inv.memory_bytes))  # negative would mean no limit
+    store.set_limits(memory_size=max(0, call.memory_bytes))  # negative would mean no limit
     store.set_wasi(_wasi(logs))
     store.set_epoch_deadline(ticks)
     try:
         instance = pre.instantiate(store)
     except (Trap, WasmtimeError) as err:
-        raise _translate(err, inv, instantiating=True) from None
+        raise _translate(err, call, instantiating=True) from None
     try:
         exports = instance.exports(store)
-        if inv.fork is None:
+        if fork is None:
             init = exports.get("_initialize")
             if isinstance(init, Func):  # WASI reactor; `_start` is never called
                 init(store)
-            func = _resolve(store, exports, inv.export, inv.table_index)
+            func = _resolve(store, exports, call.export, call.table_index)
             memory = exports.get("memory")
             if not isinstance(memory, Memory):
                 raise ToolRuntimeError("module exports no linear memory named `memory`", ran=False)
         else:  # neither `_initialize` nor `_start`: the program's state is the snapshot
-            memory = restore_fork(store, instance, inv.fork)
-            func = _resolve(store, exports, None, inv.table_index)
-        arena_of = inv.fork if use_arena else None  # the retry never uses the arena
-        buf = place_buffers(store, memory, arena_of, len(inv.arguments), cap, inv.max_output_bytes)
-        memory.write(store, inv.arguments + b"\0", buf.args_ptr)
+            memory = restore_fork(store, instance, fork)
+            func = _resolve(store, exports, None, call.table_index)
+        arena_of = fork if use_arena else None  # the retry never uses the arena
+        buf = place_buffers(
+            store, memory, arena_of, len(call.arguments), cap, call.max_output_bytes
+        )
+        memory.write(store, call.arguments + b"\0", buf.args_ptr)
         memory.write(store, pack_u32(buf.cap), buf.len_ptr)
         rc = int(
             func(
                 store,
                 as_i32(buf.args_ptr),
-                as_i32(len(inv.arguments)),
+                as_i32(len(call.arguments)),
                 as_i32(buf.out_ptr),
                 as_i32(buf.len_ptr),
             )
@@ -189,7 +180,7 @@ def _run(
         output = bytes(memory.read(store, buf.out_ptr, buf.out_ptr + cell))
         return _Outcome(rc, cell, output)
     except (Trap, WasmtimeError) as err:
-        raise _translate(err, inv, instantiating=False) from None
+        raise _translate(err, call, instantiating=False) from None
 
 
 def _is_memory_limit(err: WasmtimeError) -> bool:
@@ -256,22 +247,20 @@ def _signature(ty: Any) -> str:
     return f"({params}) -> ({results})"
 
 
-def _translate(
-    err: Trap | WasmtimeError, inv: ToolInvocation, *, instantiating: bool
-) -> CchatqError:
+def _translate(err: Trap | WasmtimeError, call: ToolCall, *, instantiating: bool) -> CchatqError:
     # The error's traceback is in a reference cycle (see _attempt); the translated error
     # replaces it, so dropping it lets the call's frames go without the cyclic GC.
     err.__traceback__ = None
     if isinstance(err, Trap):
         if err.trap_code == TrapCode.INTERRUPT:
-            return ToolTimeoutError(f"tool timed out after {inv.timeout_ms} ms")
+            return ToolTimeoutError(f"tool timed out after {call.timeout_ms} ms")
         return ToolRuntimeError(f"tool trapped: {wasmtime_reason(str(err))}")
     if isinstance(err, ExitTrap):
         return ToolRuntimeError(f"tool called proc_exit({err.code})")
     if _is_memory_limit(err):  # e.g. a module whose initial memory exceeds memory_bytes
         return ToolRuntimeError("tool memory limit reached", ran=not instantiating)
     if instantiating:
-        return GuestError(f"module {inv.module_sha256}: {wasmtime_reason(str(err))}")
+        return GuestError(f"module {call.module_sha256}: {wasmtime_reason(str(err))}")
     # A host-function error while the tool runs (e.g. a WASI call with invalid arguments)
     # aborts the call like a trap, and the tool is at fault.
     return ToolRuntimeError(f"tool trapped: {wasmtime_reason(str(err))}")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from wasmtime import Engine, Module
 
-from worker.edges.wasm_call import ToolInvocation, call_tool
+from worker.edges.wasm_call import call_tool
 from worker.edges.wasm_engine import WasmEngine
 from worker.edges.wasm_modules import ModuleCache
 from worker.errors import GuestError
@@ -34,32 +34,16 @@ class WasmToolRuntime:
         self._load_fork_blob = load_fork_blob
         self._initial_output_bytes = initial_output_bytes
 
-    def run(self, call: ToolCall) -> str:
-        """The session's ToolRuntime port: a stored call, its program fork loaded by sha."""
+    def run(self, call: ToolCall, host: ToolModeHost | None = None) -> str:
+        """The session's ToolRuntime port (wasm_call.call_tool): a program's tool runs in the
+        fork `call.fork_sha256` names, loaded here. `host` serves the tool's `spear`
+        hostcalls (a fresh one when None)."""
         fork = None
         if call.fork_sha256 is not None:
             if self._load_fork_blob is None:
                 raise GuestError("this runtime cannot load program forks")
             fork = ProgramFork.from_blob(self._load_fork_blob(call.fork_sha256))
-        return self.call_tool(
-            ToolInvocation(
-                module_sha256=call.module_sha256,
-                export=call.export,
-                table_index=call.table_index,
-                arguments=call.arguments,
-                timeout_ms=call.timeout_ms,
-                memory_bytes=call.memory_bytes,
-                max_output_bytes=call.max_output_bytes,
-                fork=fork,
-                attempt=call.attempt,
-                watcher=call.watcher,
-                logs=call.logs,
-            )
-        )
-
-    def call_tool(self, inv: ToolInvocation, host: ToolModeHost | None = None) -> str:
-        """Run the tool (wasm_call.call_tool); `host` serves its `spear` hostcalls."""
-        return call_tool(self._engine, self._modules, inv, host, self._initial_output_bytes)
+        return call_tool(self._engine, self._modules, call, fork, host, self._initial_output_bytes)
 
     def close(self) -> None:
         """Stop the epoch ticker. A later call starts a new engine."""
