@@ -99,14 +99,22 @@ def fork_micro(rows: list[tuple[str, str]]) -> None:
     import hashlib
     import tempfile
 
-    from worker.edges.wasm_runtime import ToolInvocation, WasmToolRuntime
+    from worker.edges.wasm_runtime import WasmToolRuntime
     from worker.guest.fork import ProgramFork
+    from worker.session.ports import ToolCall
 
     blobs = {n: (GUESTS / n).read_bytes() for n in ("weather.wasm", "prog_spear_style.wasm")}
     by_sha = {hashlib.sha256(b).hexdigest(): b for b in blobs.values()}
-    runtime = WasmToolRuntime(Path(tempfile.mkdtemp()), by_sha.__getitem__)
-    weather = ToolInvocation(
-        hashlib.sha256(blobs["weather.wasm"]).hexdigest(), "get_weather", None, b'{"city":"Paris"}'
+    forks: dict[str, bytes] = {}  # the program store's fork blobs, by sha256
+    runtime = WasmToolRuntime(
+        Path(tempfile.mkdtemp()), by_sha.__getitem__, load_fork_blob=forks.__getitem__
+    )
+    weather = ToolCall(
+        hashlib.sha256(blobs["weather.wasm"]).hexdigest(),
+        "get_weather",
+        None,
+        None,
+        b'{"city":"Paris"}',
     )
     prog_sha = hashlib.sha256(blobs["prog_spear_style.wasm"]).hexdigest()
     engine, module = runtime.compiled(prog_sha)
@@ -123,14 +131,15 @@ def fork_micro(rows: list[tuple[str, str]]) -> None:
     memory = instance.exports(store)["memory"]
     assert isinstance(memory, wasmtime.Memory)
     snapshot = bytes(memory.read(store, 0, memory.data_len(store)))
+    fork_sha = hashlib.sha256(ProgramFork(snapshot=snapshot, globals={}).to_blob()).hexdigest()
+    program = ToolCall(prog_sha, None, 1, fork_sha, b'{"a":40,"b":2}')
 
     def spec_call() -> None:
-        runtime.call_tool(weather)
+        runtime.run(weather)
 
     def program_call() -> None:
-        blob = ProgramFork(snapshot=snapshot, globals={}).to_blob()  # at cchat_send
-        fork = ProgramFork.from_blob(blob)  # on the tools worker
-        runtime.call_tool(ToolInvocation(prog_sha, None, 1, b'{"a":40,"b":2}', fork=fork))
+        forks[fork_sha] = ProgramFork(snapshot=snapshot, globals={}).to_blob()  # at cchat_send
+        runtime.run(program)  # on the tools worker: the blob loaded, forked and called
 
     timings = {}
     for name, fn in (("spec", spec_call), ("program", program_call)):

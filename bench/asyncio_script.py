@@ -12,7 +12,8 @@ from typing import Any
 
 from openai import AsyncOpenAI
 
-from worker.edges.wasm_runtime import ToolInvocation, WasmToolRuntime
+from worker.edges.wasm_runtime import WasmToolRuntime
+from worker.session.ports import ToolCall
 
 MAX_ROUNDS = 8
 
@@ -37,7 +38,7 @@ async def _session(
                 return message.content
             for call in message.tool_calls:
                 arguments = call.function.arguments.encode()  # type: ignore[union-attr]
-                output = runtime.call_tool(ToolInvocation(module_sha, "calculate", None, arguments))
+                output = runtime.run(ToolCall(module_sha, "calculate", None, None, arguments))
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": output})
     return None
 

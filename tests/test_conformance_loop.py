@@ -43,7 +43,7 @@ from worker.codecs.openai_chat import normalize_usage
 from worker.codecs.protocol import ChatRequest
 from worker.codecs.reply import Reply
 from worker.config import Settings
-from worker.edges.wasm_runtime import ToolInvocation, WasmToolRuntime
+from worker.edges.wasm_runtime import WasmToolRuntime
 from worker.errors import ToolCallLimitError, ToolTimeoutError
 from worker.session.ending import metrics
 from worker.session.engine import (
@@ -55,6 +55,7 @@ from worker.session.engine import (
     tool_run,
 )
 from worker.session.outcomes import ToolOutcome
+from worker.session.ports import ToolCall
 from worker.session.state import Round, Session
 from worker.session.steps import StepRunner
 from worker.session.tool_policy import ToolCaller
@@ -372,9 +373,9 @@ def test_b7_66_tool_that_never_returns_times_out(
 ) -> None:
     rt = make_runner().tools()
     assert isinstance(rt, WasmToolRuntime)
-    invocation = ToolInvocation(guests.sha("spin"), "spin", None, b"{}", timeout_ms=200)
+    invocation = ToolCall(guests.sha("spin"), "spin", None, None, b"{}", timeout_ms=200)
     with pytest.raises(ToolTimeoutError, match=r"^tool timed out after 200 ms$"):
-        rt.call_tool(invocation)
+        rt.run(invocation)
 
 
 def test_b7_66_timeout_is_an_error_result_and_siblings_keep_call_order(

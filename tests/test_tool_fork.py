@@ -4,6 +4,7 @@ Real wasmtime, modules built from WAT in the test."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 import zlib
@@ -15,7 +16,7 @@ import pytest
 from wasmtime import Global, Linker, Module, Store, WasiConfig
 
 from tests.test_wasm_runtime import SIG, Limits, Modules
-from worker.edges.wasm_runtime import ToolInvocation, WasmToolRuntime
+from worker.edges.wasm_runtime import WasmToolRuntime
 from worker.errors import (
     GuestError,
     ToolOutputTooLargeError,
@@ -24,6 +25,7 @@ from worker.errors import (
 )
 from worker.guest.fork import ProgramFork, ToolModeHost, restore_fork
 from worker.guest.imports import define_spear
+from worker.session.ports import ToolCall
 from worker.session.tool_logs import ToolLogs
 
 PAGE = 65_536
@@ -232,9 +234,22 @@ def modules() -> Modules:
     return Modules()
 
 
+# Fork blobs by sha256, as the program store keeps them for the tools worker (put at
+# cchat_send): content-addressed, so the tests' runtimes share them.
+FORK_BLOBS: dict[str, bytes] = {}
+
+
+def stored(fork: ProgramFork) -> str:
+    """The fork's sha256, which names it in a ToolCall, once its blob is in FORK_BLOBS."""
+    blob = fork.to_blob()
+    sha = hashlib.sha256(blob).hexdigest()
+    FORK_BLOBS[sha] = blob
+    return sha
+
+
 @pytest.fixture
 def runtime(tmp_path: Path, modules: Modules) -> Iterator[WasmToolRuntime]:
-    rt = WasmToolRuntime(tmp_path / "cache", modules)
+    rt = WasmToolRuntime(tmp_path / "cache", modules, load_fork_blob=FORK_BLOBS.__getitem__)
     yield rt
     rt.close()
 
@@ -253,7 +268,7 @@ def fork_call(
     host: ToolModeHost | None = None,
     **kw: Unpack[Limits],
 ) -> str:
-    return rt.call_tool(ToolInvocation(sha, None, index, args, fork=fork, **kw), host)
+    return rt.run(ToolCall(sha, None, index, stored(fork), args, **kw), host)
 
 
 # -- restore -------------------------------------------------------------------------------------
@@ -333,7 +348,18 @@ def test_snapshot_above_the_memory_limit(runtime: WasmToolRuntime, program: str)
 def test_fork_needs_a_table_index(runtime: WasmToolRuntime, program: str) -> None:
     fork = ProgramFork(snapshot(), {})
     with pytest.raises(ToolRuntimeError, match="needs a table index"):
-        runtime.call_tool(ToolInvocation(program, "report", None, b"{}", fork=fork))
+        runtime.run(ToolCall(program, "report", None, stored(fork), b"{}"))
+
+
+def test_a_runtime_without_a_fork_loader_runs_no_program_tool(
+    tmp_path: Path, modules: Modules, program: str
+) -> None:
+    rt = WasmToolRuntime(tmp_path / "cache", modules)
+    try:
+        with pytest.raises(GuestError, match=r"^this runtime cannot load program forks$"):
+            fork_call(rt, program, REPORT, ProgramFork(snapshot(), {}))
+    finally:
+        rt.close()
 
 
 def test_fork_times_out(runtime: WasmToolRuntime, program: str) -> None:
@@ -419,7 +445,7 @@ def call(
     host: ToolModeHost | None = None,
     **kw: Unpack[Limits],
 ) -> str:
-    return rt.call_tool(ToolInvocation(sha, export, None, args, **kw), host)
+    return rt.run(ToolCall(sha, export, None, None, args, **kw), host)
 
 
 def test_chat_and_fd_hostcalls_are_eperm(runtime: WasmToolRuntime, hostcalls: str) -> None:

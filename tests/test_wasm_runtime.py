@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import TypedDict, Unpack
 
 import pytest
-from wasmtime import wat2wasm
+from wasmtime import Instance, Store, wat2wasm
 
-from worker.edges.wasm_runtime import WASMTIME_VERSION, ToolInvocation, WasmToolRuntime
+from worker.edges.wasm_modules import WASMTIME_VERSION
+from worker.edges.wasm_runtime import WasmToolRuntime
 from worker.errors import (
     GuestError,
     ToolOutputTooLargeError,
@@ -27,6 +28,7 @@ from worker.errors import (
 from worker.guest.imports import GuestMemory
 from worker.guest.memory import as_i32, plan_arena, plan_scratch
 from worker.guest.runner import ProgramRun, run_program
+from worker.session.ports import ToolCall
 from worker.session.tool_logs import ToolLogLine, ToolLogs
 
 GUESTS = Path(__file__).resolve().parents[1] / "fixtures" / "guests"
@@ -256,7 +258,7 @@ def tools(modules: Modules) -> str:
 
 
 class Limits(TypedDict, total=False):
-    """The per-call limits of a `ToolInvocation`, as keyword arguments."""
+    """The per-call limits of a `ToolCall`, as keyword arguments."""
 
     timeout_ms: int
     memory_bytes: int
@@ -266,7 +268,7 @@ class Limits(TypedDict, total=False):
 def call(
     rt: WasmToolRuntime, sha: str, export: str | None, args: bytes = b"{}", **kw: Unpack[Limits]
 ) -> str:
-    return rt.call_tool(ToolInvocation(sha, export, None, args, **kw))
+    return rt.run(ToolCall(sha, export, None, None, args, **kw))
 
 
 # -- calling ------------------------------------------------------------------------------------
@@ -281,8 +283,8 @@ def test_args_are_followed_by_a_nul(runtime: WasmToolRuntime, tools: str) -> Non
 
 
 def test_call_by_table_index(runtime: WasmToolRuntime, tools: str) -> None:
-    inv = ToolInvocation(tools, None, 1, b'{"x":"y"}')
-    assert runtime.call_tool(inv) == '{"x":"y"}'
+    tool_call = ToolCall(tools, None, 1, None, b'{"x":"y"}')
+    assert runtime.run(tool_call) == '{"x":"y"}'
 
 
 @pytest.mark.parametrize(
@@ -295,7 +297,7 @@ def test_call_by_table_index(runtime: WasmToolRuntime, tools: str) -> None:
 )
 def test_bad_table_slots(runtime: WasmToolRuntime, tools: str, index: int, message: str) -> None:
     with pytest.raises(ToolRuntimeError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        runtime.call_tool(ToolInvocation(tools, None, index, b"{}"))
+        runtime.run(ToolCall(tools, None, index, None, b"{}"))
 
 
 def test_missing_export_and_non_function_export(runtime: WasmToolRuntime, tools: str) -> None:
@@ -310,9 +312,9 @@ def test_missing_export_and_non_function_export(runtime: WasmToolRuntime, tools:
 def test_export_wins_over_table_index_and_neither_is_an_error(
     runtime: WasmToolRuntime, tools: str
 ) -> None:
-    assert runtime.call_tool(ToolInvocation(tools, "echo", 2, b"by name")) == "by name"
+    assert runtime.run(ToolCall(tools, "echo", 2, None, b"by name")) == "by name"
     with pytest.raises(ToolRuntimeError, match="neither an export nor a table index"):
-        runtime.call_tool(ToolInvocation(tools, None, None, b"{}"))
+        runtime.run(ToolCall(tools, None, None, None, b"{}"))
 
 
 def test_non_positive_limits_fail_closed(runtime: WasmToolRuntime, tools: str) -> None:
@@ -415,7 +417,7 @@ def test_spec_session_tool_gets_the_tool_mode_spear_imports(
 ) -> None:
     sha = modules.add(SPEAR_REACTOR_WAT)
     logs = ToolLogs()
-    assert runtime.call_tool(ToolInvocation(sha, "t", None, b'{"k":1}', logs=logs)) == "11"
+    assert runtime.run(ToolCall(sha, "t", None, None, b'{"k":1}', logs=logs)) == "11"
     assert logs.lines == [  # _initialize ran, in tool mode too
         ToolLogLine("debug", "ready", "log"),
         ToolLogLine("info", '{"k":1}', "log"),
@@ -533,6 +535,20 @@ def test_close_stops_the_ticker(tmp_path: Path, modules: Modules, tools: str) ->
     assert not any(t.is_alive() for t in started)
     assert call(rt, tools, "echo", b"reopened") == "reopened"  # lazily restarted
     rt.close()
+
+
+def test_a_program_module_after_close_is_of_the_new_engine(
+    tmp_path: Path, modules: Modules, tools: str
+) -> None:
+    rt = WasmToolRuntime(tmp_path / "cache", modules)
+    _, first = rt.compiled(tools)
+    rt.close()
+    try:
+        engine, module = rt.compiled(tools)
+        assert module is not first
+        Instance(Store(engine), module, [])  # a module of the old engine would not instantiate
+    finally:
+        rt.close()
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from schemas.keys import ChunkMember
+from schemas.limits import Limits, ToolDefaults
 from schemas.mcp import McpToolInfo
 from schemas.spec_types import McpToolRef, Spec, ToolSpec
 from worker.codecs.protocol import ChatRequest, Delta
@@ -85,11 +86,12 @@ class ToolCall:
     module_sha256: str
     export: str | None  # by export name ...
     table_index: int | None  # ... or by index into the function table
-    fork_sha256: str | None  # a program's tool: run in this snapshot of the program
+    fork_sha256: str | None  # a program's tool: run in the fork (snapshot) with this sha256
     arguments: bytes  # canonical JSON, already validated
-    timeout_ms: int
-    memory_bytes: int
-    max_output_bytes: int
+    # by default, a session's limits when nothing sets them (schemas.limits)
+    timeout_ms: int = ToolDefaults.timeout_ms
+    memory_bytes: int = Limits.tool_memory_bytes
+    max_output_bytes: int = Limits.max_tool_output_bytes
     attempt: int = 0  # 0 on the first try, then the retry number (the tool can ask for it)
     # a background call's watcher: hears its progress, and may stop it (cancel)
     watcher: CallWatcher | None = field(default=None, compare=False)
