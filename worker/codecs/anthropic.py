@@ -11,6 +11,7 @@ import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from schemas.protocols import ANTHROPIC
 from schemas.spec_types import default_parameters
 from worker.codecs.anthropic_stream import (
     AnthropicStreamAssembler,
@@ -19,7 +20,7 @@ from worker.codecs.anthropic_stream import (
     wire_id,
 )
 from worker.codecs.openai_chat import NO_OUTPUT, decode_arguments, tool_message_content
-from worker.codecs.protocol import ChatRequest, WireRequest
+from worker.codecs.protocol import ChatRequest, WireRequest, own_replay
 from worker.errors import ProviderRequestError, ToolValidationError
 
 if TYPE_CHECKING:
@@ -52,7 +53,7 @@ _OPENAI_ONLY_PARAMS = frozenset(
 class AnthropicCodec:
     """The Anthropic Messages API (`POST /messages`, `anthropic-version: 2023-06-01`)."""
 
-    protocol = "anthropic"
+    protocol = ANTHROPIC.name
 
     def encode(self, request: ChatRequest) -> WireRequest:
         return WireRequest(
@@ -328,9 +329,7 @@ def _assistant_blocks(message: Mapping[str, Any]) -> list[dict[str, Any]]:
     tool_use built from the canonical fields (reasoning text without a signature is dropped)."""
     calls = [c for c in message.get("tool_calls") or [] if isinstance(c, Mapping)]
     uses = [_tool_use(c) for c in calls]
-    provider = message.get("_provider")
-    native = provider.get("anthropic") if isinstance(provider, Mapping) else None
-    blocks = native.get("content") if isinstance(native, Mapping) else None
+    blocks = own_replay(message, ANTHROPIC)
     if isinstance(blocks, list) and all(isinstance(b, Mapping) for b in blocks):
         replay = [_replay_block(b) for b in blocks]
         replay = [b for b in replay if b.get("type") != "text" or str(b.get("text")).strip()]

@@ -19,9 +19,10 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from schemas.protocols import ANTHROPIC
 from schemas.spec_types import INVALID_CALL_NAME
 from worker.codecs.openai_chat import normalize_completion
-from worker.codecs.protocol import Delta, SseEvent
+from worker.codecs.protocol import Delta, SseEvent, kept_for_replay
 from worker.errors import (
     ProviderError,
     ProviderProtocolError,
@@ -157,7 +158,7 @@ def decode_message(body: Any, ids: Mapping[str, str]) -> dict[str, Any]:
     if finish == "content_filter":
         choice["finish_reason"] = finish  # like length (B1.13), a refusal outranks its calls
     if any(b.get("type") != "text" for b in content):
-        choice["message"]["_provider"] = {"anthropic": {"content": _replay(content, choice)}}
+        choice["message"]["_provider"] = kept_for_replay(ANTHROPIC, _replay(content, choice))
     return out
 
 

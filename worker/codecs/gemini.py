@@ -54,6 +54,7 @@ import mimetypes
 import re
 from typing import Any
 
+from schemas.protocols import GEMINI
 from worker.codecs.gemini_reply import (
     PROTOCOL,
     SYNTHETIC_ID_PREFIX,
@@ -64,7 +65,7 @@ from worker.codecs.gemini_reply import (
 from worker.codecs.gemini_schema import gemini_parameters
 from worker.codecs.gemini_stream import GeminiStreamAssembler
 from worker.codecs.openai_chat import NO_OUTPUT, decode_arguments, tool_message_content
-from worker.codecs.protocol import ChatRequest, WireRequest
+from worker.codecs.protocol import ChatRequest, WireRequest, own_replay
 from worker.errors import ProviderRequestError, ToolValidationError
 
 __all__ = [
@@ -247,10 +248,9 @@ def _model_parts(message: dict[str, Any], names: dict[str, str]) -> list[dict[st
         fn = call.get("function") or {}
         if isinstance(call.get("id"), str) and isinstance(fn.get("name"), str):
             names[call["id"]] = fn["name"]
-    provider = message.get("_provider")
-    replay = provider.get(PROTOCOL) if isinstance(provider, dict) else None
-    if isinstance(replay, dict) and isinstance(replay.get("parts"), list):
-        return copy.deepcopy(replay["parts"])  # B5 52: verbatim, signatures untouched
+    replay = own_replay(message, GEMINI)
+    if isinstance(replay, list):
+        return copy.deepcopy(replay)  # B5 52: verbatim, signatures untouched
     parts: list[dict[str, Any]] = []
     text = _text(message.get("content"))
     if text:

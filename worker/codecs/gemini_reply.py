@@ -14,9 +14,10 @@ import math
 import re
 from typing import Any
 
+from schemas.protocols import GEMINI
 from schemas.spec_types import INVALID_CALL_NAME
 from worker.codecs.openai_chat import _as_int
-from worker.codecs.protocol import ChatRequest
+from worker.codecs.protocol import ChatRequest, kept_for_replay
 from worker.errors import (
     ProviderError,
     ProviderProtocolError,
@@ -24,7 +25,7 @@ from worker.errors import (
     ProviderRetryableError,
 )
 
-PROTOCOL = "gemini"
+PROTOCOL = GEMINI.name
 SYNTHETIC_ID_PREFIX = "gcall_"
 
 _FILTERED = frozenset(
@@ -90,7 +91,7 @@ def decode_completion(raw: Any, request: ChatRequest) -> dict[str, Any]:
     if "".join(thoughts):
         message["reasoning_content"] = "".join(thoughts)
     if keep or calls:
-        message["_provider"] = {PROTOCOL: {"parts": copy.deepcopy(parts)}}
+        message["_provider"] = kept_for_replay(GEMINI, copy.deepcopy(parts))
 
     out: dict[str, Any] = {}
     if isinstance(raw.get("responseId"), str):

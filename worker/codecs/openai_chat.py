@@ -12,6 +12,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from schemas.protocols import CHAT_REASONING_FIELDS
 from schemas.spec_types import INVALID_CALL_NAME
 from worker.errors import ProviderProtocolError, ToolValidationError
 
@@ -22,7 +23,6 @@ _RESERVED_PARAMS = frozenset({"model", "messages", "tools", "stream", "stream_op
 # Strict servers reject these with 400 when no tools are sent.
 _TOOL_ONLY_PARAMS = frozenset({"tool_choice", "parallel_tool_calls"})
 _TOP_LEVEL_KEPT = ("id", "object", "created", "model", "system_fingerprint")
-_REASONING_FIELDS = ("reasoning_content", "reasoning")  # B1.17: DeepSeek/old vLLM, new vLLM
 _USAGE_INTS = ("prompt_tokens", "completion_tokens", "total_tokens")
 _JSON_TYPE_NAMES = {str: "string", int: "number", float: "number", bool: "boolean", list: "array"}
 NO_OUTPUT = "(no output)"
@@ -130,7 +130,7 @@ def _normalize_message(message: Mapping[str, Any], completion_id: str) -> dict[s
     ]
     if calls:
         out["tool_calls"] = _dedupe_ids(calls)
-    for name in _REASONING_FIELDS:
+    for name in CHAT_REASONING_FIELDS:
         if message.get(name) is not None:
             out[name] = message[name]
     if isinstance(message.get("refusal"), str) and message["refusal"]:

@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from schemas.protocols import CHAT_REASONING_FIELDS
 from worker.codecs.openai_chat import normalize_completion
 from worker.codecs.protocol import Delta, SseEvent
 from worker.codecs.retry import should_retry_status
@@ -30,7 +31,6 @@ from worker.errors import (
 
 DONE = "[DONE]"
 _TOP_LEVEL = ("id", "created", "model", "system_fingerprint")
-_REASONING_FIELDS = ("reasoning_content", "reasoning")  # B2.25, same names as B1.17
 _MAX_ERROR_CHARS = 300
 # error codes or types in a stream that say the request itself is wrong: retrying cannot help
 _REQUEST_FAULTS = frozenset(
@@ -153,7 +153,7 @@ class OpenAIStreamAssembler:
         if not isinstance(delta, dict):
             return []
         out: list[Delta] = []
-        for name in _REASONING_FIELDS:
+        for name in CHAT_REASONING_FIELDS:
             text = delta.get(name)
             if isinstance(text, str) and text:
                 self._reasoning.setdefault(name, []).append(text)

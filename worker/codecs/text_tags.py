@@ -16,10 +16,11 @@ import json
 from dataclasses import replace
 from typing import Any
 
+from schemas.protocols import TEXT_TAGS
 from schemas.spec_types import INVALID_CALL_NAME, default_parameters
 from worker.codecs.openai_chat import normalize_completion, tool_message_content
 from worker.codecs.openai_codec import OpenAICodec
-from worker.codecs.protocol import ChatRequest, ToolChoice, WireRequest
+from worker.codecs.protocol import ChatRequest, ToolChoice, WireRequest, own_replay
 from worker.codecs.text_tags_parse import (
     CALL_CLOSE,
     CALL_OPEN,
@@ -67,7 +68,7 @@ class TextTagCodec:
     protocol = PROTOCOL
 
     def __init__(self) -> None:
-        self._openai = OpenAICodec()
+        self._openai = OpenAICodec(TEXT_TAGS)
 
     def encode(self, request: ChatRequest) -> WireRequest:
         """The OpenAI body with no `tools`: tools in the system prompt, calls and results as
@@ -181,10 +182,9 @@ def _assistant_with_calls(message: dict[str, Any], names: dict[str, str]) -> dic
         fn = call.get("function") or {}
         if isinstance(call.get("id"), str):
             names[call["id"]] = str(fn.get("name") or "")
-    own = message.get("_provider")
-    verbatim = own.get(PROTOCOL) if isinstance(own, dict) else None
-    if isinstance(verbatim, dict) and isinstance(verbatim.get("content"), str):
-        content = verbatim["content"]  # the turn exactly as the model wrote it
+    verbatim = own_replay(message, TEXT_TAGS)
+    if isinstance(verbatim, str):
+        content = verbatim  # the turn exactly as the model wrote it
     else:
         parts = [_text(message.get("content"))] + [_call_block(c) for c in calls]
         content = "\n".join(p for p in parts if p)

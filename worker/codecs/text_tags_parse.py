@@ -34,11 +34,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from schemas.protocols import TEXT_TAGS
 from schemas.spec_types import INVALID_CALL_NAME
 from worker.codecs.openai_chat import decode_arguments, normalize_completion
+from worker.codecs.protocol import kept_for_replay
 from worker.errors import ToolValidationError
 
-PROTOCOL = "openai-text-tags"
+PROTOCOL = TEXT_TAGS.name
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
@@ -219,5 +221,5 @@ def apply_text_tags(completion: dict[str, Any], parse_calls: bool = True) -> dic
         new["reasoning_content"] = "\n\n".join(r for r in reasoning if r)
     out = normalize_completion({**completion, "choices": [{**choice, "message": new}]})
     if parsed.calls:
-        out["choices"][0]["message"]["_provider"] = {PROTOCOL: {"content": parsed.replay}}
+        out["choices"][0]["message"]["_provider"] = kept_for_replay(TEXT_TAGS, parsed.replay)
     return out

@@ -37,6 +37,7 @@ from urllib3.exceptions import (
 )
 from urllib3.exceptions import TimeoutError as Urllib3Timeout
 
+from schemas.protocols import declared
 from worker.codecs.openai_chat import is_empty_reply
 from worker.codecs.protocol import ChatRequest, Codec, Delta, WireRequest
 from worker.codecs.retry import RetryPolicy, backoff_s, parse_retry_after_s, should_retry_status
@@ -55,8 +56,6 @@ log = logging.getLogger(__name__)
 _MAX_ERROR_CHARS = 300
 _MIN_READ_TIMEOUT_S = 0.1
 _USER_AGENT = "cchatq/0.1"
-# how each protocol carries the API key (the default: Authorization: Bearer)
-_KEY_HEADERS = {"anthropic": "x-api-key", "gemini": "x-goog-api-key"}
 
 DeltaSink = Callable[[Delta], None]
 
@@ -82,6 +81,7 @@ class HttpProvider:
     ) -> None:
         self._backend = backend
         self._codec = codec
+        self._key_header = declared(codec.protocol).key_header
         self._policy = RetryPolicy.from_backend(backend)
         self._sleep = sleep
         self._environ = environ
@@ -115,8 +115,7 @@ class HttpProvider:
         # Read at call time so a rotated key is picked up without a restart.
         key = self._backend.api_key(self._environ)
         if key:
-            name = _KEY_HEADERS.get(self._codec.protocol)
-            headers.update({name: key} if name else {"Authorization": f"Bearer {key}"})
+            headers[self._key_header.name] = self._key_header.value(key)
         return headers
 
     def complete(self, request: ChatRequest, on_delta: DeltaSink | None = None) -> CompletionResult:
