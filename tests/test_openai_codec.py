@@ -15,12 +15,14 @@ import pytest
 from schemas.spec_types import INVALID_CALL_NAME
 from worker.codecs.openai_chat import (
     build_request,
+    content_text,
     decode_arguments,
     is_empty_reply,
     is_truncated,
     normalize_completion,
     tool_calls_of,
     tool_message_content,
+    tool_result_text,
 )
 from worker.errors import ProviderProtocolError, ToolValidationError
 
@@ -228,6 +230,39 @@ def test_b1_14_legacy_function_call() -> None:
 )
 def test_b1_16_non_string_tool_output(output: Any, expected: str) -> None:
     assert tool_message_content(output) == expected
+
+
+PARTS = [
+    {"type": "text", "text": "A"},
+    {"type": "image_url", "image_url": {"url": "https://h/x.png"}},
+    "bare string",
+    {"type": "text", "text": 5},
+    {"type": "text"},
+    {"type": "text", "text": "B"},
+]
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [("plain", "plain"), ("", ""), (None, ""), (PARTS, "AB"), ([], ""), ({"text": "x"}, "")],
+)
+def test_content_text_is_the_text_of_the_text_parts(content: Any, expected: str) -> None:
+    assert content_text(content) == expected
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        ("18C", "18C"),
+        (PARTS, "AB"),
+        ([{"type": "image_url", "image_url": {"url": "https://h/x.png"}}], "(no output)"),
+        ({"time": "12:00"}, '{"time":"12:00"}'),
+        (None, "(no output)"),
+        ("", "(no output)"),
+    ],
+)
+def test_tool_result_text_is_never_empty(content: Any, expected: str) -> None:
+    assert tool_result_text(content) == expected
 
 
 def test_b1_17_reasoning_fields_kept_under_their_names() -> None:

@@ -5,6 +5,7 @@ rules all read the same declarations."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -15,7 +16,7 @@ from schemas.config import ConfigError, builtin_backends, parse_config
 from schemas.protocols import PROTOCOLS, KeyHeader, WireProtocol, declared
 from tests.test_provider_http import REQUEST, Reply, ScriptedServer
 from worker.codecs import registry
-from worker.codecs.protocol import kept_for_replay, own_replay
+from worker.codecs.protocol import ChatRequest, kept_for_replay, own_replay
 from worker.config import BackendConfig
 from worker.edges.provider_http import HttpProvider
 from worker.errors import ProviderError
@@ -159,3 +160,34 @@ def test_replay_models_name_a_scenario_per_protocol() -> None:
         "gemini": "replay-call",
         "openai-text-tags": "replay-tags/call",
     }
+
+
+SYSTEM_PARTS: list[Any] = [
+    {"type": "text", "text": "Be "},
+    {"type": "image_url", "image_url": {"url": "https://h/x.png"}},
+    "bare string",
+    {"type": "text", "text": 5},
+    {"type": "text", "text": "brief."},
+]
+CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+NO_TEXT = [{"type": "image_url", "image_url": {"url": "https://h/x.png"}}]
+TRANSCRIPT: list[dict[str, Any]] = [
+    {"role": "system", "content": SYSTEM_PARTS},
+    {"role": "user", "content": "go"},
+    {"role": "assistant", "content": None, "tool_calls": [CALL]},
+    {"role": "tool", "tool_call_id": "call_1", "content": NO_TEXT},
+]
+
+
+def test_the_codecs_that_flatten_content_parts_read_the_same_text() -> None:
+    request = ChatRequest(model="m", messages=TRANSCRIPT)
+    anthropic = registry.codec_for("anthropic").encode(request).body
+    assert anthropic["system"] == "Be brief."
+    assert anthropic["messages"][-1]["content"][0]["content"] == "(no output)"
+    gemini = registry.codec_for("gemini").encode(request).body
+    assert gemini["systemInstruction"] == {"parts": [{"text": "Be brief."}]}
+    response = gemini["contents"][-1]["parts"][0]["functionResponse"]["response"]
+    assert response == {"content": "(no output)"}
+    tags = registry.codec_for("openai-text-tags").encode(request).body["messages"]
+    assert tags[0] == {"role": "system", "content": "Be brief."}
+    assert '{"name": "f", "content": "(no output)"}' in tags[-1]["content"]

@@ -19,7 +19,7 @@ from worker.codecs.anthropic_stream import (
     reverse_ids,
     wire_id,
 )
-from worker.codecs.openai_chat import NO_OUTPUT, decode_arguments, tool_message_content
+from worker.codecs.openai_chat import NO_OUTPUT, content_text, decode_arguments, tool_result_text
 from worker.codecs.protocol import ChatRequest, WireRequest, own_replay
 from worker.errors import ProviderRequestError, ToolValidationError
 
@@ -211,7 +211,7 @@ def _convert(messages: list[dict[str, Any]]) -> tuple[list[str], list[dict[str, 
     for i, message in enumerate(messages):
         role = message.get("role")
         if role in ("system", "developer"):
-            text = _text(message.get("content"))
+            text = content_text(message.get("content"))
             if text.strip():
                 system.append(text)
         elif role == "user":
@@ -256,28 +256,14 @@ def _text_block(text: str) -> dict[str, Any]:
     return {"type": "text", "text": text}
 
 
-def _text(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(
-            p if isinstance(p, str) else str(p.get("text") or "")
-            for p in content
-            if isinstance(p, str) or (isinstance(p, Mapping) and p.get("type") == "text")
-        )
-    return tool_message_content(content)
-
-
 def _user_blocks(content: Any) -> list[dict[str, Any]]:
     if not isinstance(content, list):
-        text = _text(content)
+        text = content_text(content)
         return [_text_block(text)] if text.strip() else []
     blocks: list[dict[str, Any]] = []
     for part in content:
-        if isinstance(part, str) or (isinstance(part, Mapping) and part.get("type") == "text"):
-            text = _text([part])
+        if isinstance(part, Mapping) and part.get("type") == "text":
+            text = content_text([part])
             if text.strip():  # B3.30: empty text blocks are rejected
                 blocks.append(_text_block(text))
         elif isinstance(part, Mapping) and part.get("type") == "image_url":
@@ -300,10 +286,9 @@ def _image(image_url: Any) -> dict[str, Any]:
 
 def _tool_result(message: Mapping[str, Any]) -> dict[str, Any]:
     """B3.31/32: one `tool_result`; our error JSON `{"error": {...}}` sets `is_error`."""
-    raw = message.get("content")
-    text = _text(raw) if isinstance(raw, list) else tool_message_content(raw)
+    text = tool_result_text(message.get("content"))
     if not text.strip():
-        text = NO_OUTPUT
+        text = NO_OUTPUT  # Anthropic rejects blank text too
     block: dict[str, Any] = {
         "type": "tool_result",
         "tool_use_id": wire_id(str(message.get("tool_call_id") or "")),
@@ -338,7 +323,7 @@ def _assistant_blocks(message: Mapping[str, Any]) -> list[dict[str, Any]]:
         thoughts = [b for b in replay if b.get("type") in _THINKING]
     else:
         thoughts = []
-    text = _text(message.get("content"))
+    text = content_text(message.get("content"))
     return thoughts + ([_text_block(text)] if text.strip() else []) + uses
 
 

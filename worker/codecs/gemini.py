@@ -64,7 +64,7 @@ from worker.codecs.gemini_reply import (
 )
 from worker.codecs.gemini_schema import gemini_parameters
 from worker.codecs.gemini_stream import GeminiStreamAssembler
-from worker.codecs.openai_chat import NO_OUTPUT, decode_arguments, tool_message_content
+from worker.codecs.openai_chat import content_text, decode_arguments, tool_result_text
 from worker.codecs.protocol import ChatRequest, WireRequest, own_replay
 from worker.errors import ProviderRequestError, ToolValidationError
 
@@ -165,7 +165,7 @@ def _contents(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], lis
     for message in messages:
         role = message.get("role")
         if role in ("system", "developer"):
-            text = _text(message.get("content"))
+            text = content_text(message.get("content"))
             if text:
                 system.append({"text": text})
         elif role == "user":
@@ -188,23 +188,9 @@ def _append(contents: list[dict[str, Any]], role: str, parts: list[dict[str, Any
         contents.append({"role": role, "parts": parts})
 
 
-def _text(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(
-            p["text"]
-            for p in content
-            if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-        )
-    return tool_message_content(content)
-
-
 def _user_parts(content: Any) -> list[dict[str, Any]]:
     if not isinstance(content, list):
-        text = _text(content)
+        text = content_text(content)
         return [{"text": text}] if text else []
     return [p for p in (_user_part(item) for item in content) if p]
 
@@ -252,7 +238,7 @@ def _model_parts(message: dict[str, Any], names: dict[str, str]) -> list[dict[st
     if isinstance(replay, list):
         return copy.deepcopy(replay)  # B5 52: verbatim, signatures untouched
     parts: list[dict[str, Any]] = []
-    text = _text(message.get("content"))
+    text = content_text(message.get("content"))
     if text:
         parts.append({"text": text})
     for call in calls:
@@ -289,7 +275,7 @@ def _function_response(message: dict[str, Any], names: dict[str, str]) -> dict[s
     name = name or message.get("name")
     if not isinstance(name, str) or not name:
         raise ProviderRequestError("a tool message answers no earlier tool call (name unknown)")
-    text = _text(message.get("content")) or NO_OUTPUT
+    text = tool_result_text(message.get("content"))
     try:
         parsed = json.loads(text)
     except ValueError:

@@ -33,6 +33,33 @@ def _compact(obj: Any) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
+# Message content
+
+
+def content_text(content: Any) -> str:
+    """The text of a message's content: a string as it is; OpenAI-style content parts
+    (`[{"type": "text", "text": "..."}, {"type": "image_url", ...}]`) as the text of their
+    text parts, joined; anything else (None) as "". A part that is no object, or a text part
+    whose `text` is no string, is not a content part and adds nothing."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(
+            p["text"]
+            for p in content
+            if isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str)
+        )
+    return ""
+
+
+def tool_result_text(content: Any) -> str:
+    """A tool message's content as text: content parts by `content_text`, any other output by
+    `tool_message_content`; never empty, as some servers reject empty tool results."""
+    text = content_text(content) if isinstance(content, list) else tool_message_content(content)
+    return text or NO_OUTPUT
+
+
+# ---------------------------------------------------------------------------------------------
 # Requests
 
 
@@ -142,12 +169,7 @@ def _content(content: Any) -> str | None:
     if content is None or isinstance(content, str):
         return content
     if isinstance(content, list):
-        # Some servers send content parts even without streaming; keep the text ones.
-        return "".join(
-            p["text"]
-            for p in content
-            if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-        )
+        return content_text(content)  # some servers send content parts even without streaming
     raise ProviderProtocolError(f"message content has unsupported type {type(content).__name__}")
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from schemas.protocols import CHAT_REASONING_FIELDS
-from worker.codecs.openai_chat import normalize_completion
+from worker.codecs.openai_chat import content_text, normalize_completion
 from worker.codecs.protocol import Delta, SseEvent
 from worker.codecs.retry import should_retry_status
 from worker.errors import (
@@ -158,7 +158,7 @@ class OpenAIStreamAssembler:
             if isinstance(text, str) and text:
                 self._reasoning.setdefault(name, []).append(text)
                 out.append(Delta("reasoning", text))
-        text = _text(delta.get("content"))
+        text = content_text(delta.get("content"))  # content parts, as some servers send them
         if text:
             self._content.append(text)
             out.append(Delta("content", text))
@@ -226,18 +226,6 @@ class OpenAIStreamAssembler:
         raw["choices"] = [{"index": 0, "message": message, "finish_reason": self._finish_reason}]
         raw["usage"] = self._usage
         return raw
-
-
-def _text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # content parts, as some servers send them
-        return "".join(
-            p["text"]
-            for p in content
-            if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-        )
-    return ""
 
 
 def stream_error(error: Any) -> ProviderError:

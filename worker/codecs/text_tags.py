@@ -18,7 +18,7 @@ from typing import Any
 
 from schemas.protocols import TEXT_TAGS
 from schemas.spec_types import INVALID_CALL_NAME, default_parameters
-from worker.codecs.openai_chat import normalize_completion, tool_message_content
+from worker.codecs.openai_chat import content_text, normalize_completion, tool_result_text
 from worker.codecs.openai_codec import OpenAICodec
 from worker.codecs.protocol import ChatRequest, ToolChoice, WireRequest, own_replay
 from worker.codecs.text_tags_parse import (
@@ -153,7 +153,7 @@ def render_messages(request: ChatRequest) -> list[dict[str, Any]]:
     for message in request.messages:
         role = message.get("role")
         if role in ("system", "developer"):
-            system.append(_text(message.get("content")))
+            system.append(content_text(message.get("content")))
             continue
         if role in ("tool", "function"):  # function: the legacy result role (B1.14)
             block = _response_block(message, names)
@@ -186,7 +186,7 @@ def _assistant_with_calls(message: dict[str, Any], names: dict[str, str]) -> dic
     if isinstance(verbatim, str):
         content = verbatim  # the turn exactly as the model wrote it
     else:
-        parts = [_text(message.get("content"))] + [_call_block(c) for c in calls]
+        parts = [content_text(message.get("content"))] + [_call_block(c) for c in calls]
         content = "\n".join(p for p in parts if p)
     out = {k: v for k, v in message.items() if k not in ("tool_calls", "function_call")}
     out["content"] = content
@@ -210,19 +210,6 @@ def _call_block(call: dict[str, Any]) -> str:
 
 def _response_block(message: dict[str, Any], names: dict[str, str]) -> str:
     name = message.get("name") or names.get(str(message.get("tool_call_id")), "")
-    content = message.get("content")
-    text = _text(content) if isinstance(content, list) else tool_message_content(content)
+    text = tool_result_text(message.get("content"))
     body = json.dumps({"name": name, "content": text}, ensure_ascii=False)
     return f"{RESPONSE_OPEN}\n{body}\n{RESPONSE_CLOSE}"
-
-
-def _text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(
-            p["text"]
-            for p in content
-            if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-        )
-    return ""
