@@ -1,7 +1,7 @@
 """Anthropic Messages codec: canonical OpenAI-shaped requests out (this module), canonical
 `chat.completion` dicts in (`anthropic_stream`: JSON replies and SSE streams).
 
-Pure: no I/O. Case numbers (A, B3.n, B10.n) refer to docs/provider-conformance.md.
+Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ API_VERSION = "2023-06-01"
 DEFAULT_MAX_TOKENS = 4096
 MIN_THINKING_BUDGET = 1024  # the API's floor for budget_tokens
 THINKING_HEADROOM = 1024  # max_tokens >= budget + this, so thinking leaves room for the answer
-PLACEHOLDER_USER = "."  # B3.30: the first turn must be a user turn
+PLACEHOLDER_USER = "."  # the first turn must be a user turn
 
 _THINKING = frozenset({"thinking", "redacted_thinking"})
 # Owned by the codec (ChatRequest fields or translated below), never passed through.
@@ -86,20 +86,21 @@ def build_body(request: ChatRequest) -> dict[str, Any]:
         # Would 400 "Expected `thinking`...": history from elsewhere has no signed blocks.
         thinking = None
     if thinking is None:
-        turns = _normalise([_without_thinking(t) for t in turns])  # B3.36
+        # thinking blocks are sent back only while thinking is on
+        turns = _normalise([_without_thinking(t) for t in turns])
     body: dict[str, Any] = {
         "model": request.model,
         "max_tokens": _max_tokens(request, thinking),
         "messages": turns,
     }
     if system:
-        body["system"] = "\n\n".join(system)  # B3.28
+        body["system"] = "\n\n".join(system)  # no system role inside `messages`
     elif isinstance(params.get("system"), str | list) and params["system"]:
         body["system"] = params["system"]
     tools = [_wire_tool(t) for t in request.tools]
     choice = _tool_choice(request, thinking)
     if not tools:
-        tools = _history_tools(turns)  # B3.35
+        tools = _history_tools(turns)  # tool blocks in a history without tools: a 400
         choice = {"type": "none"} if tools else None
     if tools:
         body["tools"] = tools
@@ -173,7 +174,8 @@ def _wire_tool(tool: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _history_tools(turns: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """B3.35: no tools given but the history holds tool blocks -> a stub per tool used."""
+    """No tools given but the history holds tool blocks (a 400 without tools) -> a stub per
+    tool used."""
     names = dict.fromkeys(
         b["name"]
         for t in turns
@@ -196,7 +198,7 @@ def _tool_choice(request: ChatRequest, thinking: Mapping[str, Any] | None) -> di
     else:
         wire = None
     if wire and wire["type"] in ("any", "tool") and (thinking or {}).get("type") == "enabled":
-        wire = {"type": "auto"}  # B3.37
+        wire = {"type": "auto"}  # thinking with a forced tool choice is a 400
     if request.parallel_tool_calls is False and (wire or {}).get("type") != "none":
         wire = {**(wire or {"type": "auto"}), "disable_parallel_tool_use": True}
     return wire
@@ -226,8 +228,8 @@ def _convert(messages: list[dict[str, Any]]) -> tuple[list[str], list[dict[str, 
 
 
 def _normalise(turns: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """B3.29/30: merge same-role turns (tool results first), drop empty ones, start with user,
-    no trailing whitespace on an assistant prefill."""
+    """Merge same-role turns (tool results first), drop empty ones, start with user, no
+    trailing whitespace on an assistant prefill: what the Messages API accepts."""
     merged: list[dict[str, Any]] = []
     for turn in turns:
         if not turn["content"]:
@@ -264,7 +266,7 @@ def _user_blocks(content: Any) -> list[dict[str, Any]]:
     for part in content:
         if isinstance(part, Mapping) and part.get("type") == "text":
             text = content_text([part])
-            if text.strip():  # B3.30: empty text blocks are rejected
+            if text.strip():  # empty text blocks are rejected
                 blocks.append(_text_block(text))
         elif isinstance(part, Mapping) and part.get("type") == "image_url":
             blocks.append(_image(part.get("image_url")))
@@ -285,7 +287,8 @@ def _image(image_url: Any) -> dict[str, Any]:
 
 
 def _tool_result(message: Mapping[str, Any]) -> dict[str, Any]:
-    """B3.31/32: one `tool_result`; our error JSON `{"error": {...}}` sets `is_error`."""
+    """One `tool_result` per call (merged into one user turn); our error JSON
+    `{"error": {...}}` sets `is_error`."""
     text = tool_result_text(message.get("content"))
     if not text.strip():
         text = NO_OUTPUT  # Anthropic rejects blank text too
@@ -310,8 +313,9 @@ def _is_error_json(text: str) -> bool:
 
 
 def _assistant_blocks(message: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """B3.36: the turn's own wire blocks verbatim when they match its tool calls; else text +
-    tool_use built from the canonical fields (reasoning text without a signature is dropped)."""
+    """The turn's own wire blocks verbatim when they match its tool calls (signed thinking
+    must come back unchanged, or the API answers 400); else text + tool_use built from the
+    canonical fields (reasoning text without a signature is dropped)."""
     calls = [c for c in message.get("tool_calls") or [] if isinstance(c, Mapping)]
     uses = [_tool_use(c) for c in calls]
     blocks = own_replay(message, ANTHROPIC)
@@ -332,7 +336,7 @@ def _replay_block(block: Mapping[str, Any]) -> dict[str, Any]:
     if out.get("type") == "tool_use":
         out["id"] = wire_id(str(out.get("id") or ""))
         if not isinstance(out.get("input"), dict):
-            out["input"] = _input_object(out.get("input"))  # B3.33
+            out["input"] = _input_object(out.get("input"))  # `input` must be an object
     return out
 
 
@@ -347,8 +351,8 @@ def _tool_use(call: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _input_object(arguments: Any) -> dict[str, Any]:
-    """B3.33: arguments -> an object; ones that never parsed -> `{}` (their error result says
-    why)."""
+    """Arguments -> the object `input` must be; ones that never parsed -> `{}` (their error
+    result says why)."""
     if isinstance(arguments, Mapping):
         return dict(arguments)
     if isinstance(arguments, str):

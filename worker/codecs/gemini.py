@@ -1,35 +1,36 @@
 """Google Gemini generateContent codec (REST v1beta, camelCase JSON): canonical OpenAI
 `chat.completion` <-> Gemini, for JSON replies and `streamGenerateContent?alt=sse` streams.
 Requests are built here; replies are decoded in `gemini_reply` (JSON, errors) and
-`gemini_stream` (SSE). Pure: no I/O. Case numbers (B5.n, B10.n) refer to
-docs/provider-conformance.md.
+`gemini_stream` (SSE). Pure: no I/O.
 
 Decisions where the wire format leaves a choice:
-  - Call ids (B5 48): a `functionCall.id` from Gemini is the canonical id and is echoed on
+  - Call ids: a `functionCall.id` from Gemini is the canonical id and is echoed on
     `functionCall.id`/`functionResponse.id`. Without one we synthesise `gcall_<24 hex>` from
     (responseId, or model + request length when there is none, candidate index, part index,
     name): stable for a redelivered step, distinct for two calls to one tool. Ids starting with
     `gcall_` are ours and never go on the wire.
-  - Replay (B5 52): an assistant turn carrying `_provider.gemini.parts` is sent as those parts,
-    verbatim; decode keeps them whenever a part has a `thoughtSignature`, there are function
-    calls, or a part has no canonical form (code execution, inline data...). Other assistant
-    turns are rebuilt as text + functionCall parts; their `reasoning_content` is not sent (an
-    unsigned thought is useless to Gemini).
+  - Replay: an assistant turn carrying `_provider.gemini.parts` is sent as those parts,
+    verbatim (a thoughtSignature must come back on its own part, or Gemini answers 400);
+    decode keeps them whenever a part has a `thoughtSignature`, there are function calls, or
+    a part has no canonical form (code execution, inline data...). Other assistant turns are
+    rebuilt as text + functionCall parts; their `reasoning_content` is not sent (an unsigned
+    thought is useless to Gemini).
   - Consecutive contents with the same role are merged, so roles alternate and all responses
-    of one turn share one `user` content (B5 50). Every system/developer message, wherever it
-    sits, becomes a part of `systemInstruction` (Gemini has no mid-conversation system turn).
-  - Tool results (B5 49): a JSON object is sent as that object (our error JSON stays
-    `{"error": {...}}`); anything else as `{"content": <text>}`.
-  - Finish reasons: STOP/OTHER/unknown -> stop (tool_calls when calls are present, B5 51);
-    MAX_TOKENS/CONTINUATION -> length (calls then stay unexecuted, B1 13); SAFETY, RECITATION,
-    BLOCKLIST, PROHIBITED_CONTENT, SPII, LANGUAGE, IMAGE_*, MODEL_ARMOR -> content_filter.
-    MALFORMED_FUNCTION_CALL, UNEXPECTED_TOOL_CALL and MALFORMED_RESPONSE raise
-    ProviderRetryableError: nothing ran, so the round is retried under the backend's retry
-    budget (B9 78). MISSING_THOUGHT_SIGNATURE raises ProviderRequestError (our request lacked
-    a signature; a retry would fail alike).
+    of one turn share one `user` content. Every system/developer message, wherever it sits,
+    becomes a part of `systemInstruction` (Gemini has no mid-conversation system turn).
+  - Tool results (`functionResponse.response` must be an object): a JSON object is sent as
+    that object (our error JSON stays `{"error": {...}}`); anything else as
+    `{"content": <text>}`.
+  - Finish reasons: STOP/OTHER/unknown -> stop (tool_calls when calls are present: Gemini
+    says STOP even then); MAX_TOKENS/CONTINUATION -> length (a call cut off by the token
+    limit never runs); SAFETY, RECITATION, BLOCKLIST, PROHIBITED_CONTENT, SPII, LANGUAGE,
+    IMAGE_*, MODEL_ARMOR -> content_filter. MALFORMED_FUNCTION_CALL, UNEXPECTED_TOOL_CALL and
+    MALFORMED_RESPONSE raise ProviderRetryableError: nothing ran, so the round is retried
+    under the backend's retry budget. MISSING_THOUGHT_SIGNATURE raises ProviderRequestError
+    (our request lacked a signature; a retry would fail alike).
   - No candidates: `promptFeedback.blockReason` -> ProviderRequestError naming the reason (a
     retry is blocked alike); none at all -> ProviderProtocolError.
-  - Usage (B10 81): prompt = promptTokenCount + toolUsePromptTokenCount; completion =
+  - Usage: prompt = promptTokenCount + toolUsePromptTokenCount; completion =
     candidatesTokenCount + thoughtsTokenCount, unless prompt + candidates already equals
     totalTokenCount (then candidates include the thoughts); total = totalTokenCount.
     `prompt_tokens_details.cached_tokens`, `completion_tokens_details.reasoning_tokens` and the
@@ -149,8 +150,9 @@ class GeminiCodec:
         return GeminiStreamAssembler(request)
 
     def retry_after_s(self, status: int, body: Any) -> float | None:
-        """B5 55: the `retryDelay` of a `google.rpc.RetryInfo` in `error.details` ("7s",
-        "1.5s", also "750ms" or {"seconds", "nanos"}), on whatever status the edge retries."""
+        """The `retryDelay` of a `google.rpc.RetryInfo` in `error.details` ("7s", "1.5s", also
+        "750ms" or {"seconds", "nanos"}), used when there is no Retry-After header, on whatever
+        status the edge retries."""
         return retry_delay(error_object(body))
 
 
@@ -236,7 +238,7 @@ def _model_parts(message: dict[str, Any], names: dict[str, str]) -> list[dict[st
             names[call["id"]] = fn["name"]
     replay = own_replay(message, GEMINI)
     if isinstance(replay, list):
-        return copy.deepcopy(replay)  # B5 52: verbatim, signatures untouched
+        return copy.deepcopy(replay)  # verbatim, signatures untouched
     parts: list[dict[str, Any]] = []
     text = content_text(message.get("content"))
     if text:
@@ -251,7 +253,7 @@ def _model_parts(message: dict[str, Any], names: dict[str, str]) -> list[dict[st
 
 
 def _args(arguments: Any) -> dict[str, Any]:
-    """B5 46: Gemini wants the object; text that is no object replays as `{}`."""
+    """Gemini wants `args` as an object; text that is no object replays as `{}`."""
     if isinstance(arguments, dict):
         return arguments
     if not isinstance(arguments, str):

@@ -2,7 +2,7 @@
 the end of a stream, see `gemini_stream`) and the error bodies (ProviderError, RetryInfo).
 
 Pure: no I/O. The decisions (call ids, replay parts, finish reasons, usage) are listed in
-`gemini`; case numbers (B5.n, B10.n) refer to docs/provider-conformance.md.
+`gemini`.
 """
 
 from __future__ import annotations
@@ -113,11 +113,13 @@ def _call(function_call: dict[str, Any], seed: str) -> dict[str, Any]:
     call_id = function_call.get("id")
     if not isinstance(call_id, str) or not call_id:
         digest = hashlib.sha256(f"{seed}\x00{name}".encode()).hexdigest()[:24]
-        call_id = SYNTHETIC_ID_PREFIX + digest  # B5 48
+        # older models send no id; never the name alone, or two calls to one tool collide
+        call_id = SYNTHETIC_ID_PREFIX + digest
     return {
         "id": call_id,
         "type": "function",
-        "function": {"name": name, "arguments": _compact({} if args is None else args)},  # B5 46
+        # a function without arguments may have no `args`
+        "function": {"name": name, "arguments": _compact({} if args is None else args)},
     }
 
 
@@ -129,7 +131,7 @@ def _finish_reason(raw: Any, has_calls: bool) -> str:
     if raw in _LENGTH:
         return "length"
     if has_calls:
-        return "tool_calls"  # B5 51: STOP even with calls
+        return "tool_calls"  # Gemini says STOP even with calls
     if raw in _FILTERED:
         return "content_filter"
     return "stop"
@@ -141,8 +143,8 @@ def _usage(raw: Any) -> dict[str, Any]:
     candidates = _as_int(meta.get("candidatesTokenCount"))
     thoughts = _as_int(meta.get("thoughtsTokenCount"))
     total = _as_int(meta["totalTokenCount"]) if "totalTokenCount" in meta else None
-    # B10 81: thoughts are usually outside candidatesTokenCount; when prompt + candidates already
-    # make the total, the candidates count includes them.
+    # Thoughts are usually outside candidatesTokenCount; when prompt + candidates already make
+    # the total, the candidates count includes them.
     included = total is not None and prompt + candidates == total
     completion = candidates if included else candidates + thoughts
     usage: dict[str, Any] = {

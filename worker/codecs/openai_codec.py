@@ -4,13 +4,13 @@ Built on the functions of `openai_chat` (bodies out, `normalize_completion` in) 
 streaming assembler of `openai_stream`.
 
 Decisions:
-- Reasoning replay (B1.17): an assistant turn's `reasoning_content` / `reasoning` is sent back
+- Reasoning replay: an assistant turn's `reasoning_content` / `reasoning` is sent back
   only when the request params say `"replay_reasoning": true` (DeepSeek thinking mode needs
   it; strict servers reject unknown fields). The switch itself never reaches the wire.
 - `_provider` (other protocols' verbatim turns) is never sent.
-- tool_choice per the conformance A table: auto | none | required as strings, a specific tool
-  as `{"type": "function", "function": {"name": f}}`; `parallel_tool_calls` is sent when set.
-  Both are dropped when the request has no tools (strict servers answer 400).
+- tool_choice as docs/provider-conformance.md maps it: auto | none | required as strings, a specific
+  tool as `{"type": "function", "function": {"name": f}}`; `parallel_tool_calls` is sent when
+  set. Both are dropped when the request has no tools (strict servers answer 400).
 - `thinking_budget_tokens` has no standard chat-completions field and is ignored: a backend's
   own switch (`reasoning_effort`, `chat_template_kwargs`...) goes in the params.
 - `max_tokens` is sent as `max_tokens` unless the params already set it or
@@ -55,7 +55,8 @@ class OpenAICodec:
             body["max_tokens"] = request.max_tokens
         body["stream"] = request.stream
         if request.stream:
-            body["stream_options"] = {"include_usage": True}  # B2.24, B10.79
+            # the usage then comes in a last `choices: []` chunk; without it, none comes
+            body["stream_options"] = {"include_usage": True}
         return WireRequest("/chat/completions", body)
 
     def decode(self, body: Any, request: ChatRequest) -> dict[str, Any]:

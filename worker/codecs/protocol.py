@@ -16,8 +16,8 @@ Reply: an OpenAI `chat.completion` with one choice; `message.content` (str | Non
   `message.tool_calls` (ids, `type`, `function.name`, `function.arguments` as a JSON string),
   `message.reasoning_content` when the model thought, `message._provider` as above,
   `finish_reason` in stop | tool_calls | length | content_filter, and `usage` with
-  `prompt_tokens`, `completion_tokens`, `total_tokens` (ints; conformance B10), plus the
-  `*_details` the provider gave.
+  `prompt_tokens`, `completion_tokens`, `total_tokens` (ints, the prompt with its cached
+  tokens, the completion with its reasoning tokens), plus the `*_details` the provider gave.
 A streamed round yields exactly the reply the same round would have had without streaming.
 """
 

@@ -1,9 +1,9 @@
-"""The `<tool_call>` text-tag protocol ("openai-text-tags"), conformance B6. Pure: no I/O.
+"""The `<tool_call>` text-tag protocol ("openai-text-tags"). Pure: no I/O.
 
 For OpenAI-compatible servers without native tool calling: the chat-completions endpoint, no
 `tools` field; a system prompt (Hermes/Qwen style) lists the tools and teaches the model to
 answer with `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, and results
-come back as `<tool_response>` blocks in a user turn (B6.64).
+come back as `<tool_response>` blocks in a user turn (such servers have no `tool` role).
 
 This module is the codec and writes the requests. Replies are read by `text_tags_parse`
 (its docstring has the rules, shared by `decode` and the stream's `result()`); streamed
@@ -100,7 +100,8 @@ def _parses_calls(request: ChatRequest) -> bool:
 
 
 def tool_prompt(tools: list[dict[str, Any]], choice: ToolChoice, parallel: bool | None) -> str:
-    """The system-prompt section that teaches the tags (A table, text-tag column)."""
+    """The system-prompt section that teaches the tags; the tool choice, which tags cannot
+    enforce, becomes a rule in it ("may", "must", "only f", "one call per turn")."""
     lines = []
     for tool in tools:
         fn = tool.get("function") or tool
@@ -145,7 +146,7 @@ def tool_prompt(tools: list[dict[str, Any]], choice: ToolChoice, parallel: bool 
 def render_messages(request: ChatRequest) -> list[dict[str, Any]]:
     """The transcript without native tool fields: one merged system message first, assistant
     calls as `<tool_call>` blocks, tool results as `<tool_response>` blocks in one user turn
-    per run of tool messages, in call order (B6.64)."""
+    per run of tool messages, in call order."""
     system: list[str] = []
     out: list[dict[str, Any]] = []
     names: dict[str, str] = {}  # tool_call_id -> function name, for the responses
@@ -155,7 +156,7 @@ def render_messages(request: ChatRequest) -> list[dict[str, Any]]:
         if role in ("system", "developer"):
             system.append(content_text(message.get("content")))
             continue
-        if role in ("tool", "function"):  # function: the legacy result role (B1.14)
+        if role in ("tool", "function"):  # function: the legacy function_call's result role
             block = _response_block(message, names)
             if responses is None:
                 responses = {"role": "user", "content": block}
