@@ -13,13 +13,10 @@ import requests
 
 from fixtures.demo_batch import WEATHER
 from fixtures.replay import ReplayServer
-from producer.fleet import REPLAY_PROTOCOL_PATHS
+from schemas.protocols import PROTOCOLS
 from worker.codecs.protocol import ChatRequest, Codec
+from worker.codecs.registry import CODECS
 from worker.codecs.sse import SseParser
-from worker.wiring import CODECS
-
-MODELS = {"gemini": "replay-parallel", "openai-text-tags": "replay-tags/parallel"}
-HEADERS = {"anthropic": {"anthropic-version": "2023-06-01"}}
 
 
 def median_us(fn: Callable[[], Any], runs: int = 300) -> float:
@@ -35,11 +32,9 @@ def median_us(fn: Callable[[], Any], runs: int = 300) -> float:
 
 def _capture(server: ReplayServer, codec: Codec, request: ChatRequest) -> bytes:
     wire = codec.encode(request)
-    root = server.url.removesuffix("/v1") + REPLAY_PROTOCOL_PATHS[codec.protocol]
-    headers = {**HEADERS.get(codec.protocol, {}), **wire.headers}
-    url = root + wire.path
+    url = server.root + PROTOCOLS[codec.protocol].replay_path + wire.path
     reply = requests.post(
-        url, params=wire.query or None, json=wire.body, headers=headers, timeout=10
+        url, params=wire.query or None, json=wire.body, headers=wire.headers, timeout=10
     )
     reply.raise_for_status()
     return reply.content
@@ -48,7 +43,7 @@ def _capture(server: ReplayServer, codec: Codec, request: ChatRequest) -> bytes:
 def _protocol_rows(server: ReplayServer, protocol: str, codec: Codec) -> list[tuple[str, str]]:
     tool = {"type": "function", "function": WEATHER["function"]}
     message = {"role": "user", "content": "Weather in Paris, Tokyo, Lima?"}
-    model = MODELS.get(protocol, "replay/parallel")
+    model = PROTOCOLS[protocol].replay_model_for("parallel")
     plain = ChatRequest(model=model, messages=[message], tools=[tool])
     streamed = ChatRequest(model=model, messages=[message], tools=[tool], stream=True)
     body, stream = _capture(server, codec, plain), _capture(server, codec, streamed)

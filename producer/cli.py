@@ -17,11 +17,12 @@ from producer.cli_batches import cmd_batch, cmd_submit
 from producer.cli_common import EXIT_OK, EXIT_REJECTED, redis_url
 from producer.cli_programs import cmd_demo, cmd_run, cmd_stream
 from producer.client import Client
-from producer.fleet import REPLAY_PROTOCOL_PATHS, worker_command
+from producer.fleet import worker_command
 from producer.fleet_status import read_fleet_status
 from schemas import task_names
 from schemas.bodies import dump_text
 from schemas.config import ConfigError, read_config
+from schemas.protocols import NAMES as PROTOCOL_NAMES
 
 DEFAULT_FLOWER_URL = "http://127.0.0.1:5555"  # CCHATQ_FLOWER_URL: where `status` points
 
@@ -296,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="run the demo batch on a local fleet it starts and stops")
     p.add_argument("--out", default="demo-results.jsonl")
     p.add_argument("--timeout-s", type=float, default=300)
-    p.add_argument("--provider", default="openai", choices=sorted(REPLAY_PROTOCOL_PATHS),
+    p.add_argument("--provider", default="openai", choices=sorted(PROTOCOL_NAMES),
                    help="the wire protocol the replay server is spoken to in")  # fmt: skip
     p.add_argument("--stream", action="store_true", help="streamed (SSE) model calls")
     p.add_argument("--limit", type=int, help="only the first N sessions of the demo batch")

@@ -27,6 +27,7 @@ import redis
 from producer.fleet_status import read_fleet_status
 from schemas import task_names
 from schemas.config import FleetConfig, parse_config
+from schemas.protocols import PROTOCOLS
 
 # queue -> (pool, concurrency): I/O-bound model calls on threads, CPU-bound WASM on one process
 # per core, bookkeeping on a few threads (architecture.md section 2).
@@ -40,32 +41,25 @@ WORKER_PROFILES: dict[str, tuple[str, int]] = {
 }
 
 
-# the replay server's path prefix per protocol, and each protocol's backends (stream off/on)
-REPLAY_PROTOCOL_PATHS = {
-    "openai": "/v1",
-    "anthropic": "/v1",
-    "gemini": "/v1beta",
-    "openai-text-tags": "/v1",
-}
-
-
 def replay_backend_name(protocol: str, stream: bool) -> str:
     return f"replay-{protocol}" + ("-stream" if stream else "")
 
 
 def replay_backends(replay_url: str) -> dict[str, dict[str, object]]:
-    """A backend per protocol and stream setting, all on the replay server."""
+    """A backend per protocol and stream setting, all on the replay server (at each
+    protocol's declared path)."""
     root = replay_url.removesuffix("/v1")
     backends: dict[str, dict[str, object]] = {
         replay_backend_name(protocol, stream): {
             "protocol": protocol,
-            "base_url": root + path,
+            "base_url": root + declared.replay_path,
             "stream": stream,
         }
-        for protocol, path in REPLAY_PROTOCOL_PATHS.items()
+        for protocol, declared in PROTOCOLS.items()
         for stream in (False, True)
     }
-    for protocol in ("anthropic", "gemini"):  # thinking, whose signatures must be replayed
+    # and thinking on where its signatures must be replayed
+    for protocol in [p.name for p in PROTOCOLS.values() if p.replay.signed_thinking]:
         for stream in (False, True):
             backend = dict(backends[replay_backend_name(protocol, stream)])
             backend["thinking_budget_tokens"] = 1024

@@ -17,8 +17,9 @@ or inline in `CCHATQ_BACKENDS` (which wins):
 An MCP server is usable only by sessions whose environment lists it (`mcp_servers`).
 
 Four backends exist without any configuration, as the provider SDKs and LiteLLM name them:
-`openai`, `anthropic` and `gemini` are the real APIs with their conventional key variables, and
-`replay` is the local scripted server (`CCHATQ_REPLAY_URL`). A configured backend of one of
+`openai`, `anthropic` and `gemini` are the real APIs with their conventional key variables (the
+hosted API of each protocol declared in schemas/protocols.py), and `replay` is the local
+scripted server (`CCHATQ_REPLAY_URL`). A configured backend of one of
 these names changes only the fields it gives; any other must give its `base_url` (a typo in a
 name must not quietly reach some default endpoint).
 
@@ -47,10 +48,11 @@ from marshmallow import (
 
 from schemas.limits import TOOL_TIMEOUT_CAP_MS, Environment, ToolDefaults
 from schemas.mcp import SERVER_ID, McpServerConfig
+from schemas.protocols import NAMES as PROTOCOL_NAMES
+from schemas.protocols import PROTOCOLS
 from schemas.spec_types import RISK_LEVELS
 
 DEFAULT_REPLAY_URL = "http://127.0.0.1:8011/v1"
-PROTOCOLS = ("openai", "anthropic", "gemini", "openai-text-tags")
 ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
 
 
@@ -85,19 +87,13 @@ class BackendConfig:
 def builtin_backends(replay_url: str = DEFAULT_REPLAY_URL) -> dict[str, BackendConfig]:
     """The backends every fleet has: the real APIs under the names and key variables their SDKs
     use, and the local replay server."""
-    return {
-        "openai": BackendConfig("openai", "openai", "https://api.openai.com/v1", "OPENAI_API_KEY"),
-        "anthropic": BackendConfig(
-            "anthropic", "anthropic", "https://api.anthropic.com/v1", "ANTHROPIC_API_KEY"
-        ),
-        "gemini": BackendConfig(
-            "gemini",
-            "gemini",
-            "https://generativelanguage.googleapis.com/v1beta",
-            "GEMINI_API_KEY",
-        ),
-        "replay": BackendConfig("replay", "openai", replay_url),
+    backends = {
+        p.name: BackendConfig(p.name, p.name, p.hosted.base_url, p.hosted.api_key_env)
+        for p in PROTOCOLS.values()
+        if p.hosted is not None
     }
+    backends["replay"] = BackendConfig("replay", "openai", replay_url)
+    return backends
 
 
 @dataclass(frozen=True)
@@ -151,7 +147,7 @@ class _BackendSchema(Schema):
     class Meta:
         unknown = RAISE
 
-    protocol = fields.String(validate=validate.OneOf(PROTOCOLS))
+    protocol = fields.String(validate=validate.OneOf(PROTOCOL_NAMES))
     base_url = fields.Url(require_tld=False, schemes={"http", "https"})
     api_key_env = fields.String(
         allow_none=True, validate=validate.Regexp(ENV_NAME, error="must be a variable name")

@@ -1,5 +1,5 @@
-"""Gemini generateContent codec: conformance B5 45-55 and B10 81 (provider-conformance.md), one
-test per case number, replaying realistic payloads without and with streaming; then a two-round
+"""Gemini generateContent codec: each case of provider-conformance.md's Gemini list and its
+usage accounting, replaying realistic payloads without and with streaming; then a two-round
 tool conversation, id stability, and the field names of the real google-genai SDK.
 
 Pure: no network. Replies are built either by hand in REST camelCase or with
@@ -168,10 +168,10 @@ def test_codec_meets_the_protocol() -> None:
     assert isinstance(codec.assembler(req()), GeminiStreamAssembler)
 
 
-# B5 45 ---------------------------------------------------------------------------------------
+# Roles: only user and model; system text goes to systemInstruction ---------------------------
 
 
-def test_b5_45_roles_user_model_and_system_instruction(gt: ModuleType) -> None:
+def test_roles_user_model_and_system_instruction(gt: ModuleType) -> None:
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": "You are terse."},
         {"role": "user", "content": "Weather in Paris?"},
@@ -214,10 +214,10 @@ def test_b5_45_roles_user_model_and_system_instruction(gt: ModuleType) -> None:
     assert CODEC.encode(prefixed).path == "/models/gemini-2.5-pro:generateContent"
 
 
-# B5 46 ---------------------------------------------------------------------------------------
+# Args are an object, absent for a function without arguments ---------------------------------
 
 
-def test_b5_46_args_are_an_object_both_ways() -> None:
+def test_args_are_an_object_both_ways() -> None:
     completion = CODEC.decode(
         reply([fcall("get_weather", {"city": "Paris", "units": ["C"]}), fcall("list_cities")]),
         req(),
@@ -244,10 +244,10 @@ def test_b5_46_args_are_an_object_both_ways() -> None:
     assert message(streamed_completion)["tool_calls"][0]["function"]["arguments"] == "{}"
 
 
-# B5 47 ---------------------------------------------------------------------------------------
+# Text plus calls in one candidate: a preamble and parallel calls -----------------------------
 
 
-def test_b5_47_text_plus_parallel_calls(gt: ModuleType) -> None:
+def test_text_plus_parallel_calls(gt: ModuleType) -> None:
     raw = dump(
         gt.GenerateContentResponse(
             response_id="b47-resp",
@@ -307,10 +307,10 @@ def test_b5_47_text_plus_parallel_calls(gt: ModuleType) -> None:
     assert finish(result) == "tool_calls"
 
 
-# B5 48 ---------------------------------------------------------------------------------------
+# Ids: synthesised when Gemini sends none, echoed when it does --------------------------------
 
 
-def test_b5_48_synthesised_ids_distinct_stable_never_sent() -> None:
+def test_synthesised_ids_distinct_stable_never_sent() -> None:
     raw = reply([fcall("get_weather", {"city": "Paris"}), fcall("get_weather", {"city": "Paris"})])
     first = message(CODEC.decode(raw, req()))
     again = message(CODEC.decode(json.loads(json.dumps(raw)), req()))
@@ -336,7 +336,7 @@ def test_b5_48_synthesised_ids_distinct_stable_never_sent() -> None:
     assert all("id" not in p["functionResponse"] for p in user_parts)
 
 
-def test_b5_48_provider_ids_are_echoed() -> None:
+def test_provider_ids_are_echoed() -> None:
     raw = reply(
         [
             fcall("get_weather", {"city": "Paris"}, id="fc-1a2b"),
@@ -368,10 +368,10 @@ def _round_two(assistant: dict[str, Any], outputs: list[str]) -> list[dict[str, 
     ]
 
 
-# B5 49 ---------------------------------------------------------------------------------------
+# functionResponse.response is an object named like the call ----------------------------------
 
 
-def test_b5_49_function_response_is_an_object_named_like_the_call(gt: ModuleType) -> None:
+def test_function_response_is_an_object_named_like_the_call(gt: ModuleType) -> None:
     error = {"error": {"code": "tool_exec_failed", "message": "timeout after 10s"}}
     outputs = ["18C cloudy", '{"temp_c": 18, "sky": "cloudy"}', json.dumps(error), "[1, 2]", ""]
     calls = [
@@ -410,10 +410,10 @@ def test_b5_49_function_response_is_an_object_named_like_the_call(gt: ModuleType
         CODEC.encode(req(orphan))
 
 
-# B5 50 ---------------------------------------------------------------------------------------
+# All responses of a turn in one user content, in call order ----------------------------------
 
 
-def test_b5_50_all_responses_of_a_turn_in_one_user_content() -> None:
+def test_all_responses_of_a_turn_in_one_user_content() -> None:
     first = message(
         CODEC.decode(
             reply(
@@ -433,10 +433,10 @@ def test_b5_50_all_responses_of_a_turn_in_one_user_content() -> None:
     assert parts[2] == {"text": "And Oslo?"}  # a following user message joins the same turn
 
 
-# B5 51 ---------------------------------------------------------------------------------------
+# STOP with calls means tool calls; a malformed call is retried -------------------------------
 
 
-def test_b5_51_stop_with_calls_and_failed_rounds() -> None:
+def test_stop_with_calls_and_failed_rounds() -> None:
     calls = [fcall("get_weather", {"city": "Paris"})]
     assert finish(CODEC.decode(reply(calls, "STOP"), req())) == "tool_calls"
     assert finish(CODEC.decode(reply(calls, "MAX_TOKENS"), req())) == "length"
@@ -471,10 +471,10 @@ def test_b5_51_stop_with_calls_and_failed_rounds() -> None:
         CODEC.decode(["not", "an", "object"], req())
 
 
-# B5 52 ---------------------------------------------------------------------------------------
+# Thought signatures go back on their own part, unchanged -------------------------------------
 
 
-def test_b5_52_thought_signatures_replayed_verbatim(gt: ModuleType) -> None:
+def test_thought_signatures_replayed_verbatim(gt: ModuleType) -> None:
     raw = dump(
         gt.GenerateContentResponse(
             response_id="b52-resp",
@@ -530,10 +530,10 @@ def test_b5_52_thought_signatures_replayed_verbatim(gt: ModuleType) -> None:
     assert body["contents"][1] == {"role": "model", "parts": [{"text": "Hello."}]}
 
 
-# B5 53 ---------------------------------------------------------------------------------------
+# Streams: each chunk a whole response, calls appended, never merged --------------------------
 
 
-def test_b5_53_stream_assembly_equals_the_unstreamed_reply(gt: ModuleType) -> None:
+def test_stream_assembly_equals_the_unstreamed_reply(gt: ModuleType) -> None:
     def sdk_chunk(parts: list[Any], finish: Any = None, usage: Any = None) -> dict[str, Any]:
         return dump(
             gt.GenerateContentResponse(
@@ -602,7 +602,7 @@ def test_b5_53_stream_assembly_equals_the_unstreamed_reply(gt: ModuleType) -> No
     assert finish(result) == "tool_calls"
 
 
-def test_b5_53_truncated_stream_and_stream_errors() -> None:
+def test_truncated_stream_and_stream_errors() -> None:
     asm, _ = stream(req(), [chunk([{"text": "Partial"}]), chunk([fcall("get_weather", {})])])
     assert not asm.finished
     with pytest.raises(ProviderProtocolError, match="truncated"):
@@ -625,7 +625,7 @@ def test_b5_53_truncated_stream_and_stream_errors() -> None:
         CODEC.decode(invalid, req())
 
 
-# B5 54 ---------------------------------------------------------------------------------------
+# Schema dialect: the OpenAPI subset Gemini accepts -------------------------------------------
 
 
 PYDANTIC_STYLE = {
@@ -670,7 +670,7 @@ PYDANTIC_STYLE = {
 }
 
 
-def test_b5_54_schema_dialect(gt: ModuleType) -> None:
+def test_schema_dialect(gt: ModuleType) -> None:
     tool = {"type": "function", "function": {"name": "book_trip", "parameters": PYDANTIC_STYLE}}
     original = json.dumps(PYDANTIC_STYLE, sort_keys=True)
     body = CODEC.encode(req(tools=[tool, _no_args_tool()])).body
@@ -717,7 +717,7 @@ def _no_args_tool() -> dict[str, Any]:
     }
 
 
-# B5 55 ---------------------------------------------------------------------------------------
+# A 429's RetryInfo delay when there is no Retry-After ----------------------------------------
 
 
 QUOTA_429: dict[str, Any] = {
@@ -759,7 +759,7 @@ def _with_delay(delay: Any) -> dict[str, Any]:
     return body
 
 
-def test_b5_55_retry_info_delay() -> None:
+def test_retry_info_delay() -> None:
     assert CODEC.retry_after_s(429, QUOTA_429) == 21.0
     assert CODEC.retry_after_s(429, [QUOTA_429]) == 21.0  # stream endpoints wrap it in a list
     assert CODEC.retry_after_s(429, json.dumps(QUOTA_429)) == 21.0
@@ -782,10 +782,10 @@ def test_b5_55_retry_info_delay() -> None:
     assert exc.value.status == 429
 
 
-# B10 81 --------------------------------------------------------------------------------------
+# Usage: thoughts counted once, whether or not candidates include them ------------------------
 
 
-def test_b10_81_usage_accounting(gt: ModuleType) -> None:
+def test_usage_accounting(gt: ModuleType) -> None:
     outside = {
         "promptTokenCount": 100,
         "candidatesTokenCount": 50,
@@ -1037,8 +1037,8 @@ def test_user_media_parts(gt: ModuleType) -> None:
 
 
 def test_unreadable_function_calls_are_kept_for_the_loop_to_answer() -> None:
-    """Issue 9 / conformance B1 5: args that are no object, or a call with no name, are calls
-    the loop answers with VALIDATION_ERROR; the session goes on."""
+    """Arguments must be a JSON object: args that are no object, or a call with no name, are
+    calls the loop answers with VALIDATION_ERROR; the session goes on."""
     raw = reply(
         [
             {"functionCall": {"name": "get_weather", "args": ["Paris"]}},

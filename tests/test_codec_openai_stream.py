@@ -1,5 +1,6 @@
-"""OpenAI streaming assembly (conformance B2.18-27, B8.72, B10.79) and the OpenAI `Codec`
-(encode rules, B1.17 reasoning replay, the A tool-choice table).
+"""OpenAI streaming assembly (tool-call fragments, finish and usage chunks, errors inside
+the stream, truncation, [DONE]) and the OpenAI `Codec` (encode rules, reasoning sent back only
+when asked, the tool-choice mapping).
 
 Each stream is replayed as SSE bytes through SseParser and the assembler; its result must
 equal `normalize_completion` of the reply the same round would have had without streaming.
@@ -116,10 +117,10 @@ def calls_message(*calls: dict[str, Any]) -> dict[str, Any]:
 ROLE = chunk({"role": "assistant", "content": None})
 
 
-# B2 ------------------------------------------------------------------------------------------
+# Streamed tool calls, usage, reasoning, errors and truncation --------------------------------
 
 
-def test_b2_18_first_fragment_has_id_and_name_later_ones_only_arguments() -> None:
+def test_first_fragment_has_id_and_name_later_ones_only_arguments() -> None:
     got = streamed(
         ROLE,
         chunk({"tool_calls": [frag(0, id="call_a", name="get_weather", args="")]}),
@@ -136,7 +137,7 @@ def test_b2_18_first_fragment_has_id_and_name_later_ones_only_arguments() -> Non
     assert tool_calls_of(got)[0]["function"]["arguments"] == '{"city": "Paris"}'
 
 
-def test_b2_19_interleaved_calls_keep_separate_buffers_ordered_by_index() -> None:
+def test_interleaved_calls_keep_separate_buffers_ordered_by_index() -> None:
     got = streamed(
         ROLE,
         chunk({"tool_calls": [frag(1, id="call_b", name="get_time", args="")]}),
@@ -157,7 +158,7 @@ def test_b2_19_interleaved_calls_keep_separate_buffers_ordered_by_index() -> Non
     )
 
 
-def test_b2_19_twenty_interleaved_fragments_assemble_exactly() -> None:
+def test_twenty_interleaved_fragments_assemble_exactly() -> None:
     args = {
         0: json.dumps({"path": "/srv/data/report 2024.csv", "limit": 50, "cols": ["a", "b"]}),
         1: json.dumps({"query": 'name = "Zoë" AND {x,y}', "page": 2}, ensure_ascii=False),
@@ -185,7 +186,7 @@ def test_b2_19_twenty_interleaved_fragments_assemble_exactly() -> None:
     assert [c["function"]["arguments"] for c in tool_calls_of(got)] == [args[0], args[1]]
 
 
-def test_b2_20_same_index_twice_in_one_chunk_is_merged() -> None:
+def test_same_index_twice_in_one_chunk_is_merged() -> None:
     # openai-python #3201: the first chunk carries two entries for index 0
     got = streamed(
         chunk(
@@ -207,7 +208,7 @@ def test_b2_20_same_index_twice_in_one_chunk_is_merged() -> None:
     )
 
 
-def test_b2_21_repeated_id_type_name_are_assigned_not_appended() -> None:
+def test_repeated_id_type_name_are_assigned_not_appended() -> None:
     got = streamed(
         chunk({"tool_calls": [frag(0, id="call_a", name="get_weather", args='{"ci')]}),
         chunk({"tool_calls": [frag(0, id="call_a", name="get_weather", args='ty":"Rome"}')]}),
@@ -216,7 +217,7 @@ def test_b2_21_repeated_id_type_name_are_assigned_not_appended() -> None:
     assert tool_calls_of(got) == [call("call_a", "get_weather", '{"city":"Rome"}')]
 
 
-def test_b2_21_a_name_split_in_pieces_is_appended() -> None:
+def test_a_name_split_in_pieces_is_appended() -> None:
     got = streamed(
         chunk({"tool_calls": [frag(0, id="call_a", name="get_current_", args="")]}),
         chunk({"tool_calls": [frag(0, name="weather", args="{}")]}),
@@ -225,7 +226,7 @@ def test_b2_21_a_name_split_in_pieces_is_appended() -> None:
     assert tool_calls_of(got) == [call("call_a", "get_current_weather", "{}")]
 
 
-def test_b2_22_no_index_new_id_opens_a_slot_no_id_continues_the_last() -> None:
+def test_no_index_new_id_opens_a_slot_no_id_continues_the_last() -> None:
     got = streamed(
         chunk({"tool_calls": [frag(id="call_1", name="a", args='{"x"')]}),
         chunk({"tool_calls": [frag(args=":1}")]}),
@@ -241,7 +242,7 @@ def test_b2_22_no_index_new_id_opens_a_slot_no_id_continues_the_last() -> None:
     )
 
 
-def test_b2_22_calls_without_any_id_get_the_non_streamed_synthetic_ids() -> None:
+def test_calls_without_any_id_get_the_non_streamed_synthetic_ids() -> None:
     # litellm #11262 (Ollama): no ids at all; the ids synthesised must match non-streaming
     got = streamed(
         chunk({"tool_calls": [{"index": 0, "function": {"name": "a", "arguments": "{}"}}]}),
@@ -254,7 +255,7 @@ def test_b2_22_calls_without_any_id_get_the_non_streamed_synthetic_ids() -> None
     assert all(CALL_ID.match(i) for i in ids) and ids[0] != ids[1]
 
 
-def test_b2_23_whole_call_in_one_chunk() -> None:
+def test_whole_call_in_one_chunk() -> None:
     got = streamed(
         chunk(
             {
@@ -271,7 +272,7 @@ def test_b2_23_whole_call_in_one_chunk() -> None:
     )
 
 
-def test_b2_23_arguments_sent_as_an_object_are_serialised() -> None:
+def test_arguments_sent_as_an_object_are_serialised() -> None:
     got = streamed(
         chunk(
             {
@@ -285,7 +286,7 @@ def test_b2_23_arguments_sent_as_an_object_are_serialised() -> None:
     assert tool_calls_of(got) == [call("c", "f", '{"a":1}')]
 
 
-def test_b2_24_finish_chunk_then_usage_chunk_with_empty_choices() -> None:
+def test_finish_chunk_then_usage_chunk_with_empty_choices() -> None:
     got = streamed(
         ROLE,
         chunk({"content": "Hello"}),
@@ -301,7 +302,7 @@ def test_b2_24_finish_chunk_then_usage_chunk_with_empty_choices() -> None:
     assert got["usage"] == USAGE
 
 
-def test_b2_24_usage_only_from_the_usage_chunk() -> None:
+def test_usage_only_from_the_usage_chunk() -> None:
     partial = {"prompt_tokens": 82, "completion_tokens": 3, "total_tokens": 85}
     first = chunk({"content": "Hi"})
     first["usage"] = partial  # continuous usage stats on a content chunk
@@ -309,12 +310,12 @@ def test_b2_24_usage_only_from_the_usage_chunk() -> None:
     assert got["usage"] == USAGE
 
 
-def test_b2_24_without_include_usage_usage_is_zero() -> None:
+def test_without_include_usage_usage_is_zero() -> None:
     got = streamed(chunk({"content": "Hi"}), chunk(finish="stop"))
     assert got["usage"] == {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
 
 
-def test_b2_25_reasoning_deltas_kept_apart_from_content() -> None:
+def test_reasoning_deltas_kept_apart_from_content() -> None:
     for name in ("reasoning", "reasoning_content"):
         asm, deltas = run(
             sse(
@@ -334,7 +335,7 @@ def test_b2_25_reasoning_deltas_kept_apart_from_content() -> None:
         assert asm.result() == non_streamed(message, "stop")
 
 
-def test_b2_25_reasoning_then_tool_call() -> None:
+def test_reasoning_then_tool_call() -> None:
     got = streamed(
         chunk({"role": "assistant", "content": None, "reasoning_content": "Call it."}),
         chunk({"tool_calls": [frag(0, id="call_a", name="f", args="{}")]}),
@@ -362,7 +363,7 @@ def test_b2_25_reasoning_then_tool_call() -> None:
         ({"message": "too long", "code": "context_length_exceeded"}, ProviderRequestError, None),
     ],
 )
-def test_b2_26_error_object_inside_the_stream(
+def test_error_object_inside_the_stream(
     error: Any, kind: type[ProviderError], status: int | None
 ) -> None:
     asm = OpenAIStreamAssembler()
@@ -375,12 +376,12 @@ def test_b2_26_error_object_inside_the_stream(
     assert not asm.finished
 
 
-def test_b2_26_error_event_without_json() -> None:
+def test_error_event_without_json() -> None:
     with pytest.raises(ProviderRetryableError, match="error in stream: upstream reset"):
         run(b"event: error\ndata: upstream reset\n\n")
 
 
-def test_b2_26_openrouter_error_chunk_with_choices() -> None:
+def test_openrouter_error_chunk_with_choices() -> None:
     body = {
         **chunk(finish="error"),
         "error": {"code": 502, "message": "Provider returned error"},
@@ -390,7 +391,7 @@ def test_b2_26_openrouter_error_chunk_with_choices() -> None:
     assert info.value.status == 502
 
 
-def test_b2_27_stream_without_done_is_truncated() -> None:
+def test_stream_without_done_is_truncated() -> None:
     asm, _ = run(
         sse(chunk({"tool_calls": [frag(0, id="c", name="rm", args='{"path":"/tmp/a')]}), done=False)
     )
@@ -399,7 +400,7 @@ def test_b2_27_stream_without_done_is_truncated() -> None:
         asm.result()
 
 
-def test_b2_27_done_without_finish_reason_is_truncated() -> None:
+def test_done_without_finish_reason_is_truncated() -> None:
     asm, _ = run(sse(chunk({"tool_calls": [frag(0, id="c", name="f", args="{}")]})))
     assert asm.finished
     with pytest.raises(ProviderProtocolError, match="without a finish_reason"):
@@ -408,14 +409,14 @@ def test_b2_27_done_without_finish_reason_is_truncated() -> None:
         streamed(done=True)  # [DONE] alone
 
 
-def test_b8_72_done_stops_reading() -> None:
+def test_done_stops_reading() -> None:
     body = sse(chunk({"content": "a"}), chunk(finish="stop")) + sse(chunk({"content": "LATE"}))
     asm, deltas = run(body)
     assert deltas == [Delta("content", "a")]
     assert asm.result()["choices"][0]["message"]["content"] == "a"
 
 
-def test_b10_79_streamed_usage_normalised() -> None:
+def test_streamed_usage_normalised() -> None:
     got = streamed(
         chunk({"content": "x"}, finish="stop"),
         usage_chunk({"prompt_tokens": 10, "completion_tokens": 5.0, "cost": 0.1}),
@@ -444,7 +445,7 @@ def test_text_and_tool_calls_together() -> None:
     got = streamed(
         chunk({"role": "assistant", "content": "Let me check."}),
         chunk({"tool_calls": [frag(0, id="call_a", name="f", args="{}")]}),
-        chunk(finish="stop"),  # B1.11 applies to streams too
+        chunk(finish="stop"),  # calls decide over "stop" in streams too
     )
     assert got == non_streamed(
         {
@@ -606,7 +607,7 @@ ASSISTANT = {
 TOOL_MSG = {"role": "tool", "tool_call_id": "call_a", "content": "18C"}
 
 
-def test_b1_17_reasoning_not_replayed_by_default() -> None:
+def test_reasoning_not_replayed_by_default() -> None:
     wire = OpenAICodec().encode(request(messages=[USER, ASSISTANT, TOOL_MSG]))
     sent = wire.body["messages"][1]
     assert sent == {
@@ -620,7 +621,7 @@ def test_b1_17_reasoning_not_replayed_by_default() -> None:
     assert "reasoning" not in OpenAICodec().encode(request(messages=[vllm])).body["messages"][0]
 
 
-def test_b1_17_reasoning_replayed_when_asked_deepseek() -> None:
+def test_reasoning_replayed_when_asked_deepseek() -> None:
     wire = OpenAICodec().encode(
         request(messages=[USER, ASSISTANT, TOOL_MSG], params={"replay_reasoning": True})
     )

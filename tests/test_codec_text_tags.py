@@ -1,4 +1,4 @@
-"""The `<tool_call>` text-tag codec: conformance B6.56-64, one test per case number, each
+"""The `<tool_call>` text-tag codec: each case of provider-conformance.md's text-tag list,
 replayed both as a JSON reply (`decode`) and as an SSE stream (the assembler's `result()`
 must equal `decode`)."""
 
@@ -90,7 +90,8 @@ def stream_result(
 
 
 def decoded(content: str, request: ChatRequest = REQUEST) -> dict[str, Any]:
-    """decode, checked against the streamed result for several fragment sizes (B6.58)."""
+    """decode, checked against the streamed result for several fragment sizes (tags split
+    across chunks)."""
     got = CODEC.decode(reply(content), request)
     for pieces in (1, 3, 11, 10_000):
         assert stream_result(content, pieces, request)[0] == got
@@ -106,10 +107,10 @@ def names_args(completion: dict[str, Any]) -> list[tuple[str, str]]:
     return [(c["function"]["name"], c["function"]["arguments"]) for c in tool_calls_of(completion)]
 
 
-# B6.56-63: replies ---------------------------------------------------------------------------
+# Replies: blocks, bad blocks, fences, open tags, <think>, made-up results --------------------
 
 
-def test_b6_56_several_blocks_in_order_with_synthesised_ids() -> None:
+def test_several_blocks_in_order_with_synthesised_ids() -> None:
     content = (
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
         '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
@@ -126,7 +127,7 @@ def test_b6_56_several_blocks_in_order_with_synthesised_ids() -> None:
     assert got["usage"]["total_tokens"] == 340
 
 
-def test_b6_57_malformed_block_is_an_error_call_valid_blocks_kept() -> None:
+def test_malformed_block_is_an_error_call_valid_blocks_kept() -> None:
     content = (
         '<tool_call>{"name":"get_weather","arguments":{"city":"Paris"}}</tool_call>\n'
         '<tool_call>{"name":"get_time","arguments":{"tz":"CET"}</tool_call>\n'
@@ -141,7 +142,7 @@ def test_b6_57_malformed_block_is_an_error_call_valid_blocks_kept() -> None:
     # the lenient second pass reads Python literals (the Hermes prompt shows them)
     assert names_args(got)[2] == ("get_weather", '{"city":"Nice","metric":true}')
     # a malformed block: its name is recovered, and the loop's argument check answers the call
-    # with an invalid_arguments error result (B1.2: the parser's message, resend valid JSON)
+    # with an invalid_arguments error result (the parser's message, resend valid JSON)
     assert calls[1]["function"]["name"] == "get_time"
     with pytest.raises(ToolValidationError, match=r"^invalid JSON arguments: Expecting ','"):
         decode_arguments(calls[1]["function"]["arguments"])
@@ -153,7 +154,7 @@ def test_b6_57_malformed_block_is_an_error_call_valid_blocks_kept() -> None:
     assert message(got)["_provider"][PROTOCOL]["content"] == content
 
 
-def test_b6_57_valid_json_that_is_not_a_call() -> None:
+def test_valid_json_that_is_not_a_call() -> None:
     got = decoded('<tool_call>{"tool": "get_weather", "args": {"name": "x"}}</tool_call>')
     (call,) = tool_calls_of(got)
     assert call["function"]["name"] == INVALID_CALL_NAME  # never a name taken from the args
@@ -164,7 +165,7 @@ def test_b6_57_valid_json_that_is_not_a_call() -> None:
         decode_arguments(tool_calls_of(got)[0]["function"]["arguments"])
 
 
-def test_b6_58_tag_split_across_chunks_never_shown_half() -> None:
+def test_tag_split_across_chunks_never_shown_half() -> None:
     content = (
         'Sure <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     )
@@ -182,13 +183,13 @@ def test_b6_58_tag_split_across_chunks_never_shown_half() -> None:
     assert view.flush() == [Delta("content", "<")]
 
 
-def test_b6_58_a_false_start_is_released() -> None:
+def test_a_false_start_is_released() -> None:
     view = VisibleText()
     assert view.push("a <tool") == [Delta("content", "a ")]
     assert view.push("box> b") == [Delta("content", "<toolbox> b")]
 
 
-def test_b6_59_tags_inside_a_code_fence_are_literal() -> None:
+def test_tags_inside_a_code_fence_are_literal() -> None:
     content = (
         "Example:\n```xml\n<tool_call>\n"
         '{"name": "get_weather", "arguments": {"city": "X"}}\n</tool_call>\n```\nDone.'
@@ -201,7 +202,7 @@ def test_b6_59_tags_inside_a_code_fence_are_literal() -> None:
     assert "".join(d.text for d in deltas) == content
 
 
-def test_b6_59_inline_code_tag_is_prose() -> None:
+def test_inline_code_tag_is_prose() -> None:
     content = "Wrap each call in a `<tool_call>` tag."
     assert message(decoded(content)) == {"role": "assistant", "content": content}
     for pieces in (1, 2, 5):
@@ -209,7 +210,7 @@ def test_b6_59_inline_code_tag_is_prose() -> None:
         assert "".join(d.text for d in deltas) == content
 
 
-def test_b6_59_a_fence_inside_the_tag_is_stripped() -> None:
+def test_a_fence_inside_the_tag_is_stripped() -> None:
     content = (
         '<tool_call>\n```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```\n'
         "</tool_call>"
@@ -217,7 +218,7 @@ def test_b6_59_a_fence_inside_the_tag_is_stripped() -> None:
     assert names_args(decoded(content)) == [("get_weather", '{"city":"Paris"}')]
 
 
-def test_b6_60_missing_closing_tag_accepted_when_one_complete_object() -> None:
+def test_missing_closing_tag_accepted_when_one_complete_object() -> None:
     content = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
     got = decoded(content)
     assert names_args(got) == [("get_weather", '{"city":"Paris"}')]
@@ -232,16 +233,17 @@ def test_b6_60_missing_closing_tag_accepted_when_one_complete_object() -> None:
         '{"name": "get_weather", "arguments": {}} and then some text',
     ],
 )
-def test_b6_60_missing_closing_tag_otherwise_an_error(rest: str) -> None:
+def test_missing_closing_tag_otherwise_an_error(rest: str) -> None:
     (call,) = tool_calls_of(decoded("<tool_call>" + rest))
     assert call["function"]["name"] == "get_weather"
-    # B1.2's repair would close the cut-off text into the {"name", "arguments"} wrapper: the
-    # call must not run with that, so the loop's check has to fail
+    # the loop's repair of truncated arguments would close the cut-off text into the
+    # {"name", "arguments"} wrapper: the call must not run with that, so the loop's check has
+    # to fail
     with pytest.raises(ToolValidationError, match=r"^invalid JSON arguments: "):
         decode_arguments(call["function"]["arguments"])
 
 
-def test_b6_61_key_variants() -> None:
+def test_key_variants() -> None:
     content = (
         '<tool_call>{"name": "get_weather", "parameters": {"city": "Rome"}}</tool_call>'
         '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}</tool_call>'
@@ -261,7 +263,7 @@ def test_b6_61_key_variants() -> None:
     assert decode_arguments(names_args(got)[1][1]) == {"city": "Oslo"}
 
 
-def test_b6_62_calls_inside_think_are_reported_not_executed() -> None:
+def test_calls_inside_think_are_reported_not_executed() -> None:
     content = (
         '<think>I could call <tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
         " but the weather is enough.</think>\n"
@@ -280,7 +282,7 @@ def test_b6_62_calls_inside_think_are_reported_not_executed() -> None:
     assert [d for d in deltas if d.kind == "content"] == [Delta("content", "\n")]
 
 
-def test_b6_62_only_calls_inside_think_gives_an_answer_not_a_call() -> None:
+def test_only_calls_inside_think_gives_an_answer_not_a_call() -> None:
     got = decoded('<think><tool_call>{"name": "get_time"}</tool_call></think>It is noon.')
     assert tool_calls_of(got) == []
     assert message(got)["content"] == "It is noon."
@@ -288,19 +290,19 @@ def test_b6_62_only_calls_inside_think_gives_an_answer_not_a_call() -> None:
     assert "not executed: get_time" in message(got)["reasoning_content"]
 
 
-def test_b6_62_template_opened_think() -> None:
+def test_template_opened_think() -> None:
     # Qwen3/DeepSeek-R1 templates write <think> into the prompt: the reply starts inside it
     got = decoded("The user wants weather.\n</think>\n\nIt is sunny.")
     assert message(got)["content"] == "It is sunny."
     assert message(got)["reasoning_content"] == "The user wants weather."
 
 
-def test_b6_62_server_reasoning_kept() -> None:
+def test_server_reasoning_kept() -> None:
     raw = reply("<think>more</think>ok", reasoning_content="split by the server")
     assert message(CODEC.decode(raw, REQUEST))["reasoning_content"] == "split by the server\n\nmore"
 
 
-def test_b6_63_preamble_kept_and_fabricated_response_cut() -> None:
+def test_preamble_kept_and_fabricated_response_cut() -> None:
     content = (
         "Let me check the weather.\n"
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
@@ -351,10 +353,11 @@ def test_tool_choice_none_or_no_tools_leaves_tags_as_text() -> None:
 
 def test_length_cut_call_is_kept_as_length() -> None:
     got = CODEC.decode(reply('<tool_call>{"name": "get_time", "arguments": {}}', "length"), REQUEST)
-    assert got["choices"][0]["finish_reason"] == "length"  # B1.13: the loop will not run it
+    # a call cut off by the token limit: the loop will not run it
+    assert got["choices"][0]["finish_reason"] == "length"
 
 
-# Requests: B6.64 and the system prompt -------------------------------------------------------
+# Requests: results as <tool_response> blocks in one user turn; the system prompt -------------
 
 
 def test_encode_tools_in_the_system_prompt_not_in_a_field() -> None:
@@ -434,7 +437,7 @@ RESULTS: list[dict[str, Any]] = [
 ]
 
 
-def test_b6_64_tool_results_as_one_user_turn_of_tool_responses_in_order() -> None:
+def test_tool_results_as_one_user_turn_of_tool_responses_in_order() -> None:
     messages = [USER, ASSISTANT, *RESULTS, {"role": "user", "content": "Thanks"}]
     body = CODEC.encode(ChatRequest(model="m", messages=messages, tools=[WEATHER, TIME])).body
     sent = body["messages"][1:]
@@ -457,7 +460,7 @@ def test_b6_64_tool_results_as_one_user_turn_of_tool_responses_in_order() -> Non
     assert sent[3] == {"role": "user", "content": "Thanks"}
 
 
-def test_b6_64_replay_uses_the_turn_as_written() -> None:
+def test_replay_uses_the_turn_as_written() -> None:
     content = '<tool_call>{"name":"get_time","arguments":{"tz":"CET"}</tool_call>'
     turn = message(CODEC.decode(reply(content), REQUEST))
     call_id = turn["tool_calls"][0]["id"]

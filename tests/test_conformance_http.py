@@ -1,5 +1,6 @@
-"""Conformance cases B9 74-78 of docs/provider-conformance.md (HTTP errors and retries), one
-test name per case number, plus the retried-attempt half of B10 82.
+"""The HTTP errors and retries of docs/provider-conformance.md (Retry-After, x-should-retry,
+retried statuses, timeouts and truncated streams, retry safety), plus the usage of retried
+attempts, which the run's totals count.
 
 Every case goes through the real HttpProvider (requests, codec, retry policy) against a
 loopback server: tests/test_provider_http.py's ScriptedServer for JSON replies, and a small
@@ -86,7 +87,7 @@ def error_body(message: str) -> dict[str, Any]:
     return {"error": {"message": message}}
 
 
-# B9 74: Retry-After, retry-after-ms, backoff, Gemini RetryInfo ---------------------------------
+# A 429 waits its Retry-After (or retry-after-ms, or RetryInfo), else backoff --------------------
 
 
 def _in_10_s() -> dict[str, str]:
@@ -108,7 +109,7 @@ def _in_10_s() -> dict[str, str]:
         ),
     ],
 )
-def test_b9_74_retry_after_seconds_date_and_ms(
+def test_retry_after_seconds_date_and_ms(
     client: Callable[..., Client],
     server: ScriptedServer,
     headers: Callable[[], dict[str, str]],
@@ -125,7 +126,7 @@ def test_b9_74_retry_after_seconds_date_and_ms(
     assert low <= slept <= high
 
 
-def test_b9_74_without_a_header_exponential_backoff_with_jitter(
+def test_without_a_header_exponential_backoff_with_jitter(
     client: Callable[..., Client], server: ScriptedServer
 ) -> None:
     c = client(*[Reply(429, error_body("slow down"))] * 3, Reply(), max_attempts=4)
@@ -167,7 +168,7 @@ GEMINI_429 = {
         pytest.param({"Retry-After": "1"}, 1.0, id="header-wins"),
     ],
 )
-def test_b9_74_gemini_resource_exhausted_retry_info(
+def test_gemini_resource_exhausted_retry_info(
     client: Callable[..., Client],
     server: ScriptedServer,
     headers: dict[str, str],
@@ -181,10 +182,10 @@ def test_b9_74_gemini_resource_exhausted_retry_info(
     assert result.completion["choices"][0]["message"]["content"] == "hi"
 
 
-# B9 75: x-should-retry -------------------------------------------------------------------------
+# x-should-retry wins over the status ------------------------------------------------------------
 
 
-def test_b9_75_x_should_retry_false_on_503_is_not_retried(
+def test_x_should_retry_false_on_503_is_not_retried(
     client: Callable[..., Client], server: ScriptedServer
 ) -> None:
     c = client(Reply(503, error_body("overloaded"), {"x-should-retry": "false"}), Reply())
@@ -196,7 +197,7 @@ def test_b9_75_x_should_retry_false_on_503_is_not_retried(
     assert c.sleeps == []
 
 
-def test_b9_75_x_should_retry_true_on_400_is_retried(
+def test_x_should_retry_true_on_400_is_retried(
     client: Callable[..., Client], server: ScriptedServer
 ) -> None:
     c = client(Reply(400, error_body("try again"), {"x-should-retry": "true"}), Reply())
@@ -206,11 +207,11 @@ def test_b9_75_x_should_retry_true_on_400_is_retried(
     assert len(c.sleeps) == 1
 
 
-# B9 76: which statuses are retried -------------------------------------------------------------
+# 5xx and 529 are retried, 4xx other than 408/409/429 never --------------------------------------
 
 
 @pytest.mark.parametrize("status", [500, 502, 503, 504, 529, 408, 409])
-def test_b9_76_transient_statuses_are_retried(
+def test_transient_statuses_are_retried(
     client: Callable[..., Client], server: ScriptedServer, status: int
 ) -> None:
     c = client(Reply(status, error_body("transient")), Reply())
@@ -222,7 +223,7 @@ def test_b9_76_transient_statuses_are_retried(
 
 
 @pytest.mark.parametrize("status", [400, 401, 403, 404, 422])
-def test_b9_76_request_faults_are_never_retried(
+def test_request_faults_are_never_retried(
     client: Callable[..., Client], server: ScriptedServer, status: int
 ) -> None:
     c = client(Reply(status, error_body("fix the request")), Reply())
@@ -246,7 +247,7 @@ ANTHROPIC_OK = {
 }
 
 
-def test_b9_76_anthropic_529_overloaded_error_is_retried(
+def test_anthropic_529_overloaded_error_is_retried(
     client: Callable[..., Client], server: ScriptedServer
 ) -> None:
     overloaded = {"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}}
@@ -257,12 +258,10 @@ def test_b9_76_anthropic_529_overloaded_error_is_retried(
     assert result.completion["choices"][0]["message"]["content"] == "hi"
 
 
-# B9 77: timeouts, total deadline, truncated streams --------------------------------------------
+# Timeouts, the total deadline, truncated streams restarted whole --------------------------------
 
 
-def test_b9_77_read_timeout_is_retried(
-    client: Callable[..., Client], server: ScriptedServer
-) -> None:
+def test_read_timeout_is_retried(client: Callable[..., Client], server: ScriptedServer) -> None:
     c = client(Reply(delay_s=1.0), Reply(), read_timeout_s=0.2)
     result = c.complete()
     assert result.attempts == 2
@@ -270,7 +269,7 @@ def test_b9_77_read_timeout_is_retried(
     assert len(c.sleeps) == 1
 
 
-def test_b9_77_total_deadline_stops_a_long_retry_after(
+def test_total_deadline_stops_a_long_retry_after(
     client: Callable[..., Client], server: ScriptedServer
 ) -> None:
     c = client(
@@ -283,7 +282,7 @@ def test_b9_77_total_deadline_stops_a_long_retry_after(
     assert len(server.seen) == 1
 
 
-def test_b9_77_total_deadline_stops_repeated_timeouts(
+def test_total_deadline_stops_repeated_timeouts(
     client: Callable[..., Client], server: ScriptedServer
 ) -> None:
     c = client(
@@ -317,7 +316,7 @@ def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
     }
 
 
-def test_b9_77_truncated_stream_is_retried_whole_and_partial_output_discarded() -> None:
+def test_truncated_stream_is_retried_whole_and_partial_output_discarded() -> None:
     truncated = sse(
         chunk({"role": "assistant", "content": "Hel"}),
         chunk({"tool_calls": [{"index": 0, "id": "call_1", "function": {"name": "f"}}]}),
@@ -349,10 +348,10 @@ def test_b9_77_truncated_stream_is_retried_whole_and_partial_output_discarded() 
     assert "tool_calls" not in message  # the half-built call is gone
 
 
-# B9 78: retry safety ---------------------------------------------------------------------------
+# Never a model call again once a tool of that turn ran ------------------------------------------
 
 
-def test_b9_78_retry_budget_is_per_model_call(
+def test_retry_budget_is_per_model_call(
     client: Callable[..., Client], server: ScriptedServer
 ) -> None:
     c = client(max_attempts=2)
@@ -381,7 +380,7 @@ TWO_CALLS = canonical_completion(
         pytest.param({0: ok("sunny"), 1: ok("12:00")}, id="all-tools-ran"),
     ],
 )
-def test_b9_78_a_stored_round_reply_is_never_requested_again(
+def test_a_stored_round_reply_is_never_requested_again(
     stored: dict[int, ToolOutcome],
 ) -> None:
     s = session(make_spec(), Round(reply=ModelReply.parse(TWO_CALLS), outcomes=stored))
@@ -416,7 +415,7 @@ def last_sent(dispatch: StepQueue) -> Published:
     return dispatch.sent[-1]
 
 
-def test_b9_78_round_step_calls_the_model_only_before_its_tools_run() -> None:
+def test_round_step_calls_the_model_only_before_its_tools_run() -> None:
     store = MemoryStore()
     store.submit("s1", spec_from_json(make_spec()))
     dispatch = StepQueue()
@@ -454,10 +453,10 @@ def test_b9_78_round_step_calls_the_model_only_before_its_tools_run() -> None:
     assert body is not None and body["choices"][0]["message"]["content"] == "done"
 
 
-# B10 82: retried attempts that returned usage --------------------------------------------------
+# Retried attempts that returned usage count in the run's totals ---------------------------------
 
 
-def test_b10_82_retried_attempt_usage_reaches_run_totals(
+def test_retried_attempt_usage_reaches_run_totals(
     client: Callable[..., Client], server: ScriptedServer
 ) -> None:
     c = client(Reply(body=completion(None)), Reply())  # each reply bills 4 tokens

@@ -1,5 +1,6 @@
-"""Conformance cases of docs/provider-conformance.md section B that are session-engine
-behaviour (B1 8, B1 15, B7 65-68, B10 82), one test name per case number.
+"""Conformance cases of docs/provider-conformance.md that are session-engine behaviour: an
+unknown tool name, tool-message ordering, max turns, a per-tool timeout, a tool that fails,
+repeated calls, and the run's usage totals.
 
 Sessions are driven through the real `plan` / `transcript` / `metrics` of worker.session.engine;
 tools that time out or trap are real WASM guests (fixtures/guests) run by WasmToolRuntime and
@@ -175,12 +176,12 @@ def execute(runner: StepRunner, s: Session, index: int) -> ToolOutcome:
     return ToolCaller(runner.tools(), runner.settings.fleet.tool_defaults).run(s.spec, run)
 
 
-# B1 8: unknown tool name -----------------------------------------------------------------------
+# An unknown tool name is an error result, never a raise -----------------------------------------
 
 UNKNOWN_BODY = '{"error":{"code":"TOOL_NOT_FOUND","message":"unknown tool: get_wether"}}'
 
 
-def test_b1_08_unknown_tool_is_an_error_result() -> None:
+def test_unknown_tool_is_an_error_result() -> None:
     reply = completion(
         call("call_x", "get_wether", '{"city":"Paris"}'),
         call("call_a", "get_weather", '{"city":"Paris"}'),
@@ -199,7 +200,7 @@ def test_b1_08_unknown_tool_is_an_error_result() -> None:
     assert nxt.messages[-2:] == [tool_msg("call_x", UNKNOWN_BODY), tool_msg("call_a", "sunny")]
 
 
-def test_b1_08_unknown_tool_never_raises_out_of_the_loop() -> None:
+def test_unknown_tool_never_raises_out_of_the_loop() -> None:
     replies = [
         completion(call("call_x", "get_wether", "{}"), completion_id="c0"),
         completion(call("call_y", "rm_rf", '{"path":"/"}'), completion_id="c1"),
@@ -214,10 +215,10 @@ def test_b1_08_unknown_tool_never_raises_out_of_the_loop() -> None:
     assert [json.loads(m["content"])["error"]["code"] for m in tools] == ["TOOL_NOT_FOUND"] * 2
 
 
-def test_b1_08_unknown_tool_error_keeps_the_guest_abi_text() -> None:
-    """B1 8 would list the valid names; guest-abi.md section 4 fixes the exact message (SPEAR
-    guests search these bytes), and the tools the model may call are in every request anyway.
-    The ABI wins: the message names the unknown tool and nothing else."""
+def test_unknown_tool_error_keeps_the_guest_abi_text() -> None:
+    """The conformance notes would list the valid names; guest-abi.md section 4 fixes the
+    exact message (SPEAR guests search these bytes), and the tools the model may call are in
+    every request anyway. The ABI wins: the message names the unknown tool and nothing else."""
     s = session(
         make_spec(), Round(reply=Reply.parse(completion(call("call_x", "get_wether", "{}"))))
     )
@@ -229,7 +230,7 @@ def test_b1_08_unknown_tool_error_keeps_the_guest_abi_text() -> None:
     }
 
 
-# B1 15: tool message ordering -------------------------------------------------------------------
+# Each call id gets one tool message, right after its turn, in call order ------------------------
 
 FIRST = completion(
     call("call_a", "get_weather", '{"city":"Paris"}'),
@@ -256,7 +257,7 @@ def two_rounds_stored_out_of_order() -> Session:
     return with_outcomes(s, {1: ok("hot"), **step.presets})
 
 
-def test_b1_15_tool_messages_follow_their_turn_in_call_order() -> None:
+def test_tool_messages_follow_their_turn_in_call_order() -> None:
     s = two_rounds_stored_out_of_order()
     assert list(s.rounds[0].outcomes) == [2, 1, 0]
     step = plan(s)
@@ -297,7 +298,7 @@ def _history() -> tuple[ChatRequest, list[list[str]]]:
     return request, [["call_a", "call_b", "call_c"], ["call_d", "call_e"]]
 
 
-def test_b1_15_anthropic_tool_results_in_one_user_turn_in_call_order() -> None:
+def test_anthropic_tool_results_in_one_user_turn_in_call_order() -> None:
     request, ids = _history()
     turns = AnthropicCodec().encode(request).body["messages"]
     assert [t["role"] for t in turns] == ["user", "assistant", "user", "assistant", "user"]
@@ -310,7 +311,7 @@ def test_b1_15_anthropic_tool_results_in_one_user_turn_in_call_order() -> None:
     assert [b.get("is_error", False) for b in turns[4]["content"]] == [True, False]
 
 
-def test_b1_15_gemini_function_responses_in_one_user_content_in_call_order() -> None:
+def test_gemini_function_responses_in_one_user_content_in_call_order() -> None:
     request, ids = _history()
     contents = GeminiCodec().encode(request).body["contents"]
     assert [c["role"] for c in contents] == ["user", "model", "user", "model", "user"]
@@ -330,11 +331,11 @@ def test_b1_15_gemini_function_responses_in_one_user_content_in_call_order() -> 
     }
 
 
-# B7 65: max turns -------------------------------------------------------------------------------
+# Max turns: a typed error, every call answered --------------------------------------------------
 
 
 @pytest.mark.parametrize("max_iterations", [1, 2, 3])
-def test_b7_65_max_turns_ends_with_typed_error_and_answered_transcript(
+def test_max_turns_ends_with_typed_error_and_answered_transcript(
     max_iterations: int,
 ) -> None:
     replies = [
@@ -365,10 +366,10 @@ def test_b7_65_max_turns_ends_with_typed_error_and_answered_transcript(
     ]
 
 
-# B7 66: per-tool timeout ------------------------------------------------------------------------
+# A per-tool timeout is an error result; the loop continues --------------------------------------
 
 
-def test_b7_66_tool_that_never_returns_times_out(
+def test_tool_that_never_returns_times_out(
     make_runner: Callable[[], StepRunner], guests: Guests
 ) -> None:
     rt = make_runner().tools()
@@ -378,7 +379,7 @@ def test_b7_66_tool_that_never_returns_times_out(
         rt.run(invocation)
 
 
-def test_b7_66_timeout_is_an_error_result_and_siblings_keep_call_order(
+def test_timeout_is_an_error_result_and_siblings_keep_call_order(
     make_runner: Callable[[], StepRunner], guests: Guests
 ) -> None:
     spec = make_spec(
@@ -431,10 +432,10 @@ def test_b7_66_timeout_is_an_error_result_and_siblings_keep_call_order(
     ]
 
 
-# B7 67: a tool that fails -----------------------------------------------------------------------
+# A tool that fails is an error result; its siblings keep theirs ---------------------------------
 
 
-def test_b7_67_trapping_tool_is_an_error_result_and_keeps_siblings(
+def test_trapping_tool_is_an_error_result_and_keeps_siblings(
     make_runner: Callable[[], StepRunner], guests: Guests
 ) -> None:
     spec = make_spec(
@@ -474,7 +475,7 @@ def test_b7_67_trapping_tool_is_an_error_result_and_keeps_siblings(
     assert metrics(s, 0)["tool_failures"] == 1
 
 
-# B7 68: repetition ------------------------------------------------------------------------------
+# The same call repeated in a row is refused -----------------------------------------------------
 
 REPEATED = err(
     "REPEATED_CALL",
@@ -494,7 +495,7 @@ def rounds_asking(*arguments: str, extra: list[dict[str, Any]] | None = None) ->
     return session(make_spec(), *rounds)
 
 
-def test_b7_68_third_identical_call_is_a_repeated_call_error() -> None:
+def test_third_identical_call_is_a_repeated_call_error() -> None:
     assert REPEAT_LIMIT == 3
     # the same call, spelt three ways: compared after canonicalisation
     s = rounds_asking('{"city":"Paris"}', '{ "city" : "Paris" }', '{"city": "Paris"}')
@@ -517,14 +518,14 @@ def test_b7_68_third_identical_call_is_a_repeated_call_error() -> None:
         pytest.param(['{"city":"Paris"}', '{"city":"Paris"}', '{"city":"Rome"}'], id="changed"),
     ],
 )
-def test_b7_68_fewer_repeats_or_a_different_argument_runs_the_call(arguments: list[str]) -> None:
+def test_fewer_repeats_or_a_different_argument_runs_the_call(arguments: list[str]) -> None:
     step = plan(rounds_asking(*arguments))
     assert isinstance(step, RunTools)
     assert step.presets == {}
     assert [r.index for r in step.runs] == [0]
 
 
-def test_b7_68_fourth_identical_call_is_refused_again_and_siblings_still_run() -> None:
+def test_fourth_identical_call_is_refused_again_and_siblings_still_run() -> None:
     paris = '{"city":"Paris"}'
     s = rounds_asking(paris, paris, paris, paris, extra=[call("call_t", "get_time", "{}")])
     step = plan(s)
@@ -533,10 +534,10 @@ def test_b7_68_fourth_identical_call_is_refused_again_and_siblings_still_run() -
     assert [(r.index, r.name) for r in step.runs] == [(1, "get_time")]
 
 
-# B10 82: run totals -----------------------------------------------------------------------------
+# Run totals: the final usage of every call, never streamed partials -----------------------------
 
 
-def test_b10_82_run_totals_sum_the_final_usage_of_every_call() -> None:
+def test_run_totals_sum_the_final_usage_of_every_call() -> None:
     usages = [
         {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15},
         {"prompt_tokens": 30, "completion_tokens": 7, "total_tokens": 37},
@@ -597,7 +598,7 @@ CALL_CHUNK = stream_chunk({"tool_calls": [frag(0, id="call_s", name="get_time", 
         ),
     ],
 )
-def test_b10_82_streaming_partials_are_never_summed(body: bytes) -> None:
+def test_streaming_partials_are_never_summed(body: bytes) -> None:
     asm, _ = run_stream(body)
     streamed = asm.result()
     assert streamed["usage"] == normalize_usage(USAGE)  # only the final usage, not a sum

@@ -1,7 +1,8 @@
-"""OpenAI chat codec: conformance B1 (provider-conformance.md), one test per case number.
+"""OpenAI chat codec: each case of provider-conformance.md's list of non-streamed
+OpenAI-compatible replies.
 
-Cases 8 (unknown tool name) and 15 (tool-message ordering) belong to the session engine and
-are tested there; case 10 is tested here only for what the codec must keep.
+An unknown tool name and tool-message ordering belong to the session engine and are tested
+there; text beside tool calls is tested here only for what the codec must keep.
 """
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ import pytest
 from schemas.spec_types import INVALID_CALL_NAME
 from worker.codecs.openai_chat import (
     build_request,
+    content_text,
     decode_arguments,
     is_empty_reply,
     is_truncated,
     normalize_completion,
     tool_calls_of,
     tool_message_content,
+    tool_result_text,
 )
 from worker.errors import ProviderProtocolError, ToolValidationError
 
@@ -60,17 +63,17 @@ def only_call(raw: dict[str, Any]) -> dict[str, Any]:
     return calls[0]
 
 
-# B1 ------------------------------------------------------------------------------------------
+# Non-streamed replies: arguments, ids, types, finish reasons, tool output, reasoning, usage --
 
 
-def test_b1_01_empty_arguments() -> None:
+def test_empty_arguments() -> None:
     assert only_call(calls_reply(call(arguments="")))["function"]["arguments"] == "{}"
     assert only_call(calls_reply(call(arguments=None)))["function"]["arguments"] == "{}"
     assert decode_arguments("") == {}
     assert decode_arguments("  \n") == {}
 
 
-def test_b1_02_invalid_json_arguments() -> None:
+def test_invalid_json_arguments() -> None:
     raw = '{"city": "Paris", "days": }'
     # The raw text is kept in the normalised reply: the replay stays byte-faithful.
     assert only_call(calls_reply(call(arguments=raw)))["function"]["arguments"] == raw
@@ -93,23 +96,23 @@ def test_b1_02_invalid_json_arguments() -> None:
         ('```{"city": "Paris"}```', {"city": "Paris"}),
     ],
 )
-def test_b1_02_cheap_repair(raw: str, expected: dict[str, Any]) -> None:
+def test_cheap_repair(raw: str, expected: dict[str, Any]) -> None:
     assert decode_arguments(raw) == expected
 
 
 @pytest.mark.parametrize("raw", ['{"a": 1}}', '{"a": ]', "{'a': 1}", '{"a" 1}', "not json"])
-def test_b1_02_no_repair_when_malformed_not_truncated(raw: str) -> None:
+def test_no_repair_when_malformed_not_truncated(raw: str) -> None:
     with pytest.raises(ToolValidationError, match=r"^invalid JSON arguments: .*resend valid JSON$"):
         decode_arguments(raw)
 
 
-def test_b1_03_arguments_already_object() -> None:
+def test_arguments_already_object() -> None:
     got = only_call(calls_reply(call(arguments={"city": "Paris", "n": [1, 2]})))
     assert got["function"]["arguments"] == '{"city":"Paris","n":[1,2]}'
     assert decode_arguments(got["function"]["arguments"]) == {"city": "Paris", "n": [1, 2]}
 
 
-def test_b1_04_double_encoded_arguments() -> None:
+def test_double_encoded_arguments() -> None:
     raw = json.dumps(json.dumps({"city": "Paris"}))
     assert decode_arguments(raw) == {"city": "Paris"}
 
@@ -118,17 +121,17 @@ def test_b1_04_double_encoded_arguments() -> None:
     ("raw", "kind"),
     [('["Paris"]', "array"), ('"Paris"', "string"), ("3", "number"), ("true", "boolean")],
 )
-def test_b1_05_valid_json_not_object(raw: str, kind: str) -> None:
+def test_valid_json_not_object(raw: str, kind: str) -> None:
     with pytest.raises(ToolValidationError) as info:
         decode_arguments(raw)
     assert info.value.message == f"tool arguments must be a JSON object, got {kind}"
 
 
-def test_b1_05_null_is_no_arguments() -> None:
+def test_null_is_no_arguments() -> None:
     assert decode_arguments("null") == {}
 
 
-def test_b1_06_missing_or_empty_id() -> None:
+def test_missing_or_empty_id() -> None:
     missing = {"type": "function", "function": {"name": "f", "arguments": "{}"}}
     raw = calls_reply(missing, call(id=""))
     first = tool_calls_of(normalize_completion(raw))
@@ -138,7 +141,7 @@ def test_b1_06_missing_or_empty_id() -> None:
     assert tool_calls_of(normalize_completion(raw)) == first
 
 
-def test_b1_07_duplicate_ids_renamed() -> None:
+def test_duplicate_ids_renamed() -> None:
     raw = calls_reply(call(id="call_0"), call(id="call_0"), call(id="call_0"), call(id="x"))
     assert [c["id"] for c in tool_calls_of(normalize_completion(raw))] == [
         "call_0",
@@ -148,13 +151,13 @@ def test_b1_07_duplicate_ids_renamed() -> None:
     ]
 
 
-def test_b1_07_renamed_id_never_clashes() -> None:
+def test_renamed_id_never_clashes() -> None:
     raw = calls_reply(call(id="a"), call(id="a"), call(id="a_2"))
     ids = [c["id"] for c in tool_calls_of(normalize_completion(raw))]
     assert ids == ["a", "a_3", "a_2"]
 
 
-def test_b1_09_missing_type_defaults_to_function() -> None:
+def test_missing_type_defaults_to_function() -> None:
     raw = calls_reply({"id": "c1", "function": {"name": "f", "arguments": "{}"}})
     assert only_call(raw) == {
         "id": "c1",
@@ -163,19 +166,19 @@ def test_b1_09_missing_type_defaults_to_function() -> None:
     }
 
 
-def test_b1_10_text_and_tool_calls_together() -> None:
+def test_text_and_tool_calls_together() -> None:
     raw = reply({"role": "assistant", "content": "Let me check.", "tool_calls": [call()]})
     message = normalize_completion(raw)["choices"][0]["message"]
     assert message["content"] == "Let me check."
     assert len(message["tool_calls"]) == 1
 
 
-def test_b1_11_stop_with_tool_calls_means_tool_calls() -> None:
+def test_stop_with_tool_calls_means_tool_calls() -> None:
     completion = normalize_completion(calls_reply(call(), finish_reason="stop"))
     assert completion["choices"][0]["finish_reason"] == "tool_calls"
 
 
-def test_b1_12_tool_calls_finish_without_calls() -> None:
+def test_tool_calls_finish_without_calls() -> None:
     text = normalize_completion(reply({"role": "assistant", "content": "Hi"}, "tool_calls"))
     assert text["choices"][0]["finish_reason"] == "stop"
     assert not is_empty_reply(text)
@@ -185,7 +188,7 @@ def test_b1_12_tool_calls_finish_without_calls() -> None:
     assert "tool_calls" not in empty["choices"][0]["message"]
 
 
-def test_b1_13_length_mid_tool_call_is_kept_as_length() -> None:
+def test_length_mid_tool_call_is_kept_as_length() -> None:
     completion = normalize_completion(
         calls_reply(call(arguments='{"path":"/tmp/a'), finish_reason="length")
     )
@@ -195,7 +198,7 @@ def test_b1_13_length_mid_tool_call_is_kept_as_length() -> None:
     assert not is_truncated(normalize_completion(calls_reply(call())))
 
 
-def test_b1_14_legacy_function_call() -> None:
+def test_legacy_function_call() -> None:
     raw = reply(
         {
             "role": "assistant",
@@ -226,11 +229,44 @@ def test_b1_14_legacy_function_call() -> None:
         ({}, "{}"),
     ],
 )
-def test_b1_16_non_string_tool_output(output: Any, expected: str) -> None:
+def test_non_string_tool_output(output: Any, expected: str) -> None:
     assert tool_message_content(output) == expected
 
 
-def test_b1_17_reasoning_fields_kept_under_their_names() -> None:
+PARTS = [
+    {"type": "text", "text": "A"},
+    {"type": "image_url", "image_url": {"url": "https://h/x.png"}},
+    "bare string",
+    {"type": "text", "text": 5},
+    {"type": "text"},
+    {"type": "text", "text": "B"},
+]
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [("plain", "plain"), ("", ""), (None, ""), (PARTS, "AB"), ([], ""), ({"text": "x"}, "")],
+)
+def test_content_text_is_the_text_of_the_text_parts(content: Any, expected: str) -> None:
+    assert content_text(content) == expected
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        ("18C", "18C"),
+        (PARTS, "AB"),
+        ([{"type": "image_url", "image_url": {"url": "https://h/x.png"}}], "(no output)"),
+        ({"time": "12:00"}, '{"time":"12:00"}'),
+        (None, "(no output)"),
+        ("", "(no output)"),
+    ],
+)
+def test_tool_result_text_is_never_empty(content: Any, expected: str) -> None:
+    assert tool_result_text(content) == expected
+
+
+def test_reasoning_fields_kept_under_their_names() -> None:
     for name in ("reasoning_content", "reasoning"):
         raw = reply({"role": "assistant", "content": "4", name: "2+2"})
         message = normalize_completion(raw)["choices"][0]["message"]
@@ -269,7 +305,7 @@ def test_content_parts_joined() -> None:
     assert normalize_completion(raw)["choices"][0]["message"]["content"] == "ab"
 
 
-def test_b10_79_usage_normalised() -> None:
+def test_usage_normalised() -> None:
     usage = {
         "prompt_tokens": 10,
         "completion_tokens": 5.0,

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from fixtures.demo_batch import KINDS, check, demo_specs, on_backend
-from producer.fleet import REPLAY_PROTOCOL_PATHS, replay_backend_name
+from producer.fleet import replay_backend_name
+from schemas.protocols import NAMES as PROTOCOL_NAMES
 from tests.conftest import Running
 from tests.test_pipeline import assert_tool_messages_paired, run_specs
 
@@ -20,7 +21,7 @@ SPEC_KINDS = [k for k in KINDS if not k.startswith("program")]
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
-@pytest.mark.parametrize("protocol", sorted(REPLAY_PROTOCOL_PATHS))
+@pytest.mark.parametrize("protocol", sorted(PROTOCOL_NAMES))
 def test_demo_sessions_same_outcomes_on_every_protocol(
     running: Running, tmp_path: Path, fresh_id: str, protocol: str, stream: bool
 ) -> None:

@@ -814,7 +814,7 @@ class TagsDriver(OpenAIDriver):
             chunks = [json.loads(d) for _, d in sse_events(response)[:-1]]
             pieces = [c["choices"][0]["delta"].get("content", "") for c in chunks]
             content = "".join(pieces)
-            if "<tool_call>" in content:  # every tag is cut across two chunks (B6 58)
+            if "<tool_call>" in content:  # every tag is cut across two chunks
                 assert "<tool" in pieces and all("<tool_call>" not in p for p in pieces)
             finish = chunks[-1]["choices"][0]["finish_reason"]
         else:

@@ -1,4 +1,5 @@
-"""Retry maths (conformance B9.74-77): table tests, no clock and no network."""
+"""Retry maths (Retry-After, x-should-retry, retried statuses, backoff with jitter): table
+tests, no clock and no network."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""SSE parsing: conformance B8.70-73 (provider-conformance.md), one test per case number."""
+"""SSE parsing as provider-conformance.md asks of it: fields, line ends, split characters,
+comments and keep-alives, [DONE], and a reply that is no stream."""
 
 from __future__ import annotations
 
@@ -35,20 +36,20 @@ SAMPLE_EVENTS = [
 ]
 
 
-def test_b8_70_data_with_and_without_leading_space() -> None:
+def test_data_with_and_without_leading_space() -> None:
     events = parse(b"data: a\n\ndata:b\n\ndata:  c\n\n")
     assert [e.data for e in events] == ["a", "b", " c"]  # only one space is dropped
 
 
-def test_b8_70_several_data_lines_joined_with_newline() -> None:
+def test_several_data_lines_joined_with_newline() -> None:
     assert parse(b'data: {\ndata:  "a": 1\ndata: }\n\n') == [SseEvent("message", '{\n "a": 1\n}')]
 
 
-def test_b8_70_empty_data_line_still_dispatches() -> None:
+def test_empty_data_line_still_dispatches() -> None:
     assert parse(b"data\n\ndata:\n\n") == [SseEvent("message", ""), SseEvent("message", "")]
 
 
-def test_b8_70_event_id_and_retry_fields() -> None:
+def test_event_id_and_retry_fields() -> None:
     parser = SseParser()
     events = parser.feed(
         b"event: message_start\nid: 1\nretry: 1500\ndata: {}\n\n"
@@ -66,12 +67,12 @@ def test_b8_70_event_id_and_retry_fields() -> None:
 
 
 @pytest.mark.parametrize("end", [b"\n", b"\r\n", b"\r"])
-def test_b8_70_line_endings(end: bytes) -> None:
+def test_line_endings(end: bytes) -> None:
     body = b"event: e" + end + b"data: 1" + end + b"data: 2" + end + end + b"data: 3" + end + end
     assert parse(body) == [SseEvent("e", "1\n2"), SseEvent("message", "3")]
 
 
-def test_b8_70_crlf_split_across_reads_is_one_line_end() -> None:
+def test_crlf_split_across_reads_is_one_line_end() -> None:
     # "data: a\r" | "\n" must not read as "data: a", "" (a dispatch) and then "data: b".
     assert parse(b"data: a\r", b"\ndata: b\r\n\r\n") == [SseEvent("message", "a\nb")]
     assert parse(b"data: a\r", b"", b"\n", b"data: b\r", b"\n\r", b"\n") == [
@@ -81,18 +82,18 @@ def test_b8_70_crlf_split_across_reads_is_one_line_end() -> None:
     assert parse(b"data: a\r", b"data: b\r\r") == [SseEvent("message", "a\nb")]
 
 
-def test_b8_70_multibyte_character_split_across_reads() -> None:
+def test_multibyte_character_split_across_reads() -> None:
     euro = "data: 5 €\n\n".encode()
     for cut in range(len(euro) + 1):
         assert parse(euro[:cut], euro[cut:]) == [SseEvent("message", "5 €")]
     assert parse(*[bytes([b]) for b in "data: 😀\n\n".encode()]) == [SseEvent("message", "😀")]
 
 
-def test_b8_70_invalid_utf8_is_replaced_not_raised() -> None:
+def test_invalid_utf8_is_replaced_not_raised() -> None:
     assert parse(b"data: \xff\n\n") == [SseEvent("message", "\ufffd")]
 
 
-def test_b8_70_blank_line_dispatches_and_blocks_without_data_do_not() -> None:
+def test_blank_line_dispatches_and_blocks_without_data_do_not() -> None:
     parser = SseParser()
     assert parser.feed(b"data: a\n") == []
     assert parser.feed(b"\n") == [SseEvent("message", "a")]
@@ -100,23 +101,23 @@ def test_b8_70_blank_line_dispatches_and_blocks_without_data_do_not() -> None:
     assert parser.feed(b"data: b\n\n") == [SseEvent("message", "b", "3")]
 
 
-def test_b8_70_bom_stripped_once() -> None:
+def test_bom_stripped_once() -> None:
     assert parse(b"\xef\xbb\xbf", b"data: a\n\n") == [SseEvent("message", "a")]
 
 
-def test_b8_71_comments_and_keep_alives_ignored() -> None:
+def test_comments_and_keep_alives_ignored() -> None:
     body = (
         b": keep-alive\n: OPENROUTER PROCESSING\n\ndata: a\n:comment inside an event\ndata: b\n\n"
     )
     assert parse(body) == [SseEvent("message", "a\nb")]
 
 
-def test_b8_71_ping_events_are_plain_events() -> None:
+def test_ping_events_are_plain_events() -> None:
     body = b'event: ping\ndata: {"type": "ping"}\n\n'
     assert parse(body) == [SseEvent("ping", '{"type": "ping"}')]
 
 
-def test_b8_72_done_is_an_ordinary_event_for_the_parser() -> None:
+def test_done_is_an_ordinary_event_for_the_parser() -> None:
     assert parse(b"data: [DONE]\n\n") == [SseEvent("message", "[DONE]")]
 
 
@@ -133,7 +134,7 @@ def test_b8_72_done_is_an_ordinary_event_for_the_parser() -> None:
         ("", False),
     ],
 )
-def test_b8_73_non_sse_reply_is_not_a_stream(content_type: str, expected: bool) -> None:
+def test_non_sse_reply_is_not_a_stream(content_type: str, expected: bool) -> None:
     assert looks_like_sse(content_type) is expected
 
 

@@ -7,17 +7,12 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 from celery import Celery
 from celery._state import get_current_task
 
-from worker.codecs.anthropic import AnthropicCodec
-from worker.codecs.gemini import GeminiCodec
-from worker.codecs.openai_codec import OpenAICodec
-from worker.codecs.protocol import Codec
-from worker.codecs.text_tags import TextTagCodec
+from worker.codecs.registry import codec_for
 from worker.config import BackendConfig, Settings, load_settings
 from worker.edges import broker
 from worker.edges.dispatch import Dispatcher
@@ -31,13 +26,6 @@ from worker.guest.step import ProgramSteps
 from worker.session.mcp_offer import ToolRouter
 from worker.session.reconciler import Reconciler
 from worker.session.steps import StepRunner
-
-CODECS: dict[str, Callable[[], Codec]] = {
-    "openai": OpenAICodec,
-    "anthropic": AnthropicCodec,
-    "gemini": GeminiCodec,
-    "openai-text-tags": TextTagCodec,
-}
 
 
 class Wiring:
@@ -72,7 +60,7 @@ class Wiring:
             provider = self._providers.get(backend.name)
             if provider is None:
                 provider = HttpProvider(
-                    backend, CODECS[backend.protocol](), max_connections=self._pool_size
+                    backend, codec_for(backend.protocol), max_connections=self._pool_size
                 )
                 self._providers[backend.name] = provider
             return provider

@@ -1,7 +1,7 @@
 """Anthropic Messages codec: canonical OpenAI-shaped requests out (this module), canonical
 `chat.completion` dicts in (`anthropic_stream`: JSON replies and SSE streams).
 
-Pure: no I/O. Case numbers (A, B3.n, B10.n) refer to docs/provider-conformance.md.
+Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from schemas.protocols import ANTHROPIC
 from schemas.spec_types import default_parameters
 from worker.codecs.anthropic_stream import (
     AnthropicStreamAssembler,
@@ -18,8 +19,8 @@ from worker.codecs.anthropic_stream import (
     reverse_ids,
     wire_id,
 )
-from worker.codecs.openai_chat import NO_OUTPUT, decode_arguments, tool_message_content
-from worker.codecs.protocol import ChatRequest, WireRequest
+from worker.codecs.openai_chat import NO_OUTPUT, content_text, decode_arguments, tool_result_text
+from worker.codecs.protocol import ChatRequest, WireRequest, own_replay
 from worker.errors import ProviderRequestError, ToolValidationError
 
 if TYPE_CHECKING:
@@ -29,7 +30,7 @@ API_VERSION = "2023-06-01"
 DEFAULT_MAX_TOKENS = 4096
 MIN_THINKING_BUDGET = 1024  # the API's floor for budget_tokens
 THINKING_HEADROOM = 1024  # max_tokens >= budget + this, so thinking leaves room for the answer
-PLACEHOLDER_USER = "."  # B3.30: the first turn must be a user turn
+PLACEHOLDER_USER = "."  # the first turn must be a user turn
 
 _THINKING = frozenset({"thinking", "redacted_thinking"})
 # Owned by the codec (ChatRequest fields or translated below), never passed through.
@@ -52,7 +53,7 @@ _OPENAI_ONLY_PARAMS = frozenset(
 class AnthropicCodec:
     """The Anthropic Messages API (`POST /messages`, `anthropic-version: 2023-06-01`)."""
 
-    protocol = "anthropic"
+    protocol = ANTHROPIC.name
 
     def encode(self, request: ChatRequest) -> WireRequest:
         return WireRequest(
@@ -85,20 +86,21 @@ def build_body(request: ChatRequest) -> dict[str, Any]:
         # Would 400 "Expected `thinking`...": history from elsewhere has no signed blocks.
         thinking = None
     if thinking is None:
-        turns = _normalise([_without_thinking(t) for t in turns])  # B3.36
+        # thinking blocks are sent back only while thinking is on
+        turns = _normalise([_without_thinking(t) for t in turns])
     body: dict[str, Any] = {
         "model": request.model,
         "max_tokens": _max_tokens(request, thinking),
         "messages": turns,
     }
     if system:
-        body["system"] = "\n\n".join(system)  # B3.28
+        body["system"] = "\n\n".join(system)  # no system role inside `messages`
     elif isinstance(params.get("system"), str | list) and params["system"]:
         body["system"] = params["system"]
     tools = [_wire_tool(t) for t in request.tools]
     choice = _tool_choice(request, thinking)
     if not tools:
-        tools = _history_tools(turns)  # B3.35
+        tools = _history_tools(turns)  # tool blocks in a history without tools: a 400
         choice = {"type": "none"} if tools else None
     if tools:
         body["tools"] = tools
@@ -172,7 +174,8 @@ def _wire_tool(tool: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _history_tools(turns: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """B3.35: no tools given but the history holds tool blocks -> a stub per tool used."""
+    """No tools given but the history holds tool blocks (a 400 without tools) -> a stub per
+    tool used."""
     names = dict.fromkeys(
         b["name"]
         for t in turns
@@ -195,7 +198,7 @@ def _tool_choice(request: ChatRequest, thinking: Mapping[str, Any] | None) -> di
     else:
         wire = None
     if wire and wire["type"] in ("any", "tool") and (thinking or {}).get("type") == "enabled":
-        wire = {"type": "auto"}  # B3.37
+        wire = {"type": "auto"}  # thinking with a forced tool choice is a 400
     if request.parallel_tool_calls is False and (wire or {}).get("type") != "none":
         wire = {**(wire or {"type": "auto"}), "disable_parallel_tool_use": True}
     return wire
@@ -210,7 +213,7 @@ def _convert(messages: list[dict[str, Any]]) -> tuple[list[str], list[dict[str, 
     for i, message in enumerate(messages):
         role = message.get("role")
         if role in ("system", "developer"):
-            text = _text(message.get("content"))
+            text = content_text(message.get("content"))
             if text.strip():
                 system.append(text)
         elif role == "user":
@@ -225,8 +228,8 @@ def _convert(messages: list[dict[str, Any]]) -> tuple[list[str], list[dict[str, 
 
 
 def _normalise(turns: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """B3.29/30: merge same-role turns (tool results first), drop empty ones, start with user,
-    no trailing whitespace on an assistant prefill."""
+    """Merge same-role turns (tool results first), drop empty ones, start with user, no
+    trailing whitespace on an assistant prefill: what the Messages API accepts."""
     merged: list[dict[str, Any]] = []
     for turn in turns:
         if not turn["content"]:
@@ -255,29 +258,15 @@ def _text_block(text: str) -> dict[str, Any]:
     return {"type": "text", "text": text}
 
 
-def _text(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(
-            p if isinstance(p, str) else str(p.get("text") or "")
-            for p in content
-            if isinstance(p, str) or (isinstance(p, Mapping) and p.get("type") == "text")
-        )
-    return tool_message_content(content)
-
-
 def _user_blocks(content: Any) -> list[dict[str, Any]]:
     if not isinstance(content, list):
-        text = _text(content)
+        text = content_text(content)
         return [_text_block(text)] if text.strip() else []
     blocks: list[dict[str, Any]] = []
     for part in content:
-        if isinstance(part, str) or (isinstance(part, Mapping) and part.get("type") == "text"):
-            text = _text([part])
-            if text.strip():  # B3.30: empty text blocks are rejected
+        if isinstance(part, Mapping) and part.get("type") == "text":
+            text = content_text([part])
+            if text.strip():  # empty text blocks are rejected
                 blocks.append(_text_block(text))
         elif isinstance(part, Mapping) and part.get("type") == "image_url":
             blocks.append(_image(part.get("image_url")))
@@ -298,11 +287,11 @@ def _image(image_url: Any) -> dict[str, Any]:
 
 
 def _tool_result(message: Mapping[str, Any]) -> dict[str, Any]:
-    """B3.31/32: one `tool_result`; our error JSON `{"error": {...}}` sets `is_error`."""
-    raw = message.get("content")
-    text = _text(raw) if isinstance(raw, list) else tool_message_content(raw)
+    """One `tool_result` per call (merged into one user turn); our error JSON
+    `{"error": {...}}` sets `is_error`."""
+    text = tool_result_text(message.get("content"))
     if not text.strip():
-        text = NO_OUTPUT
+        text = NO_OUTPUT  # Anthropic rejects blank text too
     block: dict[str, Any] = {
         "type": "tool_result",
         "tool_use_id": wire_id(str(message.get("tool_call_id") or "")),
@@ -324,13 +313,12 @@ def _is_error_json(text: str) -> bool:
 
 
 def _assistant_blocks(message: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """B3.36: the turn's own wire blocks verbatim when they match its tool calls; else text +
-    tool_use built from the canonical fields (reasoning text without a signature is dropped)."""
+    """The turn's own wire blocks verbatim when they match its tool calls (signed thinking
+    must come back unchanged, or the API answers 400); else text + tool_use built from the
+    canonical fields (reasoning text without a signature is dropped)."""
     calls = [c for c in message.get("tool_calls") or [] if isinstance(c, Mapping)]
     uses = [_tool_use(c) for c in calls]
-    provider = message.get("_provider")
-    native = provider.get("anthropic") if isinstance(provider, Mapping) else None
-    blocks = native.get("content") if isinstance(native, Mapping) else None
+    blocks = own_replay(message, ANTHROPIC)
     if isinstance(blocks, list) and all(isinstance(b, Mapping) for b in blocks):
         replay = [_replay_block(b) for b in blocks]
         replay = [b for b in replay if b.get("type") != "text" or str(b.get("text")).strip()]
@@ -339,7 +327,7 @@ def _assistant_blocks(message: Mapping[str, Any]) -> list[dict[str, Any]]:
         thoughts = [b for b in replay if b.get("type") in _THINKING]
     else:
         thoughts = []
-    text = _text(message.get("content"))
+    text = content_text(message.get("content"))
     return thoughts + ([_text_block(text)] if text.strip() else []) + uses
 
 
@@ -348,7 +336,7 @@ def _replay_block(block: Mapping[str, Any]) -> dict[str, Any]:
     if out.get("type") == "tool_use":
         out["id"] = wire_id(str(out.get("id") or ""))
         if not isinstance(out.get("input"), dict):
-            out["input"] = _input_object(out.get("input"))  # B3.33
+            out["input"] = _input_object(out.get("input"))  # `input` must be an object
     return out
 
 
@@ -363,8 +351,8 @@ def _tool_use(call: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _input_object(arguments: Any) -> dict[str, Any]:
-    """B3.33: arguments -> an object; ones that never parsed -> `{}` (their error result says
-    why)."""
+    """Arguments -> the object `input` must be; ones that never parsed -> `{}` (their error
+    result says why)."""
     if isinstance(arguments, Mapping):
         return dict(arguments)
     if isinstance(arguments, str):

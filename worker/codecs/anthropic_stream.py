@@ -4,10 +4,9 @@ and the SSE stream assembler (requests are built in `anthropic`).
 Pure: no I/O. The assembler rebuilds the `message` object from the events (the way
 anthropic-python's `accumulate_event` does) and decodes it with the JSON decoder, so a streamed
 round yields exactly the canonical reply of the non-streamed one. Tool-call ids outside
-`[a-zA-Z0-9_-]` are sanitised by one deterministic function (B3.34), so one canonical id always
-gets one wire id; a reply's wire id is mapped back only when it is the sanitised form of an id
-of the request, so the map needs nothing beyond the request. Case numbers (B3.n, B4.n, B10.n)
-refer to docs/provider-conformance.md.
+`[a-zA-Z0-9_-]` (which Anthropic rejects) are sanitised by one deterministic function, so one
+canonical id always gets one wire id; a reply's wire id is mapped back only when it is the
+sanitised form of an id of the request, so the map needs nothing beyond the request.
 """
 
 from __future__ import annotations
@@ -19,9 +18,10 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from schemas.protocols import ANTHROPIC
 from schemas.spec_types import INVALID_CALL_NAME
 from worker.codecs.openai_chat import normalize_completion
-from worker.codecs.protocol import Delta, SseEvent
+from worker.codecs.protocol import Delta, SseEvent, kept_for_replay
 from worker.errors import (
     ProviderError,
     ProviderProtocolError,
@@ -66,7 +66,7 @@ _FINISH = {
 
 
 def wire_id(canonical_id: str) -> str:
-    """B3.34: the id Anthropic accepts; valid ids are kept, others get `_` for every bad
+    """The id Anthropic accepts; valid ids are kept, others get `_` for every bad
     character plus 8 hex of their hash (so `a.b` and `a:b` stay distinct)."""
     if _ID_OK.fullmatch(canonical_id):
         return canonical_id
@@ -94,7 +94,7 @@ def _error_type(error: Any) -> str:
 
 
 def _parse_input(raw: str) -> Any:
-    """Accumulated `partial_json` -> the block's `input`. B4.39: nothing streamed -> `{}`.
+    """Accumulated `partial_json` -> the block's `input`; nothing streamed -> `{}`.
     Text that does not parse (cut by max_tokens) stays a string: the decoder keeps it as the
     raw arguments, which are never run as they are."""
     if not raw.strip():
@@ -135,7 +135,7 @@ def decode_message(body: Any, ids: Mapping[str, str]) -> dict[str, Any]:
             thoughts.append(block["thinking"])
         elif kind == "tool_use":
             calls.append(_call(block, i, ids))
-        # B4.44: other blocks (redacted_thinking, server tools...) only matter for replay
+        # other blocks (redacted_thinking, server tools, future types) only matter for replay
     message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts else None}
     if calls:
         message["tool_calls"] = calls
@@ -152,12 +152,13 @@ def decode_message(body: Any, ids: Mapping[str, str]) -> dict[str, Any]:
         "choices": [{"index": 0, "message": message, "finish_reason": finish}],
         "usage": _usage(body.get("usage")),
     }
-    out = normalize_completion(raw)  # B3.38: calls decide, unless cut (length)
+    out = normalize_completion(raw)  # calls decide, unless cut off by max_tokens (length)
     choice = out["choices"][0]
     if finish == "content_filter":
-        choice["finish_reason"] = finish  # like length (B1.13), a refusal outranks its calls
+        # like length (cut-off calls never run), a refusal outranks its calls
+        choice["finish_reason"] = finish
     if any(b.get("type") != "text" for b in content):
-        choice["message"]["_provider"] = {"anthropic": {"content": _replay(content, choice)}}
+        choice["message"]["_provider"] = kept_for_replay(ANTHROPIC, _replay(content, choice))
     return out
 
 
@@ -189,7 +190,7 @@ def _replay(content: list[Any], choice: Mapping[str, Any]) -> list[Any]:
 
 
 def _usage(raw: Any) -> dict[str, Any]:
-    """B10.80: input_tokens excludes the cache reads and writes; the prompt is all three."""
+    """Anthropic's input_tokens excludes the cache reads and writes; the prompt is all three."""
     usage = raw if isinstance(raw, Mapping) else {}
     fresh, read, written, output = (
         _count(usage.get(k))
@@ -232,7 +233,8 @@ class AnthropicStreamAssembler:
     def __init__(self, ids: Mapping[str, str]) -> None:
         self._ids = ids
         self._message: dict[str, Any] | None = None
-        self._blocks: dict[int, dict[str, Any]] = {}  # B4.40: keyed by block index
+        # keyed by the block index, not the tool ordinal: text may sit at 0, tools at 1 and 2
+        self._blocks: dict[int, dict[str, Any]] = {}
         self._json: dict[int, list[str]] = {}  # partial_json fragments of tool blocks
         self._done = False
 
@@ -253,7 +255,7 @@ class AnthropicStreamAssembler:
             self._start(data.get("message"))
             return []
         if kind not in _KNOWN_EVENTS or kind == "message":
-            return []  # B4.43 ping, B4.44 future events
+            return []  # ping, and event types newer than this codec
         if self._message is None:
             raise ProviderProtocolError(f"Anthropic stream sent {kind} before message_start")
         if kind == "content_block_start":
@@ -315,7 +317,7 @@ class AnthropicStreamAssembler:
             raise ProviderProtocolError(f"Anthropic content_block_start {index} has no block")
         self._blocks[index] = copy.deepcopy(dict(block))
         if isinstance(block.get("input"), Mapping):
-            self._json[index] = []  # B4.39: the `{}` of the start event is not a fragment
+            self._json[index] = []  # the `{}` of the start event is not a fragment
 
     def _delta(self, data: Mapping[str, Any]) -> list[Delta]:
         index = _index(data)
@@ -340,7 +342,7 @@ class AnthropicStreamAssembler:
             block["signature"] = delta.get("signature")
         elif kind == "citations_delta" and btype == "text":
             block["citations"] = [*(block.get("citations") or []), delta.get("citation")]
-        return []  # B4.44: other deltas are ignored
+        return []  # other deltas (future types) are ignored, never a crash
 
     def _close(self, index: int) -> None:
         fragments = self._json.pop(index, None)
@@ -356,7 +358,7 @@ class AnthropicStreamAssembler:
                     self._message[key] = value
         usage = data.get("usage")
         if isinstance(usage, Mapping):
-            # B4.42: the counts are cumulative, so they replace (absent ones keep the start's)
+            # the counts are cumulative, so they replace (absent ones keep the start's)
             self._message["usage"].update({k: v for k, v in usage.items() if v is not None})
 
 
@@ -368,7 +370,7 @@ def _index(data: Mapping[str, Any]) -> int:
 
 
 def _stream_error(error: Any) -> ProviderError:
-    """B4.43: an `event: error` after HTTP 200."""
+    """An `event: error` after HTTP 200 (overloaded, rate limits: retried if nothing ran)."""
     kind = _error_type(error)
     message = f"Anthropic stream error: {kind}"
     if kind in _RETRYABLE_ERRORS:

@@ -1,35 +1,36 @@
 """Google Gemini generateContent codec (REST v1beta, camelCase JSON): canonical OpenAI
 `chat.completion` <-> Gemini, for JSON replies and `streamGenerateContent?alt=sse` streams.
 Requests are built here; replies are decoded in `gemini_reply` (JSON, errors) and
-`gemini_stream` (SSE). Pure: no I/O. Case numbers (B5.n, B10.n) refer to
-docs/provider-conformance.md.
+`gemini_stream` (SSE). Pure: no I/O.
 
 Decisions where the wire format leaves a choice:
-  - Call ids (B5 48): a `functionCall.id` from Gemini is the canonical id and is echoed on
+  - Call ids: a `functionCall.id` from Gemini is the canonical id and is echoed on
     `functionCall.id`/`functionResponse.id`. Without one we synthesise `gcall_<24 hex>` from
     (responseId, or model + request length when there is none, candidate index, part index,
     name): stable for a redelivered step, distinct for two calls to one tool. Ids starting with
     `gcall_` are ours and never go on the wire.
-  - Replay (B5 52): an assistant turn carrying `_provider.gemini.parts` is sent as those parts,
-    verbatim; decode keeps them whenever a part has a `thoughtSignature`, there are function
-    calls, or a part has no canonical form (code execution, inline data...). Other assistant
-    turns are rebuilt as text + functionCall parts; their `reasoning_content` is not sent (an
-    unsigned thought is useless to Gemini).
+  - Replay: an assistant turn carrying `_provider.gemini.parts` is sent as those parts,
+    verbatim (a thoughtSignature must come back on its own part, or Gemini answers 400);
+    decode keeps them whenever a part has a `thoughtSignature`, there are function calls, or
+    a part has no canonical form (code execution, inline data...). Other assistant turns are
+    rebuilt as text + functionCall parts; their `reasoning_content` is not sent (an unsigned
+    thought is useless to Gemini).
   - Consecutive contents with the same role are merged, so roles alternate and all responses
-    of one turn share one `user` content (B5 50). Every system/developer message, wherever it
-    sits, becomes a part of `systemInstruction` (Gemini has no mid-conversation system turn).
-  - Tool results (B5 49): a JSON object is sent as that object (our error JSON stays
-    `{"error": {...}}`); anything else as `{"content": <text>}`.
-  - Finish reasons: STOP/OTHER/unknown -> stop (tool_calls when calls are present, B5 51);
-    MAX_TOKENS/CONTINUATION -> length (calls then stay unexecuted, B1 13); SAFETY, RECITATION,
-    BLOCKLIST, PROHIBITED_CONTENT, SPII, LANGUAGE, IMAGE_*, MODEL_ARMOR -> content_filter.
-    MALFORMED_FUNCTION_CALL, UNEXPECTED_TOOL_CALL and MALFORMED_RESPONSE raise
-    ProviderRetryableError: nothing ran, so the round is retried under the backend's retry
-    budget (B9 78). MISSING_THOUGHT_SIGNATURE raises ProviderRequestError (our request lacked
-    a signature; a retry would fail alike).
+    of one turn share one `user` content. Every system/developer message, wherever it sits,
+    becomes a part of `systemInstruction` (Gemini has no mid-conversation system turn).
+  - Tool results (`functionResponse.response` must be an object): a JSON object is sent as
+    that object (our error JSON stays `{"error": {...}}`); anything else as
+    `{"content": <text>}`.
+  - Finish reasons: STOP/OTHER/unknown -> stop (tool_calls when calls are present: Gemini
+    says STOP even then); MAX_TOKENS/CONTINUATION -> length (a call cut off by the token
+    limit never runs); SAFETY, RECITATION, BLOCKLIST, PROHIBITED_CONTENT, SPII, LANGUAGE,
+    IMAGE_*, MODEL_ARMOR -> content_filter. MALFORMED_FUNCTION_CALL, UNEXPECTED_TOOL_CALL and
+    MALFORMED_RESPONSE raise ProviderRetryableError: nothing ran, so the round is retried
+    under the backend's retry budget. MISSING_THOUGHT_SIGNATURE raises ProviderRequestError
+    (our request lacked a signature; a retry would fail alike).
   - No candidates: `promptFeedback.blockReason` -> ProviderRequestError naming the reason (a
     retry is blocked alike); none at all -> ProviderProtocolError.
-  - Usage (B10 81): prompt = promptTokenCount + toolUsePromptTokenCount; completion =
+  - Usage: prompt = promptTokenCount + toolUsePromptTokenCount; completion =
     candidatesTokenCount + thoughtsTokenCount, unless prompt + candidates already equals
     totalTokenCount (then candidates include the thoughts); total = totalTokenCount.
     `prompt_tokens_details.cached_tokens`, `completion_tokens_details.reasoning_tokens` and the
@@ -54,6 +55,7 @@ import mimetypes
 import re
 from typing import Any
 
+from schemas.protocols import GEMINI
 from worker.codecs.gemini_reply import (
     PROTOCOL,
     SYNTHETIC_ID_PREFIX,
@@ -63,8 +65,8 @@ from worker.codecs.gemini_reply import (
 )
 from worker.codecs.gemini_schema import gemini_parameters
 from worker.codecs.gemini_stream import GeminiStreamAssembler
-from worker.codecs.openai_chat import NO_OUTPUT, decode_arguments, tool_message_content
-from worker.codecs.protocol import ChatRequest, WireRequest
+from worker.codecs.openai_chat import content_text, decode_arguments, tool_result_text
+from worker.codecs.protocol import ChatRequest, WireRequest, own_replay
 from worker.errors import ProviderRequestError, ToolValidationError
 
 __all__ = [
@@ -148,8 +150,9 @@ class GeminiCodec:
         return GeminiStreamAssembler(request)
 
     def retry_after_s(self, status: int, body: Any) -> float | None:
-        """B5 55: the `retryDelay` of a `google.rpc.RetryInfo` in `error.details` ("7s",
-        "1.5s", also "750ms" or {"seconds", "nanos"}), on whatever status the edge retries."""
+        """The `retryDelay` of a `google.rpc.RetryInfo` in `error.details` ("7s", "1.5s", also
+        "750ms" or {"seconds", "nanos"}), used when there is no Retry-After header, on whatever
+        status the edge retries."""
         return retry_delay(error_object(body))
 
 
@@ -164,7 +167,7 @@ def _contents(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], lis
     for message in messages:
         role = message.get("role")
         if role in ("system", "developer"):
-            text = _text(message.get("content"))
+            text = content_text(message.get("content"))
             if text:
                 system.append({"text": text})
         elif role == "user":
@@ -187,23 +190,9 @@ def _append(contents: list[dict[str, Any]], role: str, parts: list[dict[str, Any
         contents.append({"role": role, "parts": parts})
 
 
-def _text(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(
-            p["text"]
-            for p in content
-            if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-        )
-    return tool_message_content(content)
-
-
 def _user_parts(content: Any) -> list[dict[str, Any]]:
     if not isinstance(content, list):
-        text = _text(content)
+        text = content_text(content)
         return [{"text": text}] if text else []
     return [p for p in (_user_part(item) for item in content) if p]
 
@@ -247,12 +236,11 @@ def _model_parts(message: dict[str, Any], names: dict[str, str]) -> list[dict[st
         fn = call.get("function") or {}
         if isinstance(call.get("id"), str) and isinstance(fn.get("name"), str):
             names[call["id"]] = fn["name"]
-    provider = message.get("_provider")
-    replay = provider.get(PROTOCOL) if isinstance(provider, dict) else None
-    if isinstance(replay, dict) and isinstance(replay.get("parts"), list):
-        return copy.deepcopy(replay["parts"])  # B5 52: verbatim, signatures untouched
+    replay = own_replay(message, GEMINI)
+    if isinstance(replay, list):
+        return copy.deepcopy(replay)  # verbatim, signatures untouched
     parts: list[dict[str, Any]] = []
-    text = _text(message.get("content"))
+    text = content_text(message.get("content"))
     if text:
         parts.append({"text": text})
     for call in calls:
@@ -265,7 +253,7 @@ def _model_parts(message: dict[str, Any], names: dict[str, str]) -> list[dict[st
 
 
 def _args(arguments: Any) -> dict[str, Any]:
-    """B5 46: Gemini wants the object; text that is no object replays as `{}`."""
+    """Gemini wants `args` as an object; text that is no object replays as `{}`."""
     if isinstance(arguments, dict):
         return arguments
     if not isinstance(arguments, str):
@@ -289,7 +277,7 @@ def _function_response(message: dict[str, Any], names: dict[str, str]) -> dict[s
     name = name or message.get("name")
     if not isinstance(name, str) or not name:
         raise ProviderRequestError("a tool message answers no earlier tool call (name unknown)")
-    text = _text(message.get("content")) or NO_OUTPUT
+    text = tool_result_text(message.get("content"))
     try:
         parsed = json.loads(text)
     except ValueError:

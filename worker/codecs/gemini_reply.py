@@ -2,7 +2,7 @@
 the end of a stream, see `gemini_stream`) and the error bodies (ProviderError, RetryInfo).
 
 Pure: no I/O. The decisions (call ids, replay parts, finish reasons, usage) are listed in
-`gemini`; case numbers (B5.n, B10.n) refer to docs/provider-conformance.md.
+`gemini`.
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ import math
 import re
 from typing import Any
 
+from schemas.protocols import GEMINI
 from schemas.spec_types import INVALID_CALL_NAME
 from worker.codecs.openai_chat import _as_int
-from worker.codecs.protocol import ChatRequest
+from worker.codecs.protocol import ChatRequest, kept_for_replay
 from worker.errors import (
     ProviderError,
     ProviderProtocolError,
@@ -24,7 +25,7 @@ from worker.errors import (
     ProviderRetryableError,
 )
 
-PROTOCOL = "gemini"
+PROTOCOL = GEMINI.name
 SYNTHETIC_ID_PREFIX = "gcall_"
 
 _FILTERED = frozenset(
@@ -90,7 +91,7 @@ def decode_completion(raw: Any, request: ChatRequest) -> dict[str, Any]:
     if "".join(thoughts):
         message["reasoning_content"] = "".join(thoughts)
     if keep or calls:
-        message["_provider"] = {PROTOCOL: {"parts": copy.deepcopy(parts)}}
+        message["_provider"] = kept_for_replay(GEMINI, copy.deepcopy(parts))
 
     out: dict[str, Any] = {}
     if isinstance(raw.get("responseId"), str):
@@ -112,11 +113,13 @@ def _call(function_call: dict[str, Any], seed: str) -> dict[str, Any]:
     call_id = function_call.get("id")
     if not isinstance(call_id, str) or not call_id:
         digest = hashlib.sha256(f"{seed}\x00{name}".encode()).hexdigest()[:24]
-        call_id = SYNTHETIC_ID_PREFIX + digest  # B5 48
+        # older models send no id; never the name alone, or two calls to one tool collide
+        call_id = SYNTHETIC_ID_PREFIX + digest
     return {
         "id": call_id,
         "type": "function",
-        "function": {"name": name, "arguments": _compact({} if args is None else args)},  # B5 46
+        # a function without arguments may have no `args`
+        "function": {"name": name, "arguments": _compact({} if args is None else args)},
     }
 
 
@@ -128,7 +131,7 @@ def _finish_reason(raw: Any, has_calls: bool) -> str:
     if raw in _LENGTH:
         return "length"
     if has_calls:
-        return "tool_calls"  # B5 51: STOP even with calls
+        return "tool_calls"  # Gemini says STOP even with calls
     if raw in _FILTERED:
         return "content_filter"
     return "stop"
@@ -140,8 +143,8 @@ def _usage(raw: Any) -> dict[str, Any]:
     candidates = _as_int(meta.get("candidatesTokenCount"))
     thoughts = _as_int(meta.get("thoughtsTokenCount"))
     total = _as_int(meta["totalTokenCount"]) if "totalTokenCount" in meta else None
-    # B10 81: thoughts are usually outside candidatesTokenCount; when prompt + candidates already
-    # make the total, the candidates count includes them.
+    # Thoughts are usually outside candidatesTokenCount; when prompt + candidates already make
+    # the total, the candidates count includes them.
     included = total is not None and prompt + candidates == total
     completion = candidates if included else candidates + thoughts
     usage: dict[str, Any] = {

@@ -1,5 +1,5 @@
 """JSON Schema -> the OpenAPI subset Gemini accepts in `functionDeclarations[].parameters`
-(conformance B5 54). Pure; the input is never mutated.
+(its schema dialect). Pure; the input is never mutated.
 
 What the cleaner does, and why (each rule answers a 400 that Gemini gives):
   - `$ref` (to `#/$defs/..`, `#/definitions/..` or any local JSON pointer) is inlined; `$defs`

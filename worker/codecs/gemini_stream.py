@@ -1,7 +1,7 @@
 """Gemini `streamGenerateContent?alt=sse` streams -> display Deltas and, at the end, the
 canonical `chat.completion` (the JSON decoder of `gemini_reply` on the merged response).
 
-Pure: no I/O. Case numbers (B5.n) refer to docs/provider-conformance.md.
+Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from worker.errors import ProviderProtocolError
 
 
 class GeminiStreamAssembler:
-    """B5 53: every SSE `data:` is a whole GenerateContentResponse. Parts are kept in arrival
+    """Every SSE `data:` is a whole GenerateContentResponse. Parts are kept in arrival
     order (text increments concatenate into the content, each functionCall arrives whole and
     is appended, a thoughtSignature stays on its part); usage, responseId and modelVersion come
     from the last chunk that has them, the finish reason from the last chunk with one. Gemini

@@ -1,7 +1,7 @@
 """OpenAI chat-completions codec: request bodies out, canonical `chat.completion` dicts in.
 
 Pure: no I/O. The canonical shape is what the guest ABI returns, so every other provider codec
-translates to it. Case numbers (B1.n, B10.n) refer to docs/provider-conformance.md.
+translates to it. The cases it handles are listed in docs/provider-conformance.md.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from schemas.protocols import CHAT_REASONING_FIELDS
 from schemas.spec_types import INVALID_CALL_NAME
 from worker.errors import ProviderProtocolError, ToolValidationError
 
@@ -22,7 +23,6 @@ _RESERVED_PARAMS = frozenset({"model", "messages", "tools", "stream", "stream_op
 # Strict servers reject these with 400 when no tools are sent.
 _TOOL_ONLY_PARAMS = frozenset({"tool_choice", "parallel_tool_calls"})
 _TOP_LEVEL_KEPT = ("id", "object", "created", "model", "system_fingerprint")
-_REASONING_FIELDS = ("reasoning_content", "reasoning")  # B1.17: DeepSeek/old vLLM, new vLLM
 _USAGE_INTS = ("prompt_tokens", "completion_tokens", "total_tokens")
 _JSON_TYPE_NAMES = {str: "string", int: "number", float: "number", bool: "boolean", list: "array"}
 NO_OUTPUT = "(no output)"
@@ -30,6 +30,33 @@ NO_OUTPUT = "(no output)"
 
 def _compact(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Message content
+
+
+def content_text(content: Any) -> str:
+    """The text of a message's content: a string as it is; OpenAI-style content parts
+    (`[{"type": "text", "text": "..."}, {"type": "image_url", ...}]`) as the text of their
+    text parts, joined; anything else (None) as "". A part that is no object, or a text part
+    whose `text` is no string, is not a content part and adds nothing."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(
+            p["text"]
+            for p in content
+            if isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str)
+        )
+    return ""
+
+
+def tool_result_text(content: Any) -> str:
+    """A tool message's content as text: content parts by `content_text`, any other output by
+    `tool_message_content`; never empty, as some servers reject empty tool results."""
+    text = content_text(content) if isinstance(content, list) else tool_message_content(content)
+    return text or NO_OUTPUT
 
 
 # ---------------------------------------------------------------------------------------------
@@ -58,7 +85,7 @@ def _wire_message(message: Mapping[str, Any]) -> dict[str, Any]:
     out = dict(message)
     calls = out.get("tool_calls")
     if out.get("role") == "assistant" and isinstance(calls, list):
-        # B1.3: strict OpenAI servers accept only string arguments on replay.
+        # Strict OpenAI servers accept only string arguments on replay.
         out["tool_calls"] = [_wire_call(c) for c in calls]
     return out
 
@@ -119,7 +146,7 @@ def _normalize_message(message: Mapping[str, Any], completion_id: str) -> dict[s
     if raw_calls is not None and not isinstance(raw_calls, list):
         raise ProviderProtocolError("tool_calls is not a list")
     if not raw_calls and isinstance(message.get("function_call"), dict):
-        raw_calls = [message["function_call"]]  # B1.14: legacy single call, id synthesised below
+        raw_calls = [message["function_call"]]  # legacy: one call, its id synthesised below
         legacy = True
     else:
         legacy = False
@@ -130,7 +157,7 @@ def _normalize_message(message: Mapping[str, Any], completion_id: str) -> dict[s
     ]
     if calls:
         out["tool_calls"] = _dedupe_ids(calls)
-    for name in _REASONING_FIELDS:
+    for name in CHAT_REASONING_FIELDS:
         if message.get(name) is not None:
             out[name] = message[name]
     if isinstance(message.get("refusal"), str) and message["refusal"]:
@@ -142,12 +169,7 @@ def _content(content: Any) -> str | None:
     if content is None or isinstance(content, str):
         return content
     if isinstance(content, list):
-        # Some servers send content parts even without streaming; keep the text ones.
-        return "".join(
-            p["text"]
-            for p in content
-            if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-        )
+        return content_text(content)  # some servers send content parts even without streaming
     raise ProviderProtocolError(f"message content has unsupported type {type(content).__name__}")
 
 
@@ -170,18 +192,20 @@ def _normalize_call(
         fn = {**fn, "name": INVALID_CALL_NAME}
     args = fn.get("arguments")
     if args is None or (isinstance(args, str) and not args.strip()):
-        arguments = "{}"  # B1.1
+        arguments = "{}"  # empty-string arguments are no arguments
     elif isinstance(args, str):
-        arguments = args  # B1.2: the raw text is kept, so a replay is byte-faithful
+        arguments = args  # even invalid JSON is kept raw, so a replay is byte-faithful
     else:
-        arguments = _compact(args)  # B1.3
+        arguments = _compact(args)  # an object (llama.cpp, TGI, Ollama) is stored as text
     call_id = None if legacy else raw.get("id")
     if not isinstance(call_id, str) or not call_id:
-        call_id = _synthetic_id(completion_id, index, fn["name"], arguments)  # B1.6
+        # no id: one is made once and used on every replay
+        call_id = _synthetic_id(completion_id, index, fn["name"], arguments)
     call_type = None if legacy else raw.get("type")
     return {
         "id": call_id,
-        "type": call_type if isinstance(call_type, str) and call_type else "function",  # B1.9
+        # a call with no type is a function call
+        "type": call_type if isinstance(call_type, str) and call_type else "function",
         "function": {"name": fn["name"], "arguments": arguments},
     }
 
@@ -193,7 +217,8 @@ def _synthetic_id(completion_id: str, index: int, name: str, arguments: str) -> 
 
 
 def _dedupe_ids(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """B1.7: later duplicates become `<id>_2`, `<id>_3`..., never clashing with another id."""
+    """Duplicate ids in one turn (some local servers): later ones become `<id>_2`, `<id>_3`...,
+    never clashing with another id, so each result pairs with one call."""
     originals = {c["id"] for c in calls}
     used: set[str] = set()
     for call in calls:
@@ -210,14 +235,16 @@ def _dedupe_ids(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _finish_reason(raw: Any, has_calls: bool) -> str:
     reason = raw if isinstance(raw, str) and raw else "stop"
     if has_calls:
-        return reason if reason == "length" else "tool_calls"  # B1.11, B1.14
+        # calls decide over "stop" or "function_call", unless they were cut off
+        return reason if reason == "length" else "tool_calls"
     if reason in ("tool_calls", "function_call"):
-        return "stop"  # B1.12
+        return "stop"  # the server said tool_calls but sent none: a plain answer
     return reason
 
 
 def normalize_usage(raw: Any) -> dict[str, Any]:
-    """B10.79: the three token counts as ints; `*_details` kept exactly as received."""
+    """The three token counts as ints; `*_details` (cached, reasoning tokens) kept exactly as
+    received."""
     usage = raw if isinstance(raw, dict) else {}
     out: dict[str, Any] = {k: _as_int(usage.get(k)) for k in _USAGE_INTS}
     if usage.get("total_tokens") is None:
@@ -255,7 +282,8 @@ def is_empty_reply(completion: Mapping[str, Any]) -> bool:
 
 
 def is_truncated(completion: Mapping[str, Any]) -> bool:
-    """B1.13: calls cut by `length` must not run (decode_arguments would 'repair' them)."""
+    """A call cut off by the token limit (finish_reason length) never runs: decode_arguments
+    would 'repair' it into arguments the model never wrote."""
     return bool(completion["choices"][0].get("finish_reason") == "length")
 
 
@@ -264,9 +292,9 @@ def is_truncated(completion: Mapping[str, Any]) -> bool:
 
 
 def decode_arguments(raw: str) -> dict[str, Any]:
-    """Arguments text -> object, per B1.1-5. Raises ToolValidationError with a fix to read."""
+    """Arguments text -> object. Raises ToolValidationError with a fix for the model to read."""
     if not raw.strip():
-        return {}  # B1.1
+        return {}  # empty-string arguments are no arguments
     try:
         value = json.loads(raw)
     except json.JSONDecodeError as exc:
@@ -277,10 +305,11 @@ def decode_arguments(raw: str) -> dict[str, Any]:
         except json.JSONDecodeError:
             inner = None
         if isinstance(inner, dict):
-            log.warning("double-encoded tool arguments (%d chars) decoded", len(raw))  # B1.4
+            # double-encoded: a string that parses to an object is used
+            log.warning("double-encoded tool arguments (%d chars) decoded", len(raw))
             return inner
     if value is None:
-        return {}  # B1.5: `null` is read as "no arguments"
+        return {}  # `null` is read as "no arguments"; any other non-object is an error
     if not isinstance(value, dict):
         kind = _JSON_TYPE_NAMES.get(type(value), type(value).__name__)
         raise ToolValidationError(f"tool arguments must be a JSON object, got {kind}")
@@ -288,7 +317,8 @@ def decode_arguments(raw: str) -> dict[str, Any]:
 
 
 def _repair(raw: str, error: json.JSONDecodeError) -> Any:
-    """One cheap repair (B1.2): drop code fences, then close what a truncation left open."""
+    """One cheap repair of arguments that are no JSON: drop code fences, then close what a
+    truncation left open."""
     text = raw.strip()
     if text.startswith("```"):
         text = text[3:]
@@ -337,7 +367,8 @@ def _close_truncated(text: str) -> str | None:
 
 
 def tool_message_content(output: Any) -> str:
-    """B1.16: tool results as non-empty text (some servers reject empty content)."""
+    """Tool results as non-empty text: other values as JSON, an empty one as a placeholder
+    (some servers reject empty content)."""
     if output is None or output == "":
         return NO_OUTPUT
     if isinstance(output, str):

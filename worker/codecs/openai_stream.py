@@ -1,14 +1,15 @@
-"""OpenAI `chat.completion.chunk` streams -> the canonical `chat.completion` (conformance B2).
+"""OpenAI `chat.completion.chunk` streams -> the canonical `chat.completion`.
 
 Pure: no I/O. The assembler rebuilds the JSON the same round would have returned without
-streaming and runs it through `normalize_completion`, so every B1 rule (ids, types, empty
-arguments, finish reasons, usage) applies to streamed and non-streamed replies alike.
+streaming and runs it through `normalize_completion`, so every rule of non-streamed replies
+(ids, types, empty arguments, finish reasons, usage) applies to streamed ones alike.
 
 Tool-call fragments are merged into slots like openai-python's `accumulate_delta`: `index`
-selects the slot (B2.18-20), `id`/`type` are assigned and a repeated `name` is kept while a
-different one is appended (B2.21), `arguments` always append. A fragment without `index`
-opens a new slot when it brings an id not seen yet and otherwise continues the latest slot
-(B2.22). Only choice 0 is read.
+selects the slot (interleaved calls, even the same index twice in one chunk), `id`/`type` are
+assigned and a repeated `name` is kept while a different one is appended (some servers split
+long names), `arguments` always append. A fragment without `index` (some proxies) opens a new
+slot when it brings an id not seen yet and otherwise continues the latest slot. Only choice 0
+is read.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from worker.codecs.openai_chat import normalize_completion
+from schemas.protocols import CHAT_REASONING_FIELDS
+from worker.codecs.openai_chat import content_text, normalize_completion
 from worker.codecs.protocol import Delta, SseEvent
 from worker.codecs.retry import should_retry_status
 from worker.errors import (
@@ -30,7 +32,6 @@ from worker.errors import (
 
 DONE = "[DONE]"
 _TOP_LEVEL = ("id", "created", "model", "system_fingerprint")
-_REASONING_FIELDS = ("reasoning_content", "reasoning")  # B2.25, same names as B1.17
 _MAX_ERROR_CHARS = 300
 # error codes or types in a stream that say the request itself is wrong: retrying cannot help
 _REQUEST_FAULTS = frozenset(
@@ -64,7 +65,7 @@ class _Slot:
             return
         name = fn.get("name")
         if isinstance(name, str) and name and name != self.name:
-            self.name = (self.name or "") + name  # B2.21: a long name split in pieces
+            self.name = (self.name or "") + name  # a long name split in pieces
         args = fn.get("arguments")
         if isinstance(args, str):
             self.arguments.append(args)
@@ -90,7 +91,7 @@ class OpenAIStreamAssembler:
         self._reasoning: dict[str, list[str]] = {}
         self._slots: list[_Slot] = []
         self._by_index: dict[int, _Slot] = {}
-        self._legacy: _Slot | None = None  # B1.14 streamed: delta.function_call
+        self._legacy: _Slot | None = None  # the legacy single call, streamed: delta.function_call
         self._finish_reason: str | None = None
         self._usage: Any = None
         self._usage_final = False  # the usage came from the `choices: []` chunk
@@ -102,7 +103,7 @@ class OpenAIStreamAssembler:
 
     def feed(self, event: SseEvent) -> list[Delta]:
         if self._done:
-            return []  # B8.72: anything after [DONE] is ignored
+            return []  # anything after [DONE] is ignored
         data = event.data.strip()
         if data == DONE:
             self._done = True
@@ -120,7 +121,7 @@ class OpenAIStreamAssembler:
         if not isinstance(chunk, dict):
             raise ProviderProtocolError("stream chunk is not a JSON object")
         if chunk.get("error") is not None:
-            raise stream_error(chunk["error"])  # B2.26
+            raise stream_error(chunk["error"])  # an error object in a 200 stream
         if event.event == "error":
             raise stream_error(chunk)
         return self._chunk(chunk)
@@ -133,7 +134,7 @@ class OpenAIStreamAssembler:
         if choices is not None and not isinstance(choices, list):
             raise ProviderProtocolError("stream chunk choices is not a list")
         if chunk.get("usage") is not None:
-            # B2.24/B10.79: the `choices: []` chunk carries the usage; a server that puts a
+            # The `choices: []` chunk carries the usage; a server that puts a
             # cumulative usage on other chunks instead is read from its last one.
             if not choices:
                 self._usage, self._usage_final = chunk["usage"], True
@@ -153,12 +154,12 @@ class OpenAIStreamAssembler:
         if not isinstance(delta, dict):
             return []
         out: list[Delta] = []
-        for name in _REASONING_FIELDS:
+        for name in CHAT_REASONING_FIELDS:
             text = delta.get(name)
             if isinstance(text, str) and text:
                 self._reasoning.setdefault(name, []).append(text)
                 out.append(Delta("reasoning", text))
-        text = _text(delta.get("content"))
+        text = content_text(delta.get("content"))  # content parts, as some servers send them
         if text:
             self._content.append(text)
             out.append(Delta("content", text))
@@ -185,7 +186,7 @@ class OpenAIStreamAssembler:
             if slot is None:
                 slot = self._by_index[index] = self._open(index)
             return slot
-        # B2.22: no index. A new id opens a slot; no id (or a repeated one) continues.
+        # No index (some proxies). A new id opens a slot; no id (or a repeated one) continues.
         call_id = fragment.get("id")
         if isinstance(call_id, str) and call_id:
             for slot in reversed(self._slots):
@@ -201,7 +202,8 @@ class OpenAIStreamAssembler:
 
     def result(self) -> dict[str, Any]:
         if not self._done:
-            raise ProviderProtocolError("stream ended without [DONE] (truncated)")  # B2.27
+            # truncated: its half-built calls must never run
+            raise ProviderProtocolError("stream ended without [DONE] (truncated)")
         if self._finish_reason is None:
             raise ProviderProtocolError("stream ended without a finish_reason (truncated)")
         return normalize_completion(self.equivalent_completion())
@@ -228,20 +230,8 @@ class OpenAIStreamAssembler:
         return raw
 
 
-def _text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # content parts, as some servers send them
-        return "".join(
-            p["text"]
-            for p in content
-            if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-        )
-    return ""
-
-
 def stream_error(error: Any) -> ProviderError:
-    """B2.26: an error object inside a 200 stream. A 4xx-style request fault ends the session;
+    """An error object inside a 200 stream. A 4xx-style request fault ends the session;
     5xx, 429, 408/409 and anything unrecognised (upstream timeouts, disconnects) are retried."""
     if isinstance(error, dict):
         message, code, kind = error.get("message"), error.get("code"), error.get("type")

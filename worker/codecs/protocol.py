@@ -6,23 +6,28 @@ Canonical shapes
 ----------------
 Request (`ChatRequest`): OpenAI-style `messages` and `tools`. An assistant message may carry
   - `reasoning_content`: the model's thinking text (any protocol);
-  - `_provider`: `{"<protocol>": <verbatim wire content of that turn>}`, e.g. Anthropic
-    `{"anthropic": {"content": [blocks with signed thinking]}}` or Gemini
+  - `_provider`: `{"<protocol>": {<own entry>: <verbatim wire content of that turn>}}`, e.g.
+    Anthropic `{"anthropic": {"content": [blocks with signed thinking]}}` or Gemini
     `{"gemini": {"parts": [parts with thoughtSignature]}}`. A codec replays its own entry
-    verbatim (signatures must go back untouched) and ignores the others'.
+    verbatim (signatures must go back untouched) and ignores the others'; each protocol's
+    entry is declared with its replay rules in `schemas.protocols` (`kept_for_replay`,
+    `own_replay`).
 Reply: an OpenAI `chat.completion` with one choice; `message.content` (str | None),
   `message.tool_calls` (ids, `type`, `function.name`, `function.arguments` as a JSON string),
   `message.reasoning_content` when the model thought, `message._provider` as above,
   `finish_reason` in stop | tool_calls | length | content_filter, and `usage` with
-  `prompt_tokens`, `completion_tokens`, `total_tokens` (ints; conformance B10), plus the
-  `*_details` the provider gave.
+  `prompt_tokens`, `completion_tokens`, `total_tokens` (ints, the prompt with its cached
+  tokens, the completion with its reasoning tokens), plus the `*_details` the provider gave.
 A streamed round yields exactly the reply the same round would have had without streaming.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
+
+from schemas.protocols import WireProtocol
 
 ToolChoice = Literal["auto", "none", "required"] | dict[str, str] | None  # {"name": f} = that tool
 
@@ -96,3 +101,19 @@ class Codec(Protocol):
     def retry_after_s(self, status: int, body: Any) -> float | None:
         """A retry delay the protocol puts in an error body (Gemini RetryInfo), if any."""
         ...
+
+
+def kept_for_replay(declared: WireProtocol, wire_copy: Any) -> dict[str, Any]:
+    """A decoded turn's `_provider`: its wire copy under the protocol's own entry."""
+    if declared.replay.own_entry is None:
+        raise ValueError(f"protocol {declared.name} keeps no wire copy of a turn")
+    return {declared.name: {declared.replay.own_entry: wire_copy}}
+
+
+def own_replay(message: Mapping[str, Any], declared: WireProtocol) -> Any:
+    """The wire copy an assistant turn kept for this protocol, or None (the turn came from
+    another protocol, or kept none)."""
+    provider = message.get("_provider")
+    entry = provider.get(declared.name) if isinstance(provider, Mapping) else None
+    key = declared.replay.own_entry
+    return entry.get(key) if key is not None and isinstance(entry, Mapping) else None

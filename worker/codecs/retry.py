@@ -1,4 +1,5 @@
-"""Retry maths for model calls (conformance B9.74-77). Pure: the caller supplies clock and dice."""
+"""Retry maths for model calls: which statuses are retried, Retry-After delays, backoff with
+jitter. Pure: the caller supplies clock and dice."""
 
 from __future__ import annotations
 
@@ -67,7 +68,8 @@ def parse_retry_after_s(headers: Mapping[str, str], now: float) -> float | None:
 
 
 def should_retry_status(status: int, headers: Mapping[str, str]) -> bool:
-    """B9.75-76. The server's `x-should-retry` wins over the status code."""
+    """408, 409, 429 and every 5xx (Anthropic's 529 too) are retried, other 4xx never; the
+    server's `x-should-retry` wins over the status code."""
     override = _lower(headers).get("x-should-retry", "").strip().lower()
     if override == "true":
         return True

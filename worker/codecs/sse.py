@@ -1,4 +1,4 @@
-"""Server-sent events: bytes in, `SseEvent`s out (conformance B8.70-73). Pure: no I/O.
+"""Server-sent events: bytes in, `SseEvent`s out. Pure: no I/O.
 
 Follows the WHATWG event-stream rules: lines end in LF, CRLF or CR (a CRLF split across two
 reads is one line end); `field: value` with one optional space after the colon; several
@@ -95,7 +95,7 @@ class SseParser:
 
 
 def looks_like_sse(content_type: str) -> bool:
-    """B8.73: only `text/event-stream` is read as a stream; a JSON error body or a proxy's
+    """Only `text/event-stream` is read as a stream; a JSON error body or a proxy's
     HTML page answering a stream request is an HTTP error, not an empty stream."""
     media_type = content_type.split(";", 1)[0].strip().lower()
     return media_type == "text/event-stream"

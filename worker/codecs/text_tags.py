@@ -1,9 +1,9 @@
-"""The `<tool_call>` text-tag protocol ("openai-text-tags"), conformance B6. Pure: no I/O.
+"""The `<tool_call>` text-tag protocol ("openai-text-tags"). Pure: no I/O.
 
 For OpenAI-compatible servers without native tool calling: the chat-completions endpoint, no
 `tools` field; a system prompt (Hermes/Qwen style) lists the tools and teaches the model to
 answer with `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, and results
-come back as `<tool_response>` blocks in a user turn (B6.64).
+come back as `<tool_response>` blocks in a user turn (such servers have no `tool` role).
 
 This module is the codec and writes the requests. Replies are read by `text_tags_parse`
 (its docstring has the rules, shared by `decode` and the stream's `result()`); streamed
@@ -16,10 +16,11 @@ import json
 from dataclasses import replace
 from typing import Any
 
+from schemas.protocols import TEXT_TAGS
 from schemas.spec_types import INVALID_CALL_NAME, default_parameters
-from worker.codecs.openai_chat import normalize_completion, tool_message_content
+from worker.codecs.openai_chat import content_text, normalize_completion, tool_result_text
 from worker.codecs.openai_codec import OpenAICodec
-from worker.codecs.protocol import ChatRequest, ToolChoice, WireRequest
+from worker.codecs.protocol import ChatRequest, ToolChoice, WireRequest, own_replay
 from worker.codecs.text_tags_parse import (
     CALL_CLOSE,
     CALL_OPEN,
@@ -67,7 +68,7 @@ class TextTagCodec:
     protocol = PROTOCOL
 
     def __init__(self) -> None:
-        self._openai = OpenAICodec()
+        self._openai = OpenAICodec(TEXT_TAGS)
 
     def encode(self, request: ChatRequest) -> WireRequest:
         """The OpenAI body with no `tools`: tools in the system prompt, calls and results as
@@ -99,7 +100,8 @@ def _parses_calls(request: ChatRequest) -> bool:
 
 
 def tool_prompt(tools: list[dict[str, Any]], choice: ToolChoice, parallel: bool | None) -> str:
-    """The system-prompt section that teaches the tags (A table, text-tag column)."""
+    """The system-prompt section that teaches the tags; the tool choice, which tags cannot
+    enforce, becomes a rule in it ("may", "must", "only f", "one call per turn")."""
     lines = []
     for tool in tools:
         fn = tool.get("function") or tool
@@ -144,7 +146,7 @@ def tool_prompt(tools: list[dict[str, Any]], choice: ToolChoice, parallel: bool 
 def render_messages(request: ChatRequest) -> list[dict[str, Any]]:
     """The transcript without native tool fields: one merged system message first, assistant
     calls as `<tool_call>` blocks, tool results as `<tool_response>` blocks in one user turn
-    per run of tool messages, in call order (B6.64)."""
+    per run of tool messages, in call order."""
     system: list[str] = []
     out: list[dict[str, Any]] = []
     names: dict[str, str] = {}  # tool_call_id -> function name, for the responses
@@ -152,9 +154,9 @@ def render_messages(request: ChatRequest) -> list[dict[str, Any]]:
     for message in request.messages:
         role = message.get("role")
         if role in ("system", "developer"):
-            system.append(_text(message.get("content")))
+            system.append(content_text(message.get("content")))
             continue
-        if role in ("tool", "function"):  # function: the legacy result role (B1.14)
+        if role in ("tool", "function"):  # function: the legacy function_call's result role
             block = _response_block(message, names)
             if responses is None:
                 responses = {"role": "user", "content": block}
@@ -181,12 +183,11 @@ def _assistant_with_calls(message: dict[str, Any], names: dict[str, str]) -> dic
         fn = call.get("function") or {}
         if isinstance(call.get("id"), str):
             names[call["id"]] = str(fn.get("name") or "")
-    own = message.get("_provider")
-    verbatim = own.get(PROTOCOL) if isinstance(own, dict) else None
-    if isinstance(verbatim, dict) and isinstance(verbatim.get("content"), str):
-        content = verbatim["content"]  # the turn exactly as the model wrote it
+    verbatim = own_replay(message, TEXT_TAGS)
+    if isinstance(verbatim, str):
+        content = verbatim  # the turn exactly as the model wrote it
     else:
-        parts = [_text(message.get("content"))] + [_call_block(c) for c in calls]
+        parts = [content_text(message.get("content"))] + [_call_block(c) for c in calls]
         content = "\n".join(p for p in parts if p)
     out = {k: v for k, v in message.items() if k not in ("tool_calls", "function_call")}
     out["content"] = content
@@ -210,19 +211,6 @@ def _call_block(call: dict[str, Any]) -> str:
 
 def _response_block(message: dict[str, Any], names: dict[str, str]) -> str:
     name = message.get("name") or names.get(str(message.get("tool_call_id")), "")
-    content = message.get("content")
-    text = _text(content) if isinstance(content, list) else tool_message_content(content)
+    text = tool_result_text(message.get("content"))
     body = json.dumps({"name": name, "content": text}, ensure_ascii=False)
     return f"{RESPONSE_OPEN}\n{body}\n{RESPONSE_CLOSE}"
-
-
-def _text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(
-            p["text"]
-            for p in content
-            if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-        )
-    return ""

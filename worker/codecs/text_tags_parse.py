@@ -1,25 +1,26 @@
-"""Reading a `<tool_call>` text-tag reply ("openai-text-tags", conformance B6.56-63): the
-tag vocabulary, and the rules shared by `decode` and the stream's `result()`, which parses
-the same final text. Pure: no I/O.
+"""Reading a `<tool_call>` text-tag reply ("openai-text-tags"): the tag vocabulary, and the
+rules shared by `decode` and the stream's `result()`, which parses the same final text.
+Pure: no I/O.
 
 - Native `tool_calls` from the server win; the content is then left alone.
-- Every `<tool_call>` block outside code fences and `<think>` is a call, in order (B6.56);
-  a tag right after a backtick (inline code: "the `<tool_call>` tag") is prose.
-  A block is parsed as JSON, then as a Python literal (single quotes, B6.57); no bracket
-  repair, as a block is complete text; a fence inside the tag is stripped (B6.59);
-  `parameters` is read like `arguments`, string arguments are kept as text, extra keys are
-  ignored (B6.61); a JSON list of calls in one block gives each.
+- Every `<tool_call>` block outside code fences and `<think>` is a call, in order; a tag
+  in a fence is an example, and a tag right after a backtick (inline code: "the `<tool_call>`
+  tag") is prose. A block is parsed as JSON, then as a Python literal (single quotes, common
+  since the Hermes prompt shows them); no bracket repair, as a block is complete text; a fence
+  inside the tag is stripped; `parameters` is read like `arguments`, string arguments are
+  kept as text, extra keys are ignored; a JSON list of calls in one block gives each.
 - A block that stays unreadable is NOT dropped and NOT shown as text: it becomes a call the
   loop answers with an `invalid_arguments` (or `unknown_tool`) error result, so the model
-  sees that its call failed and why, while the valid blocks run (B6.57). Its name is read
-  from the raw text when possible (else `invalid_tool_call`); its arguments are the raw text,
-  whose JSON error the loop reports (with a NUL appended when the loop's B1.2 repair would
-  otherwise turn a cut-off block into an object).
-- A `<tool_call>` left open at the end counts when the rest is one complete object (B6.60).
+  sees that its call failed and why, while the valid blocks run (one bad block must not turn
+  the whole reply into text). Its name is read from the raw text when possible (else
+  `invalid_tool_call`); its arguments are the raw text, whose JSON error the loop reports
+  (with a NUL appended when the loop's repair of truncated arguments would otherwise turn a
+  cut-off block into an object).
+- A `<tool_call>` left open at the end counts when the rest is one complete object.
 - `<think>...</think>` (or a leading `...</think>` whose opening tag the chat template wrote)
   goes to `reasoning_content`; calls written inside it are not executed, they are noted there
-  (B6.62). Text before, between and after blocks is the content; everything from a
-  `<tool_response>` the model wrote itself on is dropped (B6.63).
+  so none is lost silently. Text before, between and after blocks is the content; everything
+  from a `<tool_response>` the model wrote itself on is dropped (a result it made up).
 - Call ids are synthesised by `normalize_completion` (`call_<24 hex>`, deterministic), and
   `finish_reason` becomes `tool_calls`. The turn keeps its tag text in
   `_provider["openai-text-tags"]` so a replay shows the model exactly what it wrote.
@@ -34,11 +35,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from schemas.protocols import TEXT_TAGS
 from schemas.spec_types import INVALID_CALL_NAME
 from worker.codecs.openai_chat import decode_arguments, normalize_completion
+from worker.codecs.protocol import kept_for_replay
 from worker.errors import ToolValidationError
 
-PROTOCOL = "openai-text-tags"
+PROTOCOL = TEXT_TAGS.name
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
@@ -64,14 +67,14 @@ class ParsedText:
 
 
 def parse_text(text: str, parse_calls: bool = True) -> ParsedText:
-    """Split a reply's content into preamble text, calls and reasoning (B6.56-63)."""
+    """Split a reply's content into preamble text, calls and reasoning."""
     out = ParsedText()
     visible: list[str] = []  # content pieces
     replay: list[str] = []  # content pieces and raw blocks
     pos = 0
     while (match := _TOKENS.search(text, pos)) is not None:
         token, start = match.group(), match.start()
-        if token == FENCE:  # B6.59: a fenced example is literal text, tags and all
+        if token == FENCE:  # a fenced example is literal text, tags and all
             end = text.find(FENCE, match.end())
             stop = len(text) if end < 0 else end + len(FENCE)
             visible.append(text[pos:stop])
@@ -87,7 +90,7 @@ def parse_text(text: str, parse_calls: bool = True) -> ParsedText:
         visible.append(text[pos:start])
         replay.append(text[pos:start])
         out.changed = True
-        if token == RESPONSE_OPEN:  # B6.63: a result the model made up; nothing after counts
+        if token == RESPONSE_OPEN:  # a result the model made up; nothing after counts
             pos = len(text)
             break
         if token == THINK_CLOSE:  # the template opened <think>: all so far was reasoning
@@ -147,7 +150,7 @@ def _load(text: str) -> Any:
     except (json.JSONDecodeError, RecursionError):
         pass
     else:
-        if isinstance(value, str):  # a double-encoded block, as B1.4 sees in arguments
+        if isinstance(value, str):  # a double-encoded block, as arguments sometimes are
             try:
                 return json.loads(value)
             except (json.JSONDecodeError, RecursionError):
@@ -169,7 +172,8 @@ def _call(obj: dict[str, Any], raw: str) -> dict[str, Any]:
     name = obj.get("name")
     if not isinstance(name, str) or not name.strip():
         return _invalid_call(raw, parsed=True)
-    args = obj["arguments"] if "arguments" in obj else obj.get("parameters")  # B6.61
+    # `parameters` is a common variant of `arguments`
+    args = obj["arguments"] if "arguments" in obj else obj.get("parameters")
     if args is None:
         arguments = "{}"
     elif isinstance(args, str):
@@ -182,9 +186,9 @@ def _call(obj: dict[str, Any], raw: str) -> dict[str, Any]:
 def _invalid_call(raw: str, parsed: bool) -> dict[str, Any]:
     found = None if parsed else _NAME.search(raw)
     name = (found.group(1).strip() if found else "") or INVALID_CALL_NAME
-    # The loop answers with the text's own JSON error. Its B1.2 repair would close a cut-off
-    # block into an object (the whole {"name", "arguments"} wrapper): a NUL, never valid
-    # JSON, defeats it and keeps the parser's message; an array is the last resort.
+    # The loop answers with the text's own JSON error. Its repair of truncated arguments would
+    # close a cut-off block into an object (the whole {"name", "arguments"} wrapper): a NUL,
+    # never valid JSON, defeats it and keeps the parser's message; an array is the last resort.
     for arguments in (raw, raw + "\x00", _compact([raw])):
         try:
             decode_arguments(arguments)
@@ -219,5 +223,5 @@ def apply_text_tags(completion: dict[str, Any], parse_calls: bool = True) -> dic
         new["reasoning_content"] = "\n\n".join(r for r in reasoning if r)
     out = normalize_completion({**completion, "choices": [{**choice, "message": new}]})
     if parsed.calls:
-        out["choices"][0]["message"]["_provider"] = {PROTOCOL: {"content": parsed.replay}}
+        out["choices"][0]["message"]["_provider"] = kept_for_replay(TEXT_TAGS, parsed.replay)
     return out

@@ -1,5 +1,5 @@
-"""Streams of the `<tool_call>` text-tag protocol (conformance B6.58): display Deltas that
-never show a tag, and at the end the same result as `decode`. Pure: no I/O.
+"""Streams of the `<tool_call>` text-tag protocol: display Deltas that never show a tag,
+even one split across chunks, and at the end the same result as `decode`. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from worker.codecs.text_tags_parse import (
 
 
 class TextTagAssembler:
-    """B6.58: OpenAI chunks; content Deltas show only text outside tags, never a half tag
+    """OpenAI chunks; content Deltas show only text outside tags, never a half tag
     (a suffix that may open one is held back), `<think>` text as reasoning. `result()` parses
     the final content exactly like `decode`."""
 

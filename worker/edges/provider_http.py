@@ -1,6 +1,7 @@
 """LLM providers over HTTP: the worker's only HTTP client. A codec (worker/codecs/protocol.py)
-makes the wire body and reads the reply, JSON or SSE stream; this module sends it, retries per
-conformance B9 and translates every transport exception and status into the ProviderError tree.
+makes the wire body and reads the reply, JSON or SSE stream; this module sends it, retries
+transient failures (429, 5xx, timeouts; Retry-After honoured) and translates every transport
+exception and status into the ProviderError tree.
 
 urllib3 directly, not requests on top of it: requests' per-call preparation (hooks, cookies,
 redirect bookkeeping, header merging) cost about half of each model call's CPU in the llm worker
@@ -37,6 +38,7 @@ from urllib3.exceptions import (
 )
 from urllib3.exceptions import TimeoutError as Urllib3Timeout
 
+from schemas.protocols import declared
 from worker.codecs.openai_chat import is_empty_reply
 from worker.codecs.protocol import ChatRequest, Codec, Delta, WireRequest
 from worker.codecs.retry import RetryPolicy, backoff_s, parse_retry_after_s, should_retry_status
@@ -55,8 +57,6 @@ log = logging.getLogger(__name__)
 _MAX_ERROR_CHARS = 300
 _MIN_READ_TIMEOUT_S = 0.1
 _USER_AGENT = "cchatq/0.1"
-# how each protocol carries the API key (the default: Authorization: Bearer)
-_KEY_HEADERS = {"anthropic": "x-api-key", "gemini": "x-goog-api-key"}
 
 DeltaSink = Callable[[Delta], None]
 
@@ -82,6 +82,7 @@ class HttpProvider:
     ) -> None:
         self._backend = backend
         self._codec = codec
+        self._key_header = declared(codec.protocol).key_header
         self._policy = RetryPolicy.from_backend(backend)
         self._sleep = sleep
         self._environ = environ
@@ -115,13 +116,12 @@ class HttpProvider:
         # Read at call time so a rotated key is picked up without a restart.
         key = self._backend.api_key(self._environ)
         if key:
-            name = _KEY_HEADERS.get(self._codec.protocol)
-            headers.update({name: key} if name else {"Authorization": f"Bearer {key}"})
+            headers[self._key_header.name] = self._key_header.value(key)
         return headers
 
     def complete(self, request: ChatRequest, on_delta: DeltaSink | None = None) -> CompletionResult:
-        """One model call; transient failures retried per RetryPolicy (B9). A retried stream
-        restarts the whole call and discards its partial output (B9 77)."""
+        """One model call; transient failures retried per RetryPolicy. A retried stream
+        restarts the whole call and discards its partial output."""
         wire = self._codec.encode(request)
         try:
             body = json.dumps(
@@ -133,7 +133,8 @@ class HttpProvider:
         start = time.monotonic()
         attempts = 0
         empty_retried = False
-        spent: dict[str, int] = {}  # usage of attempts whose reply was discarded (B10 82)
+        # usage of attempts whose reply was discarded: the run's totals count them too
+        spent: dict[str, int] = {}
         while True:
             attempts += 1
             if attempts > 1 and on_delta is not None:
@@ -144,7 +145,7 @@ class HttpProvider:
                     latency_ms = int((time.monotonic() - start) * 1000)
                     return CompletionResult(_with_spent(outcome, spent), attempts, latency_ms)
                 _add_usage(spent, outcome.get("usage"))
-                # B1.12: one retry for an empty reply, with no backoff (it is not a load signal).
+                # One retry for an empty reply, with no backoff (it is not a load signal).
                 if (
                     empty_retried
                     or attempts >= policy.max_attempts
@@ -241,7 +242,7 @@ class HttpProvider:
     ) -> dict[str, Any] | ProviderRetryableError:
         backend, status = self._backend, resp.status
         content_type = resp.headers.get("content-type", "")
-        # B8 73: a JSON or HTML reply to a stream request is an error body, not an empty stream
+        # a JSON or HTML reply to a stream request is an error body, not an empty stream
         streaming = request.stream and 200 <= status < 300 and looks_like_sse(content_type)
         log.log(
             logging.DEBUG if 200 <= status < 300 else logging.WARNING,
@@ -289,7 +290,7 @@ class HttpProvider:
         except ProviderError:
             raise
         if not assembler.finished:
-            # conformance B2 27: a stream that ends early is truncated; its calls never run
+            # a stream that ends early is truncated; its calls never run
             return ProviderRetryableError(f"stream from backend {self._backend.name} ended early")
         try:
             return assembler.result()
