@@ -3,8 +3,8 @@ fork semantics", and section 6).
 
 A tool registered by a WASM agent program runs in a fresh instance of the program's module
 whose linear memory and exported mutable globals are restored from a `ProgramFork`, taken by
-the program host at `cchat_send`. Inside a tool call the chat, fd and epoll hostcalls return
--EPERM; `log`, time, random and `sleep_ms` work (`ToolModeHost`).
+the program host at `cchat_send`. Inside a tool call the chat, fd, epoll and user stream
+hostcalls return -EPERM; `log`, time, random and `sleep_ms` work (`ToolModeHost`).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Each `cchat_send` becomes a chat session on the same round/tool pipeline as a spec session
 (id `<run id>#send<n>`), with its tools forked from the program's memory at the send. The fd
-table (`program_fds`) is mirrored to Redis (`cq:fds:<run>`); response bodies are read from the
+table (`fds.FdTable`) is mirrored to Redis (`cq:fds:<run>`); response bodies are read from the
 chats' response fds, written by whichever worker finished them. `spear_fd_ctl` and the
 `spear_epoll_*` calls are in `epoll`, the `user_stream_*` calls in `user_streams`; this module
 holds the chat and other hostcalls.
