@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import ctypes
 import json
-import os
 import struct
 import threading
-import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -24,9 +22,11 @@ from typing import Any
 from wasmtime import Global, Instance, Memory, Store, Val, WasmtimeError
 
 from worker.errors import ToolRuntimeError
-from worker.guest.abi import EINVAL, ENOSYS, EPERM, LOG_MAX_BYTES
+from worker.guest.abi import EINVAL, ENOSYS, EPERM
 from worker.guest.imports import GuestMemory, SpearHost
 from worker.guest.memory import ToolBuffers, as_i32, plan_arena, plan_scratch
+from worker.guest.shared import HOSTCALLS as SHARED_HOSTCALLS
+from worker.guest.shared import SharedCalls
 from worker.session.ports import CallWatcher
 from worker.session.tool_logs import ToolLogs
 
@@ -36,7 +36,6 @@ _BLOB_MAX_HEADER = 1 << 20
 _BLOB_MAX_SNAPSHOT = 4 << 30  # a wasm32 memory is at most 4 GiB
 _DENIED = ("cchat_", "spear_fd_ctl", "spear_epoll_", "user_stream_")
 PROGRESS_MAX_BYTES = 200  # a progress message, as trace events carry it
-SLEEP_SLICE_S = 1.0  # a sleeping tool's watcher is asked this often whether it may go on
 
 
 @dataclass(frozen=True)
@@ -188,6 +187,11 @@ class ToolModeHost:
         self.attempt = 0  # the call's retry number, for `cchatq::attempt`
         self.watcher: CallWatcher | None = None  # a background call's: progress, cancel
         self.logs = ToolLogs() if logs is None else logs
+        self.shared = SharedCalls(
+            lambda level, text: self.logs.log(level, text),
+            lambda: self.deadline,
+            self._check_watcher,
+        )
 
     def hostcall(self, name: str, mem: GuestMemory, args: tuple[int, ...]) -> int | None:
         if name.startswith(_DENIED):
@@ -196,17 +200,9 @@ class ToolModeHost:
             return self.attempt
         if name == "cchatq.progress":
             return self._progress(mem, *args)
-        if name == "log":
-            return self._log(mem, *args)
-        if name == "time_now_ms":
-            return time.time_ns() // 1_000_000
-        if name == "wall_time_s":
-            return time.time_ns() // 1_000_000_000
-        if name == "random_i64":
-            return int.from_bytes(os.urandom(8), "little", signed=True)
-        if name == "sleep_ms":
-            self._sleep(args[0])
-            return None
+        if name in SHARED_HOSTCALLS:
+            call: Callable[..., int | None] = getattr(self.shared, name)
+            return call(mem, *args)
         return -ENOSYS  # define_spear links no other name to a host
 
     def _progress(self, mem: GuestMemory, percent: int, ptr: int, length: int) -> int:
@@ -219,22 +215,9 @@ class ToolModeHost:
             self.watcher.progress(percent, text)
         return 0
 
-    def _log(self, mem: GuestMemory, level: int, ptr: int, length: int) -> int:
-        if length & 0xFFFF_FFFF > LOG_MAX_BYTES or not 0 <= level <= 4:
-            return -EINVAL
-        text = mem.read(ptr, length).decode("utf-8", "replace")  # GuestFault -> -EFAULT
-        self.logs.log(level, text)
-        return 0
-
-    def _sleep(self, ms: int) -> None:
-        seconds = max(0, ms) / 1000
-        if self.deadline is not None:
-            seconds = min(seconds, max(0.0, self.deadline - time.monotonic()))
-        until = time.monotonic() + seconds
-        while (left := until - time.monotonic()) > 0:  # a watcher may stop a long sleep
-            if self.watcher is not None:
-                self.watcher.check()
-            time.sleep(min(left, SLEEP_SLICE_S))
+    def _check_watcher(self) -> None:
+        if self.watcher is not None:  # a watcher may stop a long sleep
+            self.watcher.check()
 
 
 class HostSwitch:

@@ -4,8 +4,9 @@ Each `cchat_send` becomes a chat session on the same round/tool pipeline as a sp
 (id `<run id>#send<n>`), with its tools forked from the program's memory at the send. The fd
 table (`fds.FdTable`) is mirrored to Redis (`cq:fds:<run>`); response bodies are read from the
 chats' response fds, written by whichever worker finished them. `spear_fd_ctl` and the
-`spear_epoll_*` calls are in `epoll`, the `user_stream_*` calls in `user_streams`; this module
-holds the chat and other hostcalls.
+`spear_epoll_*` calls are in `epoll`, the `user_stream_*` calls in `user_streams`, `log`, time,
+random and `sleep_ms` in `shared` (as a tool call serves them); this module holds the chat
+hostcalls.
 
 Hostcalls return -errno and never raise, except RunAborted (deadline, cancellation), which
 traps the guest and ends the run.
@@ -16,7 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -45,6 +45,8 @@ from worker.guest.fork import ProgramFork
 from worker.guest.imports import GuestMemory
 from worker.guest.mcp_params import McpAccess, chat_mcp_tools, is_mcp_param, set_mcp_param
 from worker.guest.ports import ProgramStore
+from worker.guest.shared import HOSTCALLS as SHARED_HOSTCALLS
+from worker.guest.shared import SharedCalls
 from worker.guest.user_streams import HOSTCALLS as STREAM_HOSTCALLS
 from worker.guest.user_streams import UserStreamCalls
 from worker.session.ports import Dispatcher
@@ -92,8 +94,10 @@ class ProgramHost:
         self._aborted: RunAborted | None = None
         epoll = EpollCalls(self.fd_table, self._wait)
         streams = UserStreamCalls(self.fd_table, store, defaults.run_sk)
+        shared = SharedCalls(self._log_line, lambda: defaults.deadline, self._check_run)
         self._calls: dict[str, Callable[..., int | None]] = {
             **{name: getattr(self, f"_{name}") for name in _HOSTCALLS},
+            **{name: getattr(shared, name) for name in SHARED_HOSTCALLS},
             **{name: getattr(epoll, name) for name in EPOLL_HOSTCALLS},
             **{name: getattr(streams, name) for name in STREAM_HOSTCALLS},
         }
@@ -133,6 +137,14 @@ class ProgramHost:
     def _check_cancel(self) -> None:
         if self.store.is_cancelled(self.d.run_sk):
             raise self._abort(CancelledError("program run cancelled"))
+
+    def _check_run(self) -> None:
+        """What a sleeping program checks: its deadline and its cancellation."""
+        self._check_time()
+        self._check_cancel()
+
+    def _log_line(self, level: int, text: str) -> None:
+        self.logs.append({"level": LEVELS[level], "message": text})
 
     # chat hostcalls ------------------------------------------------------------------------
 
@@ -335,32 +347,6 @@ class ProgramHost:
             self.fd_table.persist(fd)
         return 0
 
-    # other imports -------------------------------------------------------------------------
-
-    def _log(self, mem: GuestMemory, level: int, ptr: int, length: int) -> int:
-        if length > abi.LOG_MAX_BYTES or length < 0 or not 0 <= level <= 4:
-            return -abi.EINVAL
-        message = mem.read(ptr, length).decode(errors="replace")
-        self.logs.append({"level": LEVELS[level], "message": message})
-        return 0
-
-    def _time_now_ms(self, mem: GuestMemory) -> int:
-        return int(time.time() * 1000)
-
-    def _wall_time_s(self, mem: GuestMemory) -> int:
-        return int(time.time())
-
-    def _random_i64(self, mem: GuestMemory) -> int:
-        return int.from_bytes(os.urandom(8), "little", signed=True)
-
-    def _sleep_ms(self, mem: GuestMemory, ms: int) -> None:
-        until = time.monotonic() + max(ms, 0) / 1000
-        while time.monotonic() < until:
-            remaining = self._check_time()
-            self._check_cancel()
-            time.sleep(max(0.0, min(until - time.monotonic(), remaining, WAIT_SLICE_S)))
-        return None
-
     # the run's result ----------------------------------------------------------------------
 
     def response_bodies(self) -> list[Any]:
@@ -374,7 +360,7 @@ class ProgramHost:
 
 _HOSTCALLS = (
     "cchat_create", "cchat_write_msg", "cchat_write_fn", "cchat_ctl", "cchat_send", "cchat_recv",
-    "cchat_close", "log", "time_now_ms", "wall_time_s", "random_i64", "sleep_ms",
+    "cchat_close",
 )  # fmt: skip
 
 
