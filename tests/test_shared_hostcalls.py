@@ -16,6 +16,7 @@ import wasmtime
 from tests.wat_program import OOB, Dump, Program
 from worker.guest.fork import ToolModeHost
 from worker.guest.host import ChatDefaults, ProgramHost
+from worker.guest.hostcalls import HOSTCALLS, Part
 from worker.guest.imports import define_spear
 from worker.guest.runner import ProgramRun, run_program
 from worker.session.tool_logs import ToolLogs
@@ -93,6 +94,11 @@ def as_tool(p: Program, deadline_s: float = 30.0) -> Ran:
         raw = stdout.read_bytes()
     logs = [(line.level, line.message) for line in host.logs.lines]
     return Ran(Dump(raw), logs, None, elapsed)
+
+
+def test_the_shared_hostcalls_are_those_tested_here() -> None:
+    shared = [h.name for h in HOSTCALLS if h.program == h.tool == Part.SHARED]
+    assert shared == ["log", "time_now_ms", "wall_time_s", "random_i64", "sleep_ms"]
 
 
 def test_each_shared_hostcall_answers_the_same_in_a_program_and_in_a_tool() -> None:

@@ -4,7 +4,8 @@ fork semantics", and section 6).
 A tool registered by a WASM agent program runs in a fresh instance of the program's module
 whose linear memory and exported mutable globals are restored from a `ProgramFork`, taken by
 the program host at `cchat_send`. Inside a tool call the chat, fd, epoll and user stream
-hostcalls return -EPERM; `log`, time, random and `sleep_ms` work (`ToolModeHost`).
+hostcalls return -EPERM; `log`, time, random and `sleep_ms` work, and the tool ABI's own
+`cchatq` imports (`ToolModeHost`; hostcalls.py declares which is which).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import json
 import struct
 import threading
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -23,9 +24,9 @@ from wasmtime import Global, Instance, Memory, Store, Val, WasmtimeError
 
 from worker.errors import ToolRuntimeError
 from worker.guest.abi import EINVAL, ENOSYS, EPERM
+from worker.guest.hostcalls import Part, dispatch_table
 from worker.guest.imports import GuestMemory, SpearHost
 from worker.guest.memory import ToolBuffers, as_i32, plan_arena, plan_scratch
-from worker.guest.shared import HOSTCALLS as SHARED_HOSTCALLS
 from worker.guest.shared import SharedCalls
 from worker.session.ports import CallWatcher
 from worker.session.tool_logs import ToolLogs
@@ -34,7 +35,6 @@ _BLOB_MAGIC = b"CQF1"
 _BLOB_HEAD = struct.Struct("<4sI")  # magic, length of the JSON header that follows
 _BLOB_MAX_HEADER = 1 << 20
 _BLOB_MAX_SNAPSHOT = 4 << 30  # a wasm32 memory is at most 4 GiB
-_DENIED = ("cchat_", "spear_fd_ctl", "spear_epoll_", "user_stream_")
 PROGRESS_MAX_BYTES = 200  # a progress message, as trace events carry it
 
 
@@ -192,20 +192,20 @@ class ToolModeHost:
             lambda: self.deadline,
             self._check_watcher,
         )
+        self._calls = dispatch_table("tool", {Part.SHARED: self.shared, Part.TOOL: self})
 
     def hostcall(self, name: str, mem: GuestMemory, args: tuple[int, ...]) -> int | None:
-        if name.startswith(_DENIED):
-            return -EPERM  # a tool cannot start chats, touch the program's fds or talk to its user
-        if name == "cchatq.attempt":
-            return self.attempt
-        if name == "cchatq.progress":
-            return self._progress(mem, *args)
-        if name in SHARED_HOSTCALLS:
-            call: Callable[..., int | None] = getattr(self.shared, name)
-            return call(mem, *args)
-        return -ENOSYS  # define_spear links no other name to a host
+        call = self._calls.get(name)
+        if call is None:
+            return -ENOSYS  # define_spear links no other name to a host
+        return call(mem, *args)
 
-    def _progress(self, mem: GuestMemory, percent: int, ptr: int, length: int) -> int:
+    # the tool ABI's own imports (module cchatq) ---------------------------------------------
+
+    def cchatq_attempt(self, mem: GuestMemory) -> int:
+        return self.attempt
+
+    def cchatq_progress(self, mem: GuestMemory, percent: int, ptr: int, length: int) -> int:
         """A tool's progress report: 0..100 and a short message (cut at PROGRESS_MAX_BYTES)."""
         if not 0 <= percent <= 100 or not length >= 0:
             return -EINVAL

@@ -38,16 +38,14 @@ from worker.errors import (
     StoreError,
 )
 from worker.guest import abi
-from worker.guest.epoll import HOSTCALLS as EPOLL_HOSTCALLS
 from worker.guest.epoll import EpollCalls
 from worker.guest.fds import FdEntry, FdTable, RegisteredTool, write_with_len
 from worker.guest.fork import ProgramFork
+from worker.guest.hostcalls import Handler, Part, dispatch_table
 from worker.guest.imports import GuestMemory
 from worker.guest.mcp_params import McpAccess, chat_mcp_tools, is_mcp_param, set_mcp_param
 from worker.guest.ports import ProgramStore
-from worker.guest.shared import HOSTCALLS as SHARED_HOSTCALLS
 from worker.guest.shared import SharedCalls
-from worker.guest.user_streams import HOSTCALLS as STREAM_HOSTCALLS
 from worker.guest.user_streams import UserStreamCalls
 from worker.session.ports import Dispatcher
 from worker.session.tool_logs import LEVELS
@@ -95,12 +93,8 @@ class ProgramHost:
         epoll = EpollCalls(self.fd_table, self._wait)
         streams = UserStreamCalls(self.fd_table, store, defaults.run_sk)
         shared = SharedCalls(self._log_line, lambda: defaults.deadline, self._check_run)
-        self._calls: dict[str, Callable[..., int | None]] = {
-            **{name: getattr(self, f"_{name}") for name in _HOSTCALLS},
-            **{name: getattr(shared, name) for name in SHARED_HOSTCALLS},
-            **{name: getattr(epoll, name) for name in EPOLL_HOSTCALLS},
-            **{name: getattr(streams, name) for name in STREAM_HOSTCALLS},
-        }
+        parts = {Part.CHAT: self, Part.FDS: epoll, Part.STREAMS: streams, Part.SHARED: shared}
+        self._calls: dict[str, Handler] = dispatch_table("program", parts)
 
     # SpearHost -----------------------------------------------------------------------------
 
@@ -148,10 +142,10 @@ class ProgramHost:
 
     # chat hostcalls ------------------------------------------------------------------------
 
-    def _cchat_create(self, mem: GuestMemory) -> int:
+    def cchat_create(self, mem: GuestMemory) -> int:
         return self.fd_table.new(FdEntry(kind=abi.KIND_SESSION))
 
-    def _cchat_write_msg(
+    def cchat_write_msg(
         self, mem: GuestMemory, fd: int, role_ptr: int, role_len: int, ptr: int, length: int
     ) -> int:
         entry = self.fd_table.get(fd, abi.KIND_SESSION)
@@ -168,7 +162,7 @@ class ProgramHost:
         self.fd_table.persist(fd)
         return 0
 
-    def _cchat_write_fn(
+    def cchat_write_fn(
         self, mem: GuestMemory, fd: int, fn_offset: int, ptr: int, length: int
     ) -> int:
         entry = self.fd_table.get(fd, abi.KIND_SESSION)
@@ -187,9 +181,7 @@ class ProgramHost:
             self.fd_table.persist(fd)
         return 0
 
-    def _cchat_ctl(
-        self, mem: GuestMemory, fd: int, cmd: int, arg_ptr: int, arg_len_ptr: int
-    ) -> int:
+    def cchat_ctl(self, mem: GuestMemory, fd: int, cmd: int, arg_ptr: int, arg_len_ptr: int) -> int:
         entry = self.fds.get(fd)
         if entry is None:
             return -abi.EBADF
@@ -215,7 +207,7 @@ class ProgramHost:
             return self.fd_table.metrics(mem, entry, arg_ptr, arg_len_ptr)
         return -abi.EINVAL
 
-    def _cchat_send(self, mem: GuestMemory, fd: int, flags: int) -> int:
+    def cchat_send(self, mem: GuestMemory, fd: int, flags: int) -> int:
         session = self.fd_table.get(fd, abi.KIND_SESSION)
         if session is None:
             return -abi.EBADF
@@ -325,7 +317,7 @@ class ProgramHost:
             self.store.wait_done(keys.run_batch(self.d.run_sk), min(remaining, WAIT_SLICE_S))
         return True
 
-    def _cchat_recv(self, mem: GuestMemory, fd: int, out_ptr: int, out_len_ptr: int) -> int:
+    def cchat_recv(self, mem: GuestMemory, fd: int, out_ptr: int, out_len_ptr: int) -> int:
         # closed responses stay readable
         response = self.fd_table.get(fd, abi.KIND_RESPONSE, open_only=False)
         if response is None:
@@ -338,7 +330,7 @@ class ProgramHost:
         assert response.body is not None
         return write_with_len(mem, out_ptr, out_len_ptr, response.body)
 
-    def _cchat_close(self, mem: GuestMemory, fd: int) -> int:
+    def cchat_close(self, mem: GuestMemory, fd: int) -> int:
         entry = self.fds.get(fd)
         if entry is None or entry.kind not in (abi.KIND_SESSION, abi.KIND_RESPONSE):
             return -abi.EBADF
@@ -356,12 +348,6 @@ class ProgramHost:
             self.fd_table.observe(entry)
             out.append(json.loads(entry.body) if entry.body is not None else None)
         return out
-
-
-_HOSTCALLS = (
-    "cchat_create", "cchat_write_msg", "cchat_write_fn", "cchat_ctl", "cchat_send", "cchat_recv",
-    "cchat_close",
-)  # fmt: skip
 
 
 def _int_or_none(value: Any) -> int | None:

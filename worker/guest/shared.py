@@ -16,7 +16,6 @@ from collections.abc import Callable
 from worker.guest import abi
 from worker.guest.imports import GuestMemory
 
-HOSTCALLS = ("log", "time_now_ms", "wall_time_s", "random_i64", "sleep_ms")
 SLEEP_SLICE_S = 1.0  # a sleep's check runs at least this often
 
 
