@@ -171,8 +171,8 @@ SPEAR_IMPORTS = (
 
 
 def test_the_spear_compatibility_table_names_every_import_and_each_links() -> None:
-    from worker.guest.abi import UNSERVED_PREFIXES
-    from worker.guest.imports import SPEAR_IMPORTS as SERVED
+    from worker.guest.hostcalls import SPEAR_IMPORTS as SERVED
+    from worker.guest.hostcalls import UNSERVED_PREFIXES
 
     table = README.split("### SPEAR compatibility", 1)[1].split("\n\n", 3)[2]
     named = re.findall(

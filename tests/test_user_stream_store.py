@@ -18,7 +18,7 @@ from producer.user_stream import UserStream
 from schemas import keys
 from schemas.user_stream import CLOSE, DATA, OPEN, Frame, StreamEvent
 from worker.edges.store import RedisStore
-from worker.edges.store_programs import ProgramStore as RedisProgramStore
+from worker.edges.store_programs import RedisProgramStore
 from worker.guest.ports import ProgramStore
 from worker.session.twins.store import MemoryStore
 

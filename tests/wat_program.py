@@ -17,6 +17,8 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, field
 
+from worker.guest.hostcalls import SPEAR_IMPORTS
+
 PAGE = 65_536
 IOV = 16  # the iovec for fd_write
 NWRITTEN = 32  # fd_write's out cell
@@ -27,31 +29,10 @@ FILL = 0xAA  # what out buffers hold before a hostcall writes them
 OOB = 0x7FFF_0000  # an address far beyond any memory built here
 TOOL_SIG = "(param i32 i32 i32 i32) (result i32)"
 
-# name -> (param types, result type or None), as the `spear` module exports them
+# name -> (param types, result type or None) of every `spear` import, as hostcalls.py declares it
 SPEAR_SIGS: dict[str, tuple[tuple[str, ...], str | None]] = {
-    "cchat_create": ((), "i32"),
-    "cchat_write_msg": (("i32",) * 5, "i32"),
-    "cchat_write_fn": (("i32",) * 4, "i32"),
-    "cchat_ctl": (("i32",) * 4, "i32"),
-    "cchat_send": (("i32",) * 2, "i32"),
-    "cchat_recv": (("i32",) * 3, "i32"),
-    "cchat_close": (("i32",), "i32"),
-    "log": (("i32",) * 3, "i32"),
-    "time_now_ms": ((), "i64"),
-    "wall_time_s": ((), "i64"),
-    "random_i64": ((), "i64"),
-    "sleep_ms": (("i32",), None),
-    "spear_fd_ctl": (("i32",) * 4, "i32"),
-    "spear_epoll_create": ((), "i32"),
-    "spear_epoll_ctl": (("i32",) * 4, "i32"),
-    "spear_epoll_wait": (("i32",) * 4, "i32"),
-    "spear_epoll_close": (("i32",), "i32"),
-    "user_stream_open": (("i32",) * 2, "i32"),
-    "user_stream_read": (("i32",) * 3, "i32"),
-    "user_stream_write": (("i32",) * 3, "i32"),
-    "user_stream_close": (("i32",), "i32"),
-    "user_stream_ctl_open": ((), "i32"),
-    "user_stream_ctl_read": (("i32",) * 3, "i32"),
+    name: (call.params, call.results[0] if call.results else None)
+    for name, call in SPEAR_IMPORTS.items()
 }
 
 

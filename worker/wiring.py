@@ -20,7 +20,7 @@ from worker.edges.mcp_tools import McpTools
 from worker.edges.provider_http import HttpProvider
 from worker.edges.rate_limit import RateLimiter
 from worker.edges.store import RedisStore
-from worker.edges.store_programs import ProgramStore
+from worker.edges.store_programs import RedisProgramStore
 from worker.edges.wasm_runtime import WasmToolRuntime
 from worker.guest.step import ProgramSteps
 from worker.session.mcp_offer import ToolRouter
@@ -38,7 +38,7 @@ class Wiring:
         self._providers: dict[str, HttpProvider] = {}
         self._runtime: WasmToolRuntime | None = None
         self._lock = threading.Lock()
-        self.programs = ProgramStore(self.store)
+        self.programs = RedisProgramStore(self.store)
         fleet = settings.fleet.tool_defaults
         self.mcp = McpTools(fleet.mcp_servers, fleet.timeout_ms)  # holds nothing until used
         self._tools = ToolRouter(self.runtime, self.mcp)  # WASM tools, or MCP servers' tools

@@ -21,7 +21,9 @@ from worker.errors import StoreError
 USER_EVENTS_BATCH = 256  # user events read at once
 
 
-class ProgramStore:
+class RedisProgramStore:
+    """The guest's ProgramStore port (worker.guest.ports) on Redis."""
+
     def __init__(self, store: RedisStore) -> None:
         self.store = store
         self.client = store.client

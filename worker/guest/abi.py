@@ -45,8 +45,6 @@ KIND_EPOLL = "Epoll"
 KIND_USER_STREAM = "UserStream"
 KIND_USER_STREAM_CTL = "UserStreamCtl"
 
-UNSERVED_PREFIXES = ("mic_", "rtasr_")
-
 
 def write_with_len_plan(capacity: int, data: bytes) -> tuple[int, bool]:
     """(value for *out_len_ptr, whether to write the bytes): the write-with-len rule."""

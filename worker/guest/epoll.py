@@ -20,11 +20,6 @@ from worker.guest import abi
 from worker.guest.fds import FdEntry, FdTable, write_with_len
 from worker.guest.imports import GuestMemory
 
-HOSTCALLS = (
-    "spear_fd_ctl", "spear_epoll_create", "spear_epoll_ctl", "spear_epoll_wait",
-    "spear_epoll_close",
-)  # fmt: skip
-
 IDLE_WRITABLE_S = 0.005  # how long a wait that would only repeat EPOLLOUT waits for more
 
 # The host's blocking wait: until `ready()` (True), the `until` monotonic time (False), or

@@ -3,18 +3,17 @@ fork semantics", and section 6).
 
 A tool registered by a WASM agent program runs in a fresh instance of the program's module
 whose linear memory and exported mutable globals are restored from a `ProgramFork`, taken by
-the program host at `cchat_send`. Inside a tool call the chat, fd and epoll hostcalls return
--EPERM; `log`, time, random and `sleep_ms` work (`ToolModeHost`).
+the program host at `cchat_send`. Inside a tool call the chat, fd, epoll and user stream
+hostcalls return -EPERM; `log`, time, random and `sleep_ms` work, and the tool ABI's own
+`cchatq` imports (`ToolModeHost`; hostcalls.py declares which is which).
 """
 
 from __future__ import annotations
 
 import ctypes
 import json
-import os
 import struct
 import threading
-import time
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,9 +23,11 @@ from typing import Any
 from wasmtime import Global, Instance, Memory, Store, Val, WasmtimeError
 
 from worker.errors import ToolRuntimeError
-from worker.guest.abi import EINVAL, ENOSYS, EPERM, LOG_MAX_BYTES
+from worker.guest.abi import EINVAL, ENOSYS, EPERM
+from worker.guest.hostcalls import Part, dispatch_table
 from worker.guest.imports import GuestMemory, SpearHost
 from worker.guest.memory import ToolBuffers, as_i32, plan_arena, plan_scratch
+from worker.guest.shared import SharedCalls
 from worker.session.ports import CallWatcher
 from worker.session.tool_logs import ToolLogs
 
@@ -34,9 +35,7 @@ _BLOB_MAGIC = b"CQF1"
 _BLOB_HEAD = struct.Struct("<4sI")  # magic, length of the JSON header that follows
 _BLOB_MAX_HEADER = 1 << 20
 _BLOB_MAX_SNAPSHOT = 4 << 30  # a wasm32 memory is at most 4 GiB
-_DENIED = ("cchat_", "spear_fd_ctl", "spear_epoll_", "user_stream_")
 PROGRESS_MAX_BYTES = 200  # a progress message, as trace events carry it
-SLEEP_SLICE_S = 1.0  # a sleeping tool's watcher is asked this often whether it may go on
 
 
 @dataclass(frozen=True)
@@ -188,28 +187,25 @@ class ToolModeHost:
         self.attempt = 0  # the call's retry number, for `cchatq::attempt`
         self.watcher: CallWatcher | None = None  # a background call's: progress, cancel
         self.logs = ToolLogs() if logs is None else logs
+        self.shared = SharedCalls(
+            lambda level, text: self.logs.log(level, text),
+            lambda: self.deadline,
+            self._check_watcher,
+        )
+        self._calls = dispatch_table("tool", {Part.SHARED: self.shared, Part.TOOL: self})
 
     def hostcall(self, name: str, mem: GuestMemory, args: tuple[int, ...]) -> int | None:
-        if name.startswith(_DENIED):
-            return -EPERM  # a tool cannot start chats, touch the program's fds or talk to its user
-        if name == "cchatq.attempt":
-            return self.attempt
-        if name == "cchatq.progress":
-            return self._progress(mem, *args)
-        if name == "log":
-            return self._log(mem, *args)
-        if name == "time_now_ms":
-            return time.time_ns() // 1_000_000
-        if name == "wall_time_s":
-            return time.time_ns() // 1_000_000_000
-        if name == "random_i64":
-            return int.from_bytes(os.urandom(8), "little", signed=True)
-        if name == "sleep_ms":
-            self._sleep(args[0])
-            return None
-        return -ENOSYS  # define_spear links no other name to a host
+        call = self._calls.get(name)
+        if call is None:
+            return -ENOSYS  # define_spear links no other name to a host
+        return call(mem, *args)
 
-    def _progress(self, mem: GuestMemory, percent: int, ptr: int, length: int) -> int:
+    # the tool ABI's own imports (module cchatq) ---------------------------------------------
+
+    def cchatq_attempt(self, mem: GuestMemory) -> int:
+        return self.attempt
+
+    def cchatq_progress(self, mem: GuestMemory, percent: int, ptr: int, length: int) -> int:
         """A tool's progress report: 0..100 and a short message (cut at PROGRESS_MAX_BYTES)."""
         if not 0 <= percent <= 100 or not length >= 0:
             return -EINVAL
@@ -219,22 +215,9 @@ class ToolModeHost:
             self.watcher.progress(percent, text)
         return 0
 
-    def _log(self, mem: GuestMemory, level: int, ptr: int, length: int) -> int:
-        if length & 0xFFFF_FFFF > LOG_MAX_BYTES or not 0 <= level <= 4:
-            return -EINVAL
-        text = mem.read(ptr, length).decode("utf-8", "replace")  # GuestFault -> -EFAULT
-        self.logs.log(level, text)
-        return 0
-
-    def _sleep(self, ms: int) -> None:
-        seconds = max(0, ms) / 1000
-        if self.deadline is not None:
-            seconds = min(seconds, max(0.0, self.deadline - time.monotonic()))
-        until = time.monotonic() + seconds
-        while (left := until - time.monotonic()) > 0:  # a watcher may stop a long sleep
-            if self.watcher is not None:
-                self.watcher.check()
-            time.sleep(min(left, SLEEP_SLICE_S))
+    def _check_watcher(self) -> None:
+        if self.watcher is not None:  # a watcher may stop a long sleep
+            self.watcher.check()
 
 
 class HostSwitch:

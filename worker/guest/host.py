@@ -2,10 +2,11 @@
 
 Each `cchat_send` becomes a chat session on the same round/tool pipeline as a spec session
 (id `<run id>#send<n>`), with its tools forked from the program's memory at the send. The fd
-table (`program_fds`) is mirrored to Redis (`cq:fds:<run>`); response bodies are read from the
+table (`fds.FdTable`) is mirrored to Redis (`cq:fds:<run>`); response bodies are read from the
 chats' response fds, written by whichever worker finished them. `spear_fd_ctl` and the
-`spear_epoll_*` calls are in `epoll`, the `user_stream_*` calls in `user_streams`; this module
-holds the chat and other hostcalls.
+`spear_epoll_*` calls are in `epoll`, the `user_stream_*` calls in `user_streams`, `log`, time,
+random and `sleep_ms` in `shared` (as a tool call serves them); this module holds the chat
+hostcalls.
 
 Hostcalls return -errno and never raise, except RunAborted (deadline, cancellation), which
 traps the guest and ends the run.
@@ -16,7 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,14 +38,14 @@ from worker.errors import (
     StoreError,
 )
 from worker.guest import abi
-from worker.guest.epoll import HOSTCALLS as EPOLL_HOSTCALLS
 from worker.guest.epoll import EpollCalls
 from worker.guest.fds import FdEntry, FdTable, RegisteredTool, write_with_len
 from worker.guest.fork import ProgramFork
+from worker.guest.hostcalls import Handler, Part, dispatch_table
 from worker.guest.imports import GuestMemory
 from worker.guest.mcp_params import McpAccess, chat_mcp_tools, is_mcp_param, set_mcp_param
 from worker.guest.ports import ProgramStore
-from worker.guest.user_streams import HOSTCALLS as STREAM_HOSTCALLS
+from worker.guest.shared import SharedCalls
 from worker.guest.user_streams import UserStreamCalls
 from worker.session.ports import Dispatcher
 from worker.session.tool_logs import LEVELS
@@ -92,11 +92,9 @@ class ProgramHost:
         self._aborted: RunAborted | None = None
         epoll = EpollCalls(self.fd_table, self._wait)
         streams = UserStreamCalls(self.fd_table, store, defaults.run_sk)
-        self._calls: dict[str, Callable[..., int | None]] = {
-            **{name: getattr(self, f"_{name}") for name in _HOSTCALLS},
-            **{name: getattr(epoll, name) for name in EPOLL_HOSTCALLS},
-            **{name: getattr(streams, name) for name in STREAM_HOSTCALLS},
-        }
+        shared = SharedCalls(self._log_line, lambda: defaults.deadline, self._check_run)
+        parts = {Part.CHAT: self, Part.FDS: epoll, Part.STREAMS: streams, Part.SHARED: shared}
+        self._calls: dict[str, Handler] = dispatch_table("program", parts)
 
     # SpearHost -----------------------------------------------------------------------------
 
@@ -134,12 +132,20 @@ class ProgramHost:
         if self.store.is_cancelled(self.d.run_sk):
             raise self._abort(CancelledError("program run cancelled"))
 
+    def _check_run(self) -> None:
+        """What a sleeping program checks: its deadline and its cancellation."""
+        self._check_time()
+        self._check_cancel()
+
+    def _log_line(self, level: int, text: str) -> None:
+        self.logs.append({"level": LEVELS[level], "message": text})
+
     # chat hostcalls ------------------------------------------------------------------------
 
-    def _cchat_create(self, mem: GuestMemory) -> int:
+    def cchat_create(self, mem: GuestMemory) -> int:
         return self.fd_table.new(FdEntry(kind=abi.KIND_SESSION))
 
-    def _cchat_write_msg(
+    def cchat_write_msg(
         self, mem: GuestMemory, fd: int, role_ptr: int, role_len: int, ptr: int, length: int
     ) -> int:
         entry = self.fd_table.get(fd, abi.KIND_SESSION)
@@ -156,7 +162,7 @@ class ProgramHost:
         self.fd_table.persist(fd)
         return 0
 
-    def _cchat_write_fn(
+    def cchat_write_fn(
         self, mem: GuestMemory, fd: int, fn_offset: int, ptr: int, length: int
     ) -> int:
         entry = self.fd_table.get(fd, abi.KIND_SESSION)
@@ -175,9 +181,7 @@ class ProgramHost:
             self.fd_table.persist(fd)
         return 0
 
-    def _cchat_ctl(
-        self, mem: GuestMemory, fd: int, cmd: int, arg_ptr: int, arg_len_ptr: int
-    ) -> int:
+    def cchat_ctl(self, mem: GuestMemory, fd: int, cmd: int, arg_ptr: int, arg_len_ptr: int) -> int:
         entry = self.fds.get(fd)
         if entry is None:
             return -abi.EBADF
@@ -203,7 +207,7 @@ class ProgramHost:
             return self.fd_table.metrics(mem, entry, arg_ptr, arg_len_ptr)
         return -abi.EINVAL
 
-    def _cchat_send(self, mem: GuestMemory, fd: int, flags: int) -> int:
+    def cchat_send(self, mem: GuestMemory, fd: int, flags: int) -> int:
         session = self.fd_table.get(fd, abi.KIND_SESSION)
         if session is None:
             return -abi.EBADF
@@ -313,7 +317,7 @@ class ProgramHost:
             self.store.wait_done(keys.run_batch(self.d.run_sk), min(remaining, WAIT_SLICE_S))
         return True
 
-    def _cchat_recv(self, mem: GuestMemory, fd: int, out_ptr: int, out_len_ptr: int) -> int:
+    def cchat_recv(self, mem: GuestMemory, fd: int, out_ptr: int, out_len_ptr: int) -> int:
         # closed responses stay readable
         response = self.fd_table.get(fd, abi.KIND_RESPONSE, open_only=False)
         if response is None:
@@ -326,7 +330,7 @@ class ProgramHost:
         assert response.body is not None
         return write_with_len(mem, out_ptr, out_len_ptr, response.body)
 
-    def _cchat_close(self, mem: GuestMemory, fd: int) -> int:
+    def cchat_close(self, mem: GuestMemory, fd: int) -> int:
         entry = self.fds.get(fd)
         if entry is None or entry.kind not in (abi.KIND_SESSION, abi.KIND_RESPONSE):
             return -abi.EBADF
@@ -334,32 +338,6 @@ class ProgramHost:
             entry.closed = True
             self.fd_table.persist(fd)
         return 0
-
-    # other imports -------------------------------------------------------------------------
-
-    def _log(self, mem: GuestMemory, level: int, ptr: int, length: int) -> int:
-        if length > abi.LOG_MAX_BYTES or length < 0 or not 0 <= level <= 4:
-            return -abi.EINVAL
-        message = mem.read(ptr, length).decode(errors="replace")
-        self.logs.append({"level": LEVELS[level], "message": message})
-        return 0
-
-    def _time_now_ms(self, mem: GuestMemory) -> int:
-        return int(time.time() * 1000)
-
-    def _wall_time_s(self, mem: GuestMemory) -> int:
-        return int(time.time())
-
-    def _random_i64(self, mem: GuestMemory) -> int:
-        return int.from_bytes(os.urandom(8), "little", signed=True)
-
-    def _sleep_ms(self, mem: GuestMemory, ms: int) -> None:
-        until = time.monotonic() + max(ms, 0) / 1000
-        while time.monotonic() < until:
-            remaining = self._check_time()
-            self._check_cancel()
-            time.sleep(max(0.0, min(until - time.monotonic(), remaining, WAIT_SLICE_S)))
-        return None
 
     # the run's result ----------------------------------------------------------------------
 
@@ -370,12 +348,6 @@ class ProgramHost:
             self.fd_table.observe(entry)
             out.append(json.loads(entry.body) if entry.body is not None else None)
         return out
-
-
-_HOSTCALLS = (
-    "cchat_create", "cchat_write_msg", "cchat_write_fn", "cchat_ctl", "cchat_send", "cchat_recv",
-    "cchat_close", "log", "time_now_ms", "wall_time_s", "random_i64", "sleep_ms",
-)  # fmt: skip
 
 
 def _int_or_none(value: Any) -> int | None:

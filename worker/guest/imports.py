@@ -1,5 +1,6 @@
-"""The `spear` import module for wasmtime: exact wasm types of every hostcall, guest memory
-access with bounds checks, and the link step shared by program runs and tool calls.
+"""The `spear` and `cchatq` import modules for wasmtime: guest memory access with bounds
+checks, and the link step shared by program runs and tool calls, which checks each import
+against its declaration (hostcalls.py).
 
 A host object implements the calls; this module only adapts wasm values and memory to it.
 Unserved SPEAR families (mic_*, rtasr_*) link and return -ENOSYS.
@@ -15,36 +16,8 @@ from typing import Any, Protocol
 import wasmtime
 
 from worker.errors import GuestError, GuestFault
-from worker.guest.abi import EFAULT, ENOSYS, UNSERVED_PREFIXES
-
-I32, I64 = wasmtime.ValType.i32(), wasmtime.ValType.i64()
-
-# name -> (params, results)
-SPEAR_IMPORTS: dict[str, tuple[tuple[wasmtime.ValType, ...], tuple[wasmtime.ValType, ...]]] = {
-    "cchat_create": ((), (I32,)),
-    "cchat_write_msg": ((I32, I32, I32, I32, I32), (I32,)),
-    "cchat_write_fn": ((I32, I32, I32, I32), (I32,)),
-    "cchat_ctl": ((I32, I32, I32, I32), (I32,)),
-    "cchat_send": ((I32, I32), (I32,)),
-    "cchat_recv": ((I32, I32, I32), (I32,)),
-    "cchat_close": ((I32,), (I32,)),
-    "log": ((I32, I32, I32), (I32,)),
-    "time_now_ms": ((), (I64,)),
-    "wall_time_s": ((), (I64,)),
-    "random_i64": ((), (I64,)),
-    "sleep_ms": ((I32,), ()),
-    "spear_fd_ctl": ((I32, I32, I32, I32), (I32,)),
-    "spear_epoll_create": ((), (I32,)),
-    "spear_epoll_ctl": ((I32, I32, I32, I32), (I32,)),
-    "spear_epoll_wait": ((I32, I32, I32, I32), (I32,)),
-    "spear_epoll_close": ((I32,), (I32,)),
-    "user_stream_open": ((I32, I32), (I32,)),
-    "user_stream_read": ((I32, I32, I32), (I32,)),
-    "user_stream_write": ((I32, I32, I32), (I32,)),
-    "user_stream_close": ((I32,), (I32,)),
-    "user_stream_ctl_open": ((), (I32,)),
-    "user_stream_ctl_read": ((I32, I32, I32), (I32,)),
-}
+from worker.guest.abi import EFAULT, ENOSYS
+from worker.guest.hostcalls import SPEAR_IMPORTS, TOOL_IMPORTS, UNSERVED_PREFIXES, Hostcall
 
 
 class GuestMemory:
@@ -157,49 +130,30 @@ def define_spear(linker: wasmtime.Linker, module: wasmtime.Module, host: SpearHo
         linker.define_func("spear", imp.name, ty, _adapter(imp.name, ty, host), access_caller=True)
 
 
-# The tool ABI's own imports (sdk/c/cchatq_tool.h), module `cchatq`: name -> (params, results)
-TOOL_IMPORTS: dict[str, tuple[list[str], list[str]]] = {
-    "attempt": ([], ["i32"]),
-    "progress": (["i32", "i32", "i32"], ["i32"]),  # percent, message pointer, length
-}
-
-
 def define_tool_imports(linker: wasmtime.Linker, module: wasmtime.Module, host: SpearHost) -> None:
     """Define the `cchatq` imports a tool declares; each reaches `host` as `cchatq.NAME`."""
     for imp in module.imports:
         if imp.module != "cchatq" or imp.name is None:
             continue
-        ty, name = imp.type, imp.name
-        expected = TOOL_IMPORTS.get(name)
-        if expected is None:
+        name = imp.name
+        declared = TOOL_IMPORTS.get(name)
+        if declared is None:
             raise GuestError(f"unknown import cchatq::{name}")
-        if (
-            not isinstance(ty, wasmtime.FuncType)
-            or (
-                [str(p) for p in ty.params],
-                [str(r) for r in ty.results],
-            )
-            != expected
-        ):
-            raise GuestError(f"import cchatq::{name} has the wrong type {ty}")
+        ty = _checked_type(declared, imp.type)
 
-        def call(caller: wasmtime.Caller, *args: int, _name: str = f"cchatq.{name}") -> Any:
-            return host.hostcall(_name, GuestMemory(caller), args)
+        def call(caller: wasmtime.Caller, *args: int, _key: str = declared.key) -> Any:
+            return host.hostcall(_key, GuestMemory(caller), args)
 
         linker.define_func("cchatq", name, ty, call, access_caller=True)
 
 
 def _adapter(name: str, ty: wasmtime.FuncType, host: SpearHost) -> Callable[..., Any]:
-    expected = SPEAR_IMPORTS.get(name)
-    if expected is None:
+    declared = SPEAR_IMPORTS.get(name)
+    if declared is None:
         if not name.startswith(UNSERVED_PREFIXES):
             raise GuestError(f"unknown import spear::{name}")
         return _enosys(ty)
-    params, results = expected
-    if [str(p) for p in ty.params] != [str(p) for p in params] or [str(r) for r in ty.results] != [
-        str(r) for r in results
-    ]:
-        raise GuestError(f"import spear::{name} has the wrong type {ty}")
+    _checked_type(declared, ty)
 
     def call(caller: wasmtime.Caller, *args: int) -> int | None:
         try:
@@ -208,6 +162,16 @@ def _adapter(name: str, ty: wasmtime.FuncType, host: SpearHost) -> Callable[...,
             return -EFAULT
 
     return call
+
+
+def _checked_type(declared: Hostcall, ty: object) -> wasmtime.FuncType:
+    """`ty`, the type a module gives an import, if it is the declared one."""
+    if not isinstance(ty, wasmtime.FuncType) or (
+        tuple(str(p) for p in ty.params),
+        tuple(str(r) for r in ty.results),
+    ) != (declared.params, declared.results):
+        raise GuestError(f"import {declared.module}::{declared.name} has the wrong type {ty}")
+    return ty
 
 
 def _enosys(ty: wasmtime.FuncType) -> Callable[..., Any]:

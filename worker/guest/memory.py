@@ -8,7 +8,7 @@ the instance's memory and lays out, from the first new byte:
     len_ptr   u32 LE length cell           (8-aligned)
 
 With a tool arena (a program fork whose guest set tool_arena_ptr/len) the buffers follow
-SPEAR's arena layout inside the existing memory (spear_abi.arena_layout).
+SPEAR's arena layout inside the existing memory (`abi.arena_layout`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """What a program run needs from the outside world besides the session ports: its chats'
-state, its fd mirror, its memory snapshots and its user streams. `edges.store_programs`
-implements it on Redis, `worker.session.twins.store.MemoryStore` in memory."""
+state, its fd mirror, its memory snapshots and its user streams.
+`edges.store_programs.RedisProgramStore` implements it on Redis,
+`worker.session.twins.store.MemoryStore` in memory."""
 
 from __future__ import annotations
 

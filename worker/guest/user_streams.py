@@ -49,10 +49,6 @@ from worker.guest.fds import FdEntry, FdTable, write_with_len
 from worker.guest.imports import GuestMemory
 from worker.guest.ports import ProgramStore
 
-HOSTCALLS = (
-    "user_stream_open", "user_stream_read", "user_stream_write", "user_stream_close",
-    "user_stream_ctl_open", "user_stream_ctl_read",
-)  # fmt: skip
 PULL_EVERY_S = 0.005  # a spinning epoll loop reads the user's events at most this often
 _KINDS = (abi.KIND_USER_STREAM, abi.KIND_USER_STREAM_CTL)
 
