@@ -11,7 +11,7 @@ from pathlib import Path
 
 import fixtures
 from bench.codecs import median_us
-from schemas.limits import ToolDefaults
+from schemas.fleet import ToolDefaults
 from schemas.spec_types import SessionSpec, spec_from_json
 from worker.edges.wasm_runtime import WasmToolRuntime
 from worker.session.engine import tool_run

@@ -45,7 +45,8 @@ from marshmallow import (
     validates_schema,
 )
 
-from schemas.limits import TOOL_TIMEOUT_CAP_MS, Environment, ToolDefaults
+from schemas.fleet import Environment, ToolDefaults
+from schemas.limits import TOOL_TIMEOUT_CAP_MS
 from schemas.mcp import SERVER_ID, McpServerConfig
 from schemas.spec_types import RISK_LEVELS
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from schemas.config import BackendConfig, builtin_backends, read_config
-from schemas.limits import ToolDefaults
+from schemas.fleet import ToolDefaults
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 __all__ = ["BackendConfig", "Settings", "load_settings"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from schemas.limits import max_parallel
+from schemas.fleet import max_parallel
 from worker.session.engine import CallModel, Finish, Session, plan
 from worker.session.outcomes import ToolOutcome
 

@@ -16,7 +16,8 @@ import jsonschema
 
 from schemas import tool_schema
 from schemas.bodies import is_error_body
-from schemas.limits import Limits, ToolDefaults
+from schemas.fleet import ToolDefaults
+from schemas.limits import Limits
 from schemas.spec_types import INVALID_CALL_NAME, TASK_STATUS, Flags, SessionSpec, ToolSpec
 from worker.codecs.openai_chat import decode_arguments, tool_calls_of, tool_message_content
 from worker.codecs.protocol import ToolChoice

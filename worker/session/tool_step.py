@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from schemas import keys
 from schemas.bodies import is_error_body
-from schemas.limits import max_parallel
+from schemas.fleet import max_parallel
 from schemas.spec_types import BUILTIN_MODULE, SessionSpec
 from worker.codecs.openai_chat import tool_calls_of
 from worker.errors import InternalError, StoreError, ToolNotRunError, ToolValidationError
