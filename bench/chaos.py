@@ -56,9 +56,10 @@ from bench.chaos_report import (
     tally,
 )
 from fixtures.demo_batch import CITIES, WEATHER, weather_json
-from producer.client import Client, Submission
+from producer.client import Client
 from producer.fleet import Fleet
 from producer.specfile import load_spec_from_objects
+from producer.submitting import Submission
 from schemas import keys
 from schemas.spec_types import Spec
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import fixtures
 from bench.codecs import median_us
-from schemas.limits import ToolDefaults
+from schemas.fleet import ToolDefaults
 from schemas.spec_types import SessionSpec, spec_from_json
 from worker.codecs.reply import Reply
 from worker.edges.wasm_runtime import WasmToolRuntime

@@ -15,11 +15,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from producer.batches import Batches, BatchSummary
 from schemas.bodies import OK, dump_text, outcome_code
 
 if TYPE_CHECKING:
-    from producer.batches import BatchSummary
-    from producer.client import Client, Submission
+    from producer.submitting import Submission
+    from producer.waiting import Waiting
 
 PROGRAM_FIELDS = ("exit_code", "stdout", "stderr", "logs", "responses", "metrics")
 
@@ -90,7 +91,7 @@ class Result:
 class Batch:
     """A submitted batch. Its sessions run on the fleet whether or not anyone waits."""
 
-    def __init__(self, client: Client, submission: Submission) -> None:
+    def __init__(self, client: Waiting, submission: Submission) -> None:
         self.client = client
         self.submission = submission
         self._waited = False
@@ -119,14 +120,10 @@ class Batch:
 
     def status(self) -> BatchSummary:
         """Counts of its sessions by state (queued, running, done, gone) and outcome."""
-        from producer.batches import Batches  # batches builds on the client, as this does
-
         summary = Batches(self.client).summary(self.id)
         assert summary is not None  # submitted by us, so named in Redis for its TTL
         return summary
 
     def cancel(self) -> int:
         """Ask every session of the batch still running to stop: how many were asked."""
-        from producer.batches import Batches
-
         return Batches(self.client).cancel(self.id)

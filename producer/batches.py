@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from producer.client import PIPELINE_SIZE, Client
+from producer.submitting import PIPELINE_SIZE, Submitting
 from schemas import keys
 from schemas.bodies import OK
 from schemas.spec_types import Spec, spec_from_json
@@ -44,7 +44,7 @@ class BatchSummary:
 
 
 class Batches:
-    def __init__(self, client: Client) -> None:
+    def __init__(self, client: Submitting) -> None:
         self.client = client
         self.redis = client.redis
 

@@ -22,7 +22,7 @@ from producer.cli_common import (
     fleet_config,
     redis_url,
 )
-from producer.client import Client, ModuleExpiredError, SpecConflictError, Submission
+from producer.client import Client
 from producer.fleet_status import read_fleet_status, unserved
 from producer.openai_batch import (
     ResultFiles,
@@ -34,6 +34,7 @@ from producer.openai_batch import (
 )
 from producer.report import Progress, batch_states, summary
 from producer.specfile import SpecFileError, load_spec_file
+from producer.submitting import ModuleExpiredError, SpecConflictError, Submission
 from producer.validation_progress import validation_progress
 from schemas.spec_types import Spec
 
@@ -181,7 +182,8 @@ def interrupted(stop: BatchInterrupted, out: Path) -> int:
 
 def cmd_batch(args: argparse.Namespace) -> int:
     """`cchatq batch list | status B | results B --out F | cancel B | retry B --failed`."""
-    batches = Batches(Client(redis_url()))
+    client = Client(redis_url())
+    batches = Batches(client)
     if args.action == "list":
         for batch, submitted_ms, sessions in batches.recent():
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(submitted_ms / 1000))
@@ -213,7 +215,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
         out = Path(args.out)
         files = result_files(args.format, out, args.errors)
         try:  # a new batch of their next attempts, waited for as a submit is
-            records = run_batch(batches.client, again, out, None, rerun=True, files=files)
+            records = run_batch(client, again, out, None, rerun=True, files=files)
         except ModuleExpiredError as exc:
             print(f"batch {args.batch}: {exc}", file=sys.stderr)
             return EXIT_REJECTED

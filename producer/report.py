@@ -18,8 +18,9 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from producer.client import STATE_SAMPLE, Submission
 from producer.lookups import SessionLookups
+from producer.submitting import Submission
+from producer.waiting import STATE_SAMPLE
 from schemas.bodies import outcome_code
 
 SAMPLE_S = 1.0  # the pending sessions' states are read at most this often

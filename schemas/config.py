@@ -46,7 +46,8 @@ from marshmallow import (
     validates_schema,
 )
 
-from schemas.limits import TOOL_TIMEOUT_CAP_MS, Environment, ToolDefaults
+from schemas.fleet import Environment, ToolDefaults
+from schemas.limits import TOOL_TIMEOUT_CAP_MS
 from schemas.mcp import SERVER_ID, McpServerConfig
 from schemas.protocols import NAMES as PROTOCOL_NAMES
 from schemas.protocols import PROTOCOLS

@@ -4,11 +4,8 @@ section 3). The schemas validate against the caps; the values resolve defaults f
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from schemas.mcp import McpServerConfig
+from dataclasses import dataclass, fields
+from typing import Any
 
 TOOL_TIMEOUT_CAP_MS = 120_000
 COMPRESS_MODES = ("excerpt", "summarize")
@@ -16,8 +13,8 @@ BACKGROUND_TIMEOUT_CAP_MS = 6 * 3_600_000  # a background tool's call: up to 6 h
 MAX_TOOL_RETRIES_CAP = 10
 RETRY_BACKOFF_CAP_MS = 60_000
 
-# name -> (default, cap); a None default is the fleet's (ToolDefaults, from the worker's
-# configuration) when the spec is silent
+# name -> (default, cap); a None default is the fleet's (schemas.fleet.ToolDefaults, from the
+# worker's configuration) when the spec is silent
 LIMIT_BOUNDS: dict[str, tuple[int | None, int]] = {
     "max_iterations": (8, 128),
     "max_total_tool_calls": (32, 10_000),
@@ -37,40 +34,6 @@ LIMIT_ALIASES = {
     "max_tool_calls": "max_total_tool_calls",
     "tool_timeout_ms": "default_tool_timeout_ms",
 }
-
-
-@dataclass(frozen=True)
-class Environment:
-    """A named place sessions run in (the configuration's `tools.environments`): the riskiest
-    tool it allows, tool allow/deny globs, and per-user allowlists."""
-
-    max_risk_level: str = "high"
-    allow_tools: tuple[str, ...] = ()  # globs; empty: any tool
-    deny_tools: tuple[str, ...] = ()
-    users: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # user -> allow globs
-    mcp_servers: tuple[str, ...] = ()  # the MCP servers its sessions may enable (ids)
-
-
-@dataclass(frozen=True)
-class ToolDefaults:
-    """What the fleet gives a session's tool calls where its spec and tools are silent (the
-    worker configuration's `tools` object); `auto_tool_call` off runs no tools at all."""
-
-    timeout_ms: int = 10_000
-    max_retries: int = 0
-    retry_backoff_ms: int = 200
-    max_parallel: int = 16
-    auto_tool_call: bool = True
-    environments: Mapping[str, Environment] = field(default_factory=dict)
-    default_environment: str | None = None
-    # the configuration's `mcp_servers`, by id; a session may use those its environment lists
-    mcp_servers: Mapping[str, McpServerConfig] = field(default_factory=dict)
-
-    def mcp_allowed(self, environment: str | None) -> tuple[str, ...]:
-        """The MCP servers a session of `environment` (None: the default one) may enable:
-        none without an environment."""
-        env = self.environments.get(environment or self.default_environment or "")
-        return () if env is None else env.mcp_servers
 
 
 # a program run's limits: name -> (default, cap); the run's deadline stays below the default
@@ -153,8 +116,3 @@ class RunLimits:
 
     def as_dict(self) -> dict[str, int]:
         return _as_dict(self)
-
-
-def max_parallel(limits: Limits, fleet: ToolDefaults) -> int:
-    """How many tool tasks of one session may be in flight at once."""
-    return limits.max_parallel or fleet.max_parallel

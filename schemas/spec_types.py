@@ -94,7 +94,7 @@ class Permissions:
 @dataclass(frozen=True)
 class ToolPolicy:
     """How one tool's calls run (seed 002's execution policy). None: the session's limits
-    decide, then the fleet's defaults (schemas.limits.ToolDefaults)."""
+    decide, then the fleet's defaults (schemas.fleet.ToolDefaults)."""
 
     timeout_ms: int | None = None
     max_retries: int | None = None

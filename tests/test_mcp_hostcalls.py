@@ -16,7 +16,7 @@ import pytest
 from wasmtime import wat2wasm
 
 from schemas import keys
-from schemas.limits import ToolDefaults
+from schemas.fleet import ToolDefaults
 from schemas.mcp import McpServerConfig, tool_name
 from schemas.spec_types import SessionSpec
 from tests.test_hostcalls import SET_PARAM, _Source, with_arg, with_out, write_msg

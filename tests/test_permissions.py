@@ -10,7 +10,7 @@ import pytest
 from marshmallow import ValidationError
 
 from schemas.config import parse_config
-from schemas.limits import Environment, ToolDefaults
+from schemas.fleet import Environment, ToolDefaults
 from schemas.spec import SessionSpecSchema
 from schemas.spec_types import Permissions, SessionSpec, spec_from_json, tool_from_json
 from tests.test_engine import TIME, USER, WEATHER, call, completion, err, make_spec, session

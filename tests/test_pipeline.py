@@ -19,9 +19,10 @@ import redis
 
 from fixtures.demo_batch import CITIES, KINDS, WEATHER, check, demo_specs, weather_json
 from fixtures.replay.conversation import read_envelope
-from producer.client import CLIENT_NAME, Client, SpecConflictError
+from producer.client import CLIENT_NAME, Client
 from producer.fleet import Fleet
 from producer.specfile import load_spec_file, load_spec_from_objects
+from producer.submitting import SpecConflictError
 from schemas import keys
 from schemas.task_names import ALL_QUEUES
 from tests.conftest import GUESTS, Running

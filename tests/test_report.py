@@ -8,9 +8,10 @@ from typing import Any
 
 from rich.console import Console
 
-from producer.client import STATE_SAMPLE, Submission
 from producer.lookups import SessionLookups
 from producer.report import Progress, batch_states, summary
+from producer.submitting import Submission
+from producer.waiting import STATE_SAMPLE
 
 
 class Clock:

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from schemas.config import parse_config
-from schemas.limits import Limits, ToolDefaults
+from schemas.fleet import ToolDefaults
+from schemas.limits import Limits
 from schemas.spec_types import SessionSpec, ToolPolicy, spec_from_json, tool_from_json
 from tests.test_engine import (
     TIME,

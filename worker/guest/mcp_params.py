@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from schemas.limits import ToolDefaults
+from schemas.fleet import ToolDefaults
 from schemas.spec_types import ToolSpec
 from worker.guest import abi
 from worker.session.mcp_offer import mcp_tools

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from schemas.limits import max_parallel
+from schemas.fleet import max_parallel
 from worker.session.ending import Ending
 from worker.session.engine import CallModel, Finish, RunTools, Step
 from worker.session.outcomes import ToolOutcome

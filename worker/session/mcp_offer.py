@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any
 
-from schemas.limits import ToolDefaults
+from schemas.fleet import ToolDefaults
 from schemas.mcp import offered_tools
 from schemas.spec_types import SessionSpec, ToolSpec
 from worker.errors import McpError, ToolRuntimeError

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from fnmatch import fnmatchcase
 
-from schemas.limits import ToolDefaults
+from schemas.fleet import ToolDefaults
 from schemas.spec_types import RISK_LEVELS, Permissions, ToolSpec
 
 

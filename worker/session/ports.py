@@ -10,8 +10,9 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+from schemas.fleet import ToolDefaults
 from schemas.keys import ChunkMember
-from schemas.limits import Limits, ToolDefaults
+from schemas.limits import Limits
 from schemas.mcp import McpToolInfo
 from schemas.spec_types import McpToolRef, Spec, ToolSpec
 from worker.codecs.protocol import ChatRequest, Delta

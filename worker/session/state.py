@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from schemas.limits import Limits, ToolDefaults
+from schemas.fleet import ToolDefaults
+from schemas.limits import Limits
 from schemas.spec_types import Flags, SessionSpec, ToolSpec
 from worker.codecs.reply import Reply
 from worker.session.outcomes import ToolOutcome

@@ -9,7 +9,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from schemas.limits import BACKGROUND_TIMEOUT_CAP_MS, RETRY_BACKOFF_CAP_MS, Limits, ToolDefaults
+from schemas.fleet import ToolDefaults
+from schemas.limits import BACKGROUND_TIMEOUT_CAP_MS, RETRY_BACKOFF_CAP_MS, Limits
 from schemas.spec_types import SessionSpec, ToolSpec
 from worker.errors import GuestError, ToolError, ToolRuntimeError
 from worker.session.engine import ToolRun, argument_problem

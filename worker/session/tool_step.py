@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from schemas import keys
-from schemas.limits import ToolDefaults, max_parallel
+from schemas.fleet import ToolDefaults, max_parallel
 from schemas.spec_types import BUILTIN_MODULE, SessionSpec
 from worker.errors import InternalError, StoreError, ToolNotRunError, ToolValidationError
 from worker.session.apply import Applier

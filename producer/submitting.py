@@ -1,0 +1,234 @@
+"""Submitting sessions: the hand-off to validation, each module uploaded once, the ids' claims
+(one run per spec id), the sessions' keys written and the start tasks sent. A part of the
+Client (producer/client.py). Key layout: `schemas/keys.py`."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from producer.backend_check import backend_check
+from producer.lookups import SessionLookups
+from producer.specfile import load_spec_from_objects
+from schemas import keys, task_names
+from schemas.bodies import dump_body
+from schemas.config import FleetConfig
+from schemas.spec_types import (
+    ProgramDef,
+    ProgramSpec,
+    SessionSpec,
+    Spec,
+    ToolSpec,
+    spec_to_json,
+    stored,
+)
+
+CHUNK_SIZE = 256  # sessions admitted by one start task
+PIPELINE_SIZE = 1000  # sessions per Redis round trip at submit
+
+
+@dataclass
+class Submission:
+    batch: str
+    order: list[str]  # session keys in input order
+    ids: dict[str, str]  # sk -> spec id
+    new: set[str] = field(default_factory=set)  # enqueued by this submission
+    done: set[str] = field(default_factory=set)  # already finished before it (resubmitted ids)
+    programs: set[str] = field(default_factory=set)  # program runs among them
+    specs: dict[str, Spec] = field(default_factory=dict)  # sk -> spec: to run again if lost
+    attempts: dict[str, int] = field(default_factory=dict)  # sk -> which attempt of its id
+    chunks: int = 0  # start tasks sent for this batch (a resubmission numbers on from here)
+
+
+class SpecConflictError(Exception):
+    """Ids already submitted with a different spec: nothing of the submission was enqueued."""
+
+    def __init__(self, spec_ids: list[str]) -> None:
+        super().__init__(f"{len(spec_ids)} ids already submitted with a different spec")
+        self.spec_ids = spec_ids
+
+
+class ModuleExpiredError(Exception):
+    """Modules a stored spec names are no longer in Redis: submit its file again."""
+
+    def __init__(self, shas: list[str]) -> None:
+        super().__init__(f"{len(shas)} modules expired from Redis (submit the spec file again)")
+        self.shas = shas
+
+
+class Submitting(SessionLookups):
+    config: FleetConfig  # the Client's: the backends specs are checked against
+
+    def _validate(
+        self, specs: Iterable[Mapping[str, Any] | Spec], check_keys: bool, base_dir: Path | None
+    ) -> list[Spec]:
+        """Spec objects or Spec values through a spec file's validation (Client.submit)."""
+        objects = [
+            spec_to_json(s) if isinstance(s, SessionSpec | ProgramSpec) else s for s in specs
+        ]
+        check = backend_check(self.config, check_keys=check_keys)
+        return load_spec_from_objects(objects, base_dir, check, shown="<specs>")
+
+    def upload_modules(self, specs: Sequence[Spec]) -> dict[str, str]:
+        """Each referenced module once, content-addressed: path -> sha256. A module a spec
+        names by its sha256 already (read back from the store: `cchatq batch retry`) must still
+        be in Redis, and is kept alive there."""
+        modules: list[ToolSpec | ProgramDef] = [
+            *(t for s in specs if isinstance(s, SessionSpec) for t in s.tools),
+            *(s.program for s in specs if isinstance(s, ProgramSpec)),
+        ]
+        named = [m for m in modules if not m.module_sha256]
+        hashed = sorted({m.module_sha256 for m in modules if m.module_sha256})
+        if hashed:
+            kept = self.redis.pipeline(transaction=False)
+            for sha in hashed:
+                kept.expire(keys.module(sha), self.ttl_s)
+            gone = [sha for sha, alive in zip(hashed, kept.execute(), strict=True) if not alive]
+            if gone:
+                raise ModuleExpiredError(gone)
+        paths = sorted({m.module for m in named})
+        shas: dict[str, str] = {}
+        pipe = self.redis.pipeline(transaction=False)
+        for path in paths:
+            data = Path(path).read_bytes()
+            sha = shas[path] = hashlib.sha256(data).hexdigest()
+            pipe.set(keys.module(sha), data, nx=True, ex=self.ttl_s)
+            pipe.expire(keys.module(sha), self.ttl_s)  # a resubmission keeps it alive
+        pipe.execute()
+        return shas
+
+    def enqueue(
+        self,
+        specs: Sequence[Spec],
+        batch: str | None = None,
+        first_chunk: int = 0,
+        rerun: bool = False,
+        within: bool = False,
+    ) -> Submission:
+        """Enqueue validated canonical specs. Idempotent by spec id: an id already submitted
+        with the same spec is not run again; this batch waits for (or reads) its stored result
+        instead. An id already submitted with a different spec raises SpecConflictError, with
+        nothing enqueued. `rerun`: every id already submitted runs again, as its next attempt.
+        A new run gets a session key of a new generation (keys.run_session_key). `within`:
+        these sessions join `batch` (submitted again after a loss) rather than name it."""
+        shas = self.upload_modules(specs)
+        bodies = [dump_body(spec_to_json(stored(spec, shas))) for spec in specs]
+        contents = [keys.content_digest(body) for body in bodies]
+        held = self.claims([spec.id for spec in specs])
+        if not rerun:
+            conflicts = [
+                spec.id
+                for spec, claim, content in zip(specs, held, contents, strict=True)
+                if claim is not None and claim.content != content
+            ]
+            if conflicts:
+                raise SpecConflictError(conflicts)
+        sub = Submission(batch=batch or uuid.uuid4().hex[:12], order=[], ids={}, chunks=first_chunk)
+        now_ms = int(time.time() * 1000)
+        for start in range(0, len(specs), PIPELINE_SIZE):
+            end = start + PIPELINE_SIZE
+            part = list(zip(specs[start:end], bodies[start:end], held[start:end], strict=True))
+            pipe = self.redis.pipeline(transaction=False)
+            claims: list[tuple[keys.Claim, bool]] = []
+            for (spec, _, before), content in zip(part, contents[start:end], strict=True):
+                again = rerun and before is not None
+                claim = keys.Claim(
+                    keys.run_session_key(spec.id, keys.new_generation()),
+                    content,
+                    before.attempt + 1 if again and before is not None else 1,
+                )
+                claims.append((claim, again))
+                # the claim answers the run this id already has (None: ours is new); a rerun
+                # takes the claim over
+                pipe.set(
+                    keys.id_claim(spec.id), claim.encode(), nx=not again, get=True, ex=self.ttl_s
+                )
+            runs: list[tuple[str, bool]] = []
+            for (claim, again), found in zip(claims, pipe.execute(), strict=True):
+                # a claim found holding our own fresh claim was ours: its pipeline was sent
+                # again after a reconnect, once Redis had already run it
+                if again or found is None or found.decode() == claim.encode():
+                    runs.append((claim.sk, True))
+                    sub.attempts[claim.sk] = claim.attempt
+                else:
+                    theirs = keys.Claim.decode(found)
+                    runs.append((theirs.sk, False))
+                    sub.attempts[theirs.sk] = theirs.attempt
+            pipe = self.redis.pipeline(transaction=False)
+            for (spec, body, _), (sk, won) in zip(part, runs, strict=True):
+                sub.order.append(sk)
+                sub.ids[sk] = spec.id
+                sub.specs[sk] = spec
+                if isinstance(spec, ProgramSpec):
+                    sub.programs.add(sk)
+                pipe.sadd(keys.watchers(sk), sub.batch)
+                pipe.expire(keys.watchers(sk), self.ttl_s)
+                if won:
+                    sub.new.add(sk)
+                    pipe.set(keys.spec(sk), body, ex=self.ttl_s)
+                    meta = {
+                        "id": spec.id,
+                        "batch": sub.batch,
+                        "submitted_ms": now_ms,
+                        "state": "queued",
+                    }
+                    pipe.hset(keys.meta(sk), mapping=meta)
+                    pipe.expire(keys.meta(sk), self.ttl_s)
+                    pipe.zadd(keys.ACTIVE, {sk: now_ms})  # the fleet's reconciler watches it
+                else:
+                    pipe.exists(keys.response(sk))
+            results = iter(pipe.execute())
+            for sk, won in runs:
+                next(results), next(results)
+                if won:
+                    next(results), next(results), next(results), next(results)
+                elif next(results):
+                    sub.done.add(sk)
+        self._admit(sub, within)
+        return sub
+
+    def claims(self, spec_ids: Sequence[str]) -> list[keys.Claim | None]:
+        """Each id's claim (its latest run), None for an id never submitted or expired."""
+        found: list[bytes | None] = []
+        for start in range(0, len(spec_ids), PIPELINE_SIZE):
+            part = spec_ids[start : start + PIPELINE_SIZE]
+            found.extend(self.redis.mget([keys.id_claim(i) for i in part]))
+        return [None if raw is None else keys.Claim.decode(raw) for raw in found]
+
+    def _admit(self, sub: Submission, within: bool) -> None:
+        if not within:  # a new batch names its ids (`cchatq batch`)
+            pipe = self.redis.pipeline(transaction=False)
+            ids = [sub.ids[sk] for sk in sub.order]
+            for start in range(0, len(ids), PIPELINE_SIZE):
+                pipe.rpush(keys.batch_ids(sub.batch), *ids[start : start + PIPELINE_SIZE])
+            pipe.expire(keys.batch_ids(sub.batch), self.ttl_s)
+            pipe.zadd(keys.BATCHES, {sub.batch: int(time.time() * 1000)})
+            pipe.expire(keys.BATCHES, self.ttl_s)
+            pipe.execute()
+        fresh = [
+            keys.ChunkMember(sk, program=sk in sub.programs, spec_id=sub.ids[sk]).encode()
+            for sk in sub.order
+            if sk in sub.new
+        ]
+        chunks = [fresh[i : i + CHUNK_SIZE] for i in range(0, len(fresh), CHUNK_SIZE)]
+        numbers = range(sub.chunks, sub.chunks + len(chunks))
+        sub.chunks += len(chunks)
+        pipe = self.redis.pipeline(transaction=False)
+        for n, members in zip(numbers, chunks, strict=True):
+            pipe.delete(keys.chunk(sub.batch, n))  # a pipeline sent again writes it once
+            pipe.rpush(keys.chunk(sub.batch, n), *members)
+            pipe.expire(keys.chunk(sub.batch, n), self.ttl_s)
+        pipe.expire(keys.ACTIVE, self.ttl_s)
+        pipe.execute()
+        for n in numbers:
+            self.celery.send_task(
+                task_names.START,
+                args=[sub.batch, n],
+                task_id=keys.start_step(sub.batch, n),
+                queue=task_names.ROUTES[task_names.START],
+            )
