@@ -46,9 +46,9 @@ from marshmallow import (
     validates_schema,
 )
 
-from schemas.fleet import Environment, ToolDefaults
+from schemas.fleet import Environment, McpServerConfig, ToolDefaults
 from schemas.limits import TOOL_TIMEOUT_CAP_MS
-from schemas.mcp import SERVER_ID, McpServerConfig
+from schemas.mcp import SERVER_ID
 from schemas.protocols import NAMES as PROTOCOL_NAMES
 from schemas.protocols import PROTOCOLS
 from schemas.spec_types import RISK_LEVELS

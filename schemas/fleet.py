@@ -1,16 +1,42 @@
 """The fleet's tool-call configuration as values: what it gives a session's tool calls where
 the spec is silent, its environments and its MCP servers (the configuration's `tools` and
-`mcp_servers`; parsed in schemas/config.py). Apart from the session limits (schemas/limits.py)
-because it names the MCP servers, whose module builds on the spec types that build on those
-limits."""
+`mcp_servers`; parsed in schemas/config.py). Apart from the session limits (schemas/limits.py),
+which the spec types build on; the MCP servers' tools (schemas/mcp.py) build on both."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from schemas.limits import Limits
-from schemas.mcp import McpServerConfig
+
+
+@dataclass(frozen=True)
+class McpServerConfig:
+    """One MCP server of the configuration's `mcp_servers`: a command the worker spawns (stdio,
+    one process per listing or call) or the URL of a streamable-HTTP server."""
+
+    id: str
+    command: tuple[str, ...] = ()  # stdio: the program and its arguments
+    env: Mapping[str, str] = field(default_factory=dict)  # stdio: added to PATH, HOME, ...
+    cwd: str | None = None  # stdio: the working directory
+    url: str | None = None  # HTTP: the endpoint
+    api_key_env: str | None = None  # HTTP: the variable of a bearer token, read at call time
+    allow_tools: tuple[str, ...] = ("*",)  # globs on the server's own tool names
+    deny_tools: tuple[str, ...] = ()
+    timeout_ms: int | None = None  # a call's (and a listing's); None: tools.timeout_ms
+    risk_level: str = "low"  # of each of its tools, as a tool policy's (permissions)
+
+    @property
+    def transport(self) -> str:
+        return "stdio" if self.command else "http"
+
+    def api_key(self, environ: Mapping[str, str] | None = None) -> str | None:
+        """An HTTP server's bearer token, read at call time (never stored)."""
+        if not self.api_key_env:
+            return None
+        return (environ if environ is not None else os.environ).get(self.api_key_env)
 
 
 @dataclass(frozen=True)

@@ -9,46 +9,19 @@ Pure: no I/O. The worker's edge (worker/edges/mcp_tools.py) lists and calls the 
 from __future__ import annotations
 
 import base64
-import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any
 
+from schemas.fleet import McpServerConfig
 from schemas.spec_types import MCP_MODULE, FunctionSpec, McpToolRef, ToolPolicy, ToolSpec
 from schemas.tool_schema import schema_problem
 
 SERVER_ID = r"[A-Za-z0-9_.-]{1,32}\Z"
 TOOL_PREFIX = "mcp__"  # SPEAR's prefix of an MCP tool's function name
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}\Z")  # what every provider accepts
-
-
-@dataclass(frozen=True)
-class McpServerConfig:
-    """One MCP server of the configuration's `mcp_servers`: a command the worker spawns (stdio,
-    one process per listing or call) or the URL of a streamable-HTTP server."""
-
-    id: str
-    command: tuple[str, ...] = ()  # stdio: the program and its arguments
-    env: Mapping[str, str] = field(default_factory=dict)  # stdio: added to PATH, HOME, ...
-    cwd: str | None = None  # stdio: the working directory
-    url: str | None = None  # HTTP: the endpoint
-    api_key_env: str | None = None  # HTTP: the variable of a bearer token, read at call time
-    allow_tools: tuple[str, ...] = ("*",)  # globs on the server's own tool names
-    deny_tools: tuple[str, ...] = ()
-    timeout_ms: int | None = None  # a call's (and a listing's); None: tools.timeout_ms
-    risk_level: str = "low"  # of each of its tools, as a tool policy's (permissions)
-
-    @property
-    def transport(self) -> str:
-        return "stdio" if self.command else "http"
-
-    def api_key(self, environ: Mapping[str, str] | None = None) -> str | None:
-        """An HTTP server's bearer token, read at call time (never stored)."""
-        if not self.api_key_env:
-            return None
-        return (environ if environ is not None else os.environ).get(self.api_key_env)
 
 
 @dataclass(frozen=True)

@@ -21,24 +21,16 @@ from marshmallow import (
     validates_schema,
 )
 
-from schemas.limits import (
-    BACKGROUND_TIMEOUT_CAP_MS,
-    COMPRESS_MODES,
-    LIMIT_ALIASES,
-    LIMIT_BOUNDS,
-    MAX_TOOL_RETRIES_CAP,
-    RETRY_BACKOFF_CAP_MS,
-    TOOL_TIMEOUT_CAP_MS,
-)
+from schemas.limits import COMPRESS_MODES, LIMIT_ALIASES, LIMIT_BOUNDS
 from schemas.mcp import SERVER_ID
 from schemas.spec_types import (
     INVALID_CALL_NAME,
-    RISK_LEVELS,
     TASK_STATUS,
     SessionSpec,
     default_parameters,
     spec_from_json,
 )
+from schemas.tool_policy import Declared, ToolPolicy, declarations, tool_references
 from schemas.tool_schema import schema_problem
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -150,42 +142,67 @@ class FunctionSchema(Schema):
             raise ValidationError(problem[0].upper() + problem[1:])
 
 
-TIMEOUT_RANGE = (
-    f"Must be between 1 and {TOOL_TIMEOUT_CAP_MS} "
-    f"(up to {BACKGROUND_TIMEOUT_CAP_MS} with background: true)."
-)
+TOOL_NAME_PROBLEM = "Must name a tool of this session."
 
 
-class ToolPolicySchema(Schema):
-    """A tool's execution policy (schemas.spec_types.ToolPolicy)."""
+def policy_schema(policy: type[ToolPolicy]) -> type[Schema]:
+    """The schema of a policy declaration (schemas.tool_policy): a field per declared field,
+    and the checks between them."""
+    declared = declarations(policy)
+    checks = _flag_checks(declared)
 
-    timeout_ms = _strict_int(
-        validate=validate.Range(min=1, max=BACKGROUND_TIMEOUT_CAP_MS, error=TIMEOUT_RANGE)
-    )
-    max_retries = _strict_int(
-        validate=validate.Range(
-            min=0, max=MAX_TOOL_RETRIES_CAP, error=f"Must be between 0 and {MAX_TOOL_RETRIES_CAP}."
-        )
-    )
-    retry_backoff_ms = _strict_int(
-        validate=validate.Range(
-            min=0, max=RETRY_BACKOFF_CAP_MS, error=f"Must be between 0 and {RETRY_BACKOFF_CAP_MS}."
-        )
-    )
-    idempotent = StrictBool()
-    background = StrictBool()
-    background_mode = fields.String(validate=validate.OneOf(("wait", "async")))
-    risk_level = fields.String(validate=validate.OneOf(RISK_LEVELS))
-    fallback = fields.String(
-        validate=validate.Regexp(FUNCTION_NAME_PATTERN, error="Must name a tool of this session.")
-    )
+    class PolicySchema(Schema):
+        class Meta:
+            include = {d.name: _policy_field(d) for d in declared}
+            register = False  # made per declaration: a name lookup could not tell them apart
 
-    @validates_schema
-    def _check_timeout(self, data: dict[str, Any], **kwargs: Any) -> None:
-        if not data.get("background") and data.get("timeout_ms", 0) > TOOL_TIMEOUT_CAP_MS:
-            raise ValidationError(TIMEOUT_RANGE, "timeout_ms")
-        if "background_mode" in data and not data.get("background"):
-            raise ValidationError("Only with background: true.", "background_mode")
+        @validates_schema
+        def _check_flags(self, data: dict[str, Any], **kwargs: Any) -> None:
+            # one problem per policy object: the first, in declaration order
+            for name, flag, cap, problem in checks:
+                if name in data and not data.get(flag) and (cap is None or data[name] > cap):
+                    raise ValidationError(problem, name)
+
+    PolicySchema.__name__ = PolicySchema.__qualname__ = f"{policy.__name__}Schema"
+    return PolicySchema
+
+
+def _policy_field(d: Declared) -> fields.Field[Any]:
+    rule = d.rule
+    if rule.bounds is not None:
+        least, cap = rule.bounds
+        greatest = rule.raised_by[1] if rule.raised_by else cap
+        return _strict_int(validate=validate.Range(min=least, max=greatest, error=_range(d)))
+    if d.kind is bool:
+        return StrictBool()
+    if rule.choices:
+        return fields.String(validate=validate.OneOf(rule.choices))
+    return fields.String(validate=validate.Regexp(FUNCTION_NAME_PATTERN, error=TOOL_NAME_PROBLEM))
+
+
+def _range(d: Declared) -> str:
+    assert d.rule.bounds is not None
+    least, cap = d.rule.bounds
+    if d.rule.raised_by is None:
+        return f"Must be between {least} and {cap}."
+    flag, raised = d.rule.raised_by
+    return f"Must be between {least} and {cap} (up to {raised} with {flag}: true)."
+
+
+def _flag_checks(declared: tuple[Declared, ...]) -> list[tuple[str, str, int | None, str]]:
+    """(field, flag, cap, problem): a given field is a problem while its flag is not true
+    (and, with a cap, only past it)."""
+    checks: list[tuple[str, str, int | None, str]] = []
+    for d in declared:
+        if d.rule.raised_by is not None and d.rule.bounds is not None:
+            checks.append((d.name, d.rule.raised_by[0], d.rule.bounds[1], _range(d)))
+        if d.rule.only_with is not None:
+            checks.append((d.name, d.rule.only_with, None, f"Only with {d.rule.only_with}: true."))
+    return checks
+
+
+ToolPolicySchema = policy_schema(ToolPolicy)
+TOOL_REFERENCES = tool_references(ToolPolicy)  # policy fields naming another tool
 
 
 def _globs() -> fields.List[str]:
@@ -261,12 +278,18 @@ class ToolListField(fields.List[dict[str, Any]]):
             elif name is not None:
                 first_index[name] = index
         for index, tool in enumerate(tools):
-            fallback = ((tool or {}).get("policy") or {}).get("fallback")
-            if fallback is None or index in errors:
+            policy = (tool or {}).get("policy")
+            if not policy or index in errors:
                 continue
-            if fallback == tool["function"]["name"] or fallback not in first_index:  # type: ignore[index]
-                problem = "Must name another tool of this session."
-                errors[index] = {"policy": {"fallback": [problem]}}
+            name = tool["function"]["name"]  # type: ignore[index]
+            wrong = {
+                key: ["Must name another tool of this session."]
+                for key in TOOL_REFERENCES
+                if policy.get(key) is not None
+                and (policy[key] == name or policy[key] not in first_index)
+            }
+            if wrong:
+                errors[index] = {"policy": wrong}
         if errors:
             raise ValidationError(errors)
         return tools

@@ -14,6 +14,10 @@ from typing import Any, overload
 
 from schemas.limits import Limits, RunLimits
 
+# declared in their own module; named here too, as the typed specs they are part of
+from schemas.tool_policy import RISK_LEVELS as RISK_LEVELS
+from schemas.tool_policy import ToolPolicy as ToolPolicy
+
 PROGRAM_KIND = "program"  # the stored form's discriminator; code asks isinstance(spec, ...)
 # The name a model's tool call that could not be read is kept under: the loop answers it with
 # a VALIDATION_ERROR. Reserved: no tool may be named so.
@@ -61,9 +65,6 @@ class FunctionSpec:
         return out
 
 
-RISK_LEVELS = ("low", "medium", "high")
-
-
 @dataclass(frozen=True)
 class Permissions:
     """Which of its tools a session may call: the configuration's environment bounds it
@@ -89,36 +90,6 @@ class Permissions:
     def to_json(self) -> dict[str, Any]:
         out = {k: list(v) if isinstance(v, tuple) else v for k, v in _plain(self).items()}
         return {k: v for k, v in out.items() if v}
-
-
-@dataclass(frozen=True)
-class ToolPolicy:
-    """How one tool's calls run (seed 002's execution policy). None: the session's limits
-    decide, then the fleet's defaults (schemas.fleet.ToolDefaults)."""
-
-    timeout_ms: int | None = None
-    max_retries: int | None = None
-    retry_backoff_ms: int | None = None
-    # a call that failed after the tool may have run is retried only if running it twice is
-    # harmless; WASM tools run with no I/O, so by default it is
-    idempotent: bool = True
-    fallback: str | None = None  # another tool of the session, called with the same arguments
-    risk_level: str = "low"  # low | medium | high: high runs only with a grant in the spec
-    # runs on the background queue, with a timeout_ms of up to hours; the round waits for it
-    # without holding a worker slot, and it reports progress (cchatq_progress)
-    background: bool = False
-    # wait: the round waits for the call; async: the model gets a task id at once and asks
-    # the built-in task_status tool for the outcome
-    background_mode: str = "wait"
-
-    @classmethod
-    def from_json(cls, raw: dict[str, Any] | None) -> ToolPolicy:
-        return cls(**_known(cls, raw or {}))
-
-    def to_json(self) -> dict[str, Any]:
-        """Only what differs from the defaults: most tools store no policy at all."""
-        default = ToolPolicy()
-        return {k: v for k, v in _plain(self).items() if v != getattr(default, k)}
 
 
 MCP_MODULE = "mcp"  # the module of a tool an MCP server serves (schemas/mcp.py)

@@ -15,7 +15,8 @@ import pytest
 from producer.backend_check import backend_check
 from producer.specfile import SpecFileError, load_spec_file
 from schemas.config import ConfigError, parse_config
-from schemas.mcp import McpServerConfig, McpToolInfo, offered_tools, tool_name
+from schemas.fleet import McpServerConfig
+from schemas.mcp import McpToolInfo, offered_tools, tool_name
 from schemas.spec import SessionSpecSchema
 from schemas.spec_types import (
     MCP_MODULE,

@@ -16,8 +16,8 @@ import pytest
 from wasmtime import wat2wasm
 
 from schemas import keys
-from schemas.fleet import ToolDefaults
-from schemas.mcp import McpServerConfig, tool_name
+from schemas.fleet import McpServerConfig, ToolDefaults
+from schemas.mcp import tool_name
 from schemas.spec_types import SessionSpec
 from tests.test_hostcalls import SET_PARAM, _Source, with_arg, with_out, write_msg
 from tests.test_mcp_steps import servers

@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from schemas.fleet import Environment, ToolDefaults
-from schemas.mcp import McpServerConfig, McpToolInfo, offered_tools, tool_name
+from schemas.fleet import Environment, McpServerConfig, ToolDefaults
+from schemas.mcp import McpToolInfo, offered_tools, tool_name
 from schemas.spec_types import McpToolRef, SessionSpec, spec_from_json
 from tests.test_steps import SK, reply
 from worker.config import BackendConfig, FleetConfig, Settings

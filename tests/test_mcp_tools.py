@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from producer.fleet import free_port
-from schemas.mcp import McpServerConfig
+from schemas.fleet import McpServerConfig
 from schemas.spec_types import McpToolRef
 from worker.edges.mcp_tools import McpTools
 from worker.errors import McpError, ToolOutputTooLargeError, ToolRuntimeError, ToolTimeoutError

@@ -1,6 +1,6 @@
 """The README works as written: its spec example runs on a fleet with the replay server, its
-Python API example runs, every `cchatq` command line it shows parses, and every `make` target,
-environment variable and backend key it names exists."""
+Python API example runs, every `cchatq` command line it shows parses, every `make` target,
+environment variable and backend key it names exists, and its policy table is the declaration's."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import pytest
 
 from producer.cli import build_parser
 from schemas.config import BackendConfig
+from schemas.tool_policy import policy_table
 from tests.conftest import Running
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,6 +76,12 @@ def test_every_make_target_environment_variable_and_backend_key_exists() -> None
     named = set(re.findall(r"^\| `(\w+)`(?:, `(\w+)`)?(?:, `(\w+)`)?(?:, `(\w+)`)?", table, re.M))
     keys = {k for row in named for k in row if k}
     assert keys and keys <= {f.name for f in fields(BackendConfig)}, keys
+
+
+def test_the_policy_table_is_the_declarations() -> None:
+    """A policy field's row is written from its declaration (schemas/tool_policy.py)."""
+    table = policy_table()
+    assert table in README, f"the README's policy table should read:\n{table}"
 
 
 @pytest.mark.fleet

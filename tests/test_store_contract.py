@@ -16,7 +16,8 @@ import redis
 from producer.fleet import Fleet
 from schemas import keys
 from schemas.bodies import dump_body
-from schemas.mcp import McpServerConfig, McpToolInfo, offered_tools
+from schemas.fleet import McpServerConfig
+from schemas.mcp import McpToolInfo, offered_tools
 from schemas.spec_types import (
     FunctionSpec,
     McpToolRef,

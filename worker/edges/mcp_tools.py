@@ -36,7 +36,8 @@ from mcp.client.stdio import stdio_client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.types import CallToolResult, PaginatedRequestParams, TextContent, Tool
 
-from schemas.mcp import McpServerConfig, McpToolInfo
+from schemas.fleet import McpServerConfig
+from schemas.mcp import McpToolInfo
 from worker.errors import (
     McpError,
     ToolOutputTooLargeError,

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from schemas.fleet import ToolDefaults
 from schemas.limits import BACKGROUND_TIMEOUT_CAP_MS, RETRY_BACKOFF_CAP_MS, Limits
 from schemas.spec_types import SessionSpec, ToolSpec
+from schemas.tool_policy import resolve
 from worker.errors import GuestError, ToolError, ToolRuntimeError
 from worker.session.engine import ToolRun, argument_problem
 from worker.session.outcomes import ToolOutcome
@@ -27,7 +28,8 @@ BACKGROUND_BUDGET_MS = BACKGROUND_TIMEOUT_CAP_MS
 
 @dataclass(frozen=True)
 class CallPolicy:
-    """A tool's policy with every default resolved."""
+    """The fields of a tool's policy the caller reads, with every default resolved: each
+    comes from the declaration's field of the same name (schemas.tool_policy.resolve)."""
 
     timeout_ms: int
     max_retries: int
@@ -41,13 +43,11 @@ class CallPolicy:
 
 def call_policy(tool: ToolSpec, limits: Limits, fleet: ToolDefaults) -> CallPolicy:
     """The tool's own policy, else the session's limits, else the fleet's defaults."""
-    own = tool.policy
-    return CallPolicy(
-        timeout_ms=own.timeout_ms or limits.default_tool_timeout_ms or fleet.timeout_ms,
-        max_retries=_first(own.max_retries, limits.max_tool_retries, fleet.max_retries),
-        retry_backoff_ms=_first(own.retry_backoff_ms, fleet.retry_backoff_ms),
-        idempotent=own.idempotent,
-    )
+    values = resolve(tool.policy, limits, fleet)
+    return CallPolicy(**{name: values[name] for name in _CALL_FIELDS})
+
+
+_CALL_FIELDS = tuple(f.name for f in fields(CallPolicy))
 
 
 def budget_ms(tool: ToolSpec) -> int:
@@ -146,10 +146,3 @@ class ToolCaller:
             if self.on_retry is not None:
                 self.on_retry(tool.name, retry, error.code)
             self.sleep(wait_s)
-
-
-def _first(*values: int | None) -> int:
-    for value in values:
-        if value is not None:
-            return value
-    raise ValueError("no value")  # the fleet's default is never None
