@@ -87,10 +87,10 @@ def rate_limit_rows(redis_url: str, rows: list[tuple[str, str]]) -> None:
     import redis
 
     from worker.config import BackendConfig
-    from worker.edges.rate_limit import RateLimiter
+    from worker.edges.rate_limit import RedisRateLimiter
 
     client = redis.Redis.from_url(redis_url)
-    limiter = RateLimiter(client)
+    limiter = RedisRateLimiter(client)
     timings = {}
     for filled in (10, 10_000):
         backend = BackendConfig(

@@ -1,4 +1,4 @@
-"""The Dispatcher pushes the message Celery's own `send_task` would: the same task protocol 2
+"""The CeleryDispatcher pushes the message Celery's own `send_task` would: the same task protocol 2
 headers, properties and body, on the same Redis list. Held field by field against the installed
 Celery (on the private Redis: fleet marker), so an upgrade that changes the protocol fails here."""
 
@@ -17,7 +17,7 @@ from celery import Celery
 from producer.fleet import Fleet
 from schemas import keys, task_names
 from worker.edges.broker import TRANSPORT
-from worker.edges.dispatch import Dispatcher, task_message
+from worker.edges.dispatch import CeleryDispatcher, task_message
 from worker.edges.store import RedisStore
 from worker.session.ports import NextStep
 
@@ -64,7 +64,7 @@ def test_the_pushed_message_is_the_one_send_task_pushes(
     queue = task_names.ROUTES[task_names.TOOL]
     app.send_task(task_names.TOOL, args=args, task_id=step, queue=queue, argsrepr=repr(args))
     theirs = _pushed(client, queue)
-    Dispatcher(app, RedisStore(client, ttl_s=60)).tool("sk-1", 2, 0)
+    CeleryDispatcher(app, RedisStore(client, ttl_s=60)).tool("sk-1", 2, 0)
     ours = _pushed(client, queue)
     assert ours.keys() == theirs.keys()
     assert ours["headers"] == theirs["headers"]
@@ -93,7 +93,7 @@ def test_a_steps_messages_and_its_published_marker_go_in_one_write(
     broker: tuple[Celery, redis.Redis],
 ) -> None:
     app, client = broker
-    sent = Dispatcher(app, RedisStore(client, ttl_s=60)).publish(
+    sent = CeleryDispatcher(app, RedisStore(client, ttl_s=60)).publish(
         [NextStep("tool", ("sk-2", 0, 0)), NextStep("tool", ("sk-2", 0, 1))],
         published=keys.round_step("sk-2", 0),
     )

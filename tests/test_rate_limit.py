@@ -92,12 +92,12 @@ def test_the_token_window_is_a_running_total(base_fleet: Fleet) -> None:
 
     from tests.test_pipeline import wait_for
     from worker.config import BackendConfig
-    from worker.edges.rate_limit import RateLimiter
+    from worker.edges.rate_limit import RedisRateLimiter
     from worker.session.ports import Permit
 
     client = redis.Redis.from_url(base_fleet.redis_url.rsplit("/", 1)[0] + "/11")
     client.flushdb()
-    limiter = RateLimiter(client)
+    limiter = RedisRateLimiter(client)
     backend = BackendConfig(name="rt", tokens_per_minute=100, rate_window_s=1.0)
     first, second = limiter.acquire(backend, 40), limiter.acquire(backend, 40)
     assert isinstance(first, Permit) and isinstance(second, Permit)

@@ -3,7 +3,7 @@ translated once, at their edge. A code that can reach a response body or a tool 
 defined here once (`code`), with the line that says when it is raised; the README's error
 table lists them all (tests/test_errors.py keeps the two in step).
 
-CchatqError                      root; `code` is the error-body code, `errno` the hostcall errno
+CchatqError                      root; `code` is the error-body code
 ├── SessionError                 ends a session with an error body
 │   ├── ToolCallLimitError       tool_call_limit
 │   ├── UnknownToolError         unknown_tool
@@ -49,7 +49,6 @@ from schemas.bodies import error_obj
 class CchatqError(Exception):
     code: str = "internal_error"
     raised_when: str = "a bug or an inconsistent stored state"
-    errno: int = 5  # EIO
 
     def __init__(self, message: str = "") -> None:
         super().__init__(message)
@@ -141,7 +140,6 @@ class ToolValidationError(ToolError):
         "the call's arguments are not JSON, break the tool's schema, were cut off by the "
         "token limit, or the schema itself cannot be checked (was invalid_arguments)"
     )
-    errno = 22  # EINVAL
 
 
 class ToolNotFoundError(ToolError):
@@ -291,7 +289,7 @@ class RunAborted(StepControl):
 
 
 class GuestFault(StepControl):
-    errno = 14  # EFAULT
+    pass
 
 
 def body_codes() -> dict[str, str]:

@@ -15,10 +15,10 @@ from celery._state import get_current_task
 from worker.codecs.registry import codec_for
 from worker.config import BackendConfig, Settings, load_settings
 from worker.edges import broker
-from worker.edges.dispatch import Dispatcher
+from worker.edges.dispatch import CeleryDispatcher
 from worker.edges.mcp_tools import McpTools
 from worker.edges.provider_http import HttpProvider
-from worker.edges.rate_limit import RateLimiter
+from worker.edges.rate_limit import RedisRateLimiter
 from worker.edges.store import RedisStore
 from worker.edges.store_programs import RedisProgramStore
 from worker.edges.wasm_runtime import WasmToolRuntime
@@ -44,11 +44,11 @@ class Wiring:
         self._tools = ToolRouter(self.runtime, self.mcp)  # WASM tools, or MCP servers' tools
         self.runner = StepRunner(
             store=self.store,
-            dispatch=Dispatcher(app, self.store),
+            dispatch=CeleryDispatcher(app, self.store),
             provider_for=self.provider_for,
             tools=lambda: self._tools,
             settings=settings,
-            rate_limiter=RateLimiter(self.store.client),
+            rate_limiter=RedisRateLimiter(self.store.client),
             mcp=self.mcp,
         )
         self.program_steps = ProgramSteps(

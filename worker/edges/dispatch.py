@@ -102,7 +102,7 @@ def _task(step: NextStep) -> tuple[str, str]:
     raise ValueError(f"no task for a step of kind {step.kind!r}")
 
 
-class Dispatcher(StepPublisher):
+class CeleryDispatcher(StepPublisher):
     def __init__(self, app: Celery, store: RedisStore) -> None:
         """The broker is the store's Redis (one `REDIS_URL`), so a step's messages and its
         published marker go in one write, on the store's client."""

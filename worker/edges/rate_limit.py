@@ -67,7 +67,7 @@ return 1
 """
 
 
-class RateLimiter:
+class RedisRateLimiter:
     def __init__(self, client: redis.Redis) -> None:
         self.client: Any = client
         self._acquire = self.client.register_script(_ACQUIRE)
