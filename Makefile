@@ -55,7 +55,7 @@ check: lint types contracts cover
 bench: install
 	$(PY) -m bench
 
-# The fleet under failure (issue 10, point 3), not part of test: workers SIGKILLed every 2 s,
+# The fleet under failure, not part of test: workers SIGKILLed every 2 s,
 # Redis restarted mid-batch, 429s and 500s from the model, the producer killed while it waits.
 # One scenario or more: make chaos SCENARIOS="kill faults"
 chaos: install

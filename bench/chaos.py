@@ -1,6 +1,6 @@
-"""`python -m bench.chaos [scenario ...]` (or `make chaos`): the fleet under failure (issue 10,
-point 3), each scenario on a private fleet of its own (Redis, replay server, one worker per
-queue), on 127.0.0.1 only:
+"""`python -m bench.chaos [scenario ...]` (or `make chaos`): the fleet under failure, each
+scenario on a private fleet of its own (Redis, replay server, one worker per queue), on
+127.0.0.1 only:
 
   kill           1,000 weather sessions (round, tool call, round) while a random worker process
                  (a worker's main process, with its pool, or one prefork pool child) is

@@ -115,7 +115,7 @@ def throughput_goals(fleet: Fleet, client: Client, rows: list[Row]) -> None:
     xadds = mid_ours.redis_by_command.get("xadd", 0) / SESSIONS
     rows.append(("goal 1: Redis commands per session (<= 40; was ~173)",
                  f"{mid_ours.redis_commands / SESSIONS:.0f} "
-                 f"(of which {xadds:.0f} XADD of trace events, issue 9)"))  # fmt: skip
+                 f"(of which {xadds:.0f} XADD of trace events)"))  # fmt: skip
     rows.append(("goal 2: CPU per session, all processes (<= 15 ms; was ~36-45)",
                  _per_session_ms(mid_ours, SESSIONS)))  # fmt: skip
     rows.append(("  the asyncio script, same sessions", _per_session_ms(mid_theirs, SESSIONS)))

@@ -1,6 +1,6 @@
-"""Issue 9's cost per tool call, in process: the WASM call alone (what a tool step ran before
-issue 9) next to the same call under its policy (ToolCaller), rendered as the result envelope,
-with its two trace events made and encoded as the store writes them."""
+"""The cost of a tool call's policy, in process: the WASM call alone next to the same call under
+its policy (ToolCaller), rendered as the result envelope, with its two trace events made and
+encoded as the store writes them."""
 
 from __future__ import annotations
 
@@ -72,10 +72,10 @@ def tool_call_rows(rows: list[tuple[str, str]]) -> None:
 
     bare_ms, full_ms = median_us(bare) / 1000, median_us(full) / 1000
     rows.append(
-        ("tool call, the WASM call alone (the tool step before issue 9)", f"{bare_ms:.3f} ms")
+        ("tool call, the WASM call alone (no policy, no envelope, no events)", f"{bare_ms:.3f} ms")
     )
     rows.append(
-        ("  under its policy, as an envelope, with its 2 trace events (issue 9)",
+        ("  under its policy, as an envelope, with its 2 trace events",
          f"{full_ms:.3f} ms ({full_ms / bare_ms:.2f}x; +{(full_ms - bare_ms) * 1000:.0f} us)")
     )  # fmt: skip
     runtime.close()
@@ -105,7 +105,7 @@ def rate_limit_rows(redis_url: str, rows: list[tuple[str, str]]) -> None:
         timings[filled] = median_us(acquire)
     rows.append(("rate limit acquire, 10 calls in the window", f"{timings[10]:.0f} us"))
     rows.append(
-        ("  10,000 calls in the window (issue 10: O(1))",
+        ("  10,000 calls in the window (O(1))",
          f"{timings[10_000]:.0f} us ({timings[10_000] / timings[10]:.2f}x)")
     )  # fmt: skip
     client.close()

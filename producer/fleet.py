@@ -30,7 +30,7 @@ from schemas.config import FleetConfig, parse_config
 from schemas.protocols import PROTOCOLS
 
 # queue -> (pool, concurrency): I/O-bound model calls on threads, CPU-bound WASM on one process
-# per core, bookkeeping on a few threads (architecture.md section 2).
+# per core, bookkeeping on a few threads (docs/architecture.md section 2).
 WORKER_PROFILES: dict[str, tuple[str, int]] = {
     "llm": ("threads", 32),
     "tools": ("prefork", os.cpu_count() or 2),

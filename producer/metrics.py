@@ -1,4 +1,4 @@
-"""cchatq's Prometheus metrics (issue 10), from an exporter that reads the fleet's Redis: no
+"""cchatq's Prometheus metrics, from an exporter that reads the fleet's Redis: no
 worker serves metrics or writes any of its own, so prefork pools need no multiprocess mode.
 
 - gauges read at each scrape (producer/fleet_status.py): tasks waiting and tasks taken and not

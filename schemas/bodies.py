@@ -1,4 +1,5 @@
-"""Response, error and metrics bodies: compact JSON with sorted keys (guest-abi.md section 5)."""
+"""Response, error and metrics bodies: compact JSON with sorted keys (docs/guest-abi.md
+section 5)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Session and program-run limits: each default and cap written once, here (guest-abi.md
+"""Session and program-run limits: each default and cap written once, here (docs/guest-abi.md
 section 3). The schemas validate against the caps; the values resolve defaults from them."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Program sessions: one WASM agent program run (`_start`) per spec line (guest-abi.md).
+"""Program sessions: one WASM agent program run (`_start`) per spec line (docs/guest-abi.md).
 
     {"id": "agents/7", "program": {"module": "agent.wasm", "args": ["--fast"], "stdin": "...",
      "env": {"LANG": "C"}}, "provider": "openai", "model": "gpt-4o-mini",

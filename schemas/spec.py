@@ -1,4 +1,4 @@
-"""Session spec schemas (architecture.md section 1).
+"""Session spec schemas (docs/architecture.md section 1).
 
 ``SessionSpecSchema().load(obj)`` validates one producer-submitted spec and returns the
 canonical plain dict the worker consumes: flags and limits filled with defaults, tools in

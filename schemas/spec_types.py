@@ -29,7 +29,7 @@ class Flags:
     auto_tool_call: bool = True
     metrics: bool = True
     strict_unknown_tool: bool = False
-    # the model reads tool results as {ok, data, error, metrics} (issue 9); programs see the
+    # the model reads tool results as {ok, data, error, metrics}; programs see the
     # raw output unless they ask
     tool_result_envelope: bool = True
     # a limit that ends the tool loop is followed by one model call with tool choice none

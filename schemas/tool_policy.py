@@ -1,12 +1,11 @@
-"""A tool's execution policy (seed 002), declared once. Each field of `ToolPolicy` carries a
-`Rule` in its annotation: how it is checked at submit, where a call's value comes from when
-the tool gives none, and its line in the README. Everything else is derived from those
-declarations: the marshmallow schema (schemas.spec.policy_schema, which the fast path, the
-tools files and a program's cchat_write_fn load through), a call's values (`resolve`, which
-worker.session.tool_policy.call_policy reads), the tools a session must have
+"""A tool's execution policy (the README's "Tool calls": Policy), declared once. Each field of
+`ToolPolicy` carries a `Rule` in its annotation: how it is checked at submit, where a call's
+value comes from when the tool gives none, and its line in the README. Everything else is
+derived from those declarations: the marshmallow schema (schemas.spec.policy_schema, which the
+fast path, the tools files and a program's cchat_write_fn load through), a call's values
+(`resolve`, which worker.session.tool_policy.call_policy reads), the tools a session must have
 (`tool_references`), and the README's policy table (`policy_table`, checked by
-tests/test_tool_policy.py). A new field is one declaration here, plus the code that acts on it.
-"""
+tests/test_tool_policy.py). A new field is one declaration here, plus the code that acts on it."""
 
 from __future__ import annotations
 

@@ -69,7 +69,7 @@ def _validator_of(schema_json: str) -> jsonschema.protocols.Validator:
 
 
 # Patterns come from specs and values from models: a pattern like "(a+)+b" on a long value
-# backtracks for minutes and froze a worker (issue 10). Every regex of a validation runs
+# backtracks for minutes and froze a worker. Every regex of a validation runs
 # under the `regex` module's timeout; one that takes too long is a validation error.
 PATTERN_TIMEOUT_S = 0.1
 

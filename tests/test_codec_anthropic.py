@@ -1,4 +1,4 @@
-"""Anthropic Messages codec: each case of provider-conformance.md's Anthropic lists (requests,
+"""Anthropic Messages codec: each case of docs/provider-conformance.md's Anthropic lists (requests,
 replies, streams), its usage accounting, a cancelled turn's results, and the bugs users report
 (arg-less streamed calls as `""`, thinking blocks lost with tool calls, tool input dropped by
 streaming translators).
@@ -1028,7 +1028,7 @@ def test_decode_reads_sdk_model_dump_and_rejects_non_messages() -> None:
         with pytest.raises(ProviderProtocolError) as exc:
             CODEC.decode(bad, req([{"role": "user", "content": secret}]))
         assert secret not in str(exc.value)
-    # a tool_use with no name is a call the loop answers with VALIDATION_ERROR (issue 9)
+    # a tool_use with no name is a call the loop answers with VALIDATION_ERROR
     nameless = CODEC.decode(
         {"type": "message", "content": [{"type": "tool_use", "id": "t"}]}, req([])
     )

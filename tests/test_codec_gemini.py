@@ -1,4 +1,4 @@
-"""Gemini generateContent codec: each case of provider-conformance.md's Gemini list and its
+"""Gemini generateContent codec: each case of docs/provider-conformance.md's Gemini list and its
 usage accounting, replaying realistic payloads without and with streaming; then a two-round
 tool conversation, id stability, and the field names of the real google-genai SDK.
 

@@ -1,4 +1,4 @@
-"""The `<tool_call>` text-tag codec: each case of provider-conformance.md's text-tag list,
+"""The `<tool_call>` text-tag codec: each case of docs/provider-conformance.md's text-tag list,
 replayed both as a JSON reply (`decode`) and as an SSE stream (the assembler's `result()`
 must equal `decode`)."""
 

@@ -216,7 +216,7 @@ def test_unknown_tool_never_raises_out_of_the_loop() -> None:
 
 
 def test_unknown_tool_error_keeps_the_guest_abi_text() -> None:
-    """The conformance notes would list the valid names; guest-abi.md section 4 fixes the
+    """The conformance notes would list the valid names; docs/guest-abi.md section 4 fixes the
     exact message (SPEAR guests search these bytes), and the tools the model may call are in
     every request anyway. The ABI wins: the message names the unknown tool and nothing else."""
     s = session(

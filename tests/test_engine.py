@@ -1,4 +1,4 @@
-"""The pure session engine (guest-abi.md section 4): table tests driving `plan` by hand.
+"""The pure session engine (docs/guest-abi.md section 4): table tests driving `plan` by hand.
 
 A session is built from a spec and stored rounds (canonical replies from
 `normalize_completion` plus tool outcomes by call index); `plan` must say what happens next

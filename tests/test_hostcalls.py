@@ -1,4 +1,4 @@
-"""Every `spear` hostcall and every error path, at the WAT level (guest-abi.md sections 1-3, 5
+"""Every `spear` hostcall and every error path, at the WAT level (docs/guest-abi.md sections 1-3, 5
 and 6). Programs run in this process (real wasmtime, `run_program` with a real ProgramHost);
 their chats run on the in-memory twins (tests/twin_pipeline.py: a MemoryStore, a StepQueue
 pumped by the program's own blocking waits, the real StepRunner, the replay scenarios in

@@ -1,4 +1,4 @@
-"""MCP servers in the fleet's configuration (issue 12): how they are named and allowed per
+"""MCP servers in the fleet's configuration: how they are named and allowed per
 environment, validated strictly; how their tools reach the model (SPEAR's names and filters);
 and the spec sessions' `mcp_servers`, checked at submit against the configuration. Pure: no
 server runs here (tests/test_mcp_tools.py talks to one)."""

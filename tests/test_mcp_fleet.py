@@ -1,4 +1,4 @@
-"""MCP on a real fleet (issue 12, point 2): Redis, Celery workers, the replay server, and the
+"""MCP on a real fleet: Redis, Celery workers, the replay server, and the
 fixture MCP server (fixtures/mcp/server.py, the official SDK over stdio) that the workers start
 for each listing and call. SPEAR's mcp_fs, written as SPEAR's samples are
 (fixtures/guests/prog_mcp_fs.c), gets -EACCES for `mcp.enabled` where its environment allows

@@ -1,4 +1,4 @@
-"""A program's `mcp.*` params (SPEAR's, issue 12) at the WAT level: SET_PARAM answers -EACCES
+"""A program's `mcp.*` params (SPEAR's) at the WAT level: SET_PARAM answers -EACCES
 when the run's environment allows no MCP server (or not the one named), -EINVAL for a value of
 the wrong shape; with permission, a chat offers the allowed servers' tools filtered by its
 allowlist, the model's calls of them run on their server, and no `mcp.` param goes upstream.

@@ -1,4 +1,4 @@
-"""OpenAI chat codec: each case of provider-conformance.md's list of non-streamed
+"""OpenAI chat codec: each case of docs/provider-conformance.md's list of non-streamed
 OpenAI-compatible replies.
 
 An unknown tool name and tool-message ordering belong to the session engine and are tested

@@ -315,7 +315,7 @@ def test_poison_step_is_dead_lettered_and_session_ends(
 ) -> None:
     """A step that fails on every delivery (its module vanished from Redis) ends its session
     with a step_failed body instead of leaving the producer waiting; the tools worker's log
-    lines of each failed try name the step, and so the session (issue 10, point 6)."""
+    lines of each failed try name the step, and so the session."""
     sk, record = run_poisoned(running.client, tmp_path, f"{fresh_id}/poison")
     assert record["status"] == "error"
     assert record["body"]["error"]["code"] == "step_failed"

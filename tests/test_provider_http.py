@@ -74,7 +74,7 @@ class ScriptedServer:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"  # keep-alive, like real providers
-            disable_nagle_algorithm = True  # see architecture.md section 5
+            disable_nagle_algorithm = True  # see docs/architecture.md section 6
 
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length", "0")))

@@ -521,7 +521,7 @@ def test_unknown_route_is_loud_and_stream_is_served(client: Client) -> None:
 
 def test_keep_alive_without_nagle() -> None:
     """Each kept-alive request would wait ~40 ms for a delayed ACK with Nagle on
-    (architecture.md section 5); speed itself is measured in bench/, not asserted here."""
+    (docs/architecture.md section 6); speed itself is measured in bench/, not asserted here."""
     from fixtures.replay import server as replay_server
 
     handlers = [

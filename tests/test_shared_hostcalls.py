@@ -1,5 +1,5 @@
 """The hostcalls a program and its tools share (`log`, `time_now_ms`, `wall_time_s`,
-`random_i64`, `sleep_ms`; guest-abi.md section 6) answer the same in both modes: one WAT
+`random_i64`, `sleep_ms`; docs/guest-abi.md section 6) answer the same in both modes: one WAT
 program runs once as a program (run_program with a ProgramHost) and once under the tool-mode
 host (ToolModeHost, linked by define_spear as a tool call links it), and both runs give the
 same results and the same log lines."""

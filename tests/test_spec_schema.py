@@ -31,7 +31,7 @@ WASM = bytes(
     )
 )
 
-# architecture.md section 1, verbatim.
+# docs/architecture.md section 1, verbatim.
 ARCH_EXAMPLE = """
 {"id": "eval-17/0042", "provider": "openai", "model": "gpt-4o-mini",
  "messages": [{"role": "user", "content": "Weather in Paris?"}],

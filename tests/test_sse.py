@@ -1,4 +1,4 @@
-"""SSE parsing as provider-conformance.md asks of it: fields, line ends, split characters,
+"""SSE parsing as docs/provider-conformance.md asks of it: fields, line ends, split characters,
 comments and keep-alives, [DONE], and a reply that is no stream."""
 
 from __future__ import annotations

@@ -199,7 +199,7 @@ def test_a_step_lease_is_held_once_and_its_tries_counted(backend: Backend, sk: s
         1,
         False,
     )
-    # a delivery that finds the step leased waits for the lease and spends no try (issue 10)
+    # a delivery that finds the step leased waits for the lease and spends no try
     second = store.begin_step(step, 60_000, None, sk)
     assert (second.leased, second.tries) == (False, 1)
     assert 0 < store.lease_left_ms(step) <= 60_000

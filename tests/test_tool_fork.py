@@ -1,4 +1,4 @@
-"""Tools of a WASM agent program run in a fork of the program (guest-abi.md section 4, "Where a
+"""Tools of a WASM agent program run in a fork of the program (docs/guest-abi.md section 4, "Where a
 tool runs: fork semantics"), and every tool call sees the tool-mode `spear` host (section 6).
 Real wasmtime, modules built from WAT in the test."""
 

@@ -1,4 +1,4 @@
-"""What a tool call writes for its user (issue 12, point 1): its `log` lines and stdout/stderr,
+"""What a tool call writes for its user: its `log` lines and stdout/stderr,
 bounded per call, stored with its outcome, shown in the session's record marked with the call,
 counted (never quoted) in the trace, and merged into a program's logs where it saw its chat end.
 On the twins, on real wasmtime in process (a SPEAR-style guest), and through the CLI's output.

@@ -673,7 +673,7 @@ def test_c_bad_utf8(c_runtime: WasmToolRuntime, modules: Modules) -> None:
         call(c_runtime, c_tool(modules, "bad_utf8"), "bad_utf8")
 
 
-# -- a trapped call's memory (issue 10, point 7) ------------------------------------------------
+# -- a trapped call's memory ------------------------------------------------
 
 
 def _rss_mib() -> int:

@@ -1,4 +1,4 @@
-"""A tiny generator of WAT guest programs for hostcall tests (guest-abi.md).
+"""A tiny generator of WAT guest programs for hostcall tests (docs/guest-abi.md).
 
 A `Program` is a straight list of `spear` calls that `_start` runs in order. The result of
 call i is stored as an i64 (i32 results sign-extended) at `RESULTS + 8*i`; an argument may

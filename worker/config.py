@@ -41,8 +41,8 @@ class Settings:
     result_ttl_s: int = 86_400
     module_cache_dir: Path = Path.home() / ".cache" / "cchatq" / "modules"
     max_step_attempts: int = 5
-    trace: bool = True  # trace events (issue 9): the session's stream, the fleet's, log lines
-    reconcile_every_s: float = 10.0  # how often the fleet's reconciler looks (issue 10)
+    trace: bool = True  # trace events: the session's stream, the fleet's, log lines
+    reconcile_every_s: float = 10.0  # how often the fleet's reconciler looks
     stall_after_ms: int = 30_000  # a session with no progress this long is nudged
     # a stalled session this old ends deadline_exceeded: before its keys expire, so every
     # session ends with a body

@@ -120,7 +120,7 @@ class InternalError(SessionError):
 
 
 class ToolError(CchatqError):
-    """A failed tool call: the model gets its class (`code`, the seed's upper-case names)
+    """A failed tool call: the model gets its class (`code`, upper-case names)
     and message. `ran` says whether the tool may have run (a non-idempotent tool is retried
     only when it provably did not); `retryable` whether trying again can help at all."""
 

@@ -171,7 +171,7 @@ def start_reconciler(app: Celery) -> threading.Thread:
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:
-    """Reliability settings of architecture.md section 3."""
+    """Reliability settings of docs/architecture.md section 4."""
     from schemas.task_names import ROUTES
 
     return {

@@ -141,7 +141,7 @@ typedef char spear__epoll_event_is_8_bytes[sizeof(spear_epoll_event) == 8 ? 1 : 
 #define SPEAR__IMPORT(name) \
     __attribute__((import_module("spear"), import_name(#name)))
 
-/* Chat hostcalls (guest-abi.md section 3). */
+/* Chat hostcalls (docs/guest-abi.md section 3). */
 
 /* () -> i32: a new session fd. */
 SPEAR__IMPORT(cchat_create)
@@ -177,7 +177,7 @@ int32_t cchat_recv(int32_t resp_fd, char *out, uint32_t *out_len);
 SPEAR__IMPORT(cchat_close)
 int32_t cchat_close(int32_t fd);
 
-/* Other hostcalls (guest-abi.md section 6). */
+/* Other hostcalls (docs/guest-abi.md section 6). */
 
 /* log: (level, ptr, len) -> i32. Named spear_log_raw in C because `log`
  * is <math.h>'s; see spear_log() for NUL-terminated strings. */

@@ -178,7 +178,7 @@ def _normalize_call(
 ) -> dict[str, Any] | None:
     """A tool call in canonical form. One that names no function is kept under
     INVALID_CALL_NAME when it has an id (the model is told, VALIDATION_ERROR); one with
-    nothing to answer it by is no call at all (seed 000: logged at debug)."""
+    nothing to answer it by is no call at all (logged at debug)."""
     if not isinstance(raw, dict):
         log.debug("tool call %d is not an object: dropped", index)
         return None

@@ -1,4 +1,4 @@
-"""Runs one tool call in a fresh wasmtime instance (guest-abi.md, "Tool ABI"): of its module
+"""Runs one tool call in a fresh wasmtime instance (docs/guest-abi.md, "Tool ABI"): of its module
 after `_initialize`, or, for a program's tool, a fork of the program (worker/guest/fork.py).
 Linked: WASI with nothing granted (stdout/stderr go to the call's ToolLogs, with its `log`
 lines), and the `spear` imports in tool mode. wasmtime exceptions of a call are translated

@@ -1,4 +1,4 @@
-"""The `spear` hostcall ABI as pure data and functions (guest-abi.md): errno numbers, flags,
+"""The `spear` hostcall ABI as pure data and functions (docs/guest-abi.md): errno numbers, flags,
 commands, the write-with-len rule, SET_PARAM / tool JSON parsing, epoll records, the SPEAR
 tool-arena layout. No wasmtime here: the edge maps these onto guest memory."""
 

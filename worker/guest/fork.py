@@ -1,4 +1,4 @@
-"""Program forks and the tool-mode `spear` host (guest-abi.md section 4, "Where a tool runs:
+"""Program forks and the tool-mode `spear` host (docs/guest-abi.md section 4, "Where a tool runs:
 fork semantics", and section 6).
 
 A tool registered by a WASM agent program runs in a fresh instance of the program's module

@@ -1,4 +1,4 @@
-"""The `spear` hostcalls of one program run (guest-abi.md sections 2, 3 and 6).
+"""The `spear` hostcalls of one program run (docs/guest-abi.md sections 2, 3 and 6).
 
 Each `cchat_send` becomes a chat session on the same round/tool pipeline as a spec session
 (id `<run id>#send<n>`), with its tools forked from the program's memory at the send. The fd

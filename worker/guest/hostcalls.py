@@ -1,4 +1,4 @@
-"""Every hostcall a guest may import, declared once (guest-abi.md sections 3, 4 and 6): its
+"""Every hostcall a guest may import, declared once (docs/guest-abi.md sections 3, 4 and 6): its
 module and name, its wasm signature, and how each mode serves it.
 
     program  a WASM agent program's run (host.ProgramHost)
@@ -76,7 +76,7 @@ class Hostcall:
 
 
 # name, params, results, how a program run serves it, how a tool call does (module spear
-# unless named); the parameters are those of guest-abi.md's tables
+# unless named); the parameters are those of docs/guest-abi.md's tables
 HOSTCALLS: tuple[Hostcall, ...] = (
     Hostcall("cchat_create",         (),         (I32,), Part.CHAT,    DENIED),
     Hostcall("cchat_write_msg",      (I32,) * 5, (I32,), Part.CHAT,    DENIED),

@@ -52,7 +52,7 @@ class GuestMemory:
     def write_u32(self, ptr: int, value: int) -> None:
         self.write(ptr, struct.pack("<I", value & 0xFFFFFFFF))
 
-    # what a fork of the guest needs (guest-abi.md section 4) ---------------------------------
+    # what a fork of the guest needs (docs/guest-abi.md section 4) ---------------------------------
 
     def snapshot(self) -> bytes:
         """The whole linear memory, as a tool fork will see it."""

@@ -1,4 +1,4 @@
-"""SPEAR's `mcp.*` chat params (issue 12): a program enables the MCP servers its configuration
+"""SPEAR's `mcp.*` chat params: a program enables the MCP servers its configuration
 allows, and its chats offer their tools. Consumed here, never sent upstream.
 
     mcp.enabled         true | false; true answers -EACCES when the run's environment allows

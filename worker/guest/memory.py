@@ -1,6 +1,6 @@
 """Byte layout of a tool call's buffers in guest memory (pure arithmetic, no wasmtime).
 
-With no tool arena (guest-abi.md "Tool ABI", beyond SPEAR) the host appends fresh pages to
+With no tool arena (docs/guest-abi.md "Tool ABI", beyond SPEAR) the host appends fresh pages to
 the instance's memory and lays out, from the first new byte:
 
     args_ptr  args bytes + NUL            (8-aligned: it is a page boundary)

@@ -1,4 +1,4 @@
-"""The hostcalls a program run and a tool call both serve (guest-abi.md section 6): `log`,
+"""The hostcalls a program run and a tool call both serve (docs/guest-abi.md section 6): `log`,
 `time_now_ms`, `wall_time_s`, `random_i64` and `sleep_ms`, one implementation for both.
 
 What differs by mode is given to it: where a `log` line goes (a program's run log, a tool

@@ -1,4 +1,4 @@
-"""MCP servers' tools in a session (issue 12), through the McpClient port.
+"""MCP servers' tools in a session, through the McpClient port.
 
 Which tools a session offers: those its servers list, filtered as schemas/mcp.py says. A spec
 session naming `mcp_servers` has them listed by its first round, which stores them with the

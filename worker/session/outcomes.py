@@ -1,6 +1,6 @@
 """What one tool call produced, and the tool message the model reads of it.
 
-The seed's result envelope (`{ok, data, error, metrics}`) is how spec sessions answer the
+The result envelope (`{ok, data, error, metrics}`) is how spec sessions answer the
 model by default; SPEAR programs see the raw output (`flags.tool_result_envelope`). Both are
 rendered from the same stored outcome, so the flag changes nothing that is stored.
 """

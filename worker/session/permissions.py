@@ -1,6 +1,6 @@
-"""Whether a session may call one of its tools (seed 002, P2: tool-level ACL by session, user
-and environment). Pure: the engine asks before a call runs, and a denied call is answered
-PERMISSION_DENIED without running.
+"""Whether a session may call one of its tools (the README's "Permissions": a tool-level ACL by
+session, user and environment). Pure: the engine asks before a call runs, and a denied call is
+answered PERMISSION_DENIED without running.
 
 The rules, in order: a `high` tool needs the spec's grant; the environment bounds the risk
 level and filters by its allow/deny globs and the user's allowlist; the spec narrows further

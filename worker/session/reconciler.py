@@ -1,4 +1,4 @@
-"""The fleet's reconciler (issue 10): recovery that needs no producer. One worker at a time
+"""The fleet's reconciler: recovery that needs no producer. One worker at a time
 (a Redis lock) looks for sessions that show no progress for a while and nudges each: its next
 step is published again from stored state, unless a step of it is leased (running) or already
 published. It covers `--no-wait` batches, producers that died, and messages a broker lost.

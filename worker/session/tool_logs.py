@@ -1,4 +1,4 @@
-"""What one tool call wrote for its user to read (issue 12, point 1): its `log` hostcall lines
+"""What one tool call wrote for its user to read: its `log` hostcall lines
 and its WASI stdout/stderr, in the order it wrote them, over every attempt of the call.
 
 Bounded per call (MAX_LINES lines, MAX_BYTES bytes of text): later lines are only counted, so a

@@ -1,7 +1,7 @@
-"""How one tool call runs under its policy (seed 002, P0.2 and P1): its timeout, its retries
-with exponential backoff, idempotency, and a fallback tool; the outcome carries its latency
-and retry count. Runs through the ToolRuntime port, so the twins test it with no wasmtime.
-"""
+"""How one tool call runs under its policy (the README's "Tool calls": Policy): its timeout, its
+retries with exponential backoff, idempotency, and a fallback tool; the outcome carries its
+latency and retry count. Runs through the ToolRuntime port, so the twins test it with no
+wasmtime."""
 
 from __future__ import annotations
 

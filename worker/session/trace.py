@@ -1,5 +1,5 @@
-"""Trace events (issue 9, seed 002 P1): what happened in a session, as ids, codes, counts and
-times, never prompts, arguments or outputs. The steps make them; the store keeps them in the
+"""Trace events (the README's "Trace events"): what happened in a session, as ids, codes, counts
+and times, never prompts, arguments or outputs. The steps make them; the store keeps them in the
 session's stream and the fleet's (`cchatq trace ID`), and each is one structured log line.
 
 Events: session.started, model.call.started / finished / failed, tool.call.started /
