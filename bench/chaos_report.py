@@ -98,7 +98,7 @@ def tally(r: Any, scenario: str, sks: Sequence[str], expected_content: dict[str,
     for (sk, record), trace in zip(done, traces, strict=True):
         row.finished += 1
         finished_events: Counter[str] = Counter()
-        events = [json.loads(fields[keys.TRACE_FIELD.encode()]) for _, fields in trace]
+        events = [event for _, fields in trace for event in keys.trace_events(fields)]
         for event in events:
             if event.get("event") == "tool.call.finished":
                 finished_events[str(event.get("call_id"))] += 1

@@ -101,10 +101,10 @@ class SessionLookups:
             entries = read[0][1] if read else []
             for entry_id, fields in entries:
                 last = entry_id
-                event = dict(json.loads(fields[keys.TRACE_FIELD.encode()]))
-                yield event
-                if follow and event.get("event") == "session.finished":
-                    return
+                for event in keys.trace_events(fields):
+                    yield event
+                    if follow and event.get("event") == "session.finished":
+                        return
             if not follow and not entries:
                 return
             if follow and not entries and not self.redis.exists(keys.meta(stream_sk)):

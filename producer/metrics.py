@@ -16,7 +16,6 @@ Ids, codes and counts only, as in the trace events themselves.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from collections.abc import Iterator
@@ -153,7 +152,8 @@ class TraceCounters:
                 continue
             for entry_id, fields in read[0][1] if read else []:
                 last = entry_id
-                self.count(json.loads(fields[keys.TRACE_FIELD.encode()]))
+                for event in keys.trace_events(fields):
+                    self.count(event)
 
 
 class Exporter:

@@ -6,10 +6,11 @@ call i:
 
     cq:id:{digest of id}    the sk of that spec id's run, its spec's digest and attempt (Claim);
                             SET NX at submit = the idempotency claim
-    cq:spec:{sk}            canonical spec JSON
+    cq:spec:{sk}            canonical spec JSON, with `submitted_ms` (keys.with_submitted)
     cq:meta:{sk}            hash: id, batch, submitted_ms, state, round, backend
-    cq:out:{sk}:{r}:m       the model reply of round r (or its error), first writer wins
-    cq:out:{sk}:{r}:t{i}    tool outcome {"content","ok"} of call i of round r, first writer wins
+    cq:out:{sk}:{r}:m       round r: the model reply (or its error) with the runs its plan made,
+                            first writer wins
+    cq:out:{sk}:{r}:t{i}    the outcome of call i of round r, first writer wins
     cq:step:{step}          "lease" while a step runs (PX = its longest run), then "done" once
                             its continuation is published (EX = the TTL): one key, one SET
     cq:tries:{step}         deliveries of a step (poison-step detection)
@@ -34,14 +35,19 @@ call i:
     cq:partial:{sk}         the text of the round being streamed (for `cchatq status`)
     cq:rl:{backend}:req     rate limit: zset of recent requests (member -> time)
     cq:rl:{backend}:tok     rate limit: hash member -> tokens
+    cq:trace:{sk}           a session's trace events, an entry a step (TRACE_FIELD)
+    cq:trace                the fleet's, the same entries with the steps' fleet events
     cq:deadletter           stream of poison steps
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 PREFIX = "cq"
 DEADLETTER = f"{PREFIX}:deadletter"
@@ -49,8 +55,25 @@ TRACE = f"{PREFIX}:trace"  # the fleet's trace events, capped (TRACE_FLEET_MAXLE
 # sessions not finished yet, scored by their last sign of progress (ms): the reconciler's index
 ACTIVE = f"{PREFIX}:active"
 RECONCILER_LOCK = f"{PREFIX}:reconciler"  # held by the one worker reconciling this round
-TRACE_FIELD = "event"  # a trace stream entry's one field: the event as JSON
+# a trace stream entry's one field: the events one step made, as a JSON array (one entry a
+# step and stream, not one an event)
+TRACE_FIELD = "events"
 GENERATION_BYTES = 4  # of a session key's 12 bytes (hex): the run's generation
+
+
+def with_submitted(spec_body: bytes, submitted_ms: int) -> bytes:
+    """A spec's stored form with when it was submitted (`submitted_ms`, beside its fields: a
+    worker reads it with the spec it caches, not from the session's meta)."""
+    return b'{"submitted_ms":%d,%s' % (submitted_ms, spec_body[1:])
+
+
+def trace_events(fields: Mapping[bytes, bytes]) -> list[dict[str, Any]]:
+    """The events of one trace stream entry, in the order the step made them."""
+    raw = fields.get(TRACE_FIELD.encode())
+    if raw is None:  # an entry of one event (`event`), as older workers wrote them
+        single = fields.get(b"event")
+        return [] if single is None else [dict(json.loads(single))]
+    return [dict(e) for e in json.loads(raw)]
 
 
 def _digest(text: str) -> str:

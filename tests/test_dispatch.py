@@ -16,10 +16,12 @@ from celery import Celery
 
 from producer.fleet import Fleet
 from schemas import keys, task_names
+from schemas.bodies import dump_body
 from worker.edges.broker import TRANSPORT
 from worker.edges.dispatch import CeleryDispatcher, task_message
 from worker.edges.store import RedisStore
-from worker.session.ports import NextStep
+from worker.session.outcomes import ToolOutcome
+from worker.session.ports import Commit, NextStep
 
 pytestmark = pytest.mark.fleet
 REDIS_DB = 11
@@ -93,11 +95,12 @@ def test_a_steps_messages_and_its_published_marker_go_in_one_write(
     broker: tuple[Celery, redis.Redis],
 ) -> None:
     app, client = broker
-    sent = CeleryDispatcher(app, RedisStore(client, ttl_s=60)).publish(
+    dispatcher = CeleryDispatcher(app, RedisStore(client, ttl_s=60))
+    assert dispatcher.writes_commits  # the marker is written with the steps: not by the caller
+    dispatcher.publish(
         [NextStep("tool", ("sk-2", 0, 0)), NextStep("tool", ("sk-2", 0, 1))],
-        published=keys.round_step("sk-2", 0),
+        Commit("sk-2", published=keys.round_step("sk-2", 0)),
     )
-    assert sent  # the marker is written: the caller need not
     queue = task_names.ROUTES[task_names.TOOL]
     assert [_pushed(client, queue)["headers"]["id"] for _ in range(2)] == [
         keys.tool_step("sk-2", 0, 0),
@@ -105,3 +108,30 @@ def test_a_steps_messages_and_its_published_marker_go_in_one_write(
     ]
     assert client.get(keys.step_state(keys.round_step("sk-2", 0))) == keys.STEP_DONE
     assert 0 < int(client.ttl(keys.step_state(keys.round_step("sk-2", 0)))) <= 60
+
+
+def test_a_commit_writes_its_outcomes_and_notifications_with_its_steps(
+    broker: tuple[Celery, redis.Redis],
+) -> None:
+    """A tool step's commit: its outcome (first writer wins), the next round, the batches told,
+    its marker: one write."""
+    app, client = broker
+    store = RedisStore(client, ttl_s=60)
+    first, later = ToolOutcome.success("sunny"), ToolOutcome.success("rain")
+    client.set(keys.tool_out("sk-3", 0, 1), dump_body(first.to_json()))  # stored before
+    CeleryDispatcher(app, store).publish(
+        [NextStep("round", ("sk-3", 1))],
+        Commit(
+            "sk-3",
+            published=keys.tool_step("sk-3", 0, 0),
+            outcomes={(0, 0): first, (0, 1): later},
+            notify=("b1",),
+        ),
+    )
+    assert _pushed(client, task_names.ROUTES[task_names.ROUND])["headers"]["id"] == (
+        keys.round_step("sk-3", 1)
+    )
+    assert client.get(keys.tool_out("sk-3", 0, 0)) == dump_body(first.to_json())
+    assert client.get(keys.tool_out("sk-3", 0, 1)) == dump_body(first.to_json())
+    assert client.lrange(keys.done_list("b1"), 0, -1) == [b"sk-3"]
+    assert client.get(keys.step_state(keys.tool_step("sk-3", 0, 0))) == keys.STEP_DONE

@@ -75,7 +75,7 @@ def test_shared_limit_holds_across_two_worker_processes(
     # each put-off round is a rate_limit.waited event (ids and times only), in the fleet's
     # stream (the metrics) and its session's, which has its TTL
     redis = running.client.redis
-    events = [json.loads(f[keys.TRACE_FIELD.encode()]) for _, f in redis.xrange(keys.TRACE)]
+    events = [e for _, fields in redis.xrange(keys.TRACE) for e in keys.trace_events(fields)]
     waits = [e for e in events if e["event"] == "rate_limit.waited"]
     assert len(waits) >= len(specs) - 2 * LIMIT, waits
     assert {(e["backend"], e["kind"]) for e in waits} == {("limited", "round")}

@@ -18,6 +18,7 @@ import pytest
 from fixtures.demo_batch import WEATHER, weather_json
 from producer.client import Client
 from producer.fleet import Fleet
+from schemas import keys
 from tests.conftest import Running
 from tests.test_pipeline import run_specs, submit_specs, wait_for
 
@@ -232,7 +233,8 @@ def test_cchatq_trace_lists_a_mixed_sessions_events_in_order_and_no_text(
     ]
     assert all(e["session"] == spec["id"] for e in events)
     fleet = wide_tools.client.redis.xrevrange("cq:trace", count=200)
-    assert canary not in repr(fleet) and len(fleet) >= len(events)
+    fleet_events = [e for _, fields in fleet for e in keys.trace_events(fields)]
+    assert canary not in repr(fleet) and len(fleet_events) >= len(events)
     assert wide_tools.client.redis.ttl(f"cq:trace:{wide_tools.client.session_key(spec['id'])}") > 0
     follow = subprocess.run(
         [sys.executable, "-m", "producer.cli", "trace", spec["id"], "--follow"],

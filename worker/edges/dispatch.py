@@ -24,7 +24,7 @@ from celery.utils.nodenames import anon_nodename
 
 from schemas import keys, task_names
 from worker.edges.store import RedisStore
-from worker.session.ports import NextStep, StepPublisher, TraceWrite
+from worker.session.ports import Commit, NextStep, StepPublisher
 
 # the options of a task with no callbacks, as Celery embeds them in every message body
 _EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
@@ -109,24 +109,25 @@ class CeleryDispatcher(StepPublisher):
         self.app = app
         self.store = store
 
-    def publish(
-        self,
-        steps: Sequence[NextStep],
-        published: str | None = None,
-        trace: TraceWrite | None = None,
-    ) -> bool:
+    writes_commits = True
+
+    def publish(self, steps: Sequence[NextStep], commit: Commit | None = None) -> None:
         current = self.app.current_worker_task
         parent = current.request if current is not None else None
         pipe = self.store.client.pipeline(transaction=False)
+        if commit is not None and commit.outcomes:  # before the steps that read them
+            self.store.add_outcomes(pipe, commit.sk, commit.outcomes)
         for step in steps:
             name, task_id = _task(step)
             queue = task_names.ROUTES[name]
             # the queue's list is the queue's name: priority 0, no key prefix (wiring's config)
             message = task_message(name, list(step.args), task_id, queue, parent, step.shown_id)
             pipe.lpush(queue, message)
-        if published is not None:  # after the messages: a marker found means they were sent
-            self.store.mark_published(pipe, published)
-        if trace is not None:
-            self.store.add_trace(pipe, trace)
+        if commit is not None:
+            if commit.notify:
+                self.store.add_notify(pipe, commit.sk, commit.notify)
+            if commit.published is not None:  # after the messages: found, they were sent
+                self.store.mark_published(pipe, commit.published)
+            if commit.trace is not None:
+                self.store.add_trace(pipe, commit.trace)
         pipe.execute()
-        return True

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any, ParamSpec, TypeVar
+from typing import Any
 
 import redis
 
@@ -32,31 +31,30 @@ from schemas.spec_types import (
 from worker.codecs.reply import Reply
 from worker.edges import liveness
 from worker.edges.step_leases import TAKE_OVER, LeaseKeeper, StepLeases, translated
+from worker.edges.store_fleet import FleetQueries
+from worker.edges.store_trace import TraceWrites
 from worker.errors import SpecMissingError, StoreError
 from worker.session.engine import ToolRun
 from worker.session.outcomes import ToolOutcome
-from worker.session.ports import (
-    RoundReads,
-    StepStart,
-    ToolInputs,
-    ToolReads,
-    TraceWrite,
-)
+from worker.session.ports import EndingInputs, RoundReads, StepStart, ToolInputs, ToolReads
 from worker.session.round_record import decode_round, encode_round
 from worker.session.state import Round, Session
 
-P = ParamSpec("P")
 log = logging.getLogger(__name__)
 SPEC_CACHE_SIZE = 4096
 GUESSED_CALLS = 4  # outcome keys read with the replies, per round
-TRACE_SESSION_MAXLEN = 2_000  # events kept per session
-TRACE_FLEET_MAXLEN = 100_000  # events kept for the fleet
 POOL_WAIT_S = 30  # longest wait for a free connection before the step fails (and is retried)
-T = TypeVar("T")
 
 
 def _loads(raw: bytes | None) -> Any:
     return None if raw is None else json.loads(raw)
+
+
+def _round_keys(sk: str, last: int) -> list[str]:
+    """Rounds 0..last: their replies, then their first GUESSED_CALLS calls' outcomes."""
+    return [keys.model_out(sk, r) for r in range(last + 1)] + [
+        keys.tool_out(sk, r, i) for r in range(last + 1) for i in range(GUESSED_CALLS)
+    ]
 
 
 def _tool_keys(sk: str, round_no: int, index: int) -> list[str]:
@@ -71,13 +69,14 @@ def _tool_inputs(raw: list[bytes | None]) -> ToolInputs:
     )
 
 
-class RedisStore(StepLeases):
+class RedisStore(StepLeases, TraceWrites, FleetQueries):
     def __init__(self, client: redis.Redis, ttl_s: int) -> None:
         # Any: redis-py annotates replies as bytes | str whatever decode_responses says;
         # this client never decodes, so replies are bytes.
         self.client: Any = client
         self.ttl_s = ttl_s
         self._specs: dict[str, Spec] = {}
+        self._submitted: dict[str, int] = {}  # sk -> when its producer submitted it (ms)
         self._keeper = LeaseKeeper(self.client)
         self._take_over = self.client.register_script(TAKE_OVER)
 
@@ -100,18 +99,30 @@ class RedisStore(StepLeases):
         cached = self._specs.get(sk)
         if cached is not None:
             return cached
-        raw = _loads(self.client.get(keys.spec(sk)))
-        if raw is None:
+        return self._spec_of(sk, self.client.get(keys.spec(sk)), None)
+
+    def _spec_of(
+        self, sk: str, raw: bytes | None, listed: bytes | None = None, listed_read: bool = False
+    ) -> Spec:
+        """A spec from its stored form, with its MCP tools' listing (`listed`, when read with
+        it), kept for the next steps of this process."""
+        stored = _loads(raw)
+        if stored is None:
             raise SpecMissingError(f"session {sk}: spec not found (expired or never submitted)")
-        spec = with_builtins(spec_from_json(raw))
+        spec = with_builtins(spec_from_json(stored))
         if isinstance(spec, SessionSpec) and spec.mcp_servers:
-            listed = _loads(self.client.get(keys.mcp_tools(sk)))
+            if not listed_read:
+                listed = self.client.get(keys.mcp_tools(sk))
             if listed is None:
                 return spec  # not listed yet (its first round will): not kept
-            spec = with_mcp_tools(spec, tuple(tool_from_json(t) for t in listed))
+            spec = with_mcp_tools(spec, tuple(tool_from_json(t) for t in json.loads(listed)))
         if len(self._specs) >= SPEC_CACHE_SIZE:
-            self._specs.pop(next(iter(self._specs)))
+            evicted = next(iter(self._specs))
+            self._specs.pop(evicted)
+            self._submitted.pop(evicted, None)
         self._specs[sk] = spec
+        if isinstance(stored.get("submitted_ms"), int):
+            self._submitted[sk] = stored["submitted_ms"]
         return spec
 
     @translated
@@ -124,20 +135,16 @@ class RedisStore(StepLeases):
         """The spec and every stored round (up to `upto_round` inclusive), usually in one
         round trip: one MGET reads the replies with the outcome keys of their first
         GUESSED_CALLS calls; only a round with more calls needs a second read."""
-        spec, last, mget = self._session_reads(sk, upto_round)
-        return self._session_from(sk, spec, backend, last, self.client.mget(mget))
+        spec = self._chat_spec(sk)
+        last = spec.limits.max_iterations - 1 if upto_round is None else upto_round
+        raw = self.client.mget(_round_keys(sk, last))
+        return self._session_from(sk, spec, backend, last, raw)
 
-    def _session_reads(self, sk: str, upto_round: int | None) -> tuple[SessionSpec, int, list[str]]:
+    def _chat_spec(self, sk: str) -> SessionSpec:
         spec = self.load_spec(sk)
         if not isinstance(spec, SessionSpec):
             raise StoreError(f"session {sk} is a program run, not a chat")
-        last = spec.limits.max_iterations - 1 if upto_round is None else upto_round
-        return (
-            spec,
-            last,
-            [keys.model_out(sk, r) for r in range(last + 1)]
-            + [keys.tool_out(sk, r, i) for r in range(last + 1) for i in range(GUESSED_CALLS)],
-        )
+        return spec
 
     def _session_from(
         self, sk: str, spec: SessionSpec, backend: str, last: int, raw: list[bytes | None]
@@ -201,17 +208,24 @@ class RedisStore(StepLeases):
         so at least one of them sees the round complete (a second sight only publishes the
         next round twice, which its guard absorbs)."""
         pipe = self.client.pipeline(transaction=False)
-        for index, outcome in outcomes.items():
-            pipe.set(
+        self.add_outcomes(pipe, sk, {(round_no, i): o for i, o in outcomes.items()})
+        if calls:
+            pipe.exists(*(keys.tool_out(sk, round_no, i) for i in range(calls)))
+        replies = pipe.execute()
+        return int(replies[-1]) if calls else 0
+
+    def add_outcomes(
+        self, client: Any, sk: str, outcomes: Mapping[tuple[int, int], ToolOutcome]
+    ) -> None:
+        """Tool outcomes by (round, call) stored by `client` (this store's, or a pipeline on
+        it), first writer wins."""
+        for (round_no, index), outcome in outcomes.items():
+            client.set(
                 keys.tool_out(sk, round_no, index),
                 dump_body(outcome.to_json()),
                 nx=True,
                 ex=self.ttl_s,
             )
-        if calls:
-            pipe.exists(*(keys.tool_out(sk, round_no, i) for i in range(calls)))
-        replies = pipe.execute()
-        return int(replies[-1]) if calls else 0
 
     # step guards ---------------------------------------------------------------------------
 
@@ -225,25 +239,27 @@ class RedisStore(StepLeases):
         reads: RoundReads | ToolReads | None = None,
     ) -> StepStart:
         """Everything one delivery of a step needs to know before it works, and what its
-        body reads (`reads`), in one round trip that also records the session's state for
-        `cchatq status`."""
+        body reads (`reads`, with its spec when this process has not read it yet), in one
+        round trip that also records the session's state for `cchatq status`."""
         # No MULTI: each command is atomic on its own, and the lease is one SET ... NX GET
         # (Redis >= 7.0) whose old value says published ("done"), leased elsewhere, or free.
         # The try counter starts as SET 1 NX EX GET: a first delivery (the usual case) counts
         # itself and sets the TTL in one command; only a redelivery needs an INCR after it.
         # The cancel flag is read in the MGET of what the body reads: no command of its own.
-        session_reads = self._speculative(sk, reads)
         read_keys: list[str] = []
-        if session_reads is not None:
-            read_keys = session_reads[2]
+        if isinstance(reads, RoundReads):
+            read_keys = _round_keys(sk, reads.round_no)
         elif isinstance(reads, ToolReads):
             read_keys = _tool_keys(sk, reads.round_no, reads.index)
+        spec_keys: list[str] = []
+        if sk and reads is not None and sk not in self._specs:
+            spec_keys = [keys.spec(sk), keys.mcp_tools(sk)]
         pipe = self.client.pipeline(transaction=False)
         token = liveness.new_token(uuid.uuid4().hex)
         pipe.set(keys.step_state(step), keys.step_lease(token), nx=True, px=lease_ms, get=True)
         pipe.set(keys.tries(step), 1, nx=True, ex=self.ttl_s, get=True)
         if sk:
-            pipe.mget([*read_keys, keys.cancel(sk)])
+            pipe.mget([*read_keys, *spec_keys, keys.cancel(sk)])
         if sk and meta:  # a round or a program run starting: a sign of progress
             pipe.hset(keys.meta(sk), mapping=dict(meta))
             pipe.zadd(keys.ACTIVE, {sk: int(time.time() * 1000)}, xx=True)
@@ -266,100 +282,20 @@ class RedisStore(StepLeases):
             before == keys.STEP_DONE, before is None, tries, read[-1] is not None,
             lease=token if before is None else "",
         )  # fmt: skip
+        values = read[: len(read_keys)]
         try:
-            if session_reads is not None and isinstance(reads, RoundReads):
-                spec, last, _ = session_reads
-                session = self._session_from(sk, spec, reads.backend, last, read[:-1])
+            if spec_keys:  # a missing spec fails in the body, where it counts as a try
+                spec_raw, listed = read[len(read_keys) : -1]
+                self._spec_of(sk, spec_raw, listed, listed_read=True)
+            if isinstance(reads, RoundReads):
+                spec = self._chat_spec(sk)
+                session = self._session_from(sk, spec, reads.backend, reads.round_no, values)
                 return replace(start, session=session)
-            if isinstance(reads, ToolReads) and sk:
-                return replace(start, tool_inputs=_tool_inputs(read[:-1]))
+            if isinstance(reads, ToolReads):
+                return replace(start, tool_inputs=_tool_inputs(values))
         except Exception:  # what cannot be read here, the body reads again under the guard
             return start
         return start
-
-    def _speculative(
-        self, sk: str, reads: RoundReads | ToolReads | None
-    ) -> tuple[SessionSpec, int, list[str]] | None:
-        """A round step's session keys, if its spec is there to say how many rounds: a spec
-        that is missing or of another kind fails in the body, where it counts as a try."""
-        if not isinstance(reads, RoundReads):
-            return None
-        try:
-            return self._session_reads(sk, reads.round_no)
-        except StoreError:
-            return None
-
-    @translated
-    def task_state(self, sk: str, task_id: str) -> dict[str, str] | None:
-        raw = self.client.hgetall(keys.task(sk, task_id))
-        return {k.decode(): v.decode() for k, v in raw.items()} or None
-
-    @translated
-    def update_task(self, sk: str, task_id: str, fields: dict[str, str]) -> None:
-        pipe = self.client.pipeline(transaction=False)
-        pipe.hset(keys.task(sk, task_id), mapping=fields)
-        pipe.expire(keys.task(sk, task_id), self.ttl_s)
-        pipe.execute()
-
-    @translated
-    def trace(self, write: TraceWrite) -> None:
-        pipe = self.client.pipeline(transaction=False)
-        self.add_trace(pipe, write)
-        pipe.execute()
-
-    def add_trace(self, client: Any, write: TraceWrite) -> None:
-        """Trace events appended by `client` (this store's, or a pipeline on it): to the
-        session's stream and the fleet's, both capped (approximately: cheap trimming). An event
-        of no session (a fleet event: for the metrics) goes to the fleet's stream only."""
-        stream = keys.trace(write.sk)
-        for event in write.events:
-            entry = {keys.TRACE_FIELD: json.dumps(event.to_json(), separators=(",", ":"))}
-            if event.session:
-                client.xadd(stream, entry, maxlen=TRACE_SESSION_MAXLEN, approximate=True)
-            client.xadd(keys.TRACE, entry, maxlen=TRACE_FLEET_MAXLEN, approximate=True)
-        if write.expire:  # the fleet's stream too: it lives while sessions come and go
-            client.expire(stream, self.ttl_s)
-            client.expire(keys.TRACE, self.ttl_s)
-
-    @translated
-    def set_partial(self, sk: str, text: str | None) -> None:
-        if text is None:
-            self.client.delete(keys.partial(sk))
-        else:
-            self.client.set(keys.partial(sk), text.encode(), ex=self.ttl_s)
-
-    @translated
-    def unstarted_calls(self, sk: str, round_no: int, calls: int) -> tuple[list[int], int]:
-        # one MGET: every call's outcome key, its queued mark, its step's state
-        names = [
-            name
-            for i in range(calls)
-            for name in (
-                keys.tool_out(sk, round_no, i),
-                keys.tool_queued(sk, round_no, i),
-                keys.step_state(keys.tool_step(sk, round_no, i)),
-            )
-        ]
-        values = self.client.mget(names)
-        waiting, placed = [], 0
-        for i in range(calls):
-            out, queued, state = values[3 * i : 3 * i + 3]
-            if out is not None:
-                continue
-            if queued is None and state is None:
-                waiting.append(i)
-            else:
-                placed += 1
-        return waiting, placed
-
-    @translated
-    def queue_calls(self, sk: str, round_no: int, indexes: list[int], claim: bool) -> list[int]:
-        if not indexes:
-            return []
-        pipe = self.client.pipeline(transaction=False)
-        for i in indexes:
-            pipe.set(keys.tool_queued(sk, round_no, i), 1, nx=claim, ex=self.ttl_s)
-        return [i for i, won in zip(indexes, pipe.execute(), strict=True) if won]
 
     # cancellation and failure --------------------------------------------------------------
 
@@ -373,14 +309,20 @@ class RedisStore(StepLeases):
         return None if value is None else dict(value)
 
     @translated
-    def ending_inputs(self, sk: str) -> tuple[dict[str, Any] | None, bool, int]:
+    def ending_inputs(self, sk: str) -> EndingInputs:
+        submitted = self._submitted.get(sk)  # in the spec this process read, when it says
         pipe = self.client.pipeline(transaction=False)
         pipe.get(keys.failure(sk))
         pipe.exists(keys.cancel(sk))
-        pipe.hget(keys.meta(sk), "submitted_ms")
-        failure, cancelled, submitted = pipe.execute()
+        if submitted is None:
+            pipe.hget(keys.meta(sk), "submitted_ms")
+        failure, cancelled, *rest = pipe.execute()
         failed = _loads(failure)
-        return (None if failed is None else dict(failed)), bool(cancelled), int(submitted or 0)
+        return EndingInputs(
+            None if failed is None else dict(failed),
+            bool(cancelled),
+            submitted if submitted is not None else int(rest[0] or 0),
+        )
 
     @translated
     def dead_letter(self, step: str, sk: str, body: dict[str, Any], reason: str) -> None:
@@ -404,10 +346,14 @@ class RedisStore(StepLeases):
         return bool(self.client.exists(keys.response(sk)))
 
     @translated
-    def write_result(self, sk: str, body: bytes, record: dict[str, Any]) -> bool:
-        """Write the response fd once, then tell every waiting batch. True if this call wrote it."""
+    def write_result(
+        self, sk: str, body: bytes, record: dict[str, Any], notify_later: list[str] | None = None
+    ) -> bool:
+        """Write the response fd once, then tell every waiting batch (or add them to
+        `notify_later`). True if this call wrote it."""
         # No MULTI: the record is written before the response, so whoever sees the response
-        # finds the record too; each SET NX keeps the first outcome.
+        # finds the record too; each SET NX keeps the first outcome. The watchers are read
+        # after the response: a batch that starts watching later finds the response.
         pipe = self.client.pipeline(transaction=False)
         pipe.set(keys.record(sk), dump_body(record), nx=True, ex=self.ttl_s)
         pipe.set(keys.response(sk), body, nx=True, ex=self.ttl_s)
@@ -416,59 +362,30 @@ class RedisStore(StepLeases):
         pipe.zrem(keys.ACTIVE, sk)
         pipe.smembers(keys.watchers(sk))
         _, wrote, _, _, batches = pipe.execute()
-        self.notify(sk, (b.decode() for b in batches))
+        watchers = [b.decode() for b in batches]
+        if notify_later is not None:
+            notify_later.extend(watchers)
+        else:
+            self.notify(sk, watchers)
         return bool(wrote)
 
     @translated
     def watcher_batches(self, sk: str) -> list[str]:
         return [b.decode() for b in self.client.smembers(keys.watchers(sk))]
 
+    @translated
     def notify(self, sk: str, batches: Iterable[str]) -> None:
         pipe = self.client.pipeline(transaction=False)
-        for batch in batches:
-            pipe.rpush(keys.done_list(batch), sk)
-            pipe.expire(keys.done_list(batch), self.ttl_s)
+        self.add_notify(pipe, sk, batches)
         pipe.execute()
+
+    def add_notify(self, client: Any, sk: str, batches: Iterable[str]) -> None:
+        """Tell `batches` that session `sk` finished, by `client` (this store, or a pipeline)."""
+        for batch in batches:
+            client.rpush(keys.done_list(batch), sk)
+            client.expire(keys.done_list(batch), self.ttl_s)
 
     @translated
     def chunk_members(self, batch: str, chunk_no: int) -> list[keys.ChunkMember]:
         raw = self.client.lrange(keys.chunk(batch, chunk_no), 0, -1)
         return [keys.ChunkMember.decode(m.decode()) for m in raw]
-
-    # the reconciler ------------------------------------------------------------------------
-
-    @translated
-    def take_reconciler_turn(self, hold_ms: int) -> bool:
-        """Whether this process reconciles now: one in the fleet at a time, for `hold_ms`."""
-        return bool(self.client.set(keys.RECONCILER_LOCK, os.getpid(), nx=True, px=hold_ms))
-
-    @translated
-    def stalled(self, quiet_ms: int, most: int) -> list[str]:
-        """Unfinished sessions with no sign of progress for `quiet_ms`, oldest first; each is
-        marked as just seen, so the next turns look at others first."""
-        now = int(time.time() * 1000)
-        found = [
-            sk.decode() for sk in self.client.zrangebyscore(keys.ACTIVE, 0, now - quiet_ms, 0, most)
-        ]
-        if found:
-            self.client.zadd(keys.ACTIVE, dict.fromkeys(found, now), xx=True)
-        return found
-
-    @translated
-    def submitted_ms(self, sks: list[str]) -> list[int | None]:
-        pipe = self.client.pipeline(transaction=False)
-        for sk in sks:
-            pipe.hget(keys.meta(sk), "submitted_ms")
-        return [None if raw is None else int(raw) for raw in pipe.execute()]
-
-    @translated
-    def forget_session(self, sk: str) -> None:
-        """Not to be watched any more (its spec expired: nothing left to recover)."""
-        self.client.zrem(keys.ACTIVE, sk)
-
-    @translated
-    def module_bytes(self, sha256: str) -> bytes:
-        data = self.client.get(keys.module(sha256))
-        if data is None:
-            raise StoreError(f"module {sha256[:12]} not in Redis (expired or never uploaded)")
-        return bytes(data)

@@ -59,6 +59,12 @@ class Applier:
 
     def _answered(self, sk: str, decision: ToolAnswered, send: Dispatcher) -> None:
         round_no, calls = decision.round_no, decision.call_count
+        if calls == 1 and isinstance(send, Outbox):
+            # the round's one call: its outcome completes the round, whoever stored it first,
+            # so it is stored with the step's commit, before the next round it publishes
+            send.outcomes[(round_no, decision.index)] = decision.outcome
+            send.round(sk, round_no + 1)
+            return
         done = self.store.store_tool_outcomes(
             sk, round_no, {decision.index: decision.outcome}, calls
         )
@@ -81,9 +87,9 @@ class Applier:
         flag and when it was submitted). Its session.finished event joins the step's Outbox,
         after the round's own events."""
         session = decision.session
-        failure, cancelled, submitted_ms = self.store.ending_inputs(sk)
-        latency_ms = int(time.time() * 1000) - submitted_ms
-        closing = ending(session, decision.step, failure, cancelled, latency_ms)
+        inputs = self.store.ending_inputs(sk)
+        latency_ms = int(time.time() * 1000) - inputs.submitted_ms
+        closing = ending(session, decision.step, inputs.failure, inputs.cancelled, latency_ms)
         self._write(sk, closing, send)
         if self.trace and isinstance(send, Outbox):
             code = outcome_code(closing.body)
@@ -97,6 +103,8 @@ class Applier:
             )
 
     def _write(self, sk: str, closing: Ending, send: Dispatcher) -> None:
-        self.store.write_result(sk, dump_body(closing.body), closing.record)
-        if isinstance(send, Outbox):  # the step's task result: a code, never content
-            send.outcome = outcome_code(closing.body)
+        if isinstance(send, Outbox):  # the waiting batches are told with the step's commit
+            self.store.write_result(sk, dump_body(closing.body), closing.record, send.notify)
+            send.outcome = outcome_code(closing.body)  # the step's task result: a code
+        else:
+            self.store.write_result(sk, dump_body(closing.body), closing.record)

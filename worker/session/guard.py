@@ -25,8 +25,10 @@ from worker.errors import (
     StoreError,
 )
 from worker.session.ending import bare_record
+from worker.session.outcomes import ToolOutcome
 from worker.session.ports import (
     STEP_LEASE_MS,
+    Commit,
     Dispatcher,
     Outbox,
     RoundReads,
@@ -129,6 +131,10 @@ class StepGuard:
         started = time.monotonic()
         try:
             body(start, outbox)
+            if self.settings.trace:  # its kind and duration ride its last event
+                step_timed(outbox.events, step, started)
+            # a commit that fails (its tool outcomes are part of it) fails the step: retried
+            self.commit(step, sk, outbox)
         except RateLimited as exc:
             # waiting for the backend's rate limit is not a failure: no try is spent, and the
             # task gives its worker slot back until there may be room
@@ -153,22 +159,31 @@ class StepGuard:
             raise RetryLater(
                 min(0.2 * 2**start.tries, 10.0), f"{type(exc).__name__}: {exc}"
             ) from exc
-        if self.settings.trace:  # its kind and duration ride its last event
-            step_timed(outbox.events, step, started)
-        self.commit(step, sk, outbox)
 
     def commit(self, step: str, sk: str, outbox: Outbox) -> None:
-        """Publish what the step decided, then mark it published, with its trace events: one
+        """Publish what the step decided with what it writes as it ends: its tool outcomes,
+        then its steps, its notifications, its published marker and its trace events; one
         write where the dispatcher shares the store's Redis. In that order, so a redelivery
         that finds the marker knows its continuation was sent."""
         trace = None
         if outbox.events:  # a session's first or last events set its stream's TTL
             ends = any(e.event.startswith("session.") for e in outbox.events)
             trace = TraceWrite(sk, tuple(outbox.events), expire=ends)
-        if not self.dispatch.publish(outbox.shown(), published=step, trace=trace):
-            self.store.end_step(step)
-            if trace is not None:
-                self.store.trace(trace)
+        commit = Commit(sk, step, trace, dict(outbox.outcomes), tuple(outbox.notify))
+        if self.dispatch.writes_commits:
+            self.dispatch.publish(outbox.shown(), commit)
+            return
+        by_round: dict[int, dict[int, ToolOutcome]] = {}
+        for (round_no, index), outcome in commit.outcomes.items():
+            by_round.setdefault(round_no, {})[index] = outcome
+        for round_no, outcomes in by_round.items():  # before the steps that read them
+            self.store.store_tool_outcomes(sk, round_no, outcomes, 0)
+        self.dispatch.publish(outbox.shown())
+        if commit.notify:
+            self.store.notify(sk, commit.notify)
+        self.store.end_step(step)
+        if trace is not None:
+            self.store.trace(trace)
 
     def trace_now(self, sk: str, *events: TraceEvent, expire: bool = False) -> None:
         """Events written at once, not with the step's end (a background call's progress)."""

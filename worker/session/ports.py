@@ -5,7 +5,7 @@ and are tested with no Redis and no workers.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -167,14 +167,21 @@ class SessionStore(Protocol):
     def release_lease(self, step: str) -> None: ...
     def is_cancelled(self, sk: str) -> bool: ...
     def failure(self, sk: str) -> dict[str, Any] | None: ...
-    def ending_inputs(self, sk: str) -> tuple[dict[str, Any] | None, bool, int]:
-        """(failure body, cancelled, submitted_ms) in one round trip: what an ending reads."""
+    def ending_inputs(self, sk: str) -> EndingInputs:
+        """What an ending reads, in one round trip."""
         ...
 
     def dead_letter(self, step: str, sk: str, body: dict[str, Any], reason: str) -> None: ...
     def meta(self, sk: str) -> dict[str, str]: ...
     def has_result(self, sk: str) -> bool: ...
-    def write_result(self, sk: str, body: bytes, record: dict[str, Any]) -> bool: ...
+    def write_result(
+        self, sk: str, body: bytes, record: dict[str, Any], notify_later: list[str] | None = None
+    ) -> bool:
+        """Write the response fd and the record once (True: this call wrote them), then tell
+        the batches waiting for the session, or add them to `notify_later` for the caller to
+        tell (with its step's commit)."""
+        ...
+
     def watcher_batches(self, sk: str) -> list[str]: ...
     def notify(self, sk: str, batches: Iterable[str]) -> None: ...
     def chunk_members(self, batch: str, chunk_no: int) -> list[ChunkMember]: ...
@@ -188,6 +195,29 @@ class TraceWrite:
     sk: str
     events: tuple[TraceEvent, ...]
     expire: bool = False
+
+
+@dataclass(frozen=True)
+class Commit:
+    """What a step writes as it ends, with the steps it publishes: its published marker, its
+    trace events, the tool outcomes it stores (first writer wins, by round and call) and the
+    batches it tells that its session finished."""
+
+    sk: str
+    published: str | None = None
+    trace: TraceWrite | None = None
+    outcomes: Mapping[tuple[int, int], ToolOutcome] = field(default_factory=dict)
+    notify: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class EndingInputs:
+    """What the ending rules read: the failure a dead-lettered step recorded, the cancel flag,
+    and when the session was submitted."""
+
+    failure: dict[str, Any] | None
+    cancelled: bool
+    submitted_ms: int
 
 
 @dataclass(frozen=True)
@@ -209,15 +239,14 @@ class Dispatcher(Protocol):
     def background(self, sk: str, round_no: int, index: int) -> None: ...
     def finish(self, sk: str) -> None: ...
     def program(self, sk: str) -> None: ...
-    def publish(
-        self,
-        steps: Sequence[NextStep],
-        published: str | None = None,
-        trace: TraceWrite | None = None,
-    ) -> bool:
-        """Publish `steps` in order, then mark step `published` as published and write
-        `trace`, in the same write if this dispatcher shares the store's Redis (True); False:
-        the caller does those two through the store."""
+    # True: `publish` writes a commit with the steps, in the same write (the dispatcher
+    # shares the store's Redis); False: the caller writes commits through the store
+    writes_commits: bool
+
+    def publish(self, steps: Sequence[NextStep], commit: Commit | None = None) -> None:
+        """Publish `steps` in order; with `commit` (only where `writes_commits`), what the
+        step writes as it ends, in the same write: its tool outcomes before the steps, then
+        its notifications, its published marker and its trace."""
         ...
 
 
@@ -225,12 +254,9 @@ class StepPublisher:
     """A Dispatcher's ways to publish one step, each the `publish` of one NextStep: the shape
     the broker's dispatcher, the Outbox and the twin's queue share."""
 
-    def publish(
-        self,
-        steps: Sequence[NextStep],
-        published: str | None = None,
-        trace: TraceWrite | None = None,
-    ) -> bool:
+    writes_commits = False
+
+    def publish(self, steps: Sequence[NextStep], commit: Commit | None = None) -> None:
         raise NotImplementedError
 
     def round(self, sk: str, round_no: int) -> None:
@@ -259,6 +285,9 @@ class Outbox(StepPublisher):
         self.events: list[TraceEvent] = []  # written with the step's published marker
         self.spec_ids: dict[str, str] = {}  # sk -> spec id, shown with the steps it publishes
         self.outcome: str | None = None  # the code a session this step ended ended with
+        # tool outcomes stored with the step's commit, before the steps it publishes
+        self.outcomes: dict[tuple[int, int], ToolOutcome] = {}
+        self.notify: list[str] = []  # batches told the session finished, with the commit
 
     def shown(self) -> list[NextStep]:
         """The steps, each with its session's spec id where this step knows it."""
@@ -266,14 +295,8 @@ class Outbox(StepPublisher):
             replace(s, shown_id=self.spec_ids.get(str(s.args[0]), s.shown_id)) for s in self.steps
         ]
 
-    def publish(
-        self,
-        steps: Sequence[NextStep],
-        published: str | None = None,
-        trace: TraceWrite | None = None,
-    ) -> bool:
+    def publish(self, steps: Sequence[NextStep], commit: Commit | None = None) -> None:
         self.steps.extend(steps)
-        return False
 
 
 class RateLimiter(Protocol):

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from worker.errors import RetryLater, StepDeadLettered
-from worker.session.ports import NextStep, StepPublisher, TraceWrite
+from worker.session.ports import Commit, NextStep, StepPublisher
 
 Published = tuple[Any, ...]  # ("round", sk, r) | ("tool", sk, r, i) | ("finish", sk) | ...
 
@@ -62,15 +62,9 @@ class StepQueue(StepPublisher):
     def start(self, batch: str, chunk_no: int) -> None:
         self._put(("start", batch, chunk_no))
 
-    def publish(
-        self,
-        steps: Sequence[NextStep],
-        published: str | None = None,
-        trace: TraceWrite | None = None,
-    ) -> bool:
+    def publish(self, steps: Sequence[NextStep], commit: Commit | None = None) -> None:
         for step in steps:
             self._put((step.kind, *step.args))
-        return False  # the published marker is the store's (MemoryStore.end_step)
 
     def _put(self, step: Published) -> None:
         self.sent.append(step)

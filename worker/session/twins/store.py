@@ -33,7 +33,14 @@ from worker.codecs.reply import Reply
 from worker.errors import SpecMissingError, StoreError
 from worker.session.engine import ToolRun
 from worker.session.outcomes import ToolOutcome
-from worker.session.ports import RoundReads, StepStart, ToolInputs, ToolReads, TraceWrite
+from worker.session.ports import (
+    EndingInputs,
+    RoundReads,
+    StepStart,
+    ToolInputs,
+    ToolReads,
+    TraceWrite,
+)
 from worker.session.round_record import decode_round, encode_round
 from worker.session.state import Round, Session
 from worker.session.trace import TraceEvent
@@ -256,9 +263,9 @@ class MemoryStore(ProgramTwin):
         raw = self.failures.get(sk)
         return None if raw is None else dict(json.loads(raw))
 
-    def ending_inputs(self, sk: str) -> tuple[dict[str, Any] | None, bool, int]:
+    def ending_inputs(self, sk: str) -> EndingInputs:
         submitted = self.meta_of.get(sk, {}).get("submitted_ms", "0")
-        return self.failure(sk), self.is_cancelled(sk), int(submitted or 0)
+        return EndingInputs(self.failure(sk), self.is_cancelled(sk), int(submitted or 0))
 
     def dead_letter(self, step: str, sk: str, body: dict[str, Any], reason: str) -> None:
         with self._cond:
@@ -271,7 +278,9 @@ class MemoryStore(ProgramTwin):
     def has_result(self, sk: str) -> bool:
         return sk in self.responses
 
-    def write_result(self, sk: str, body: bytes, record: dict[str, Any]) -> bool:
+    def write_result(
+        self, sk: str, body: bytes, record: dict[str, Any], notify_later: list[str] | None = None
+    ) -> bool:
         with self._cond:
             wrote = sk not in self.responses
             self.responses.setdefault(sk, bytes(body))
@@ -280,7 +289,10 @@ class MemoryStore(ProgramTwin):
                 state="done", finished_ms=str(int(time.time() * 1000))
             )
             batches = list(self.watchers.get(sk, ()))
-        self.notify(sk, batches)
+        if notify_later is not None:
+            notify_later.extend(batches)
+        else:
+            self.notify(sk, batches)
         return wrote
 
     def watcher_batches(self, sk: str) -> list[str]:
