@@ -13,7 +13,7 @@ call i:
     cq:out:{sk}:{r}:t{i}    the outcome of call i of round r, first writer wins
     cq:step:{step}          "lease" while a step runs (PX = its longest run), then "done" once
                             its continuation is published (EX = the TTL): one key, one SET
-    cq:tries:{step}         deliveries of a step (poison-step detection)
+    cq:tries:{step}         deliveries of a step (poison-step detection); none: one delivery
     cq:fail:{sk}            error body of a step that failed for good (dead-lettered)
     cq:cancel:{sk}          cancellation requested
     cq:resp:{sk}            the response fd: final body bytes, written once
@@ -178,6 +178,12 @@ STEP_DONE = b"done"  # step_state once its continuation is published (EX = the T
 
 def tries(step: str) -> str:
     return f"{PREFIX}:tries:{step}"
+
+
+def tries_count(raw: bytes | None) -> int:
+    """A step's deliveries counted so far, from its `tries` key: a first delivery the broker
+    vouched for writes none (1)."""
+    return 1 if raw is None else int(raw)
 
 
 def failure(sk: str) -> str:

@@ -216,6 +216,25 @@ def test_a_step_lease_is_held_once_and_its_tries_counted(backend: Backend, sk: s
     assert store.meta(sk)["state"] == "round 0"
 
 
+def test_tries_count_every_delivery_when_the_broker_vouches_for_the_first(
+    backend: Backend, sk: str
+) -> None:
+    """A first delivery (`first=True`) is try 1 (the Redis store writes nothing for it); the
+    redeliveries after it count on from 2; a rate-limited one gives its try back."""
+    store = backend.store
+    step = keys.round_step(sk, 0)
+    assert store.begin_step(step, 60_000, None, sk, first=True).tries == 1
+    store.release_lease(step)
+    assert store.begin_step(step, 60_000, None, sk, first=False).tries == 2
+    store.release_lease(step)
+    assert store.begin_step(step, 60_000, None, sk, first=False).tries == 3
+    other = keys.round_step(sk, 1)
+    start = store.begin_step(other, 60_000, None, sk, first=True)
+    store.uncount_try(other, start.tries_stored)  # rate limited: not a try
+    store.release_lease(other)
+    assert store.begin_step(other, 60_000, None, sk, first=False).tries == 1
+
+
 def test_a_step_is_active_while_leased_and_once_published(backend: Backend, sk: str) -> None:
     store = backend.store
     leased, done, free = (keys.round_step(sk, r) for r in range(3))

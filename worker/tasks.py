@@ -74,6 +74,13 @@ def _run(task: Task, call: Any) -> dict[str, str] | None:
     return None if outcome is None else {"outcome": outcome}
 
 
+def _first(task: Task) -> bool:
+    """Whether this is the first delivery of the task's message: not a retry, not handed out
+    again after its worker was lost (kombu marks those redelivered)."""
+    request = task.request
+    return not request.retries and not (request.delivery_info or {}).get("redelivered")
+
+
 def _retry(task: Task, later: RetryLater) -> None:
     """Run this delivery again in `countdown_s`. Celery publishes the retry as a new message
     and, when that fails (the broker is down), rejects this one with requeue=False: the step
@@ -89,17 +96,17 @@ def _retry(task: Task, later: RetryLater) -> None:
 
 @app.task(name=task_names.START, **STEP_OPTIONS)
 def start(self: Task, batch: str, chunk_no: int) -> dict[str, str] | None:
-    return _run(self, lambda r: StepRunner.start(r, batch, chunk_no))
+    return _run(self, lambda r: StepRunner.start(r, batch, chunk_no, _first(self)))
 
 
 @app.task(name=task_names.ROUND, **STEP_OPTIONS)
 def round_(self: Task, sk: str, round_no: int) -> dict[str, str] | None:
-    return _run(self, lambda r: StepRunner.round(r, sk, round_no))
+    return _run(self, lambda r: StepRunner.round(r, sk, round_no, _first(self)))
 
 
 @app.task(name=task_names.TOOL, **STEP_OPTIONS)
 def tool(self: Task, sk: str, round_no: int, index: int) -> dict[str, str] | None:
-    return _run(self, lambda r: StepRunner.tool(r, sk, round_no, index))
+    return _run(self, lambda r: StepRunner.tool(r, sk, round_no, index, first=_first(self)))
 
 
 @app.task(
@@ -109,12 +116,12 @@ def tool(self: Task, sk: str, round_no: int, index: int) -> dict[str, str] | Non
     **STEP_OPTIONS,
 )
 def background_tool(self: Task, sk: str, round_no: int, index: int) -> dict[str, str] | None:
-    return _run(self, lambda r: StepRunner.tool(r, sk, round_no, index, background=True))
+    return _run(self, lambda r: StepRunner.tool(r, sk, round_no, index, True, first=_first(self)))
 
 
 @app.task(name=task_names.FINISH, **STEP_OPTIONS)
 def finish(self: Task, sk: str) -> dict[str, str] | None:
-    return _run(self, lambda r: StepRunner.finish(r, sk))
+    return _run(self, lambda r: StepRunner.finish(r, sk, _first(self)))
 
 
 @app.task(name=task_names.NUDGE, bind=True, ignore_result=True)
@@ -124,4 +131,4 @@ def nudge(self: Task, sk: str) -> None:
 
 @app.task(name=task_names.PROGRAM, **STEP_OPTIONS)
 def program(self: Task, sk: str) -> dict[str, str] | None:
-    return _run(self, lambda _: program_steps(app).program(sk))
+    return _run(self, lambda _: program_steps(app).program(sk, _first(self)))

@@ -33,7 +33,9 @@ class Wiring:
         self.settings = settings
         # one connection per worker thread, plus a few for the blocking waits and publishes
         pool_size = max(worker_concurrency, 1) + POOL_HEADROOM
-        self.store = RedisStore.from_url(settings.redis_url, settings.result_ttl_s, pool_size)
+        self.store = RedisStore.from_url(
+            settings.redis_url, settings.result_ttl_s, pool_size, settings.stall_after_ms // 2
+        )
         self._pool_size = pool_size  # the HTTP pools' size too: a connection kept per thread
         self._providers: dict[str, HttpProvider] = {}
         self._runtime: WasmToolRuntime | None = None

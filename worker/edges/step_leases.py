@@ -127,8 +127,11 @@ class StepLeases:
         return self._keeper.hold(keys.step_state(step), token)
 
     @translated
-    def uncount_try(self, step: str) -> None:
-        self.client.decr(keys.tries(step))
+    def uncount_try(self, step: str, stored: bool = True) -> None:
+        if stored:
+            self.client.decr(keys.tries(step))
+        else:  # a first try counted without a write: the next delivery counts from none
+            self.client.set(keys.tries(step), 0, ex=self.ttl_s)
 
     @translated
     def lease_left_ms(self, step: str) -> int:

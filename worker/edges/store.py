@@ -70,25 +70,30 @@ def _tool_inputs(raw: list[bytes | None]) -> ToolInputs:
 
 
 class RedisStore(StepLeases, TraceWrites, FleetQueries):
-    def __init__(self, client: redis.Redis, ttl_s: int) -> None:
+    def __init__(self, client: redis.Redis, ttl_s: int, progress_after_ms: int = 15_000) -> None:
         # Any: redis-py annotates replies as bytes | str whatever decode_responses says;
         # this client never decodes, so replies are bytes.
         self.client: Any = client
         self.ttl_s = ttl_s
+        # a step of a session submitted longer ago than this marks its progress (the
+        # reconciler looks at sessions with no mark for stall_after_ms: twice this, at least)
+        self.progress_after_ms = progress_after_ms
         self._specs: dict[str, Spec] = {}
         self._submitted: dict[str, int] = {}  # sk -> when its producer submitted it (ms)
         self._keeper = LeaseKeeper(self.client)
         self._take_over = self.client.register_script(TAKE_OVER)
 
     @classmethod
-    def from_url(cls, url: str, ttl_s: int, max_connections: int = 100) -> RedisStore:
+    def from_url(
+        cls, url: str, ttl_s: int, max_connections: int = 100, progress_after_ms: int = 15_000
+    ) -> RedisStore:
         """A client whose pool holds `max_connections` (size it to the worker's concurrency):
         a thread finding none free waits for one instead of failing (redis-py's default
         pool raises MaxConnectionsError past 100)."""
         pool = redis.BlockingConnectionPool.from_url(
             url, max_connections=max_connections, timeout=POOL_WAIT_S, health_check_interval=30
         )
-        return cls(redis.Redis(connection_pool=pool), ttl_s)
+        return cls(redis.Redis(connection_pool=pool), ttl_s, progress_after_ms)
 
     # reading a session ---------------------------------------------------------------------
 
@@ -139,6 +144,15 @@ class RedisStore(StepLeases, TraceWrites, FleetQueries):
         last = spec.limits.max_iterations - 1 if upto_round is None else upto_round
         raw = self.client.mget(_round_keys(sk, last))
         return self._session_from(sk, spec, backend, last, raw)
+
+    def _progress_due(self, sk: str) -> bool:
+        """Whether a step starting now marks its session's progress for the reconciler: not
+        while the mark its submit set is recent (within `progress_after_ms`), nor in a process
+        that has not read its spec yet (which says when; the next steps mark it)."""
+        if sk not in self._specs:
+            return False
+        submitted = self._submitted.get(sk)
+        return submitted is None or time.time() * 1000 - submitted >= self.progress_after_ms
 
     def _chat_spec(self, sk: str) -> SessionSpec:
         spec = self.load_spec(sk)
@@ -237,14 +251,16 @@ class RedisStore(StepLeases, TraceWrites, FleetQueries):
         meta: dict[str, str | int] | None = None,
         sk: str = "",
         reads: RoundReads | ToolReads | None = None,
+        first: bool | None = None,
     ) -> StepStart:
         """Everything one delivery of a step needs to know before it works, and what its
         body reads (`reads`, with its spec when this process has not read it yet), in one
         round trip that also records the session's state for `cchatq status`."""
         # No MULTI: each command is atomic on its own, and the lease is one SET ... NX GET
         # (Redis >= 7.0) whose old value says published ("done"), leased elsewhere, or free.
-        # The try counter starts as SET 1 NX EX GET: a first delivery (the usual case) counts
-        # itself and sets the TTL in one command; only a redelivery needs an INCR after it.
+        # The try counter: a first delivery the broker vouches for (`first`, the usual case)
+        # is try 1 and writes nothing; any other starts it as SET 1 NX EX GET and INCRs it
+        # when it finds it set, or when it is a redelivery whose first try wrote nothing.
         # The cancel flag is read in the MGET of what the body reads: no command of its own.
         read_keys: list[str] = []
         if isinstance(reads, RoundReads):
@@ -257,30 +273,33 @@ class RedisStore(StepLeases, TraceWrites, FleetQueries):
         pipe = self.client.pipeline(transaction=False)
         token = liveness.new_token(uuid.uuid4().hex)
         pipe.set(keys.step_state(step), keys.step_lease(token), nx=True, px=lease_ms, get=True)
-        pipe.set(keys.tries(step), 1, nx=True, ex=self.ttl_s, get=True)
+        if first is not True:
+            pipe.set(keys.tries(step), 1, nx=True, ex=self.ttl_s, get=True)
         if sk:
             pipe.mget([*read_keys, *spec_keys, keys.cancel(sk)])
-        if sk and meta:  # a round or a program run starting: a sign of progress
+        if sk and meta:  # a round or a program run starting
             pipe.hset(keys.meta(sk), mapping=dict(meta))
-            pipe.zadd(keys.ACTIVE, {sk: int(time.time() * 1000)}, xx=True)
+            if self._progress_due(sk):  # a sign of progress for the reconciler
+                pipe.zadd(keys.ACTIVE, {sk: int(time.time() * 1000)}, xx=True)
         replies = pipe.execute()
-        before, counted = replies[0], replies[1]
+        before = replies.pop(0)
+        counted = None if first is True else replies.pop(0)
         if before is not None and self._abandoned(step, before, token, lease_ms):
             before = None  # taken over: this delivery holds the lease now
         if before is not None:
             liveness.retire(token)
         # a delivery counts only when it runs the step: one that finds it leased by another
         # (which waits for that lease) or published (which does nothing) spends no try
-        if counted is None:
+        if first is True or (counted is None and first is None):
             tries = 1
         elif before is None:
             tries = int(self.client.incr(keys.tries(step)))
         else:
-            tries = int(counted)
-        read: list[bytes | None] = replies[2] if sk else [None]
+            tries = int(counted or 1)
+        read: list[bytes | None] = replies[0] if sk else [None]
         start = StepStart(
             before == keys.STEP_DONE, before is None, tries, read[-1] is not None,
-            lease=token if before is None else "",
+            lease=token if before is None else "", tries_stored=first is not True,
         )  # fmt: skip
         values = read[: len(read_keys)]
         try:

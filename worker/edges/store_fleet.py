@@ -47,8 +47,12 @@ class FleetQueries:
 
     @translated
     def forget_session(self, sk: str) -> None:
-        """Not to be watched any more (its spec expired: nothing left to recover)."""
-        self.client.zrem(keys.ACTIVE, sk)
+        """Not to be watched any more (its spec expired: nothing left to recover); its trace
+        stream, which gets its TTL when its session ends, gets it now."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.zrem(keys.ACTIVE, sk)
+        pipe.expire(keys.trace(sk), self.ttl_s)
+        pipe.execute()
 
     # background tasks ----------------------------------------------------------------------
 

@@ -28,7 +28,7 @@ class ProgramSteps:
     programs: ProgramStore
     source: ModuleSource
 
-    def program(self, sk: str) -> str | None:
+    def program(self, sk: str, first: bool | None = None) -> str | None:
         def body(_: StepStart, outbox: Outbox) -> None:
             spec = self.runner.spec_of(sk, ProgramSpec)
             started = time.monotonic()
@@ -56,7 +56,7 @@ class ProgramSteps:
             self.runner.apply(sk, WriteEnding(Ending(record["body"], record)), outbox)
 
         return self.runner.guard.run(
-            keys.program_step(sk), sk, body, stop_if_cancelled=False, state="running"
+            keys.program_step(sk), sk, body, stop_if_cancelled=False, first=first, state="running"
         )
 
     def _mcp_access(self, spec: ProgramSpec) -> McpAccess:

@@ -37,7 +37,7 @@ from worker.session.ports import (
     ToolReads,
     TraceWrite,
 )
-from worker.session.trace import TraceEvent, rate_limit_waited, step_timed
+from worker.session.trace import TraceEvent, event, rate_limit_waited, step_timed
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,7 @@ class StepGuard:
         stop_if_cancelled: bool = True,
         targets: Callable[[], list[str]] | None = None,
         reads: RoundReads | ToolReads | None = None,
+        first: bool | None = None,
         **meta: str | int,
     ) -> str | None:
         """Run one delivery of a step under its guards; returns the outcome code of a session
@@ -65,10 +66,12 @@ class StepGuard:
         sessions `targets()` names (its own session by default) and raises StepDeadLettered
         (its task ends as a FAILURE). Nothing else escapes but RetryLater: a failure of the
         guard's own Redis calls retries the delivery, so a message is never acknowledged
-        with its work undone. What `reads` names is read with
-        the lease, in the same round trip, and handed to `body` in its StepStart."""
+        with its work undone. What `reads` names is read with the lease, in the same round
+        trip, and handed to `body` in its StepStart. `first`: whether this is the first
+        delivery of its message, when the broker says (its try is then counted with no
+        write)."""
         try:
-            return self._run(step, sk, body, stop_if_cancelled, targets, reads, dict(meta))
+            return self._run(step, sk, body, stop_if_cancelled, targets, reads, first, dict(meta))
         except (RetryLater, StepDeadLettered):
             raise
         except Exception as exc:
@@ -83,10 +86,11 @@ class StepGuard:
         stop_if_cancelled: bool,
         targets: Callable[[], list[str]] | None,
         reads: RoundReads | ToolReads | None,
+        first: bool | None,
         meta: dict[str, str | int],
     ) -> str | None:
         sessions = targets or (lambda: [sk])
-        start = self.store.begin_step(step, STEP_LEASE_MS, meta, sk, reads)
+        start = self.store.begin_step(step, STEP_LEASE_MS, meta, sk, reads, first)
         if start.published:
             return None
         if not start.leased:
@@ -139,7 +143,7 @@ class StepGuard:
             # waiting for the backend's rate limit is not a failure: no try is spent, and the
             # task gives its worker slot back until there may be room
             self._release_quietly(step)
-            self.store.uncount_try(step)
+            self.store.uncount_try(step, start.tries_stored)
             if self.settings.trace:  # an event for the metrics, never the step's failure
                 with contextlib.suppress(StoreError):
                     waited = rate_limit_waited(self._spec_id(sk), step, exc)
@@ -166,8 +170,8 @@ class StepGuard:
         write where the dispatcher shares the store's Redis. In that order, so a redelivery
         that finds the marker knows its continuation was sent."""
         trace = None
-        if outbox.events:  # a session's first or last events set its stream's TTL
-            ends = any(e.event.startswith("session.") for e in outbox.events)
+        if outbox.events:  # a session's last events set its stream's TTL
+            ends = any(e.event == "session.finished" for e in outbox.events)
             trace = TraceWrite(sk, tuple(outbox.events), expire=ends)
         commit = Commit(sk, step, trace, dict(outbox.outcomes), tuple(outbox.notify))
         if self.dispatch.writes_commits:
@@ -201,8 +205,12 @@ class StepGuard:
         for sk in sks:
             self.store.dead_letter(step, sk, failed.body(), reason)
             if step == keys.finish_step(sk):
-                record = bare_record(self._spec_id(sk), failed.body())
+                spec_id = self._spec_id(sk)
+                record = bare_record(spec_id, failed.body())
                 self.store.write_result(sk, dump_body(failed.body()), record)
+                with contextlib.suppress(StoreError):  # its end, which sets its trace's TTL
+                    ended = event("session.finished", spec_id, error=StepFailedError.code)
+                    self.trace_now(sk, ended, expire=True)
                 continue
             self.dispatch.finish(sk)
         self.store.end_step(step)

@@ -62,6 +62,7 @@ class StepStart:
     session: Session | None = None  # asked with RoundReads
     tool_inputs: ToolInputs | None = None  # asked with ToolReads
     lease: str = ""  # this delivery's lease token, when it holds the lease
+    tries_stored: bool = True  # False: a first delivery, counted without a write
 
 
 @dataclass(frozen=True)
@@ -126,8 +127,16 @@ class SessionStore(Protocol):
         meta: dict[str, str | int] | None = None,
         sk: str = "",
         reads: RoundReads | ToolReads | None = None,
-    ) -> StepStart: ...
-    def uncount_try(self, step: str) -> None: ...
+        first: bool | None = None,
+    ) -> StepStart:
+        """One delivery of `step` begins (`first`: the first delivery of its message, when
+        the broker knows; None: not known)."""
+        ...
+
+    def uncount_try(self, step: str, stored: bool = True) -> None:
+        """This delivery's try does not count (`stored`: it was written by begin_step)."""
+        ...
+
     def hold(self, step: str, token: str) -> AbstractContextManager[None]:
         """Keep this delivery's lease of `step` alive while the step runs."""
         ...
@@ -239,6 +248,7 @@ class Dispatcher(Protocol):
     def background(self, sk: str, round_no: int, index: int) -> None: ...
     def finish(self, sk: str) -> None: ...
     def program(self, sk: str) -> None: ...
+
     # True: `publish` writes a commit with the steps, in the same write (the dispatcher
     # shares the store's Redis); False: the caller writes commits through the store
     writes_commits: bool

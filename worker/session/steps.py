@@ -5,8 +5,8 @@ re-publishes its continuation; duplicates of a step are absorbed by these guards
 
 Each body runs under the StepGuard (worker.session.guard) and hands its decision to the
 Applier (worker.session.apply); model calls go through the ModelCaller, tool calls through
-the ToolStep. Celery is not imported here: tasks call these methods and turn `RetryLater`
-into a retry.
+the ToolStep. Celery is not imported here: tasks call these methods (saying whether their
+message is delivered for the first time: `first`) and turn `RetryLater` into a retry.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ class StepRunner:
 
     # start ---------------------------------------------------------------------------------
 
-    def start(self, batch: str, chunk_no: int) -> str | None:
+    def start(self, batch: str, chunk_no: int, first: bool | None = None) -> str | None:
         def members() -> list[keys.ChunkMember]:
             return self.store.chunk_members(batch, chunk_no)
 
@@ -113,11 +113,11 @@ class StepRunner:
 
         # sk "": a chunk is no session (no cancel flag, no meta); its poison ends them all
         step = keys.start_step(batch, chunk_no)
-        return self.guard.run(step, "", body, targets=sessions)
+        return self.guard.run(step, "", body, targets=sessions, first=first)
 
     # round ---------------------------------------------------------------------------------
 
-    def round(self, sk: str, round_no: int) -> str | None:
+    def round(self, sk: str, round_no: int, first: bool | None = None) -> str | None:
         def body(start: StepStart, outbox: Outbox) -> None:
             session = self._session(sk, start.session, upto_round=round_no)
             outbox.spec_ids[sk] = session.spec.id
@@ -137,7 +137,7 @@ class StepRunner:
 
         step = keys.round_step(sk, round_no)
         reads = RoundReads(round_no, self.settings.fleet.default_backend)
-        return self.guard.run(step, sk, body, reads=reads, state=f"round {round_no}")
+        return self.guard.run(step, sk, body, reads=reads, first=first, state=f"round {round_no}")
 
     def _call_model(
         self, sk: str, session: Session, round_no: int, outbox: Outbox
@@ -181,10 +181,17 @@ class StepRunner:
 
     # tool ----------------------------------------------------------------------------------
 
-    def tool(self, sk: str, round_no: int, index: int, background: bool = False) -> str | None:
+    def tool(
+        self,
+        sk: str,
+        round_no: int,
+        index: int,
+        background: bool = False,
+        first: bool | None = None,
+    ) -> str | None:
         """A tool call's step (worker.session.tool_step); `background`: the call of a
         background tool, run on the background queue after its tool step handed it over."""
-        return ToolStep(self.tool_context, sk, round_no, index, background).run()
+        return ToolStep(self.tool_context, sk, round_no, index, background).run(first)
 
     def spec_of(self, sk: str, kind: type[SpecT]) -> SpecT:
         """A session's spec, of the kind its step expects (a chat or a program run)."""
@@ -260,7 +267,7 @@ class StepRunner:
 
     # finish --------------------------------------------------------------------------------
 
-    def finish(self, sk: str) -> str | None:
+    def finish(self, sk: str, first: bool | None = None) -> str | None:
         def body(_: StepStart, outbox: Outbox) -> None:
             spec = self.store.load_spec(sk)
             if isinstance(spec, ProgramSpec):  # only a failed run is finished here
@@ -272,4 +279,4 @@ class StepRunner:
             self.applier.apply(sk, EndSession(self._session(sk), None), outbox)
 
         step = keys.finish_step(sk)
-        return self.guard.run(step, sk, body, stop_if_cancelled=False)
+        return self.guard.run(step, sk, body, stop_if_cancelled=False, first=first)

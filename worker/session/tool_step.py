@@ -57,10 +57,11 @@ class ToolStep:
     index: int
     background: bool = False
 
-    def run(self) -> str | None:
+    def run(self, first: bool | None = None) -> str | None:
         sk, round_no, index = self.sk, self.round_no, self.index
         step = (keys.background_step if self.background else keys.tool_step)(sk, round_no, index)
-        return self.ctx.guard.run(step, sk, self._body, reads=ToolReads(round_no, index))
+        reads = ToolReads(round_no, index)
+        return self.ctx.guard.run(step, sk, self._body, reads=reads, first=first)
 
     def _body(self, start: StepStart, outbox: Outbox) -> None:
         ctx, round_no, index = self.ctx, self.round_no, self.index

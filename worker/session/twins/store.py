@@ -171,8 +171,9 @@ class MemoryStore(ProgramTwin):
         meta: dict[str, str | int] | None = None,
         sk: str = "",
         reads: RoundReads | ToolReads | None = None,
+        first: bool | None = None,
     ) -> StepStart:
-        with self._cond:
+        with self._cond:  # every delivery's try is counted here, whatever `first` says
             now = time.monotonic()
             published = step in self.published
             leased = self.leases.get(step, 0.0) <= now
@@ -194,7 +195,7 @@ class MemoryStore(ProgramTwin):
     def hold(self, step: str, token: str) -> AbstractContextManager[None]:
         return contextlib.nullcontext()  # twin leases last as long as begin_step asked
 
-    def uncount_try(self, step: str) -> None:
+    def uncount_try(self, step: str, stored: bool = True) -> None:
         with self._cond:
             self.tries[step] = self.tries.get(step, 0) - 1
 
