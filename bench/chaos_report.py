@@ -125,7 +125,7 @@ def tally(r: Any, scenario: str, sks: Sequence[str], expected_content: dict[str,
             message = error.get("message") if isinstance(error, dict) else ""
             errors[f"{code}: {str(message)[:100]}"] += 1
     row.hung = len(sks) - row.finished
-    reruns = sum(1 for t in tries if t is not None and int(t) > 1)
+    reruns = sum(1 for t in tries if keys.tries_count(t) > 1)
     row.notes.append(f"tool steps run more than once (a killed try, then one that ran): {reruns}")
     if wrong:
         row.other_errors += len(wrong)
