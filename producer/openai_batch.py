@@ -40,7 +40,9 @@ from producer.batch import result_line
 from producer.modules import ModuleChecker
 from producer.specfile import Conversion, SpecConvert, flatten_errors
 from schemas.bodies import OK
-from schemas.spec import FUNCTION_NAME_PATTERN, ToolPolicySchema, ToolSpecSchema
+from schemas.policy_schema import ToolPolicySchema
+from schemas.spec import ToolSpecSchema
+from schemas.strict import FUNCTION_NAME_PATTERN
 
 CHAT_COMPLETIONS = "/v1/chat/completions"
 REQUEST_FIELDS = ("custom_id", "method", "url", "body")

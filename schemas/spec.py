@@ -23,6 +23,7 @@ from marshmallow import (
 
 from schemas.limits import COMPRESS_MODES, LIMIT_ALIASES, LIMIT_BOUNDS
 from schemas.mcp import SERVER_ID
+from schemas.policy_schema import TOOL_REFERENCES, ToolPolicySchema
 from schemas.spec_types import (
     INVALID_CALL_NAME,
     TASK_STATUS,
@@ -30,14 +31,13 @@ from schemas.spec_types import (
     default_parameters,
     spec_from_json,
 )
-from schemas.tool_policy import Declared, ToolPolicy, declarations, tool_references
+from schemas.strict import FUNCTION_NAME_PATTERN, StrictBool, strict_int
 from schemas.tool_schema import schema_problem
 
 ROLES = ("system", "user", "assistant", "tool")
 # Patterns end in \Z, not $: marshmallow's Regexp uses re.match, and "$" accepts a
 # trailing newline ("abc\n" would pass).
 ID_PATTERN = r"[A-Za-z0-9._:/@+-]+\Z"
-FUNCTION_NAME_PATTERN = r"[A-Za-z0-9_-]{1,64}\Z"
 # The worker owns these upstream request fields; letting params override them would
 # bypass validation (model, messages, tools) or break response assembly (stream).
 RESERVED_PARAMS = ("model", "messages", "tools", "stream")
@@ -45,19 +45,6 @@ LEGACY_FUNCTION_KEYS = ("name", "description", "parameters")
 
 
 Content = str | list[dict[str, Any]] | None
-
-
-class StrictBool(fields.Field[bool]):
-    """Only JSON true/false: marshmallow's Boolean also takes 1, "yes", "on", ..."""
-
-    default_error_messages = {"invalid": "Not a valid boolean."}
-
-    def _deserialize(
-        self, value: Any, attr: str | None, data: Mapping[str, Any] | None, **kwargs: Any
-    ) -> bool:
-        if value is True or value is False:
-            return value
-        raise self.make_error("invalid")
 
 
 class ContentField(fields.Field[Content]):
@@ -79,11 +66,6 @@ class ContentField(fields.Field[Content]):
             if not isinstance(part, dict) or not isinstance(part.get("type"), str):
                 raise self.make_error("invalid_part", index=index)
         return value
-
-
-def _strict_int(**kwargs: Any) -> fields.Integer:
-    # strict: 3.7 and "3" are errors rather than silently becoming 3.
-    return fields.Integer(strict=True, **kwargs)
 
 
 class ToolCallFunctionSchema(Schema):
@@ -142,69 +124,6 @@ class FunctionSchema(Schema):
             raise ValidationError(problem[0].upper() + problem[1:])
 
 
-TOOL_NAME_PROBLEM = "Must name a tool of this session."
-
-
-def policy_schema(policy: type[ToolPolicy]) -> type[Schema]:
-    """The schema of a policy declaration (schemas.tool_policy): a field per declared field,
-    and the checks between them."""
-    declared = declarations(policy)
-    checks = _flag_checks(declared)
-
-    class PolicySchema(Schema):
-        class Meta:
-            include = {d.name: _policy_field(d) for d in declared}
-            register = False  # made per declaration: a name lookup could not tell them apart
-
-        @validates_schema
-        def _check_flags(self, data: dict[str, Any], **kwargs: Any) -> None:
-            # one problem per policy object: the first, in declaration order
-            for name, flag, cap, problem in checks:
-                if name in data and not data.get(flag) and (cap is None or data[name] > cap):
-                    raise ValidationError(problem, name)
-
-    PolicySchema.__name__ = PolicySchema.__qualname__ = f"{policy.__name__}Schema"
-    return PolicySchema
-
-
-def _policy_field(d: Declared) -> fields.Field[Any]:
-    rule = d.rule
-    if rule.bounds is not None:
-        least, cap = rule.bounds
-        greatest = rule.raised_by[1] if rule.raised_by else cap
-        return _strict_int(validate=validate.Range(min=least, max=greatest, error=_range(d)))
-    if d.kind is bool:
-        return StrictBool()
-    if rule.choices:
-        return fields.String(validate=validate.OneOf(rule.choices))
-    return fields.String(validate=validate.Regexp(FUNCTION_NAME_PATTERN, error=TOOL_NAME_PROBLEM))
-
-
-def _range(d: Declared) -> str:
-    assert d.rule.bounds is not None
-    least, cap = d.rule.bounds
-    if d.rule.raised_by is None:
-        return f"Must be between {least} and {cap}."
-    flag, raised = d.rule.raised_by
-    return f"Must be between {least} and {cap} (up to {raised} with {flag}: true)."
-
-
-def _flag_checks(declared: tuple[Declared, ...]) -> list[tuple[str, str, int | None, str]]:
-    """(field, flag, cap, problem): a given field is a problem while its flag is not true
-    (and, with a cap, only past it)."""
-    checks: list[tuple[str, str, int | None, str]] = []
-    for d in declared:
-        if d.rule.raised_by is not None and d.rule.bounds is not None:
-            checks.append((d.name, d.rule.raised_by[0], d.rule.bounds[1], _range(d)))
-        if d.rule.only_with is not None:
-            checks.append((d.name, d.rule.only_with, None, f"Only with {d.rule.only_with}: true."))
-    return checks
-
-
-ToolPolicySchema = policy_schema(ToolPolicy)
-TOOL_REFERENCES = tool_references(ToolPolicy)  # policy fields naming another tool
-
-
 def _globs() -> fields.List[str]:
     return fields.List(fields.String(validate=validate.Length(min=1, max=200)))
 
@@ -222,7 +141,7 @@ class PermissionsSchema(Schema):
 class ToolSpecSchema(Schema):
     module = fields.String(required=True, validate=validate.Length(min=1))
     export = fields.String(load_default=None, allow_none=True, validate=validate.Length(min=1))
-    table_index = _strict_int(load_default=None, allow_none=True, validate=validate.Range(min=0))
+    table_index = strict_int(load_default=None, allow_none=True, validate=validate.Range(min=0))
     type = fields.String(validate=validate.OneOf(["function"]))
     function = fields.Nested(FunctionSchema, required=True)
     policy = fields.Nested(ToolPolicySchema)
@@ -305,7 +224,7 @@ class FlagsSchema(Schema):
 
 def _limit_field(name: str, least: int = 1) -> fields.Integer:
     cap = LIMIT_BOUNDS[LIMIT_ALIASES.get(name, name)][1]
-    return _strict_int(
+    return strict_int(
         validate=validate.Range(min=least, max=cap, error=f"Must be between {least} and {cap}.")
     )
 

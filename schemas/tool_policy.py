@@ -1,7 +1,7 @@
 """A tool's execution policy (the README's "Tool calls": Policy), declared once. Each field of
 `ToolPolicy` carries a `Rule` in its annotation: how it is checked at submit, where a call's
 value comes from when the tool gives none, and its line in the README. Everything else is
-derived from those declarations: the marshmallow schema (schemas.spec.policy_schema, which the
+derived from those declarations: the marshmallow schema (schemas/policy_schema.py, which the
 fast path, the tools files and a program's cchat_write_fn load through), a call's values
 (`resolve`, which worker.session.tool_policy.call_policy reads), the tools a session must have
 (`tool_references`), and the README's policy table (`policy_table`, checked by

@@ -12,7 +12,7 @@ from marshmallow import ValidationError
 
 from schemas.fleet import ToolDefaults
 from schemas.limits import Limits
-from schemas.spec import ToolPolicySchema, policy_schema
+from schemas.policy_schema import ToolPolicySchema, policy_schema
 from schemas.spec_types import tool_from_json
 from schemas.tool_policy import (
     Rule,

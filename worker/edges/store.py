@@ -10,14 +10,14 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
 import redis
 
 from schemas import keys
-from schemas.bodies import dump_body, outcome_code
+from schemas.bodies import dump_body
 from schemas.spec_types import (
     SessionSpec,
     Spec,
@@ -32,6 +32,7 @@ from worker.codecs.reply import Reply
 from worker.edges import liveness
 from worker.edges.step_leases import TAKE_OVER, LeaseKeeper, StepLeases, translated
 from worker.edges.store_fleet import FleetQueries
+from worker.edges.store_results import ResultWrites
 from worker.edges.store_trace import TraceWrites
 from worker.errors import SpecMissingError, StoreError
 from worker.session.engine import ToolRun
@@ -69,7 +70,7 @@ def _tool_inputs(raw: list[bytes | None]) -> ToolInputs:
     )
 
 
-class RedisStore(StepLeases, TraceWrites, FleetQueries):
+class RedisStore(StepLeases, TraceWrites, ResultWrites, FleetQueries):
     def __init__(self, client: redis.Redis, ttl_s: int, progress_after_ms: int = 15_000) -> None:
         # Any: redis-py annotates replies as bytes | str whatever decode_responses says;
         # this client never decodes, so replies are bytes.
@@ -357,52 +358,6 @@ class RedisStore(StepLeases, TraceWrites, FleetQueries):
     def meta(self, sk: str) -> dict[str, str]:
         raw = self.client.hgetall(keys.meta(sk))
         return {k.decode(): v.decode() for k, v in raw.items()}
-
-    # results -------------------------------------------------------------------------------
-
-    @translated
-    def has_result(self, sk: str) -> bool:
-        return bool(self.client.exists(keys.response(sk)))
-
-    @translated
-    def write_result(
-        self, sk: str, body: bytes, record: dict[str, Any], notify_later: list[str] | None = None
-    ) -> bool:
-        """Write the response fd once, then tell every waiting batch (or add them to
-        `notify_later`). True if this call wrote it."""
-        # No MULTI: the record is written before the response, so whoever sees the response
-        # finds the record too; each SET NX keeps the first outcome. The watchers are read
-        # after the response: a batch that starts watching later finds the response.
-        pipe = self.client.pipeline(transaction=False)
-        pipe.set(keys.record(sk), dump_body(record), nx=True, ex=self.ttl_s)
-        pipe.set(keys.response(sk), body, nx=True, ex=self.ttl_s)
-        done = {"state": "done", "finished_ms": int(time.time() * 1000)}
-        pipe.hset(keys.meta(sk), mapping={**done, "outcome": outcome_code(record.get("body"))})
-        pipe.zrem(keys.ACTIVE, sk)
-        pipe.smembers(keys.watchers(sk))
-        _, wrote, _, _, batches = pipe.execute()
-        watchers = [b.decode() for b in batches]
-        if notify_later is not None:
-            notify_later.extend(watchers)
-        else:
-            self.notify(sk, watchers)
-        return bool(wrote)
-
-    @translated
-    def watcher_batches(self, sk: str) -> list[str]:
-        return [b.decode() for b in self.client.smembers(keys.watchers(sk))]
-
-    @translated
-    def notify(self, sk: str, batches: Iterable[str]) -> None:
-        pipe = self.client.pipeline(transaction=False)
-        self.add_notify(pipe, sk, batches)
-        pipe.execute()
-
-    def add_notify(self, client: Any, sk: str, batches: Iterable[str]) -> None:
-        """Tell `batches` that session `sk` finished, by `client` (this store, or a pipeline)."""
-        for batch in batches:
-            client.rpush(keys.done_list(batch), sk)
-            client.expire(keys.done_list(batch), self.ttl_s)
 
     @translated
     def chunk_members(self, batch: str, chunk_no: int) -> list[keys.ChunkMember]:

@@ -11,7 +11,7 @@ from typing import Any
 
 from marshmallow import ValidationError
 
-from schemas.spec import ToolPolicySchema
+from schemas.policy_schema import ToolPolicySchema
 from schemas.spec_types import ToolPolicy, default_parameters
 
 # Linux errno numbers (not wasi-libc's)

@@ -180,7 +180,7 @@ class ToolModeHost:
 
     `log` lines go to `logs` (the call's ToolLogs, bounded; WasmToolRuntime sends the tool's
     stdout/stderr there too), never printed. `deadline` is a time.monotonic() value that bounds
-    `sleep_ms`; WasmToolRuntime.call_tool sets it."""
+    `sleep_ms`; WasmToolRuntime.run (wasm_call.call_tool) sets it."""
 
     def __init__(self, deadline: float | None = None, logs: ToolLogs | None = None) -> None:
         self.deadline = deadline

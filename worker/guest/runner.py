@@ -76,7 +76,7 @@ def run_program(source: ModuleSource, run: ProgramRun, host: HostWithAbort) -> P
             code, error_code, error = _execute(store, engine, module, host, run.timeout_ms)
         finally:
             # Frees the run's linear memory now: a trap's traceback is in a reference cycle
-            # that holds the store (wasm_runtime._attempt says how), which only the cyclic
+            # that holds the store (wasm_call._attempt says how), which only the cyclic
             # GC would free.
             store.close()
         return ProgramOutcome(
