@@ -10,7 +10,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -105,23 +105,21 @@ class RedisStore(StepLeases, TraceWrites, ResultWrites, FleetQueries):
         cached = self._specs.get(sk)
         if cached is not None:
             return cached
-        return self._spec_of(sk, self.client.get(keys.spec(sk)), None)
+        raw = self.client.get(keys.spec(sk))
+        return self._spec_of(sk, raw, lambda: self.client.get(keys.mcp_tools(sk)))
 
-    def _spec_of(
-        self, sk: str, raw: bytes | None, listed: bytes | None = None, listed_read: bool = False
-    ) -> Spec:
-        """A spec from its stored form, with its MCP tools' listing (`listed`, when read with
-        it), kept for the next steps of this process."""
+    def _spec_of(self, sk: str, raw: bytes | None, listed: Callable[[], bytes | None]) -> Spec:
+        """A spec from its stored form, with its MCP tools' listing (`listed`: read when the
+        spec names MCP servers), kept for the next steps of this process."""
         stored = _loads(raw)
         if stored is None:
             raise SpecMissingError(f"session {sk}: spec not found (expired or never submitted)")
         spec = with_builtins(spec_from_json(stored))
         if isinstance(spec, SessionSpec) and spec.mcp_servers:
-            if not listed_read:
-                listed = self.client.get(keys.mcp_tools(sk))
-            if listed is None:
+            tools = listed()
+            if tools is None:
                 return spec  # not listed yet (its first round will): not kept
-            spec = with_mcp_tools(spec, tuple(tool_from_json(t) for t in json.loads(listed)))
+            spec = with_mcp_tools(spec, tuple(tool_from_json(t) for t in json.loads(tools)))
         if len(self._specs) >= SPEC_CACHE_SIZE:
             evicted = next(iter(self._specs))
             self._specs.pop(evicted)
@@ -306,7 +304,7 @@ class RedisStore(StepLeases, TraceWrites, ResultWrites, FleetQueries):
         try:
             if spec_keys:  # a missing spec fails in the body, where it counts as a try
                 spec_raw, listed = read[len(read_keys) : -1]
-                self._spec_of(sk, spec_raw, listed, listed_read=True)
+                self._spec_of(sk, spec_raw, lambda: listed)
             if isinstance(reads, RoundReads):
                 spec = self._chat_spec(sk)
                 session = self._session_from(sk, spec, reads.backend, reads.round_no, values)

@@ -97,7 +97,9 @@ class ModelCaller:
         """One model call under the backend's rate limit (a round's, or a summary's): the
         reply; RateLimited when there is no room yet; a ProviderError as the call raised it.
         A streamed call of `partial_of` shows its text in `cchatq status` as it comes."""
-        permit = self.rate_limiter.acquire(backend, estimate_tokens(chat))
+        # the prompt's size matters only to a token limit: no JSON of it for other calls
+        estimated = estimate_tokens(chat) if backend.tokens_per_minute else 0
+        permit = self.rate_limiter.acquire(backend, estimated)
         if not isinstance(permit, Permit):
             raise RateLimited(permit, backend.name)
         partial = PartialText(self.store, partial_of) if partial_of and backend.stream else None

@@ -8,16 +8,17 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from schemas.fleet import ToolDefaults
 from schemas.keys import ChunkMember
 from schemas.limits import Limits
 from schemas.mcp import McpToolInfo
-from schemas.spec_types import McpToolRef, Spec, ToolSpec
+from schemas.spec_types import McpToolRef, ProgramSpec, SessionSpec, Spec, ToolSpec
 from worker.codecs.protocol import ChatRequest, Delta
 from worker.codecs.reply import Reply
 from worker.config import BackendConfig
+from worker.errors import InternalError
 from worker.session.engine import ToolRun
 from worker.session.outcomes import ToolOutcome
 from worker.session.round_record import StoredRound
@@ -194,6 +195,17 @@ class SessionStore(Protocol):
     def watcher_batches(self, sk: str) -> list[str]: ...
     def notify(self, sk: str, batches: Iterable[str]) -> None: ...
     def chunk_members(self, batch: str, chunk_no: int) -> list[ChunkMember]: ...
+
+
+SpecT = TypeVar("SpecT", SessionSpec, ProgramSpec)
+
+
+def spec_of(store: SessionStore, sk: str, kind: type[SpecT]) -> SpecT:
+    """A session's spec, of the kind its step expects (a chat or a program run)."""
+    spec = store.load_spec(sk)
+    if not isinstance(spec, kind):
+        raise InternalError(f"session {sk} is not a {kind.__name__}")
+    return spec
 
 
 @dataclass(frozen=True)

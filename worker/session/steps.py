@@ -15,16 +15,14 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TypeVar
 
 from schemas import keys
-from schemas.spec_types import ProgramSpec, SessionSpec
+from schemas.spec_types import ProgramSpec
 from worker.codecs.reply import Reply
 from worker.config import BackendConfig, Settings
 from worker.errors import (
     CancelledError,
     DeadlineExceededError,
-    InternalError,
     SpecMissingError,
     StoreError,
 )
@@ -51,15 +49,16 @@ from worker.session.ports import (
     RateLimiter,
     RoundReads,
     SessionStore,
+    SpecT,
     StepStart,
     ToolRuntime,
+    spec_of,
 )
 from worker.session.state import Round, Session
 from worker.session.tool_step import ToolContext, ToolStep
 from worker.session.trace import event, model_call_ended, unrun_calls
 
 log = logging.getLogger(__name__)
-SpecT = TypeVar("SpecT", SessionSpec, ProgramSpec)
 
 
 @dataclass
@@ -195,10 +194,7 @@ class StepRunner:
 
     def spec_of(self, sk: str, kind: type[SpecT]) -> SpecT:
         """A session's spec, of the kind its step expects (a chat or a program run)."""
-        spec = self.store.load_spec(sk)
-        if not isinstance(spec, kind):
-            raise InternalError(f"session {sk} is not a {kind.__name__}")
-        return spec
+        return spec_of(self.store, sk, kind)
 
     # nudge ---------------------------------------------------------------------------------
 

@@ -27,7 +27,14 @@ from worker.session.engine import ToolRun
 from worker.session.guard import StepGuard
 from worker.session.model_call import ModelCaller
 from worker.session.outcomes import ToolOutcome
-from worker.session.ports import Outbox, SessionStore, StepStart, ToolReads, ToolRuntime
+from worker.session.ports import (
+    Outbox,
+    SessionStore,
+    StepStart,
+    ToolReads,
+    ToolRuntime,
+    spec_of,
+)
 from worker.session.summaries import summarized
 from worker.session.tool_policy import ToolCaller
 from worker.session.trace import event, tool_call_ended, tool_logs_kept
@@ -65,9 +72,7 @@ class ToolStep:
 
     def _body(self, start: StepStart, outbox: Outbox) -> None:
         ctx, round_no, index = self.ctx, self.round_no, self.index
-        spec = ctx.store.load_spec(self.sk)
-        if not isinstance(spec, SessionSpec):
-            raise InternalError(f"session {self.sk} is not a SessionSpec")
+        spec = spec_of(ctx.store, self.sk, SessionSpec)
         outbox.spec_ids[self.sk] = spec.id
         stored, outcome = start.tool_inputs or ctx.store.tool_inputs(self.sk, round_no, index)
         if stored is None or stored.is_error:
