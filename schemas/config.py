@@ -74,6 +74,9 @@ class BackendConfig:
     max_retry_after_s: float = 60.0
     stream: bool = False  # SSE replies; partial text shows in `cchatq status` while a round runs
     thinking_budget_tokens: int | None = None  # None: thinking off
+    # the fleet's calls held at the account's rate limit, learned from the provider's headers
+    # and 429s (worker.session.rate_control); the two limits below are then its ceilings
+    adaptive: bool = True
     # a limit shared by every worker of the fleet (in Redis); None: no limit
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
@@ -162,6 +165,7 @@ class _BackendSchema(Schema):
     max_retry_after_s = _Seconds()
     stream = _StrictBool()
     thinking_budget_tokens = _StrictInt(allow_none=True, validate=_positive())
+    adaptive = _StrictBool()
     requests_per_minute = _StrictInt(allow_none=True, validate=_positive())
     tokens_per_minute = _StrictInt(allow_none=True, validate=_positive())
     rate_window_s = _Seconds()

@@ -35,6 +35,10 @@ call i:
     cq:partial:{sk}         the text of the round being streamed (for `cchatq status`)
     cq:rl:{backend}:req     rate limit: zset of recent requests (member -> time)
     cq:rl:{backend}:tok     rate limit: hash member -> tokens
+    cq:rc:{id}              a rate controller's state (hash; id: backend, account digest, model)
+    cq:rc:{id}:slots        its calls in flight: zset slot -> lease expiry (ms)
+    cq:rc:{id}:room         its waiting room: zset waiting round -> the time it may come (ms)
+    cq:rc                   hash: every rate controller's id -> when it was last used (ms)
     cq:trace:{sk}           a session's trace events, an entry a step (TRACE_FIELD)
     cq:trace                the fleet's, the same entries with the steps' fleet events
     cq:deadletter           stream of poison steps
@@ -286,6 +290,22 @@ def rate_tokens(backend: str) -> str:
 def rate_total(backend: str) -> str:
     """The tokens of every entry in the window, kept as they come and go (O(1) per acquire)."""
     return f"{PREFIX}:rl:{backend}:sum"
+
+
+RATE_CONTROLLERS = f"{PREFIX}:rc"
+
+
+def rate_controller(controller_id: str) -> str:
+    """A rate controller's state; its slots and waiting room are beside it (same hash tag)."""
+    return f"{PREFIX}:rc:{{{controller_id}}}"
+
+
+def rate_slots(controller_id: str) -> str:
+    return f"{rate_controller(controller_id)}:slots"
+
+
+def rate_room(controller_id: str) -> str:
+    return f"{rate_controller(controller_id)}:room"
 
 
 def run_batch(sk: str) -> str:

@@ -1,0 +1,185 @@
+"""Rate controllers in Redis (worker.session.rate_control's port), shared by every worker of
+the fleet: the control law is two Lua scripts (worker.edges.rate_control_lua), each one atomic
+round trip; this module passes them what a call needs and learned, and keeps the slots of this
+process's running calls alive (a lease renewed every third of it, so a worker that dies gives
+its slots back within SLOT_LEASE_MS).
+
+A round that finds no room waits without its worker thread (the caller raises RateLimited):
+with a ticket in the controller's waiting room when its turn is near, spaced by the pace so the
+waiting rounds come back one by one; otherwise at a time drawn between the room's end and
+MAX_WAIT_MS, so that thousands of waiting rounds neither come back as one crowd nor poll.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import redis
+
+from schemas import keys
+from worker.codecs.rate_headers import RateSignal
+from worker.config import BackendConfig
+from worker.edges.rate_control_lua import ACQUIRE, RENEW, REPORT
+from worker.errors import StoreError
+from worker.session.rate_control import (
+    CallReport,
+    Change,
+    ControlKey,
+    Slot,
+    Wait,
+    backend_ceilings,
+)
+
+log = logging.getLogger(__name__)
+
+SLOT_LEASE_MS = 10_000
+ROOM_MS = 10_000  # how far ahead the waiting room gives tickets
+MAX_WAIT_MS = 60_000  # the latest a waiting round comes back (well inside the broker's visibility)
+TTL_S = 3_600  # a controller unused this long is forgotten (the next starts from slow start)
+
+
+class RedisRateControl:
+    def __init__(
+        self,
+        client: redis.Redis,
+        clock_ms: Callable[[], float] | None = None,
+        rand: Callable[[], float] = random.random,
+        lease_ms: int = SLOT_LEASE_MS,
+    ) -> None:
+        self.client: Any = client
+        self._clock_ms = clock_ms  # None: Redis's clock (the tests pass a fake one)
+        self._rand = rand
+        self.lease_ms = lease_ms
+        self._acquire = self.client.register_script(ACQUIRE)
+        self._report = self.client.register_script(REPORT)
+        self._renew = self.client.register_script(RENEW)
+        self._held: dict[str, str] = {}  # slot member -> its slots key
+        self._lock = threading.Lock()
+        self._pid = 0
+        self._tokens_paced: set[str] = set()  # controllers whose calls need a token estimate
+
+    def _now(self) -> str:
+        return "" if self._clock_ms is None else repr(float(self._clock_ms()))
+
+    def acquire(
+        self, key: ControlKey, waiter: str, estimated_tokens: int, backend: BackendConfig
+    ) -> Slot | Wait:
+        rps, tps = backend_ceilings(backend)
+        member = uuid.uuid4().hex
+        try:
+            answer = self._acquire(
+                keys=_keys(key),
+                args=[self._now(), key.id, member, waiter, max(estimated_tokens, 0),
+                      self.lease_ms, rps, tps, ROOM_MS, TTL_S],
+            )  # fmt: skip
+        except redis.RedisError as exc:
+            raise StoreError(f"rate control: {type(exc).__name__}") from exc
+        kind = _text(answer[0])
+        _log_change(key, answer[-1])
+        if kind == "ok":
+            return Slot(key, member, max(estimated_tokens, 0))
+        wait_ms, reason = float(_text(answer[1])), _text(answer[2])
+        if kind == "far":  # drawn between the room's end and MAX_WAIT_MS
+            wait_ms += self._rand() * (MAX_WAIT_MS - wait_ms)
+        return Wait(max(wait_ms, 1.0) / 1000, reason)
+
+    def report(self, slot: Slot, report: CallReport, backend: BackendConfig) -> Change | None:
+        rps, tps = backend_ceilings(backend)
+        said = report.signal or RateSignal()
+        try:
+            answer = self._report(
+                keys=_keys(slot.key),
+                args=[self._now(), slot.key.id, slot.member, report.kind, report.used_tokens,
+                      slot.estimated_tokens, report.latency_ms, rps, tps, TTL_S,
+                      _said(said.requests_per_min), _said(said.requests_left),
+                      _said_ms(said.requests_reset_s), _said(said.tokens_per_min),
+                      _said(said.tokens_left), _said_ms(said.tokens_reset_s)],
+            )  # fmt: skip
+        except redis.RedisError as exc:
+            raise StoreError(f"rate control: {type(exc).__name__}") from exc
+        if int(answer[1]):
+            self._tokens_paced.add(slot.key.id)
+        else:
+            self._tokens_paced.discard(slot.key.id)
+        return _log_change(slot.key, answer[0])
+
+    def paces_tokens(self, key: ControlKey, backend: BackendConfig) -> bool:
+        return bool(backend.tokens_per_minute) or key.id in self._tokens_paced
+
+    @contextmanager
+    def held(self, slot: Slot) -> Iterator[None]:
+        with self._lock:
+            self._held[slot.member] = keys.rate_slots(slot.key.id)
+            if self._pid != os.getpid():  # this process's first slot: start its renewer
+                self._pid = os.getpid()
+                threading.Thread(
+                    target=self._renew_forever, name="slot-leases", daemon=True
+                ).start()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._held.pop(slot.member, None)
+
+    def _renew_forever(self) -> None:
+        pid = os.getpid()
+        while self._pid == pid:
+            time.sleep(self.lease_ms / 3000)
+            self.renew()
+
+    def renew(self) -> int:
+        """Renew every slot this process holds, in one round trip: how many were still held."""
+        with self._lock:
+            held = list(self._held.items())
+        if not held:
+            return 0
+        try:
+            return int(
+                self._renew(keys=[k for _, k in held], args=[self.lease_ms, *[m for m, _ in held]])
+            )
+        except redis.RedisError as exc:  # the next turn tries again, within the lease
+            log.warning("slot leases not renewed: %s", type(exc).__name__)
+            return 0
+
+
+def _keys(key: ControlKey) -> list[str]:
+    cid = key.id
+    return [
+        keys.rate_controller(cid),
+        keys.rate_slots(cid),
+        keys.rate_room(cid),
+        keys.RATE_CONTROLLERS,
+    ]
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _said(value: float | None) -> str:
+    return "" if value is None else repr(float(value))
+
+
+def _said_ms(seconds: float | None) -> str:
+    return "" if seconds is None else repr(float(seconds) * 1000)
+
+
+def _log_change(key: ControlKey, raw: Any) -> Change | None:
+    """The change a script made (logged here, once: only its maker sees it), or None."""
+    if not raw:
+        return None
+    reason, window, pace = _text(raw[0]), float(_text(raw[1])), float(_text(raw[2]))
+    change = Change(reason, window, pace)
+    log.info(
+        "rate control %s: %s, window %.1f, pace %s",
+        key.id, reason, window, f"{pace:.2f} req/s" if pace else "none",
+    )  # fmt: skip
+    return change

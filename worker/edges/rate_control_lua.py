@@ -1,0 +1,265 @@
+"""The rate controller's two scripts (worker.edges.rate_control): each reads a controller's
+state, decides and writes it back in one atomic step, so every worker of the fleet sees one
+controller. Times are milliseconds: Redis's own clock (TIME), so that workers on machines with
+skewed clocks agree, or the caller's when it passes one (the tests' fake clock).
+
+State (hash cq:rc:{id}): w window, ss 1 while in slow start, hrps/htps the pace the provider's
+headers gave (requests and tokens a second), lp a pace learned from 429s (0: none), tat/ttat the
+next request's and token's theoretical arrival time (GCRA), lat the calls' smoothed latency,
+cut/grow the last cut and growth, tail the waiting room's last ticket, racc/rt the smoothed
+count of granted calls (for the rate they were granted at), n/n429/nden counters, why/when the
+last change.
+"""
+
+from __future__ import annotations
+
+W0 = 16  # the first window: a slow start from here doubles it while it is used up
+W_MAX = 4096
+TAU_MS = 250  # how early a paced call may go: a burst of a quarter second's pace at most
+EARLY_MS = 20  # a waiting round coming back this early still counts as on time
+STALE_MS = 30_000  # a waiting room ticket this overdue is dropped (its round went elsewhere)
+RATE_TAU_MS = 5_000  # the granted rate is smoothed over about this long
+CUT = 0.8  # a window's cut per 429 episode
+PACE_CUT = 0.9  # a learned pace: this share of the rate calls went at when the 429 came
+GROW = 0.05  # growth per saturated epoch after slow start
+
+_PRELUDE = f"""
+local W0, W_MAX, TAU, EARLY, STALE = {W0}, {W_MAX}, {TAU_MS}, {EARLY_MS}, {STALE_MS}
+local RATE_TAU, CUT, PACE_CUT, GROW = {RATE_TAU_MS}, {CUT}, {PACE_CUT}, {GROW}
+local FIELDS = {{'w', 'ss', 'hrps', 'htps', 'lp', 'tat', 'ttat', 'lat', 'cut', 'grow', 'tail',
+  'racc', 'rt', 'n', 'n429', 'nden', 'why', 'when'}}
+
+local now = tonumber(ARGV[1])
+if not now then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+local function load(key)
+  local values = redis.call('HMGET', key, unpack(FIELDS))
+  local s = {{}}
+  for i, f in ipairs(FIELDS) do
+    if f == 'why' then s[f] = values[i] or '' else s[f] = tonumber(values[i]) or 0 end
+  end
+  if s.w <= 0 then s.w = W0; s.ss = 1 end
+  return s
+end
+
+local function save(s, ttl)
+  local args = {{}}
+  for _, f in ipairs(FIELDS) do
+    args[#args + 1] = f
+    args[#args + 1] = tostring(s[f])
+  end
+  redis.call('HSET', KEYS[1], unpack(args))
+  redis.call('EXPIRE', KEYS[1], ttl)
+  redis.call('HSET', KEYS[4], ARGV[2], now)
+end
+
+-- the pace a call is held to: the provider's, a learned one below it, a configured ceiling
+local function pace(s, ceiling)
+  local p = s.hrps
+  if s.lp > 0 and (p == 0 or s.lp < p) then p = s.lp end
+  if ceiling > 0 and (p == 0 or ceiling < p) then p = ceiling end
+  return p
+end
+
+local function token_pace(s, ceiling)
+  local p = s.htps
+  if ceiling > 0 and (p == 0 or ceiling < p) then p = ceiling end
+  return p
+end
+
+local function granted_rate(s)
+  if s.rt == 0 then return 0 end
+  return s.racc * math.exp(-(now - s.rt) / RATE_TAU) * 1000 / RATE_TAU
+end
+
+local function latency(s)
+  if s.lat > 0 then return s.lat end
+  return 1000  -- no call has ended yet
+end
+
+local function changed(s, why)
+  s.why = why
+  s.when = now
+  s.changed = 1
+end
+
+local function change_of(s, ceiling)
+  if s.changed then return {{s.why, tostring(s.w), tostring(pace(s, ceiling))}} end
+  return {{}}
+end
+"""
+
+# KEYS: state, slots, room, index
+# ARGV: now_ms ('' = Redis's), id, slot, waiter, estimated tokens, lease_ms, ceiling rps,
+#       ceiling tps, room_ms, ttl_s
+# -> {'ok', change} | {'wait', ms, reason, change} | {'far', ms, reason, change}
+ACQUIRE = (
+    _PRELUDE
+    + """
+local slot, waiter = ARGV[3], ARGV[4]
+local est, lease = tonumber(ARGV[5]), tonumber(ARGV[6])
+local crps, ctps = tonumber(ARGV[7]), tonumber(ARGV[8])
+local room_ms, ttl = tonumber(ARGV[9]), tonumber(ARGV[10])
+local s = load(KEYS[1])
+
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now - STALE)
+local ticket = tonumber(redis.call('ZSCORE', KEYS[3], waiter))
+if ticket and ticket > now + EARLY then
+  return {'wait', tostring(ticket - now), 'queued', {}}
+end
+
+local inflight = redis.call('ZCARD', KEYS[2])
+local p, tp = pace(s, crps), token_pace(s, ctps)
+local win_ok = inflight < math.max(math.floor(s.w), 1)
+local pace_ok = p == 0 or s.tat <= now + TAU
+local tok_ok = tp == 0 or s.ttat <= now + TAU
+local calm = now - s.cut >= math.max(1.5 * s.lat, 1000) and now - s.grow >= math.max(s.lat, 100)
+if not win_ok and calm then
+  -- the window was used up: it grows, doubling in slow start, once an epoch (a call's time)
+  if s.ss == 1 then
+    s.w = math.min(s.w * 2, W_MAX)
+    changed(s, 'slow start')
+  else
+    s.w = math.min(s.w + math.max(1, s.w * GROW), W_MAX)
+    changed(s, 'grow')
+  end
+  s.grow = now
+  win_ok = inflight < math.floor(s.w)
+elseif win_ok and not pace_ok and s.lp > 0 and calm then
+  -- a pace learned from 429s grows back while it is what holds calls back
+  s.lp = s.lp * (1 + GROW)
+  if s.hrps > 0 and s.lp >= s.hrps then s.lp = 0 end
+  s.grow = now
+  changed(s, 'grow')
+end
+
+if win_ok and pace_ok and tok_ok then
+  redis.call('ZADD', KEYS[2], now + lease, slot)
+  redis.call('PEXPIRE', KEYS[2], lease + ttl * 1000)
+  if p > 0 then s.tat = math.max(s.tat, now - TAU) + 1000 / p end
+  if tp > 0 then s.ttat = math.max(s.ttat, now - TAU) + est * 1000 / tp end
+  if ticket then redis.call('ZREM', KEYS[3], waiter) end
+  s.racc = s.racc * math.exp(-(now - s.rt) / RATE_TAU) + 1
+  s.rt = now
+  s.n = s.n + 1
+  save(s, ttl)
+  return {'ok', change_of(s, crps)}
+end
+
+-- no room: a ticket in the waiting room, spaced by the pace (or the window's turnover) so
+-- that waiting rounds come back one by one, not all at once
+s.nden = s.nden + 1
+local reason = 'tokens'
+if not win_ok then reason = 'window' elseif not pace_ok then reason = 'pace' end
+local spacing = 0
+if p > 0 then spacing = 1000 / p end
+if not win_ok then spacing = math.max(spacing, latency(s) / math.max(math.floor(s.w), 1)) end
+if tp > 0 then spacing = math.max(spacing, est * 1000 / tp) end
+local ready = now
+if not pace_ok then ready = math.max(ready, s.tat - TAU) end
+if not tok_ok then ready = math.max(ready, s.ttat - TAU) end
+local at = math.max(s.tail + spacing, ready)
+if not win_ok then at = math.max(at, now + spacing) end
+if at - now <= room_ms then
+  redis.call('ZADD', KEYS[3], at, waiter)
+  redis.call('PEXPIRE', KEYS[3], ttl * 1000)
+  s.tail = at
+  save(s, ttl)
+  return {'wait', tostring(at - now), reason, change_of(s, crps)}
+end
+-- the room is full: come back later, at a time the caller draws (no crowd comes back at once)
+if ticket then redis.call('ZREM', KEYS[3], waiter) end
+save(s, ttl)
+return {'far', tostring(room_ms), reason, change_of(s, crps)}
+"""
+)
+
+# KEYS: state, slots, room, index
+# ARGV: now_ms, id, slot, kind (ok | rate_limited | failed), used tokens, estimated tokens,
+#       latency_ms, ceiling rps, ceiling tps, ttl_s, then what the headers said ('' = not
+#       said): requests/min, requests left, ms until whole, tokens/min, tokens left, ms
+# -> {change, tokens paced (0/1)}
+REPORT = (
+    _PRELUDE
+    + """
+local slot, kind = ARGV[3], ARGV[4]
+local used, est, took = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
+local crps, ctps, ttl = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
+local rpm, left_req, reset_req = tonumber(ARGV[11]), tonumber(ARGV[12]), tonumber(ARGV[13])
+local tpm, left_tok, reset_tok = tonumber(ARGV[14]), tonumber(ARGV[15]), tonumber(ARGV[16])
+local s = load(KEYS[1])
+
+local inflight = redis.call('ZCARD', KEYS[2])
+redis.call('ZREM', KEYS[2], slot)
+if kind == 'ok' then
+  if s.lat == 0 then s.lat = took else s.lat = s.lat * 0.8 + took * 0.2 end
+end
+local tp = token_pace(s, ctps)
+if tp > 0 and used > 0 then s.ttat = s.ttat + (used - est) * 1000 / tp end
+
+-- what the provider said sets the pace directly
+if rpm and rpm > 0 then
+  local hr = rpm / 60
+  if math.abs(hr - s.hrps) > 0.01 * hr then
+    s.hrps = hr
+    s.lp = 0
+    changed(s, 'header')
+  end
+  if left_req and left_req <= 0 then  -- spent: nothing goes before the next request is due
+    local wait = 60000 / rpm
+    if reset_req and reset_req < wait then wait = reset_req end
+    s.tat = math.max(s.tat, now + wait + TAU)
+  end
+end
+if tpm and tpm > 0 then
+  local ht = tpm / 60
+  if math.abs(ht - s.htps) > 0.01 * ht then
+    s.htps = ht
+    changed(s, 'header')
+  end
+  if left_tok and left_tok <= 0 then
+    s.ttat = math.max(s.ttat, now + math.min(reset_tok or 1000, 1000) + TAU)
+  end
+end
+
+if kind == 'rate_limited' then
+  s.n429 = s.n429 + 1
+  if now - s.cut >= math.max(1.5 * s.lat, 1000) then  -- one cut per episode
+    s.cut = now
+    s.ss = 0
+    -- the rate calls went at: by Little's law (in flight over latency), else as granted
+    local r = granted_rate(s)
+    if s.lat > 0 then r = inflight * 1000 / s.lat end
+    r = r * PACE_CUT
+    local current = pace(s, crps)
+    if r > 0 and (current == 0 or r < current) then s.lp = r end
+    if s.hrps == 0 then
+      -- no header pace: the window is cut too, but never below what the learned pace needs
+      local need = 0
+      if s.lp > 0 then need = 2 * s.lp * latency(s) / 1000 end
+      s.w = math.max(1, math.min(s.w, inflight) * CUT, math.min(s.w, need))
+    end
+    changed(s, '429 cut')
+  end
+end
+save(s, ttl)
+local paced = 0
+if token_pace(s, ctps) > 0 then paced = 1 end
+return {change_of(s, crps), paced}
+"""
+)
+
+# KEYS: the slots zsets; ARGV: lease_ms, then the slot of each -> how many were still held
+RENEW = """
+local t = redis.call('TIME')
+local expiry = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[1])
+local renewed = 0
+for i, key in ipairs(KEYS) do
+  renewed = renewed + redis.call('ZADD', key, 'XX', 'CH', expiry, ARGV[i + 1])
+end
+return renewed
+"""
