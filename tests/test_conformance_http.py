@@ -42,7 +42,7 @@ from worker.session.engine import CallModel, RunTools, plan
 from worker.session.outcomes import ToolOutcome
 from worker.session.state import Round
 from worker.session.steps import StepRunner
-from worker.session.twins.models import OpenRateLimiter
+from worker.session.twins.models import OpenRateControl, OpenRateLimiter
 from worker.session.twins.queue import Published, StepQueue
 from worker.session.twins.store import MemoryStore
 from worker.session.twins.tools import NoTools
@@ -58,11 +58,12 @@ def server() -> Iterator[ScriptedServer]:
 
 
 class Client:
-    """HttpProvider with any codec against a server; backoff sleeps recorded, not slept."""
+    """HttpProvider with any codec against a server; backoff sleeps recorded, not slept. Not
+    adaptive unless asked: a 429 is then retried in the call, as these cases check."""
 
     def __init__(self, base_url: str, codec: Codec, **cfg: Any) -> None:
         self.sleeps: list[float] = []
-        backend = BackendConfig(name="test", base_url=base_url, **cfg)
+        backend = BackendConfig(name="test", base_url=base_url, **{"adaptive": False, **cfg})
         self.provider = HttpProvider(backend, codec, sleep=self.sleeps.append, environ={})
 
     def complete(self, request: ChatRequest = REQUEST) -> CompletionResult:
@@ -428,6 +429,7 @@ def test_round_step_calls_the_model_only_before_its_tools_run() -> None:
         tools=NoTools,
         settings=Settings(fleet=FleetConfig(backends={"replay": backend})),
         rate_limiter=OpenRateLimiter(),
+        rate_control=OpenRateControl(),
     )
     runner.round("s1", 0)  # the round's model call, before any tool is planned
     assert len(provider.requests) == 1

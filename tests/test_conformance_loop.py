@@ -60,7 +60,7 @@ from worker.session.ports import ToolCall
 from worker.session.state import Round, Session
 from worker.session.steps import StepRunner
 from worker.session.tool_policy import ToolCaller
-from worker.session.twins.models import NoProvider, OpenRateLimiter
+from worker.session.twins.models import NoProvider, OpenRateControl, OpenRateLimiter
 from worker.session.twins.queue import StepQueue
 from worker.session.twins.store import MemoryStore
 
@@ -150,6 +150,7 @@ def make_runner(tmp_path: Path, guests: Guests) -> Iterator[Callable[[], StepRun
             tools=lambda: rt,
             settings=Settings(),
             rate_limiter=OpenRateLimiter(),
+            rate_control=OpenRateControl(),
         )
 
     yield factory

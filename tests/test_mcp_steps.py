@@ -18,7 +18,7 @@ from worker.session.mcp_offer import ToolRouter
 from worker.session.ports import ToolCall
 from worker.session.steps import StepRunner
 from worker.session.twins.mcp import MemoryMcp
-from worker.session.twins.models import OpenRateLimiter, ScriptedProvider
+from worker.session.twins.models import OpenRateControl, OpenRateLimiter, ScriptedProvider
 from worker.session.twins.queue import StepQueue
 from worker.session.twins.store import MemoryStore
 from worker.session.twins.tools import PythonTools
@@ -70,6 +70,7 @@ class Run:
                 )
             ),
             rate_limiter=OpenRateLimiter(),
+            rate_control=OpenRateControl(),
             mcp=mcp,
         )
 

@@ -32,7 +32,7 @@ from tests.test_steps import (
     submit,
 )
 from worker.session.reconciler import Reconciler
-from worker.session.twins.models import OpenRateLimiter
+from worker.session.twins.models import OpenRateControl
 
 KINDS = ("start", "round", "tool", "background", "finish", "program")
 
@@ -63,7 +63,7 @@ def counted(*events: dict[str, Any]) -> CollectorRegistry:
 
 def test_a_rate_limited_round_is_traced_and_counted() -> None:
     p = pipeline([reply("hello")])
-    p.runner.models.rate_limiter = OpenRateLimiter(wait_s=[0.5, 0.25])
+    p.runner.models.control = OpenRateControl(wait_s=[0.5, 0.25])
     submit(p, spec())
     p.drain()
     events = [e.to_json() for e in p.store.traces[SK]]

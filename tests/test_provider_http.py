@@ -122,7 +122,8 @@ def server() -> Iterator[ScriptedServer]:
 class Harness:
     def __init__(self, base_url: str, environ: dict[str, str] | None = None, **cfg: Any) -> None:
         self.sleeps: list[float] = []
-        self.backend = BackendConfig(name="test", base_url=base_url, **cfg)
+        # not adaptive unless asked: a 429 is then retried in the call
+        self.backend = BackendConfig(name="test", base_url=base_url, **{"adaptive": False, **cfg})
         self.provider = HttpProvider(
             self.backend, OpenAICodec(), sleep=self.sleeps.append, environ=environ or {}
         )

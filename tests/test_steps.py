@@ -18,7 +18,7 @@ from worker.config import BackendConfig, FleetConfig, Settings
 from worker.errors import ProviderRequestError
 from worker.session.steps import StepRunner
 from worker.session.twins.failing import FailingStore
-from worker.session.twins.models import OpenRateLimiter, ScriptedProvider
+from worker.session.twins.models import OpenRateControl, OpenRateLimiter, ScriptedProvider
 from worker.session.twins.queue import Published, StepQueue, run_step
 from worker.session.twins.store import MemoryStore
 from worker.session.twins.tools import PythonTools
@@ -119,6 +119,7 @@ def pipeline(
             trace=trace,
         ),
         rate_limiter=OpenRateLimiter(),
+        rate_control=OpenRateControl(),
     )
     return Pipeline(memory, queue, runner, provider, python_tools)
 
@@ -266,7 +267,7 @@ def test_cancel_ends_the_session_at_the_next_step() -> None:
 
 def test_a_rate_limited_round_waits_without_spending_a_try() -> None:
     p = pipeline([reply("hello")])
-    p.runner.models.rate_limiter = OpenRateLimiter(wait_s=[0.5, 0.5, 0.5, 0.5])
+    p.runner.models.control = OpenRateControl(wait_s=[0.5, 0.5, 0.5, 0.5])
     submit(p, spec())
     p.drain()
     assert p.body()["choices"][0]["message"]["content"] == "hello"

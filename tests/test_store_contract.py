@@ -206,8 +206,7 @@ def test_a_step_lease_is_held_once_and_its_tries_counted(backend: Backend, sk: s
     store.release_lease(step)
     third = store.begin_step(step, 60_000, None, sk)
     assert (third.leased, third.tries) == (True, 2)
-    store.uncount_try(step)
-    store.release_lease(step)
+    store.defer_step(step, sk, True, 1_000)  # rate limited: not a try
     fourth = store.begin_step(step, 60_000, None, sk)
     assert (fourth.leased, fourth.tries) == (True, 2)
     store.end_step(step)
@@ -230,8 +229,7 @@ def test_tries_count_every_delivery_when_the_broker_vouches_for_the_first(
     assert store.begin_step(step, 60_000, None, sk, first=False).tries == 3
     other = keys.round_step(sk, 1)
     start = store.begin_step(other, 60_000, None, sk, first=True)
-    store.uncount_try(other, start.tries_stored)  # rate limited: not a try
-    store.release_lease(other)
+    store.defer_step(other, sk, start.tries_stored, 1_000)  # rate limited: not a try
     assert store.begin_step(other, 60_000, None, sk, first=False).tries == 1
 
 

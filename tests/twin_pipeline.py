@@ -49,7 +49,7 @@ from worker.errors import (
     RetryLater,
 )
 from worker.session.steps import StepRunner
-from worker.session.twins.models import Completed, OpenRateLimiter
+from worker.session.twins.models import Completed, OpenRateControl, OpenRateLimiter
 from worker.session.twins.queue import Published, StepQueue
 from worker.session.twins.store import MemoryStore
 
@@ -266,6 +266,7 @@ def pipeline(
         tools=lambda: runtime,
         settings=settings or Settings(fleet=FleetConfig(backends={"replay": REPLAY_BACKEND})),
         rate_limiter=OpenRateLimiter(),
+        rate_control=OpenRateControl(),
     )
     pipe = Pipeline(store, queue, runner, replay, runtime)
     queue.park = pipe.park

@@ -24,6 +24,7 @@ CchatqError                      root; `code` is the error-body code
 │   └── ToolNotRunError          NOT_RUN
 ├── ProviderError                provider_error (the model call failed)
 │   ├── ProviderRetryableError   provider_unavailable
+│   │   └── ProviderRateLimitedError  a 429 under adaptive rate control: its round waits
 │   ├── ProviderRequestError     provider_error
 │   ├── ProviderProtocolError    provider_protocol_error
 │   └── ProviderTimeoutError     provider_timeout
@@ -213,6 +214,18 @@ class ProviderRetryableError(ProviderError):
     ) -> None:
         super().__init__(message, status)
         self.retry_after_s = retry_after_s
+
+
+class ProviderRateLimitedError(ProviderRetryableError):
+    """A 429 under adaptive rate control: never retried in the call (its round waits for room
+    without its worker thread, its attempts unspent); `signal` is what the headers said (a
+    worker.codecs.rate_headers.RateSignal: this tree imports nothing of the codecs)."""
+
+    raised_when = "a 429 under adaptive rate control (never a body: its round waits for room)"
+
+    def __init__(self, message: str, retry_after_s: float | None, signal: object = None) -> None:
+        super().__init__(message, 429, retry_after_s)
+        self.signal = signal
 
 
 class ProviderRequestError(ProviderError):

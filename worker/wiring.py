@@ -18,6 +18,7 @@ from worker.edges import broker
 from worker.edges.dispatch import CeleryDispatcher
 from worker.edges.mcp_tools import McpTools
 from worker.edges.provider_http import HttpProvider
+from worker.edges.rate_control import RedisRateControl
 from worker.edges.rate_limit import RedisRateLimiter
 from worker.edges.store import RedisStore
 from worker.edges.store_programs import RedisProgramStore
@@ -51,6 +52,7 @@ class Wiring:
             tools=lambda: self._tools,
             settings=settings,
             rate_limiter=RedisRateLimiter(self.store.client),
+            rate_control=RedisRateControl(self.store.client),
             mcp=self.mcp,
         )
         self.program_steps = ProgramSteps(

@@ -41,12 +41,14 @@ from urllib3.exceptions import TimeoutError as Urllib3Timeout
 from schemas.protocols import declared
 from worker.codecs.openai_chat import is_empty_reply
 from worker.codecs.protocol import ChatRequest, Codec, Delta, WireRequest
+from worker.codecs.rate_headers import RateSignal, precise_retry_s, read_rate_signal
 from worker.codecs.retry import RetryPolicy, backoff_s, parse_retry_after_s, should_retry_status
 from worker.codecs.sse import SseParser, looks_like_sse
 from worker.config import BackendConfig
 from worker.errors import (
     ProviderError,
     ProviderProtocolError,
+    ProviderRateLimitedError,
     ProviderRequestError,
     ProviderRetryableError,
     ProviderTimeoutError,
@@ -66,6 +68,7 @@ class CompletionResult:
     completion: dict[str, Any]  # canonical chat.completion
     attempts: int
     latency_ms: int  # the whole call: every attempt and every backoff sleep
+    rate: RateSignal | None = None  # what the answering response said of the account's limits
 
 
 class HttpProvider:
@@ -139,11 +142,12 @@ class HttpProvider:
             attempts += 1
             if attempts > 1 and on_delta is not None:
                 on_delta(Delta("restart", ""))  # what a failed stream showed is void
-            outcome = self._attempt(wire, body, request, attempts, start, on_delta)
+            outcome, signal = self._attempt(wire, body, request, attempts, start, on_delta)
             if isinstance(outcome, dict):
                 if not is_empty_reply(outcome):
                     latency_ms = int((time.monotonic() - start) * 1000)
-                    return CompletionResult(_with_spent(outcome, spent), attempts, latency_ms)
+                    completion = _with_spent(outcome, spent)
+                    return CompletionResult(completion, attempts, latency_ms, signal)
                 _add_usage(spent, outcome.get("usage"))
                 # One retry for an empty reply, with no backoff (it is not a load signal).
                 if (
@@ -191,8 +195,9 @@ class HttpProvider:
         attempt: int,
         start: float,
         on_delta: DeltaSink | None,
-    ) -> dict[str, Any] | ProviderRetryableError:
-        """One HTTP exchange: the completion, a retryable failure, or a raised final error."""
+    ) -> tuple[dict[str, Any] | ProviderRetryableError, RateSignal | None]:
+        """One HTTP exchange: the completion, a retryable failure, or a raised final error; with
+        what the response said of the account's rate limits."""
         backend = self._backend
         remaining = self._total_s(request) - (time.monotonic() - start)
         # read_s is the idle timeout between reads of a stream; the total deadline bounds it too
@@ -211,20 +216,20 @@ class HttpProvider:
                 preload_content=not request.stream,
                 redirect=False,
             )
+            signal = read_rate_signal(resp.headers, time.time())
             try:
-                return self._reply(resp, request, body, attempt, start, on_delta)
+                return self._reply(resp, request, body, attempt, start, on_delta, signal), signal
             finally:
                 if request.stream:  # a stream left unread must not go back to the pool
                     resp.close()
                     resp.release_conn()
         except (NewConnectionError, ProtocolError, SSLError, ProxyError, DecodeError) as exc:
             # refused, reset, cut mid-body or mid-chunk, TLS or proxy failure, bad gzip
-            return ProviderRetryableError(
-                f"connection failed calling backend {backend.name} ({type(exc).__name__})"
-            )
+            failed = f"connection failed calling backend {backend.name} ({type(exc).__name__})"
+            return ProviderRetryableError(failed), None
         except Urllib3Timeout as exc:
             kind = "read" if isinstance(exc, ReadTimeoutError) else "connect"
-            return ProviderRetryableError(f"{kind} timeout calling backend {backend.name}")
+            return ProviderRetryableError(f"{kind} timeout calling backend {backend.name}"), None
         except (HTTPError, ValueError) as exc:
             # Bad URL, invalid header: retrying cannot help.
             raise ProviderRequestError(
@@ -239,6 +244,7 @@ class HttpProvider:
         attempt: int,
         start: float,
         on_delta: DeltaSink | None,
+        signal: RateSignal,
     ) -> dict[str, Any] | ProviderRetryableError:
         backend, status = self._backend, resp.status
         content_type = resp.headers.get("content-type", "")
@@ -260,9 +266,17 @@ class HttpProvider:
         message = f"HTTP {status}: {_upstream_message(resp)}"
         if not should_retry_status(status, resp.headers):
             raise ProviderRequestError(message, status)
-        retry_after = parse_retry_after_s(resp.headers, time.time())
-        if retry_after is None:
-            retry_after = self._codec.retry_after_s(status, _json_or_none(resp))
+        now, payload = time.time(), _json_or_none(resp)
+        retry_after = parse_retry_after_s(resp.headers, now)
+        # a whole-second Retry-After is rounded up: the reset headers or the body say it exactly
+        precise = precise_retry_s(resp.headers, payload, now, retry_after)
+        if precise is not None:
+            retry_after = precise
+        elif retry_after is None:
+            retry_after = self._codec.retry_after_s(status, payload)
+        if status == 429 and backend.adaptive:
+            # the round waits for room without its thread: no attempt is spent on a 429
+            raise ProviderRateLimitedError(message, retry_after, signal)
         return ProviderRetryableError(message, status, retry_after)
 
     def _stream(

@@ -127,11 +127,18 @@ class StepLeases:
         return self._keeper.hold(keys.step_state(step), token)
 
     @translated
-    def uncount_try(self, step: str, stored: bool = True) -> None:
+    def defer_step(self, step: str, sk: str, stored: bool, wait_ms: int) -> None:
+        """One round trip: the lease released, the try uncounted, and the session shown as
+        making progress until the delivery comes back (the reconciler leaves it be)."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.delete(keys.step_state(step))
         if stored:
-            self.client.decr(keys.tries(step))
+            pipe.decr(keys.tries(step))
         else:  # a first try counted without a write: the next delivery counts from none
-            self.client.set(keys.tries(step), 0, ex=self.ttl_s)
+            pipe.set(keys.tries(step), 0, ex=self.ttl_s)
+        if sk:
+            pipe.zadd(keys.ACTIVE, {sk: int(time.time() * 1000) + wait_ms}, xx=True)
+        pipe.execute()
 
     @translated
     def lease_left_ms(self, step: str) -> int:

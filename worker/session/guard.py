@@ -142,8 +142,7 @@ class StepGuard:
         except RateLimited as exc:
             # waiting for the backend's rate limit is not a failure: no try is spent, and the
             # task gives its worker slot back until there may be room
-            self._release_quietly(step)
-            self.store.uncount_try(step, start.tries_stored)
+            self.store.defer_step(step, sk, start.tries_stored, int(exc.wait_s * 1000))
             if self.settings.trace:  # an event for the metrics, never the step's failure
                 with contextlib.suppress(StoreError):
                     waited = rate_limit_waited(self._spec_id(sk), step, exc)

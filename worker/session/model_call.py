@@ -1,25 +1,47 @@
 """A model call, as the steps make it: the backend named by the session (or the fleet's
-default), the backend's rate limit, the call through the CompletionProvider port, and the
-partial text of a streamed round for `cchatq status`. The round step and the summaries of
-long tool outputs call models only through here."""
+default), the account's rate control (worker.session.rate_control; the static limit of a
+backend with `adaptive: false`), the call through the CompletionProvider port, and the partial
+text of a streamed round for `cchatq status`. The round step and the summaries of long tool
+outputs call models only through here."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from worker.codecs.protocol import ChatRequest, Delta
+from worker.codecs.rate_headers import RateSignal
 from worker.config import BackendConfig
-from worker.errors import ProviderError, RateLimited, StoreError
+from worker.errors import ProviderError, ProviderRateLimitedError, RateLimited, StoreError
 from worker.session.engine import CallModel
-from worker.session.ports import CompletionProvider, Permit, RateLimiter, SessionStore
+from worker.session.ports import (
+    Completion,
+    CompletionProvider,
+    Permit,
+    RateLimiter,
+    SessionStore,
+)
+from worker.session.rate_control import (
+    CallKind,
+    CallReport,
+    ControlKey,
+    RateControl,
+    Slot,
+    Wait,
+    account_of,
+)
 from worker.session.state import Session
 
+log = logging.getLogger(__name__)
+
 PARTIAL_EVERY_S = 0.25
+RETRY_AFTER_MIN_S = 0.01  # a 429 that names no wait: its round comes back at once, in line
 
 
 class PartialText:
@@ -56,8 +78,9 @@ class ModelCaller:
     backends: Mapping[str, BackendConfig]
     default_backend: str
     provider_for: Callable[[BackendConfig], CompletionProvider]
-    rate_limiter: RateLimiter
+    rate_limiter: RateLimiter  # a backend's static limit, when it is not adaptive
     store: SessionStore  # where a streamed round's partial text goes
+    control: RateControl  # the adaptive rate control of every other backend
 
     def backend(self, provider: str | None) -> BackendConfig | None:
         """The backend of this name (the fleet's default for None); None when there is none."""
@@ -66,7 +89,9 @@ class ModelCaller:
         except (KeyError, TypeError):  # unknown, or not a name at all: the round ends it
             return None
 
-    def call_round(self, sk: str, session: Session, step: CallModel) -> dict[str, Any]:
+    def call_round(
+        self, sk: str, session: Session, step: CallModel, waiter: str = ""
+    ) -> dict[str, Any]:
         """A round's model call: the reply, or the error body the round ends in. RateLimited
         when its backend has no room yet (the step is put off, no try spent)."""
         backend = self.backend(session.spec.provider)
@@ -87,29 +112,83 @@ class ModelCaller:
             timeout_s=_seconds(session.spec.limits.request_timeout_ms),
         )
         try:
-            return self.complete(backend, chat, partial_of=sk)
+            return self.complete(backend, chat, partial_of=sk, waiter=waiter)
         except ProviderError as exc:
             return exc.body()
 
     def complete(
-        self, backend: BackendConfig, chat: ChatRequest, partial_of: str | None = None
+        self,
+        backend: BackendConfig,
+        chat: ChatRequest,
+        partial_of: str | None = None,
+        waiter: str = "",
     ) -> dict[str, Any]:
-        """One model call under the backend's rate limit (a round's, or a summary's): the
-        reply; RateLimited when there is no room yet; a ProviderError as the call raised it.
-        A streamed call of `partial_of` shows its text in `cchatq status` as it comes."""
+        """One model call under its account's rate control (a round's, or a summary's): the
+        reply; RateLimited when there is no room yet, or the provider answered 429 (no attempt
+        is spent on either); a ProviderError as the call raised it. `waiter` names the round
+        across its retries, for its place in line. A streamed call of `partial_of` shows its
+        text in `cchatq status` as it comes."""
+        if not backend.adaptive:
+            return self._complete_limited(backend, chat, partial_of)
+        key = ControlKey(backend.name, account_of(backend.api_key()), chat.model)
+        # the prompt's size matters only to a token pace: no JSON of it for other calls
+        estimated = estimate_tokens(chat) if self.control.paces_tokens(key, backend) else 0
+        slot = self.control.acquire(key, waiter or uuid.uuid4().hex, estimated, backend)
+        if isinstance(slot, Wait):
+            raise RateLimited(slot.wait_s, backend.name)
+        started = time.monotonic()
+        kind: CallKind = "failed"
+        result: Completion | None = None
+        signal: RateSignal | None = None
+        try:
+            with self.control.held(slot):
+                result = self._call(backend, chat, partial_of)
+            kind, signal = "ok", result.rate
+        except ProviderRateLimitedError as exc:
+            kind = "rate_limited"
+            signal = exc.signal if isinstance(exc.signal, RateSignal) else None
+            wait_s = max(exc.retry_after_s or 0.0, RETRY_AFTER_MIN_S)
+            raise RateLimited(wait_s, backend.name) from None
+        finally:
+            completion = result.completion if result is not None else {}
+            used = int((completion.get("usage") or {}).get("total_tokens", 0) or 0)
+            self._report(slot, CallReport(kind, _ms_since(started), used, signal), backend)
+        return dict(completion)
+
+    def _report(self, slot: Slot, report: CallReport, backend: BackendConfig) -> None:
+        """Tell the controller; a report Redis failed to take is lost, never the call's reply
+        (its slot's lease runs out on its own)."""
+        try:
+            self.control.report(slot, report, backend)
+        except StoreError as exc:
+            log.warning("rate control %s: report lost: %s", slot.key.id, exc.code)
+
+    def _complete_limited(
+        self, backend: BackendConfig, chat: ChatRequest, partial_of: str | None
+    ) -> dict[str, Any]:
+        """A call under the backend's static limit (`adaptive: false`)."""
         # the prompt's size matters only to a token limit: no JSON of it for other calls
         estimated = estimate_tokens(chat) if backend.tokens_per_minute else 0
         permit = self.rate_limiter.acquire(backend, estimated)
         if not isinstance(permit, Permit):
             raise RateLimited(permit, backend.name)
+        reply = dict(self._call(backend, chat, partial_of).completion)
+        self.rate_limiter.settle(permit, int((reply.get("usage") or {}).get("total_tokens", 0)))
+        return reply
+
+    def _call(
+        self, backend: BackendConfig, chat: ChatRequest, partial_of: str | None
+    ) -> Completion:
         partial = PartialText(self.store, partial_of) if partial_of and backend.stream else None
         try:
-            reply = dict(self.provider_for(backend).complete(chat, partial).completion)
+            return self.provider_for(backend).complete(chat, partial)
         finally:
             if partial is not None:
                 partial.close()
-        self.rate_limiter.settle(permit, int((reply.get("usage") or {}).get("total_tokens", 0)))
-        return reply
+
+
+def _ms_since(started: float) -> int:
+    return int((time.monotonic() - started) * 1000)
 
 
 def _seconds(ms: int | None) -> float | None:

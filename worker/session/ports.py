@@ -16,6 +16,7 @@ from schemas.limits import Limits
 from schemas.mcp import McpToolInfo
 from schemas.spec_types import McpToolRef, ProgramSpec, SessionSpec, Spec, ToolSpec
 from worker.codecs.protocol import ChatRequest, Delta
+from worker.codecs.rate_headers import RateSignal
 from worker.codecs.reply import Reply
 from worker.config import BackendConfig
 from worker.errors import InternalError
@@ -134,8 +135,9 @@ class SessionStore(Protocol):
         the broker knows; None: not known)."""
         ...
 
-    def uncount_try(self, step: str, stored: bool = True) -> None:
-        """This delivery's try does not count (`stored`: it was written by begin_step)."""
+    def defer_step(self, step: str, sk: str, stored: bool, wait_ms: int) -> None:
+        """This delivery waits `wait_ms` for room under a rate limit: its lease released, its
+        try uncounted, its session (`sk`, when a session's step) not taken for stalled."""
         ...
 
     def hold(self, step: str, token: str) -> AbstractContextManager[None]:
@@ -332,6 +334,11 @@ class RateLimiter(Protocol):
 class Completion(Protocol):
     @property
     def completion(self) -> dict[str, Any]: ...
+
+    @property
+    def rate(self) -> RateSignal | None:
+        """What the answering response said of the account's rate limits (None: nothing)."""
+        ...
 
 
 class CompletionProvider(Protocol):

@@ -54,6 +54,7 @@ from worker.session.ports import (
     ToolRuntime,
     spec_of,
 )
+from worker.session.rate_control import RateControl
 from worker.session.state import Round, Session
 from worker.session.tool_step import ToolContext, ToolStep
 from worker.session.trace import event, model_call_ended, unrun_calls
@@ -68,7 +69,8 @@ class StepRunner:
     provider_for: Callable[[BackendConfig], CompletionProvider]
     tools: Callable[[], ToolRuntime]  # lazy: a prefork child builds its own wasmtime engine
     settings: Settings
-    rate_limiter: RateLimiter
+    rate_limiter: RateLimiter  # the static limits of backends with `adaptive: false`
+    rate_control: RateControl
     mcp: McpClient | None = None  # MCP servers' tool lists (their calls go through `tools`)
 
     def __post_init__(self) -> None:
@@ -76,7 +78,12 @@ class StepRunner:
         self.guard = StepGuard(self.store, self.dispatch, self.settings)
         self.applier = Applier(self.store, self.settings.trace)
         self.models = ModelCaller(
-            fleet.backends, fleet.default_backend, self.provider_for, self.rate_limiter, self.store
+            fleet.backends,
+            fleet.default_backend,
+            self.provider_for,
+            self.rate_limiter,
+            self.store,
+            self.rate_control,
         )
         self.tool_context = ToolContext(
             store=self.store,
@@ -154,7 +161,10 @@ class StepRunner:
         if session.spec.mcp_servers:  # listed once, by the first round, and stored
             fleet = self.settings.fleet.tool_defaults
             session, failed = offer_mcp_tools(self.store, self.mcp, fleet, sk, session)
-        reply = Reply.parse(failed or self.models.call_round(sk, session, next_call(session)))
+        waiter = keys.round_step(sk, round_no)  # its place in line across its retries
+        reply = Reply.parse(
+            failed or self.models.call_round(sk, session, next_call(session), waiter)
+        )
         with_reply = replace(session, rounds=(*session.rounds, Round(reply)))
         step: Step | None = plan(with_reply)
         runs = step.runs if isinstance(step, RunTools) else ()

@@ -7,6 +7,7 @@ per port:
   over both. Keys never expire here. `failing`: a store that fails on cue.
 - `queue`: StepQueue, the Dispatcher: it records what was published and runs it on a
   StepRunner (`drain`), turning `RetryLater` into a requeue, as Celery's retry does.
-- `models`: ScriptedProvider (the CompletionProvider) and OpenRateLimiter (the RateLimiter).
+- `models`: ScriptedProvider (the CompletionProvider), OpenRateLimiter (the RateLimiter) and
+  OpenRateControl (the RateControl).
 - `tools`: PythonTools and NoTools (the ToolRuntime); `mcp`: MemoryMcp (the McpClient).
 """

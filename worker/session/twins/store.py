@@ -195,8 +195,9 @@ class MemoryStore(ProgramTwin):
     def hold(self, step: str, token: str) -> AbstractContextManager[None]:
         return contextlib.nullcontext()  # twin leases last as long as begin_step asked
 
-    def uncount_try(self, step: str, stored: bool = True) -> None:
+    def defer_step(self, step: str, sk: str, stored: bool, wait_ms: int) -> None:
         with self._cond:
+            self.leases.pop(step, None)
             self.tries[step] = self.tries.get(step, 0) - 1
 
     def task_state(self, sk: str, task_id: str) -> dict[str, str] | None:
