@@ -1,6 +1,6 @@
-"""A backend's rate limit is shared by every worker of the fleet (in Redis): with two llm
-worker processes the provider never sees more than N requests in any window, and sessions
-waiting for room hold no worker slot."""
+"""A backend's static rate limit (`adaptive: false`) is shared by every worker of the fleet (in
+Redis): with two llm worker processes the provider never sees more than N requests in any
+window, and sessions waiting for room hold no worker slot."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ def limited(base_fleet: Fleet) -> Iterator[tuple[Running, ReplayServer]]:
         **replay_backends(base_fleet.replay_url),
         "limited": {
             "base_url": replay.url,
+            "adaptive": False,
             "requests_per_minute": LIMIT,
             "rate_window_s": WINDOW_S,
         },

@@ -117,9 +117,11 @@ local p, tp = pace(s, crps), token_pace(s, ctps)
 local win_ok = inflight < math.max(math.floor(s.w), 1)
 local pace_ok = p == 0 or s.tat <= now + TAU
 local tok_ok = tp == 0 or s.ttat <= now + TAU
-local calm = now - s.cut >= math.max(1.5 * s.lat, 1000) and now - s.grow >= math.max(s.lat, 100)
+-- growth waits an epoch (a call's time: none grows before a call has ended) and a cut's calm
+local calm = s.lat > 0 and now - s.cut >= math.max(1.5 * s.lat, 1000)
+  and now - s.grow >= math.max(s.lat, 100)
 if not win_ok and calm then
-  -- the window was used up: it grows, doubling in slow start, once an epoch (a call's time)
+  -- the window was used up: it grows, doubling in slow start
   if s.ss == 1 then
     s.w = math.min(s.w * 2, W_MAX)
     changed(s, 'slow start')
