@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from schemas import keys
+from schemas.rate_state import ControllerStatus, controller_status
 from schemas.spec_types import ProgramSpec, Spec
 from schemas.task_names import (
     ALL_QUEUES,
@@ -30,6 +31,8 @@ class FleetStatus:
     consumers_by_queue: dict[str, int]  # of those, how many take from each queue
     active_sessions: int  # sessions submitted and not finished
     dead_letters: int  # steps dead-lettered (those the stream keeps)
+    # each backend/account/model's rate controller: window, pace, in flight, 429s, last change
+    rate_controllers: list[ControllerStatus] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -70,7 +73,29 @@ def read_fleet_status(client: Any) -> FleetStatus:
         consumers_by_queue=by_queue,
         active_sessions=int(active),
         dead_letters=int(replies[-1]) if has_dead else 0,
+        rate_controllers=read_rate_controllers(client),
     )
+
+
+def read_rate_controllers(client: Any) -> list[ControllerStatus]:
+    """Every rate controller the fleet used within its TTL, in two round trips."""
+    ids = sorted(c.decode() for c in client.hkeys(keys.RATE_CONTROLLERS))
+    if not ids:
+        return []
+    seconds, micros = client.time()
+    now_ms = seconds * 1000 + micros / 1000
+    pipe = client.pipeline(transaction=False)
+    for cid in ids:
+        pipe.hgetall(keys.rate_controller(cid))
+        pipe.zcount(keys.rate_slots(cid), now_ms, "+inf")
+    replies = pipe.execute()
+    out = []
+    for n, cid in enumerate(ids):
+        raw, in_flight = replies[2 * n], replies[2 * n + 1]
+        if raw:  # gone with its TTL: the index still names it until it is used again
+            fields = {k.decode(): v.decode() for k, v in raw.items()}
+            out.append(controller_status(cid, fields, int(in_flight), now_ms))
+    return out
 
 
 def _moved_queue(raw: bytes) -> str:

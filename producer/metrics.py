@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from producer.fleet_status import read_fleet_status
+from producer.fleet_status import FleetStatus, read_fleet_status
 from schemas import keys
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,24 @@ class FleetGauges(Collector):
         yield GaugeMetricFamily(
             "cchatq_dead_letters", "Steps dead-lettered (kept ones)", fleet.dead_letters
         )
+        yield from _controller_gauges(fleet)
+
+
+def _controller_gauges(fleet: FleetStatus) -> Iterator[GaugeMetricFamily]:
+    """Each rate controller's state (label `controller`: backend/account digest/model)."""
+    shown = {
+        "window": ("cchatq_rate_window", "Calls a rate controller lets be in flight"),
+        "pace_rps": ("cchatq_rate_pace_rps", "Requests a second a controller paces to (0: none)"),
+        "in_flight": ("cchatq_rate_in_flight", "Calls in flight under a rate controller"),
+        "utilisation": ("cchatq_rate_utilisation", "Granted rate over the pace (or window used)"),
+        "rate_limited": ("cchatq_rate_429s", "429s a rate controller was told of"),
+        "calls": ("cchatq_rate_calls", "Calls a rate controller let go"),
+    }  # fmt: skip
+    for attr, (name, doc) in shown.items():
+        family = GaugeMetricFamily(name, doc, labels=["controller"])
+        for c in fleet.rate_controllers:
+            family.add_metric([c.id], float(getattr(c, attr)))
+        yield family
 
 
 class TraceCounters:

@@ -14,10 +14,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from fixtures.replay import ReplayServer
 from fixtures.replay.faults import FaultRates
 from producer.fleet import Fleet, replay_backends
+from producer.fleet_status import read_fleet_status
+from producer.metrics import FleetGauges
 from schemas import keys
 from tests.conftest import Running, _workers
 from tests.test_pipeline import submit_specs, wait_for
@@ -91,6 +94,14 @@ def test_two_worker_processes_never_hold_more_calls_than_the_window(
     assert 0 < widest[0] < 48
     assert replay.stats()["max_in_flight"] <= widest[0]
     assert most_held[0] <= widest[0]
+    # what `cchatq status` and the metrics exporter show of it
+    (shown,) = [c for c in read_fleet_status(redis).rate_controllers if c.id == controller()]
+    assert (shown.calls, shown.rate_limited, shown.window) == (48, 0, widest[0])
+    assert shown.last_change == "slow start" and shown.in_flight == 0
+    registry = CollectorRegistry()
+    registry.register(FleetGauges(redis))
+    scraped = generate_latest(registry).decode()
+    assert f'cchatq_rate_window{{controller="{controller()}"}} {widest[0]}' in scraped
 
 
 def test_a_killed_workers_slots_come_back_within_their_lease(

@@ -3,31 +3,27 @@ state, decides and writes it back in one atomic step, so every worker of the fle
 controller. Times are milliseconds: Redis's own clock (TIME), so that workers on machines with
 skewed clocks agree, or the caller's when it passes one (the tests' fake clock).
 
-State (hash cq:rc:{id}): w window, ss 1 while in slow start, hrps/htps the pace the provider's
-headers gave (requests and tokens a second), lp a pace learned from 429s (0: none), tat/ttat the
-next request's and token's theoretical arrival time (GCRA), lat the calls' smoothed latency,
-cut/grow the last cut and growth, tail the waiting room's last ticket, racc/rt the smoothed
-count of granted calls (for the rate they were granted at), n/n429/nden counters, why/when the
-last change.
+The state's fields are named in schemas/rate_state.py (the status and metrics read them).
 """
 
 from __future__ import annotations
+
+from schemas.rate_state import FIELDS, RATE_TAU_MS
 
 W0 = 16  # the first window: a slow start from here doubles it while it is used up
 W_MAX = 4096
 TAU_MS = 250  # how early a paced call may go: a burst of a quarter second's pace at most
 EARLY_MS = 20  # a waiting round coming back this early still counts as on time
 STALE_MS = 30_000  # a waiting room ticket this overdue is dropped (its round went elsewhere)
-RATE_TAU_MS = 5_000  # the granted rate is smoothed over about this long
 CUT = 0.8  # a window's cut per 429 episode
 PACE_CUT = 0.9  # a learned pace: this share of the rate calls went at when the 429 came
 GROW = 0.05  # growth per saturated epoch after slow start
 
+_FIELDS = ", ".join(f"'{name}'" for name in FIELDS)
 _PRELUDE = f"""
 local W0, W_MAX, TAU, EARLY, STALE = {W0}, {W_MAX}, {TAU_MS}, {EARLY_MS}, {STALE_MS}
 local RATE_TAU, CUT, PACE_CUT, GROW = {RATE_TAU_MS}, {CUT}, {PACE_CUT}, {GROW}
-local FIELDS = {{'w', 'ss', 'hrps', 'htps', 'lp', 'tat', 'ttat', 'lat', 'cut', 'grow', 'tail',
-  'racc', 'rt', 'n', 'n429', 'nden', 'why', 'when'}}
+local FIELDS = {{{_FIELDS}}}
 
 local now = tonumber(ARGV[1])
 if not now then
@@ -104,6 +100,7 @@ local est, lease = tonumber(ARGV[5]), tonumber(ARGV[6])
 local crps, ctps = tonumber(ARGV[7]), tonumber(ARGV[8])
 local room_ms, ttl = tonumber(ARGV[9]), tonumber(ARGV[10])
 local s = load(KEYS[1])
+s.crps, s.ctps = crps, ctps  -- for the status: the pace it shows is the one calls are held to
 
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now - STALE)
