@@ -16,7 +16,7 @@ TAU_MS = 250  # how early a paced call may go: a burst of a quarter second's pac
 EARLY_MS = 20  # a waiting round coming back this early still counts as on time
 STALE_MS = 30_000  # a waiting room ticket this overdue is dropped (its round went elsewhere)
 CUT = 0.8  # a window's cut per 429 episode
-PACE_CUT = 0.9  # a learned pace: this share of the rate calls went at when the 429 came
+PACE_CUT = 0.9  # a pace's cut per 429 episode (with none yet: of the rate calls went at)
 GROW = 0.05  # growth per saturated epoch after slow start
 
 _FIELDS = ", ".join(f"'{name}'" for name in FIELDS)
@@ -163,6 +163,13 @@ if not pace_ok then ready = math.max(ready, s.tat - TAU) end
 if not tok_ok then ready = math.max(ready, s.ttat - TAU) end
 local at = math.max(s.tail + spacing, ready)
 if not win_ok then at = math.max(at, now + spacing) end
+if ticket then
+  -- a round whose turn came and found no room keeps its place at the front of the line
+  at = math.max(ready, now + spacing)
+  redis.call('ZADD', KEYS[3], at, waiter)
+  save(s, ttl)
+  return {'wait', tostring(at - now), reason, change_of(s, crps)}
+end
 if at - now <= room_ms then
   redis.call('ZADD', KEYS[3], at, waiter)
   redis.call('PEXPIRE', KEYS[3], ttl * 1000)
@@ -171,7 +178,6 @@ if at - now <= room_ms then
   return {'wait', tostring(at - now), reason, change_of(s, crps)}
 end
 -- the room is full: come back later, at a time the caller draws (no crowd comes back at once)
-if ticket then redis.call('ZREM', KEYS[3], waiter) end
 save(s, ttl)
 return {'far', tostring(room_ms), reason, change_of(s, crps)}
 """
@@ -230,12 +236,16 @@ if kind == 'rate_limited' then
   if now - s.cut >= math.max(1.5 * s.lat, 1000) then  -- one cut per episode
     s.cut = now
     s.ss = 0
-    -- the rate calls went at: by Little's law (in flight over latency), else as granted
-    local r = granted_rate(s)
-    if s.lat > 0 then r = inflight * 1000 / s.lat end
-    r = r * PACE_CUT
+    -- a pace is cut by PACE_CUT; with none yet, one is learned: PACE_CUT of the rate calls
+    -- went at, by Little's law (in flight over latency), else as granted
     local current = pace(s, crps)
-    if r > 0 and (current == 0 or r < current) then s.lp = r end
+    local r = current
+    if r == 0 then
+      r = granted_rate(s)
+      if s.lat > 0 then r = inflight * 1000 / s.lat end
+    end
+    r = r * PACE_CUT
+    if r > 0 then s.lp = r end
     if s.hrps == 0 then
       -- no header pace: the window is cut too, but never below what the learned pace needs
       local need = 0
