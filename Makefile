@@ -10,7 +10,7 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 # twins); worker subprocesses of the fleet tests are not measured.
 COVERAGE_FLOOR := 85
 
-.PHONY: install demo test check lint types contracts cover bench chaos guests redis-server
+.PHONY: install demo test check lint types contracts cover bench bench-rate chaos guests redis-server
 
 $(PY):
 	$(PYTHON) -m venv $(VENV) || { \
@@ -60,6 +60,12 @@ bench: install
 # One scenario or more: make chaos SCENARIOS="kill faults"
 chaos: install
 	$(PY) -m bench.chaos $(SCENARIOS)
+
+# The adaptive rate controller against a provider's rate limit (not part of test): per protocol,
+# 3,600 one-call sessions at 20 requests/s, the limit halved then restored, a worker joining.
+# A 1-minute smoke run: make bench-rate BENCH_RATE_ARGS="--scale 0.25 --protocols openai"
+bench-rate: install
+	$(PY) -m bench.rate $(BENCH_RATE_ARGS)
 
 # Rebuild the committed .wasm fixtures (needs clang-14 lld-14 wasi-libc libclang-rt-14-dev-wasm32).
 guests:
