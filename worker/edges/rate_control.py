@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 SLOT_LEASE_MS = 10_000
 ROOM_MS = 10_000  # how far ahead the waiting room gives tickets
-MAX_WAIT_MS = 60_000  # the latest a waiting round comes back (well inside the broker's visibility)
+MAX_WAIT_MS = 30_000  # the latest a waiting round comes back (well inside the broker's visibility)
 TTL_S = 3_600  # a controller unused this long is forgotten (the next starts from slow start)
 
 
