@@ -46,7 +46,7 @@ from typing import Any
 import requests
 
 from bench import rate_figures as rf
-from bench.chaos_report import log_digest
+from bench.chaos_report import log_digest, remove_dumps
 from producer.client import Client
 from producer.fleet import Fleet, replay_backends
 from producer.specfile import load_spec_from_objects
@@ -209,7 +209,7 @@ def run_one(
         f"rate control log lines by reason ({len(lines)}, "
         f"{len({cid for cid, _ in lines})} controllers): {fig.rate_control or '-'}"
     )
-    run.notes.extend(["log digest:", *log_digest(workdir)])
+    run.notes.extend(["log digest:", *log_digest(workdir), *remove_dumps(workdir)])
     print(f"\n== {protocol}, {mode} ({wall:.0f} s; logs in {workdir})", flush=True)
     print("\n".join(rf.table([fig])))
     for note in run.notes:
@@ -251,6 +251,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows.append(run_one(root, protocol, adaptive, sessions, args.scale, args.timeout_s))
     print(f"\n== all runs ({sessions} sessions, scale {args.scale:g})")
     print("\n".join(rf.table(rows)))
+    print(
+        "t_end: from t0 to the end of the first second after which fewer than 2 x rps sessions "
+        "were left neither accepted nor failed (phase 3 ends there); recovery: from the restore "
+        "to the end of the first 3 s averaging >= 80% of 20/s"
+    )
     if args.json:
         args.json.write_text(json.dumps([f.as_json() for f in rows], indent=2) + "\n")
     return 0 if all(all(rf.verdicts(f)) for f in rows) else 1
