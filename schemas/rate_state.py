@@ -10,14 +10,15 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 # w window, ss slow start (1/0), hrps/htps the pace the provider's headers gave (per second),
-# lp a pace learned from 429s, crps/ctps the configured ceilings, tat/ttat the next request's
-# and token's due time (ms), lat smoothed latency (ms), cut/grow the last cut and growth (ms),
+# lp a pace learned from 429s, pmax the pace 429s came at (0: none, or left behind), crps/ctps
+# the configured ceilings, tat/ttat the next request's and token's due time (ms), lat smoothed
+# latency (ms), cut/l429/grow the last cut, 429 and growth (ms),
 # tail the waiting room's last ticket (ms), racc/rt the smoothed count of granted calls and
 # when it was last added to, n/n429/nden calls granted, 429s, and asks refused room,
 # why/when the last change and its time (ms)
 FIELDS = (
-    "w", "ss", "hrps", "htps", "lp", "crps", "ctps", "tat", "ttat", "lat", "cut", "grow", "tail",
-    "racc", "rt", "n", "n429", "nden", "why", "when",
+    "w", "ss", "hrps", "htps", "lp", "pmax", "crps", "ctps", "tat", "ttat", "lat", "cut", "l429",
+    "grow", "tail", "racc", "rt", "n", "n429", "nden", "why", "when",
 )  # fmt: skip
 RATE_TAU_MS = 5_000  # the granted rate is smoothed over about this long
 

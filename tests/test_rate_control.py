@@ -17,7 +17,7 @@ from schemas import keys
 from worker.codecs.rate_headers import RateSignal
 from worker.config import BackendConfig
 from worker.edges.rate_control import MAX_WAIT_MS, ROOM_MS, RedisRateControl
-from worker.edges.rate_control_lua import TAU_MS, W0
+from worker.edges.rate_control_lua import PACE_CUT, TAU_MS, W0
 from worker.session.rate_control import CallReport, ControlKey, Slot, Wait
 
 pytestmark = pytest.mark.fleet  # the private Redis
@@ -136,9 +136,13 @@ def test_a_429_delays_only_its_own_request(
     control: RedisRateControl, client: redis.Redis, clock: Clock
 ) -> None:
     slots = [s for s in take(control, 4) if isinstance(s, Slot)]
+    # a 429 whose Retry-After says 30 s: that wait is its own round's (a Celery countdown);
+    # the controller only spaces the next call by two of its pace's intervals
     control.report(slots[0], ok("rate_limited", requests_per_min=1200, requests_left=3), BACKEND)
-    # the controller is not frozen: another round goes at once (the 429'd one waits its
-    # Retry-After on its own, as a Celery countdown)
+    other = control.acquire(KEY, "other", 0, BACKEND)
+    pace = float(state(client)["lp"])
+    assert isinstance(other, Wait) and other.wait_s <= 2 / pace + 0.01
+    clock.ms += 1000 * (2 / pace) + 1
     assert isinstance(control.acquire(KEY, "other", 0, BACKEND), Slot)
 
 
@@ -156,9 +160,14 @@ def test_a_learned_pace_follows_the_rate_granted_before_a_429_and_grows_back(
     slot = control.acquire(KEY, "hit", 0, BACKEND)
     assert isinstance(slot, Slot)
     control.report(slot, ok("rate_limited"), BACKEND)
+    for done in running:
+        control.report(done, ok(latency_ms=1000), BACKEND)
     learned = float(state(client)["lp"])
-    assert 0.9 * 9 <= learned <= 0.9 * 11  # Little: ~10 in flight over 1 s
-    # held back by that pace for a while, it grows by 5% an epoch
+    assert PACE_CUT * 9 <= learned <= PACE_CUT * 11  # Little: ~10 in flight over 1 s
+    clock.ms += 2_000  # 429s stopped only two epochs ago: nothing grows yet
+    take(control, 10, who="q")
+    assert float(state(client)["lp"]) == learned
+    # held back by that pace for a while after the 429s stopped, it grows by 5% an epoch
     clock.ms += 2_000
     take(control, 10, who="p")
     assert float(state(client)["lp"]) == pytest.approx(learned * 1.05)
@@ -208,3 +217,20 @@ def test_the_slots_of_a_worker_that_died_come_back_when_their_lease_runs_out(
     clock.ms += control.lease_ms + 1  # nobody renewed them: their worker is gone
     assert isinstance(control.acquire(KEY, "blocked", 0, BACKEND), Slot)
     assert client.zcard(keys.rate_slots(KEY.id)) == 1
+
+
+def test_near_the_pace_429s_came_at_growth_probes_then_speeds_up_past_it(
+    control: RedisRateControl, client: redis.Redis, clock: Clock
+) -> None:
+    """Where 429s came at 10 a second, a pace of 9.95 grows by 1% of 10 an epoch; once past
+    10 with no 429 (the limit moved), by 5% again."""
+    client.hset(
+        keys.rate_controller(KEY.id),
+        mapping={"w": 64, "ss": 0, "lat": 1000, "lp": 9.95, "pmax": 10, "l429": T0 - 60_000},
+    )
+    take(control, 10)
+    assert float(state(client)["lp"]) == pytest.approx(10.05)
+    assert float(state(client)["pmax"]) == 0
+    clock.ms += 1_000
+    take(control, 10, who="s")
+    assert float(state(client)["lp"]) == pytest.approx(10.05 * 1.05)

@@ -9,7 +9,6 @@ import json
 import signal
 import threading
 import time
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -42,11 +41,11 @@ def controller(backend: str = "ctl") -> str:
 
 
 @pytest.fixture()
-def fleet_on(base_fleet: Fleet) -> Iterator[tuple[Running, ReplayServer]]:
+def fleet_on(base_fleet: Fleet) -> Iterator[tuple[Running, ReplayServer, ReplayServer]]:
     """Two llm worker processes of 32 threads against replay servers of their own."""
     replay = ReplayServer(latency_ms=2_000).start()
-    # and one that answers 90% of calls with a 429 (Retry-After: 0, no rate headers)
-    flaky = ReplayServer(latency_ms=50, faults=FaultRates(0.9, 0.0, 0, seed=7)).start()
+    # and one that answers 85% of calls with a 429 (Retry-After: 0, no rate headers)
+    flaky = ReplayServer(latency_ms=50, faults=FaultRates(0.85, 0.0, 0, seed=7)).start()
     backends = {
         **replay_backends(base_fleet.replay_url),
         "ctl": {"base_url": replay.url},
@@ -58,7 +57,7 @@ def fleet_on(base_fleet: Fleet) -> Iterator[tuple[Running, ReplayServer]]:
         running = next(fleet)
         running.fleet.env.update(env)  # the workers a test starts later see these backends too
         running.fleet.start_worker("llm", concurrency=32)
-        yield running, replay
+        yield running, replay, flaky
     finally:
         fleet.close()
         replay.stop()
@@ -66,9 +65,9 @@ def fleet_on(base_fleet: Fleet) -> Iterator[tuple[Running, ReplayServer]]:
 
 
 def test_two_worker_processes_never_hold_more_calls_than_the_window(
-    fleet_on: tuple[Running, ReplayServer], tmp_path: Path, fresh_id: str
+    fleet_on: tuple[Running, ReplayServer, ReplayServer], tmp_path: Path, fresh_id: str
 ) -> None:
-    running, replay = fleet_on
+    running, replay, _ = fleet_on
     redis = running.client.redis
     widest, most_held = [0.0], [0]
     done = threading.Event()
@@ -105,9 +104,9 @@ def test_two_worker_processes_never_hold_more_calls_than_the_window(
 
 
 def test_a_killed_workers_slots_come_back_within_their_lease(
-    fleet_on: tuple[Running, ReplayServer], tmp_path: Path, fresh_id: str
+    fleet_on: tuple[Running, ReplayServer, ReplayServer], tmp_path: Path, fresh_id: str
 ) -> None:
-    running, _ = fleet_on
+    running, _, _ = fleet_on
     redis = running.client.redis
     slots = keys.rate_slots(controller())
     sub = submit_specs(running.client, [spec(fresh_id, n) for n in range(8)], tmp_path)
@@ -131,18 +130,16 @@ def test_a_killed_workers_slots_come_back_within_their_lease(
 
 
 def test_a_session_refused_again_and_again_finishes_no_attempt_spent(
-    fleet_on: tuple[Running, ReplayServer], tmp_path: Path, fresh_id: str
+    fleet_on: tuple[Running, ReplayServer, ReplayServer], tmp_path: Path, fresh_id: str
 ) -> None:
-    running, _ = fleet_on
-    specs = [spec(fresh_id, n, "flaky") for n in range(6)]
+    running, _, flaky = fleet_on
+    specs = [spec(fresh_id, n, "flaky") for n in range(8)]
     records = dict(running.client.wait(submit_specs(running.client, specs, tmp_path), 120))
     assert all(r["status"] == "ok" for r in records.values()), records
+    # a call retried in the HTTP client fails after its 4 attempts: a session was refused
+    # more often than that, and still finished
+    assert flaky.faults()["most_429_per_turn"] > 4, flaky.faults()
     redis = running.client.redis
-    events = [e for _, fields in redis.xrange(keys.TRACE) for e in keys.trace_events(fields)]
-    waits = Counter(e["session"] for e in events if e["event"] == "rate_limit.waited")
-    # a call retried in the HTTP client fails after 4 attempts: some session waited more
-    # often than that, and still finished
-    assert max(waits.values()) > 4, waits
     for s in specs:  # a 429 spent no attempt: each round ran in one counted try
         sk = str(running.client.session_key(str(s["id"])))
         assert int(redis.get(keys.tries(keys.round_step(sk, 0))) or 0) <= 1

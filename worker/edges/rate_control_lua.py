@@ -16,13 +16,17 @@ TAU_MS = 250  # how early a paced call may go: a burst of a quarter second's pac
 EARLY_MS = 20  # a waiting round coming back this early still counts as on time
 STALE_MS = 30_000  # a waiting room ticket this overdue is dropped (its round went elsewhere)
 CUT = 0.8  # a window's cut per 429 episode
-PACE_CUT = 0.9  # a pace's cut per 429 episode (with none yet: of the rate calls went at)
+PACE_CUT = 0.8  # a pace's cut per 429 episode (with none yet: of the rate calls went at)
 GROW = 0.05  # growth per saturated epoch after slow start
+PROBE = 0.01  # near the pace 429s came at, a pace grows by this share of it an epoch
+MIN_PACE = 0.05  # a learned pace never falls below (3 calls a minute)
+STORM_MS = 10_000  # 429 episodes this close to the last are one storm
 
 _FIELDS = ", ".join(f"'{name}'" for name in FIELDS)
 _PRELUDE = f"""
 local W0, W_MAX, TAU, EARLY, STALE = {W0}, {W_MAX}, {TAU_MS}, {EARLY_MS}, {STALE_MS}
-local RATE_TAU, CUT, PACE_CUT, GROW = {RATE_TAU_MS}, {CUT}, {PACE_CUT}, {GROW}
+local RATE_TAU, CUT, PACE_CUT, GROW, PROBE = {RATE_TAU_MS}, {CUT}, {PACE_CUT}, {GROW}, {PROBE}
+local MIN_PACE, STORM_MS = {MIN_PACE}, {STORM_MS}
 local FIELDS = {{{_FIELDS}}}
 
 local now = tonumber(ARGV[1])
@@ -50,6 +54,7 @@ local function save(s, ttl)
   redis.call('HSET', KEYS[1], unpack(args))
   redis.call('EXPIRE', KEYS[1], ttl)
   redis.call('HSET', KEYS[4], ARGV[2], now)
+  redis.call('EXPIRE', KEYS[4], ttl)
 end
 
 -- the pace a call is held to: the provider's, a learned one below it, a configured ceiling
@@ -114,8 +119,9 @@ local p, tp = pace(s, crps), token_pace(s, ctps)
 local win_ok = inflight < math.max(math.floor(s.w), 1)
 local pace_ok = p == 0 or s.tat <= now + TAU
 local tok_ok = tp == 0 or s.ttat <= now + TAU
--- growth waits an epoch (a call's time: none grows before a call has ended) and a cut's calm
-local calm = s.lat > 0 and now - s.cut >= math.max(1.5 * s.lat, 1000)
+-- growth waits an epoch (a call's time: none grows before a call has ended), and for 429s to
+-- have stopped for three of them
+local calm = s.lat > 0 and now - s.l429 >= math.max(3 * s.lat, 3000)
   and now - s.grow >= math.max(s.lat, 100)
 if not win_ok and calm then
   -- the window was used up: it grows, doubling in slow start
@@ -129,8 +135,14 @@ if not win_ok and calm then
   s.grow = now
   win_ok = inflight < math.floor(s.w)
 elseif win_ok and not pace_ok and s.lp > 0 and calm then
-  -- a pace learned from 429s grows back while it is what holds calls back
-  s.lp = s.lp * (1 + GROW)
+  -- a pace learned from 429s grows back while it is what holds calls back: gently near the
+  -- pace the 429s came at, faster once past it without one (the limit moved)
+  if s.pmax > 0 and s.lp >= (1 - GROW) * s.pmax then
+    s.lp = s.lp + PROBE * s.pmax
+  else
+    s.lp = s.lp * (1 + GROW)
+  end
+  if s.pmax > 0 and s.lp > s.pmax then s.pmax = 0 end
   if s.hrps > 0 and s.lp >= s.hrps then s.lp = 0 end
   s.grow = now
   changed(s, 'grow')
@@ -233,7 +245,10 @@ end
 
 if kind == 'rate_limited' then
   s.n429 = s.n429 + 1
+  s.l429 = now
   if now - s.cut >= math.max(1.5 * s.lat, 1000) then  -- one cut per episode
+    -- the pace 429s came at: where a storm of them began (its later cuts are not the limit)
+    local fresh = now - s.cut >= STORM_MS
     s.cut = now
     s.ss = 0
     -- a pace is cut by PACE_CUT; with none yet, one is learned: PACE_CUT of the rate calls
@@ -244,8 +259,10 @@ if kind == 'rate_limited' then
       r = granted_rate(s)
       if s.lat > 0 then r = inflight * 1000 / s.lat end
     end
-    r = r * PACE_CUT
-    if r > 0 then s.lp = r end
+    if r > 0 then
+      if fresh or s.pmax == 0 then s.pmax = r end
+      s.lp = math.max(r * PACE_CUT, MIN_PACE)
+    end
     if s.hrps == 0 then
       -- no header pace: the window is cut too, but never below what the learned pace needs
       local need = 0
@@ -254,6 +271,10 @@ if kind == 'rate_limited' then
     end
     changed(s, '429 cut')
   end
+  -- every 429 spaces the next call by two of the pace's intervals, its burst credit gone: a
+  -- provider that counts refused calls against the limit is let out of debt, not kept in it
+  local p = pace(s, crps)
+  if p > 0 then s.tat = math.max(s.tat, now + TAU + 2000 / p) end
 end
 save(s, ttl)
 local paced = 0
