@@ -72,7 +72,9 @@ def test_a_rate_limited_round_is_traced_and_counted() -> None:
         ("replay", 500, "round", "t/1"),
         ("replay", 250, "round", "t/1"),
     ]
-    assert all(set(e) == {"event", "session", "ts_ms", "kind", "backend", "wait_ms"} for e in waits)
+    expected = {"event", "session", "ts_ms", "kind", "backend", "wait_ms", "reason"}
+    assert all(set(e) == expected for e in waits)
+    assert {e["reason"] for e in waits} == {"window"}
     # what the put-off tries had made is gone with them: one start of the model call
     assert [e["event"] for e in events].count("model.call.started") == 1
     registry = counted(*events)

@@ -9,6 +9,7 @@ import json
 import signal
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from fixtures.replay import ReplayServer
-from fixtures.replay.faults import FaultRates
+from fixtures.replay.rate_limit import RateLimits
 from producer.fleet import Fleet, replay_backends
 from producer.fleet_status import read_fleet_status
 from producer.metrics import FleetGauges
@@ -44,8 +45,9 @@ def controller(backend: str = "ctl") -> str:
 def fleet_on(base_fleet: Fleet) -> Iterator[tuple[Running, ReplayServer, ReplayServer]]:
     """Two llm worker processes of 32 threads against replay servers of their own."""
     replay = ReplayServer(latency_ms=2_000).start()
-    # and one that answers 85% of calls with a 429 (Retry-After: 0, no rate headers)
-    flaky = ReplayServer(latency_ms=50, faults=FaultRates(0.85, 0.0, 0, seed=7)).start()
+    # and one whose account allows 50 calls a second (its headers say so), where the
+    # rate_limited scenario refuses a conversation [[refusals:N]] times first
+    flaky = ReplayServer(latency_ms=50, rate_limits=RateLimits(rps=50)).start()
     backends = {
         **replay_backends(base_fleet.replay_url),
         "ctl": {"base_url": replay.url},
@@ -133,13 +135,20 @@ def test_a_session_refused_again_and_again_finishes_no_attempt_spent(
     fleet_on: tuple[Running, ReplayServer, ReplayServer], tmp_path: Path, fresh_id: str
 ) -> None:
     running, _, flaky = fleet_on
-    specs = [spec(fresh_id, n, "flaky") for n in range(8)]
+    refusals = 6  # a call retried in the HTTP client fails after its 4 attempts
+    markers = f"[[refusals:{refusals}]] [[retry_after:0]]"
+    specs = [
+        {"id": f"{fresh_id}/rc/{n}", "provider": "flaky", "model": "replay/rate_limited",
+         "messages": [{"role": "user", "content": f"hi {n} {markers}"}]}
+        for n in range(4)
+    ]  # fmt: skip
     records = dict(running.client.wait(submit_specs(running.client, specs, tmp_path), 120))
     assert all(r["status"] == "ok" for r in records.values()), records
-    # a call retried in the HTTP client fails after its 4 attempts: a session was refused
-    # more often than that, and still finished
-    assert flaky.faults()["most_429_per_turn"] > 4, flaky.faults()
+    assert flaky.faults()["most_429_per_turn"] == refusals
     redis = running.client.redis
-    for s in specs:  # a 429 spent no attempt: each round ran in one counted try
+    events = [e for _, fields in redis.xrange(keys.TRACE) for e in keys.trace_events(fields)]
+    put_off = Counter(e["session"] for e in events if e.get("reason") == "429")
+    assert put_off == {s["id"]: refusals for s in specs}  # each 429 put its round off once
+    for s in specs:  # and spent no attempt: each round ran in one counted try
         sk = str(running.client.session_key(str(s["id"])))
         assert int(redis.get(keys.tries(keys.round_step(sk, 0))) or 0) <= 1

@@ -281,10 +281,11 @@ class RetryLater(StepControl):
 
 
 class RateLimited(StepControl):
-    def __init__(self, wait_s: float, backend: str = "") -> None:
+    def __init__(self, wait_s: float, backend: str = "", reason: str = "") -> None:
         super().__init__(f"rate limited for {wait_s:.2f} s")
         self.wait_s = wait_s
         self.backend = backend  # the backend's name (an id)
+        self.reason = reason  # "429", or what had no room: window, pace, tokens, queued
 
 
 class StepDeadLettered(StepControl):

@@ -135,7 +135,7 @@ class ModelCaller:
         estimated = estimate_tokens(chat) if self.control.paces_tokens(key, backend) else 0
         slot = self.control.acquire(key, waiter or uuid.uuid4().hex, estimated, backend)
         if isinstance(slot, Wait):
-            raise RateLimited(slot.wait_s, backend.name)
+            raise RateLimited(slot.wait_s, backend.name, slot.reason)
         started = time.monotonic()
         kind: CallKind = "failed"
         result: Completion | None = None
@@ -148,7 +148,7 @@ class ModelCaller:
             kind = "rate_limited"
             signal = exc.signal if isinstance(exc.signal, RateSignal) else None
             wait_s = max(exc.retry_after_s or 0.0, RETRY_AFTER_MIN_S)
-            raise RateLimited(wait_s, backend.name) from None
+            raise RateLimited(wait_s, backend.name, "429") from None
         finally:
             completion = result.completion if result is not None else {}
             used = int((completion.get("usage") or {}).get("total_tokens", 0) or 0)

@@ -50,6 +50,7 @@ class TraceEvent:
     kind: str | None = None  # the step's kind (keys.step_kind), with step_ms or wait_ms
     step_ms: int | None = None  # how long the step's body ran, on its last event
     wait_ms: int | None = None  # rate_limit.waited: how long the step is put off
+    reason: str | None = None  # rate_limit.waited: "429", or what had no room (window, pace...)
     nudged: int | None = None  # reconciler.pass: sessions nudged
     forgotten: int | None = None  # reconciler.pass: sessions forgotten (spec expired)
     overdue: int | None = None  # reconciler.pass: sessions ended past the fleet's deadline
@@ -93,6 +94,7 @@ def rate_limit_waited(session: str, step: str, waited: RateLimited) -> TraceEven
         kind=keys.step_kind(step),
         backend=waited.backend or None,
         wait_ms=round(waited.wait_s * 1000),
+        reason=waited.reason or None,
     )
 
 
