@@ -25,6 +25,7 @@ from schemas import keys
 from tests.conftest import Running, _workers
 from tests.test_pipeline import submit_specs, wait_for
 from worker.edges.rate_control import SLOT_LEASE_MS
+from worker.edges.rate_control_lua import W0
 from worker.session.rate_control import ControlKey
 
 pytestmark = pytest.mark.fleet
@@ -90,9 +91,9 @@ def test_two_worker_processes_never_hold_more_calls_than_the_window(
     done.set()
     watcher.join(timeout=5)
     assert all(r["status"] == "ok" for r in records.values()), records
-    # 64 threads and 48 sessions, but the window started at 16 and doubles at most once a
-    # call's time (2 s): the provider saw no more at once than the window held
-    assert 0 < widest[0] < 48
+    # the window started at 16 and doubled while used up, once a second: the provider never
+    # saw more calls at once than the window held
+    assert widest[0] > W0
     assert replay.stats()["max_in_flight"] <= widest[0]
     assert most_held[0] <= widest[0]
     # what `cchatq status` and the metrics exporter show of it

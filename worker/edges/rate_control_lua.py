@@ -41,10 +41,14 @@ local function load(key)
   for i, f in ipairs(FIELDS) do
     if f == 'why' then s[f] = values[i] or '' else s[f] = tonumber(values[i]) or 0 end
   end
-  if s.w <= 0 then s.w = W0; s.ss = 1 end
+  if s.w <= 0 then  -- a new controller: its first epoch starts now
+    s.w, s.ss, s.grow, s.new = W0, 1, now, 1
+  end
   return s
 end
 
+-- the state written back; its keys' TTLs (and the index) renewed when it is new, when it
+-- changed, and every 64th call: not on each call, which costs Redis a command apiece
 local function save(s, ttl)
   local args = {{}}
   for _, f in ipairs(FIELDS) do
@@ -52,9 +56,19 @@ local function save(s, ttl)
     args[#args + 1] = tostring(s[f])
   end
   redis.call('HSET', KEYS[1], unpack(args))
-  redis.call('EXPIRE', KEYS[1], ttl)
-  redis.call('HSET', KEYS[4], ARGV[2], now)
-  redis.call('EXPIRE', KEYS[4], ttl)
+  if s.new or s.changed or s.n % 64 == 0 then
+    redis.call('EXPIRE', KEYS[1], ttl)
+    redis.call('PEXPIRE', KEYS[2], ttl * 1000)
+    redis.call('HSET', KEYS[4], ARGV[2], now)
+    redis.call('EXPIRE', KEYS[4], ttl)
+  end
+end
+
+-- an epoch: a call's time, between 0.1 and 1 s (a slow model must not slow the growth of a
+-- window it has not tried yet: 429s come back at once)
+local function epoch(s)
+  if s.lat <= 0 then return 1000 end
+  return math.min(math.max(s.lat, 100), 1000)
 end
 
 -- the pace a call is held to: the provider's, a learned one below it, a configured ceiling
@@ -107,22 +121,24 @@ local room_ms, ttl = tonumber(ARGV[9]), tonumber(ARGV[10])
 local s = load(KEYS[1])
 s.crps, s.ctps = crps, ctps  -- for the status: the pace it shows is the one calls are held to
 
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
-redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now - STALE)
-local ticket = tonumber(redis.call('ZSCORE', KEYS[3], waiter))
+-- a ticket is looked for only while the room may hold one (a ticket this stale is dropped)
+local ticket = nil
+if s.tail > now - STALE then ticket = tonumber(redis.call('ZSCORE', KEYS[3], waiter)) end
 if ticket and ticket > now + EARLY then
   return {'wait', tostring(ticket - now), 'queued', {}}
 end
 
 local inflight = redis.call('ZCARD', KEYS[2])
+if inflight >= math.max(math.floor(s.w), 1) then  -- full: drop the slots whose lease ran out
+  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+  inflight = redis.call('ZCARD', KEYS[2])
+end
 local p, tp = pace(s, crps), token_pace(s, ctps)
 local win_ok = inflight < math.max(math.floor(s.w), 1)
 local pace_ok = p == 0 or s.tat <= now + TAU
 local tok_ok = tp == 0 or s.ttat <= now + TAU
--- growth waits an epoch (a call's time: none grows before a call has ended), and for 429s to
--- have stopped for three of them
-local calm = s.lat > 0 and now - s.l429 >= math.max(3 * s.lat, 3000)
-  and now - s.grow >= math.max(s.lat, 100)
+-- growth waits an epoch, and for 429s to have stopped for three of them
+local calm = now - s.l429 >= 3 * epoch(s) and now - s.grow >= epoch(s)
 if not win_ok and calm then
   -- the window was used up: it grows, doubling in slow start
   if s.ss == 1 then
@@ -150,7 +166,6 @@ end
 
 if win_ok and pace_ok and tok_ok then
   redis.call('ZADD', KEYS[2], now + lease, slot)
-  redis.call('PEXPIRE', KEYS[2], lease + ttl * 1000)
   if p > 0 then s.tat = math.max(s.tat, now - TAU) + 1000 / p end
   if tp > 0 then s.ttat = math.max(s.ttat, now - TAU) + est * 1000 / tp end
   if ticket then redis.call('ZREM', KEYS[3], waiter) end
@@ -164,6 +179,7 @@ end
 -- no room: a ticket in the waiting room, spaced by the pace (or the window's turnover) so
 -- that waiting rounds come back one by one, not all at once
 s.nden = s.nden + 1
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now - STALE)
 local reason = 'tokens'
 if not win_ok then reason = 'window' elseif not pace_ok then reason = 'pace' end
 local spacing = 0
@@ -210,7 +226,6 @@ local rpm, left_req, reset_req = tonumber(ARGV[11]), tonumber(ARGV[12]), tonumbe
 local tpm, left_tok, reset_tok = tonumber(ARGV[14]), tonumber(ARGV[15]), tonumber(ARGV[16])
 local s = load(KEYS[1])
 
-local inflight = redis.call('ZCARD', KEYS[2])
 redis.call('ZREM', KEYS[2], slot)
 if kind == 'ok' then
   if s.lat == 0 then s.lat = took else s.lat = s.lat * 0.8 + took * 0.2 end
@@ -246,6 +261,7 @@ end
 if kind == 'rate_limited' then
   s.n429 = s.n429 + 1
   s.l429 = now
+  local inflight = redis.call('ZCARD', KEYS[2]) + 1  -- this call among them
   if now - s.cut >= math.max(1.5 * s.lat, 1000) then  -- one cut per episode
     -- the pace 429s came at: where a storm of them began (its later cuts are not the limit)
     local fresh = now - s.cut >= STORM_MS
