@@ -7,6 +7,7 @@ with the worker that held them."""
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from collections.abc import Iterator
 
 import pytest
@@ -234,3 +235,14 @@ def test_near_the_pace_429s_came_at_growth_probes_then_speeds_up_past_it(
     clock.ms += 1_000
     take(control, 10, who="s")
     assert float(state(client)["lp"]) == pytest.approx(10.05 * 1.05)
+
+
+def test_in_slow_start_a_waiting_round_comes_back_by_the_epoch_the_window_will_have_room(
+    control: RedisRateControl, client: redis.Redis, clock: Clock
+) -> None:
+    """Nothing known of a limit: the window doubles each epoch (1 s before a call has ended),
+    so of 112 rounds asking at once, 16 go, 16 come back in one epoch, 32 in two, 48 in three."""
+    got = take(control, 16 + 16 + 32 + 48)
+    assert all(isinstance(s, Slot) for s in got[:16])
+    waits = Counter(round(w.wait_s) for w in got[16:] if isinstance(w, Wait))
+    assert waits == {1: 16, 2: 32, 3: 48}

@@ -191,6 +191,19 @@ if not pace_ok then ready = math.max(ready, s.tat - TAU) end
 if not tok_ok then ready = math.max(ready, s.ttat - TAU) end
 local at = math.max(s.tail + spacing, ready)
 if not win_ok then at = math.max(at, now + spacing) end
+if s.ss == 1 and reason == 'window' and p == 0 then
+  -- slow start, nothing known of a limit: the window doubles each epoch, so the round's turn
+  -- is the epoch by which it will have doubled enough for those ahead of it and for it
+  local ahead = 0  -- a round whose turn came keeps its place: the next epoch is its
+  if not ticket then ahead = redis.call('ZCARD', KEYS[3]) end
+  local w = math.max(math.floor(s.w), 1)
+  at = now + epoch(s) * math.max(1, math.ceil(math.log((ahead + 1 + w) / w) / math.log(2)))
+  redis.call('ZADD', KEYS[3], at, waiter)
+  redis.call('PEXPIRE', KEYS[3], ttl * 1000)
+  s.tail = math.max(s.tail, at)
+  save(s, ttl)
+  return {'wait', tostring(at - now), reason, change_of(s, crps)}
+end
 if ticket then
   -- a round whose turn came and found no room keeps its place at the front of the line
   at = math.max(ready, now + spacing)
