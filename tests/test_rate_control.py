@@ -52,7 +52,8 @@ def clock() -> Clock:
 
 @pytest.fixture
 def control(client: redis.Redis, clock: Clock) -> RedisRateControl:
-    return RedisRateControl(client, clock_ms=clock, rand=lambda: 0.5)
+    # every call reports in full here: the law is under test, not the sampling of latencies
+    return RedisRateControl(client, clock_ms=clock, rand=lambda: 0.5, full_every=1)
 
 
 def state(client: redis.Redis) -> dict[str, str]:
@@ -246,3 +247,14 @@ def test_in_slow_start_a_waiting_round_comes_back_by_the_epoch_the_window_will_h
     assert all(isinstance(s, Slot) for s in got[:16])
     waits = Counter(round(w.wait_s) for w in got[16:] if isinstance(w, Wait))
     assert waits == {1: 16, 2: 32, 3: 48}
+
+
+def test_a_call_with_nothing_to_teach_mostly_just_gives_its_slot_back(
+    client: redis.Redis, clock: Clock
+) -> None:
+    control = RedisRateControl(client, clock_ms=clock, full_every=4)
+    slots = [s for s in take(control, 8) if isinstance(s, Slot)]
+    for slot in slots:
+        control.report(slot, ok(latency_ms=500), BACKEND)
+    assert client.zcard(keys.rate_slots(KEY.id)) == 0  # every slot given back
+    assert float(state(client)["lat"]) == pytest.approx(500)  # two of them said how long

@@ -44,6 +44,7 @@ SLOT_LEASE_MS = 10_000
 ROOM_MS = 10_000  # how far ahead the waiting room gives tickets
 MAX_WAIT_MS = 30_000  # the latest a waiting round comes back (well inside the broker's visibility)
 TTL_S = 3_600  # a controller unused this long is forgotten (the next starts from slow start)
+FULL_EVERY = 16  # of the calls with nothing to teach but their latency, one in this reports it
 
 
 class RedisRateControl:
@@ -53,6 +54,7 @@ class RedisRateControl:
         clock_ms: Callable[[], float] | None = None,
         rand: Callable[[], float] = random.random,
         lease_ms: int = SLOT_LEASE_MS,
+        full_every: int = FULL_EVERY,
     ) -> None:
         self.client: Any = client
         self._clock_ms = clock_ms  # None: Redis's clock (the tests pass a fake one)
@@ -65,6 +67,8 @@ class RedisRateControl:
         self._lock = threading.Lock()
         self._pid = 0
         self._tokens_paced: set[str] = set()  # controllers whose calls need a token estimate
+        self._quiet = 0  # calls that had nothing to teach but their latency
+        self._full_every = full_every
 
     def _now(self) -> str:
         return "" if self._clock_ms is None else repr(float(self._clock_ms()))
@@ -92,8 +96,18 @@ class RedisRateControl:
         return Wait(max(wait_ms, 1.0) / 1000, reason)
 
     def report(self, slot: Slot, report: CallReport, backend: BackendConfig) -> Change | None:
-        rps, tps = backend_ceilings(backend)
         said = report.signal or RateSignal()
+        if report.kind == "ok" and said.empty and not self.paces_tokens(slot.key, backend):
+            # nothing to learn but the latency: most such calls only give their slot back
+            # (one command, not a script's eight); every FULL_EVERY-th still reports it
+            self._quiet += 1
+            if self._quiet % self._full_every:
+                try:
+                    self.client.zrem(keys.rate_slots(slot.key.id), slot.member)
+                except redis.RedisError as exc:
+                    raise StoreError(f"rate control: {type(exc).__name__}") from exc
+                return None
+        rps, tps = backend_ceilings(backend)
         try:
             answer = self._report(
                 keys=_keys(slot.key),
