@@ -85,11 +85,6 @@ local function token_pace(s, ceiling)
   return p
 end
 
-local function granted_rate(s)
-  if s.rt == 0 then return 0 end
-  return s.racc * math.exp(-(now - s.rt) / RATE_TAU) * 1000 / RATE_TAU
-end
-
 local function latency(s)
   if s.lat > 0 then return s.lat end
   return 1000  -- no call has ended yet
@@ -284,9 +279,8 @@ if kind == 'rate_limited' then
     -- went at, by Little's law (in flight over latency), else as granted
     local current = pace(s, crps)
     local r = current
-    if r == 0 then
-      r = granted_rate(s)
-      if s.lat > 0 then r = inflight * 1000 / s.lat end
+    if r == 0 then  -- Little's law, a one-second call while none has said how long it takes
+      r = inflight * 1000 / latency(s)
     end
     if r > 0 then
       if fresh or s.pmax == 0 then s.pmax = r end
@@ -295,7 +289,7 @@ if kind == 'rate_limited' then
     if s.hrps == 0 then
       -- no header pace: the window is cut too, but never below what the learned pace needs
       local need = 0
-      if s.lp > 0 then need = 2 * s.lp * latency(s) / 1000 end
+      if s.lp > 0 then need = 1.5 * s.lp * latency(s) / 1000 end
       s.w = math.max(1, math.min(s.w, inflight) * CUT, math.min(s.w, need))
     end
     changed(s, '429 cut')
