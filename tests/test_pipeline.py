@@ -652,7 +652,7 @@ def test_cli_batch_list_status_results_and_cancel(
     specs = [
         {"id": f"{fresh_id}/b/{n}", "model": "replay/plain",
          "messages": [{"role": "user", "content": f"hi {n}{marker}"}]}
-        for n, marker in enumerate(["", "", " [[latency_ms:8000]]"])
+        for n, marker in enumerate(["", "", " [[latency_ms:15000]]"])
     ]  # fmt: skip
     path = tmp_path / "batch.jsonl"
     path.write_text("".join(json.dumps(s) + "\n" for s in specs))
@@ -672,7 +672,8 @@ def test_cli_batch_list_status_results_and_cancel(
         specs[0]["id"], specs[1]["id"]
     ]  # fmt: skip
     assert "cancel requested for 1 sessions" in cli("batch", "cancel", batch).stdout
-    wait_for(lambda: status()["states"].get("done") == 3, timeout_s=30)
+    # the cancelled one ends when its model call does (cancellation is read between steps)
+    wait_for(lambda: status()["states"].get("done") == 3, timeout_s=60)
     assert status()["outcomes"] == {"ok": 2, "cancelled": 1}
     full = cli("batch", "results", batch, "--out", str(out))
     lines = [json.loads(x) for x in out.read_text().splitlines()]
