@@ -216,7 +216,8 @@ class HttpProvider:
                 preload_content=not request.stream,
                 redirect=False,
             )
-            signal = read_rate_signal(resp.headers, time.time())
+            # only an adaptive backend's rate controller reads what the headers say
+            signal = read_rate_signal(resp.headers, time.time()) if backend.adaptive else None
             try:
                 return self._reply(resp, request, body, attempt, start, on_delta, signal), signal
             finally:
@@ -244,7 +245,7 @@ class HttpProvider:
         attempt: int,
         start: float,
         on_delta: DeltaSink | None,
-        signal: RateSignal,
+        signal: RateSignal | None,
     ) -> dict[str, Any] | ProviderRetryableError:
         backend, status = self._backend, resp.status
         content_type = resp.headers.get("content-type", "")

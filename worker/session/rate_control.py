@@ -7,6 +7,7 @@ controllers in Redis.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ class ControlKey:
         return f"{self.backend}/{self.account}/{self.model}"
 
 
+@functools.lru_cache(maxsize=64)  # a call's controller is found on every model call
 def account_of(api_key: str | None) -> str:
     """The account an API key names, as a short digest (ids only reach Redis and logs)."""
     if not api_key:
