@@ -15,6 +15,7 @@ from producer.batch import result_line
 from producer.cli_batches import cmd_batch, cmd_submit
 from producer.cli_common import EXIT_OK, EXIT_REJECTED, flower_links, redis_url
 from producer.cli_programs import cmd_demo, cmd_run, cmd_stream
+from producer.cli_view import add_view_parser
 from producer.client import Client
 from producer.fleet import worker_command
 from producer.fleet_status import read_fleet_status
@@ -238,6 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("id")
     p.add_argument("--follow", action="store_true", help="wait for events until it finishes")
     p.set_defaults(fn=cmd_trace)
+
+    add_view_parser(sub)
 
     p = sub.add_parser("metrics", help="serve the fleet's Prometheus metrics (reads Redis)")
     p.add_argument("--port", type=int, default=9808)
