@@ -56,8 +56,9 @@ def run_viewer(
     host: str,
     port: int,
     token: str | None,
-    stream: TextIO = sys.stderr,
+    stream: TextIO | None = None,
 ) -> int:
+    stream = stream or sys.stderr
     if not is_loopback(host) and not token:
         print(
             f"cchatq view: --host {host} is not a loopback address: it needs --token T "

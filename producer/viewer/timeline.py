@@ -67,12 +67,14 @@ class _Builder:
             self._tool_ended(event, call)
             self.ready = ts if self.ready is None else max(self.ready, ts)
         elif name == "rate_limit.waited":
+            kind = event.get("kind") or "step"
+            self._queue_wait(event, self.ready, f"queued: {kind}", round_no)
             wait = _int(event.get("wait_ms")) or 0
             reason = event.get("reason") or "rate limit"
             self.steps.append(
                 TimelineStep(
                     kind="rate_wait",
-                    label=f"rate-limit wait ({event.get('kind') or 'step'})",
+                    label=f"rate-limit wait ({kind})",
                     at_ms=ts,
                     ms=wait,
                     worker=event.get("worker"),
