@@ -292,3 +292,29 @@ def source_session(source: FileSource, spec_id: str) -> SessionFacts:
     facts = source.session(spec_id)
     assert facts is not None
     return facts
+
+
+def test_a_running_session_shows_its_spec_state_and_streamed_text() -> None:
+    facts = SessionFacts(
+        spec_id="s1",
+        state="running",
+        state_text="round 1",
+        events=two_round_events()[:4],
+        partial_text="Resu",
+        spec={"model": "replay/two_rounds", "messages": [{"role": "user", "content": "Add"}]},
+        flower=("kwargs:session=s1", "http://flower/api/tasks?search=x"),
+    )
+    view = session_view(facts)
+    assert (view.status, view.state, view.live, view.partial_text) == (
+        "running",
+        "round 1",
+        True,
+        "Resu",
+    )
+    assert [m.content for m in view.messages] == ["Add"] and view.model == "replay/two_rounds"
+    assert [s.label for s in view.timeline] == [
+        "round 0: model call",
+        "queued: calculate call_0_0",
+        "tool calculate call_0_0 (no end yet)",
+    ]
+    assert view.has_trace and view.flower_search == "kwargs:session=s1"

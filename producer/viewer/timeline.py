@@ -97,6 +97,35 @@ class _Builder:
                 )
             )
 
+    def unfinished(self) -> None:
+        """A model call or tool call that started and has no end yet: running (or its end
+        was never written), shown from its start with no length."""
+        for round_no, started in self.rounds.items():
+            self.steps.append(
+                TimelineStep(
+                    kind="round",
+                    label=f"round {round_no}: model call (no end yet)",
+                    at_ms=_ts(started),
+                    ms=None,
+                    round=round_no,
+                    worker=started.get("worker"),
+                )
+            )
+        for (round_no, call_id), started in self.tools.items():
+            tool = str(started.get("tool") or "tool")
+            self.steps.append(
+                TimelineStep(
+                    kind="tool",
+                    label=f"tool {tool} {call_id} (no end yet)",
+                    at_ms=_ts(started),
+                    ms=None,
+                    round=round_no,
+                    call_id=call_id,
+                    tool=tool,
+                    worker=started.get("worker"),
+                )
+            )
+
     def _queue_wait(
         self,
         event: Event,
@@ -196,6 +225,7 @@ def timeline(events: Sequence[Event], submitted_ms: int | None = None) -> tuple[
     builder = _Builder(submitted_ms)
     for event in sorted(events, key=_ts):  # stable: a step's events keep their order
         builder.add(event)
+    builder.unfinished()
     steps = sorted(builder.steps, key=lambda s: s.at_ms)
     if not steps:
         return ()
