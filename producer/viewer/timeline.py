@@ -83,12 +83,13 @@ class _Builder:
             )
             self.ready = ts + wait  # the wait is its own step, not the queue's
         elif name == "session.finished":
+            self._step_time(event)
             self.steps.append(
                 TimelineStep(
                     kind="finish",
                     label="finished" if not event.get("error") else f"ended: {event['error']}",
                     at_ms=ts,
-                    ms=_int(event.get("step_ms")),
+                    ms=None,  # a moment; the step it ended in has its own time
                     worker=event.get("worker"),
                     error=event.get("error"),
                     detail=f"session latency {event.get('latency_ms')} ms"
@@ -96,6 +97,19 @@ class _Builder:
                     else "",
                 )
             )
+
+    def _step_time(self, event: Event) -> None:
+        """The step time a step's last event carries (`kind`, `step_ms`), told on that step's
+        row: session.finished rides the round that ended the session."""
+        kind, step_ms = event.get("kind"), _int(event.get("step_ms"))
+        if step_ms is None:
+            return
+        for n in range(len(self.steps) - 1, -1, -1):
+            step = self.steps[n]
+            if step.kind == kind and "step " not in step.detail:
+                detail = ", ".join(d for d in (step.detail, f"step {step_ms} ms") if d)
+                self.steps[n] = replace(step, detail=detail)
+                return
 
     def unfinished(self) -> None:
         """A model call or tool call that started and has no end yet: running (or its end
