@@ -5,6 +5,7 @@ holding `/` and `#`, 404 pages, the token rule and the Host check; and the comma
 from __future__ import annotations
 
 import re
+import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +18,8 @@ from producer.cli import main
 from producer.viewer.app import HERE, create_app
 from producer.viewer.auth import COOKIE, host_name, is_loopback
 from producer.viewer.file_source import FileSource
+from producer.viewer.fleet_source import redacted
+from producer.viewer.model import RunRow
 from producer.viewer.serve import run_viewer
 from tests.viewer_data import HOSTILE, program_line, session_line, write_lines
 
@@ -194,6 +197,24 @@ def test_templates_never_turn_escaping_off() -> None:
         assert "autoescape" not in text and "Markup" not in text, template.name
 
 
+class Broken(FileSource):
+    def runs(self) -> list[RunRow]:
+        raise ConnectionError("gone")
+
+
+def test_a_source_that_fails_gets_a_503_page(results: Path) -> None:
+    app = create_app(Broken([results]))
+    with TestClient(app, base_url=BASE, raise_server_exceptions=False) as client:
+        page = client.get("/")
+        assert page.status_code == 503 and "could not be read (ConnectionError)" in page.text
+        assert client.get("/api/runs").json()["error"].startswith("files results.jsonl")
+
+
+def test_a_redis_url_is_shown_without_its_password() -> None:
+    assert redacted("redis://:pw@host:6380/2") == "redis://:***@host:6380/2"
+    assert redacted("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+
+
 # the command -------------------------------------------------------------------------------
 
 
@@ -210,6 +231,18 @@ def test_a_malformed_results_file_is_refused(
     path.write_text("{}\n")
     assert main(["view", str(path), "--port", "0"]) == 2
     assert "bad.jsonl:1: not a result line" in capsys.readouterr().err
+
+
+def test_no_redis_is_refused_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.setenv("REDIS_URL", f"redis://127.0.0.1:{port}/0")
+    assert main(["view", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"no Redis answers at redis://127.0.0.1:{port}/0" in err
 
 
 def test_without_the_extra_the_command_says_how_to_install_it(

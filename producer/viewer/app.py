@@ -100,7 +100,7 @@ class Viewer:
         message = f"No {what} {key} in {self.source.label}."
         if api:
             return JSONResponse({"error": message}, status_code=404)
-        return self.page(request, "not_found.html", 404, message=message)
+        return self.page(request, "not_found.html", 404, message=message, title="Not found")
 
     # pages -----------------------------------------------------------------------------------
 
@@ -192,13 +192,19 @@ def create_app(
             source.close()
 
     def unknown(request: Request, exc: Exception) -> Response:
-        return viewer.page(
-            request, "not_found.html", 404, message=f"No page at {request.url.path}."
-        )
+        message = f"No page at {request.url.path}."
+        return viewer.page(request, "not_found.html", 404, message=message, title="Not found")
+
+    def failed(request: Request, exc: Exception) -> Response:
+        """A source that failed (Redis gone): said on a page; the server logs the traceback."""
+        message = f"{source.label} could not be read ({type(exc).__name__}): try again."
+        if request.url.path.startswith("/api/"):
+            return JSONResponse({"error": message}, status_code=503)
+        return viewer.page(request, "not_found.html", 503, message=message, title="Unavailable")
 
     return Starlette(
         routes=routes,
         middleware=[Middleware(Gate, token=token, hosts=hosts)],
-        exception_handlers={404: unknown},
+        exception_handlers={404: unknown, Exception: failed},
         lifespan=lifespan,
     )
