@@ -1,9 +1,12 @@
 """FleetSource: the viewer over a live fleet's Redis, through producer.client.Client (Batches,
 SessionLookups) and the key layout (schemas/keys.py). Reads only, in pipelines.
 
-What never changes is read once: a finished session's row (its record is written once), and
-which members of a batch are program runs (its chunk lists). A batch that has finished is read
-again at most every DONE_TTL_S (a rerun of one of its ids makes it run again)."""
+The fleet's Redis is shared with its workers, so the viewer reads little and seldom. What never
+changes is read once: a run's outcome and finish time, and its row (a record is written once;
+a rerun is another run, of another session key), and which members of a batch are program runs
+(its chunk lists). A batch's members (its ids' claims) are read again every MEMBERS_TTL_S; a
+batch's progress is read again at most every second per 20,000 sessions while it runs, and
+every DONE_TTL_S once it has finished (a rerun of one of its ids makes it run again)."""
 
 from __future__ import annotations
 
@@ -37,7 +40,9 @@ from schemas.user_stream import DATA, StreamEvent, parse_frame
 
 RECENT_BATCHES = 30  # batches on the runs page
 DONE_TTL_S = 15.0  # a finished batch's row is read again after this long
-MAX_CACHED_ROWS = 200_000  # finished sessions' rows kept (then the cache starts over)
+RUNNING_SESSIONS_PER_S = 20_000  # a running batch's row is read again after sessions/this s
+MEMBERS_TTL_S = 10.0  # a batch's ids and their claims are read again after this long
+MAX_CACHED_ROWS = 200_000  # finished sessions' rows and states kept (then they start over)
 MAX_FRAMES = 500  # user-stream events shown, each way
 CHAT_PROBE = 16  # a program run's chats looked up per round trip
 CHAT_MARK = "#send"
@@ -78,8 +83,10 @@ class FleetSource:
         self.url = redacted(redis_url)
         self.most = most
         self._rows: dict[str, SessionRow] = {}  # sk -> SessionRow of a finished session
+        self._ended: dict[str, MetaState] = {}  # sk -> its meta once it has an outcome
         self._programs: dict[str, frozenset[str]] = {}  # batch -> its program runs' spec ids
-        self._done: dict[str, tuple[float, RunRow]] = {}  # finished runs, by key
+        self._members_at: dict[str, tuple[float, list[BatchMember]]] = {}  # batch -> members
+        self._runs_at: dict[str, tuple[float, RunRow]] = {}  # run rows, by key, when read
 
     @property
     def label(self) -> str:
@@ -92,16 +99,32 @@ class FleetSource:
     # reads ---------------------------------------------------------------------------------
 
     def _states(self, sks: Sequence[str | None]) -> list[MetaState]:
-        pipe = self.redis.pipeline(transaction=False)
-        for sk in sks:
-            if sk is not None:
+        """Each session's (state, outcome, finished_ms, submitted_ms), all None when it is
+        gone; only those without an outcome yet are read, in pipelines."""
+        ask = list(dict.fromkeys(sk for sk in sks if sk is not None and sk not in self._ended))
+        if len(self._ended) + len(ask) > MAX_CACHED_ROWS:
+            self._ended.clear()
+        found: dict[str, MetaState] = {}
+        for start in range(0, len(ask), PIPELINE_SIZE):
+            part = ask[start : start + PIPELINE_SIZE]
+            pipe = self.redis.pipeline(transaction=False)
+            for sk in part:
                 pipe.hmget(keys.meta(sk), "state", "outcome", "finished_ms", "submitted_ms")
-        found = iter(pipe.execute() if any(sk is not None for sk in sks) else [])
-        out: list[MetaState] = []
-        for sk in sks:
-            state, outcome, finished, submitted = next(found) if sk is not None else [None] * 4
-            out.append((_text(state), _text(outcome), _number(finished), _number(submitted)))
-        return out
+            for sk, (state, outcome, finished, submitted) in zip(part, pipe.execute(), strict=True):
+                meta = (_text(state), _text(outcome), _number(finished), _number(submitted))
+                found[sk] = meta
+                if meta[1] is not None:
+                    self._ended[sk] = meta
+        gone: MetaState = (None, None, None, None)
+        return [gone if sk is None else self._ended.get(sk) or found[sk] for sk in sks]
+
+    def _batch_members(self, batch: str) -> list[BatchMember]:
+        at = self._members_at.get(batch)
+        if at is not None and time.monotonic() - at[0] < MEMBERS_TTL_S:
+            return at[1]
+        members = self.batches.members(batch)
+        self._members_at[batch] = (time.monotonic(), members)
+        return members
 
     def _program_ids(self, batch: str, sessions: int) -> frozenset[str]:
         """The batch's program runs, from its chunk lists (`p:` members): read once."""
@@ -134,20 +157,23 @@ class FleetSource:
         return out
 
     def _cached(self, key: str) -> RunRow | None:
-        found = self._done.get(key)
-        if found is not None and time.monotonic() - found[0] < DONE_TTL_S:
-            return found[1]
-        return None
+        """A run's row read lately enough: a running batch's within a second per
+        RUNNING_SESSIONS_PER_S sessions, a finished run's within DONE_TTL_S."""
+        found = self._runs_at.get(key)
+        if found is None:
+            return None
+        at, row = found
+        ttl = DONE_TTL_S if row.finished else row.sessions / RUNNING_SESSIONS_PER_S
+        return row if time.monotonic() - at < ttl else None
 
     def _keep(self, row: RunRow) -> RunRow:
-        if row.finished:
-            self._done[row.key] = (time.monotonic(), row)
+        self._runs_at[row.key] = (time.monotonic(), row)
         return row
 
     def _batch_run(
         self, batch: str, submitted_ms: int, members: Sequence[BatchMember] | None = None
     ) -> tuple[RunRow, list[MetaState]]:
-        members = self.batches.members(batch) if members is None else members
+        members = self._batch_members(batch) if members is None else members
         states = self._states([m.claim.sk if m.claim else None for m in members])
         row = run_row("batch", batch, batch, submitted_ms, self._members(states), _now_ms())
         return self._keep(row), states
@@ -185,7 +211,7 @@ class FleetSource:
 
     def batch_rows(self, batch: str) -> BatchRows | None:
         submitted = self.redis.zscore(keys.BATCHES, batch)
-        members = self.batches.members(batch)
+        members = self._batch_members(batch)
         if not members:
             return None
         run, states = self._batch_run(batch, int(submitted or 0), members)
