@@ -10,12 +10,12 @@ import sys
 import threading
 from collections.abc import Sequence
 from importlib import metadata
-from urllib.parse import urlencode
 
 from producer.batch import result_line
 from producer.cli_batches import cmd_batch, cmd_submit
-from producer.cli_common import EXIT_OK, EXIT_REJECTED, redis_url
+from producer.cli_common import EXIT_OK, EXIT_REJECTED, flower_links, redis_url
 from producer.cli_programs import cmd_demo, cmd_run, cmd_stream
+from producer.cli_view import add_view_parser
 from producer.client import Client
 from producer.fleet import worker_command
 from producer.fleet_status import read_fleet_status
@@ -23,8 +23,6 @@ from schemas import task_names
 from schemas.bodies import dump_text
 from schemas.config import ConfigError, read_config
 from schemas.protocols import NAMES as PROTOCOL_NAMES
-
-DEFAULT_FLOWER_URL = "http://127.0.0.1:5555"  # CCHATQ_FLOWER_URL: where `status` points
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -36,11 +34,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if status is None:
         print(f"unknown session id: {args.id}", file=sys.stderr)
         return 1
-    # every step task of the session shows its id as kwargs (worker/edges/dispatch.py)
-    search = f"kwargs:session={args.id}"
-    flower = os.environ.get("CCHATQ_FLOWER_URL", DEFAULT_FLOWER_URL).rstrip("/")
-    status["flower_search"] = search
-    status["flower_tasks"] = f"{flower}/api/tasks?{urlencode({'search': search})}"
+    status["flower_search"], status["flower_tasks"] = flower_links(args.id)
     print(json.dumps(status, indent=2, sort_keys=True))
     return 0
 
@@ -245,6 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("id")
     p.add_argument("--follow", action="store_true", help="wait for events until it finishes")
     p.set_defaults(fn=cmd_trace)
+
+    add_view_parser(sub)
 
     p = sub.add_parser("metrics", help="serve the fleet's Prometheus metrics (reads Redis)")
     p.add_argument("--port", type=int, default=9808)

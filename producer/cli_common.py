@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import sys
+from urllib.parse import urlencode
 
 from schemas.config import ConfigError, FleetConfig, read_config
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+DEFAULT_FLOWER_URL = "http://127.0.0.1:5555"  # CCHATQ_FLOWER_URL: where session links point
 
 
 def redis_url() -> str:
@@ -28,3 +30,12 @@ def fleet_config() -> FleetConfig | None:
     except ConfigError as exc:
         print(f"rejected, nothing enqueued:\n{exc}", file=sys.stderr)
         return None
+
+
+def flower_links(spec_id: str) -> tuple[str, str]:
+    """Flower's search for a session's step tasks and its tasks API link: every step task of
+    the session shows its spec id as kwargs (worker/edges/dispatch.py). `cchatq status ID`
+    prints both, and `cchatq view` links them."""
+    search = f"kwargs:session={spec_id}"
+    flower = os.environ.get("CCHATQ_FLOWER_URL", DEFAULT_FLOWER_URL).rstrip("/")
+    return search, f"{flower}/api/tasks?{urlencode({'search': search})}"

@@ -1,0 +1,309 @@
+"""FleetSource: the viewer over a live fleet's Redis, through producer.client.Client (Batches,
+SessionLookups) and the key layout (schemas/keys.py). Reads only, in pipelines.
+
+What never changes is read once: a finished session's row (its record is written once), and
+which members of a batch are program runs (its chunk lists). A batch that has finished is read
+again at most every DONE_TTL_S (a rerun of one of its ids makes it run again)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from producer.batches import Batches, BatchMember
+from producer.cli_common import flower_links
+from producer.client import Client
+from producer.submitting import CHUNK_SIZE, PIPELINE_SIZE
+from producer.viewer.model import (
+    ERROR,
+    GONE,
+    OK,
+    QUEUED,
+    RUNNING,
+    BatchRows,
+    FrameView,
+    RunRow,
+    SessionRow,
+)
+from producer.viewer.progress import Member, run_row
+from producer.viewer.rows import pending_row, record_row
+from producer.viewer.source import ChatFacts, SessionFacts
+from schemas import keys
+from schemas.user_stream import DATA, StreamEvent, parse_frame
+
+RECENT_BATCHES = 30  # batches on the runs page
+DONE_TTL_S = 15.0  # a finished batch's row is read again after this long
+MAX_CACHED_ROWS = 200_000  # finished sessions' rows kept (then the cache starts over)
+MAX_FRAMES = 500  # user-stream events shown, each way
+CHAT_PROBE = 16  # a program run's chats looked up per round trip
+CHAT_MARK = "#send"
+
+# (state, outcome, finished_ms, submitted_ms) of a session's meta; all None when it is gone
+MetaState = tuple[str | None, str | None, int | None, int | None]
+
+
+def redacted(url: str) -> str:
+    """A Redis URL without its password (shown in the page's header)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def _text(raw: Any) -> str | None:
+    return None if raw is None else bytes(raw).decode(errors="replace")
+
+
+def _digits(text: str | None) -> int | None:
+    return int(text) if text is not None and text.isdigit() else None
+
+
+def _number(raw: Any) -> int | None:
+    return _digits(_text(raw))
+
+
+class FleetSource:
+    """The viewer's source over a fleet's Redis."""
+
+    def __init__(self, client: Client, redis_url: str = "", most: int = RECENT_BATCHES) -> None:
+        self.client = client
+        self.redis = client.redis
+        self.batches = Batches(client)
+        self.url = redacted(redis_url)
+        self.most = most
+        self._rows: dict[str, SessionRow] = {}  # sk -> SessionRow of a finished session
+        self._programs: dict[str, frozenset[str]] = {}  # batch -> its program runs' spec ids
+        self._done: dict[str, tuple[float, RunRow]] = {}  # finished runs, by key
+
+    @property
+    def label(self) -> str:
+        return f"fleet {self.url}".strip()
+
+    @property
+    def live(self) -> bool:
+        return True
+
+    # reads ---------------------------------------------------------------------------------
+
+    def _states(self, sks: Sequence[str | None]) -> list[MetaState]:
+        pipe = self.redis.pipeline(transaction=False)
+        for sk in sks:
+            if sk is not None:
+                pipe.hmget(keys.meta(sk), "state", "outcome", "finished_ms", "submitted_ms")
+        found = iter(pipe.execute() if any(sk is not None for sk in sks) else [])
+        out: list[MetaState] = []
+        for sk in sks:
+            state, outcome, finished, submitted = next(found) if sk is not None else [None] * 4
+            out.append((_text(state), _text(outcome), _number(finished), _number(submitted)))
+        return out
+
+    def _program_ids(self, batch: str, sessions: int) -> frozenset[str]:
+        """The batch's program runs, from its chunk lists (`p:` members): read once."""
+        known = self._programs.get(batch)
+        if known is not None:
+            return known
+        chunks = -(-sessions // CHUNK_SIZE) + 1
+        pipe = self.redis.pipeline(transaction=False)
+        for n in range(chunks):
+            pipe.lrange(keys.chunk(batch, n), 0, -1)
+        ids = set()
+        for members in pipe.execute():
+            for raw in members:
+                member = keys.ChunkMember.decode(raw.decode())
+                if member.program:
+                    ids.add(member.spec_id)
+        self._programs[batch] = frozenset(ids)
+        return self._programs[batch]
+
+    def _members(self, states: Sequence[MetaState]) -> list[Member]:
+        out = []
+        for state, outcome, finished, _ in states:
+            if state is None:
+                out.append(Member(GONE))
+            elif outcome is not None:
+                status = OK if outcome == OK else ERROR
+                out.append(Member(status, None if status == OK else outcome, finished))
+            else:
+                out.append(Member(QUEUED if state == QUEUED else RUNNING))
+        return out
+
+    def _cached(self, key: str) -> RunRow | None:
+        found = self._done.get(key)
+        if found is not None and time.monotonic() - found[0] < DONE_TTL_S:
+            return found[1]
+        return None
+
+    def _keep(self, row: RunRow) -> RunRow:
+        if row.finished:
+            self._done[row.key] = (time.monotonic(), row)
+        return row
+
+    def _batch_run(
+        self, batch: str, submitted_ms: int, members: Sequence[BatchMember] | None = None
+    ) -> tuple[RunRow, list[MetaState]]:
+        members = self.batches.members(batch) if members is None else members
+        states = self._states([m.claim.sk if m.claim else None for m in members])
+        row = run_row("batch", batch, batch, submitted_ms, self._members(states), _now_ms())
+        return self._keep(row), states
+
+    # ViewSource ----------------------------------------------------------------------------
+
+    def runs(self) -> list[RunRow]:
+        out: list[RunRow] = []
+        for batch, submitted_ms, sessions in self.batches.recent(self.most):
+            row = self._cached(batch) or self._batch_run(batch, submitted_ms)[0]
+            out.append(row)
+            for run_id in sorted(self._program_ids(batch, sessions)):
+                program = self._cached(run_id) or self._program_run(run_id, batch)
+                if program is not None:
+                    out.append(program)
+        return out
+
+    def _program_run(self, run_id: str, batch: str) -> RunRow | None:
+        claim = self.client.claims([run_id])[0]
+        if claim is None:
+            return None
+        (state, outcome, _, submitted_ms), *_ = self._states([claim.sk])
+        chats = self._chat_claims(run_id)
+        members = self._members(self._states([c.sk for _, c in chats]))
+        row = run_row(
+            "program",
+            run_id,
+            batch,
+            submitted_ms or 0,
+            members,
+            _now_ms(),
+            finished=outcome is not None or state is None,
+        )
+        return self._keep(row)
+
+    def batch_rows(self, batch: str) -> BatchRows | None:
+        submitted = self.redis.zscore(keys.BATCHES, batch)
+        members = self.batches.members(batch)
+        if not members:
+            return None
+        run, states = self._batch_run(batch, int(submitted or 0), members)
+        programs = self._program_ids(batch, len(members))
+        done = [
+            m.claim.sk
+            for m, (_, outcome, _, _) in zip(members, states, strict=True)
+            if m.claim is not None and outcome is not None and m.claim.sk not in self._rows
+        ]
+        self._read_rows(done, {m.claim.sk: m for m in members if m.claim is not None})
+        rows = []
+        for member, (state, outcome, _, _) in zip(members, states, strict=True):
+            sk = member.claim.sk if member.claim else None
+            attempt = member.claim.attempt if member.claim else 1
+            if sk is not None and outcome is not None and sk in self._rows:
+                rows.append(self._rows[sk])
+            else:
+                rows.append(pending_row(member.spec_id, state, member.spec_id in programs, attempt))
+        return BatchRows(batch, run, tuple(rows))
+
+    def _read_rows(self, sks: list[str], members: dict[str, BatchMember]) -> None:
+        """The rows of finished sessions not read yet, from their records, in pipelines."""
+        if len(self._rows) + len(sks) > MAX_CACHED_ROWS:
+            self._rows.clear()
+        for start in range(0, len(sks), PIPELINE_SIZE):
+            part = sks[start : start + PIPELINE_SIZE]
+            for sk, record in zip(part, self.client.records(part), strict=True):
+                if record is not None:
+                    member = members[sk]
+                    attempt = member.claim.attempt if member.claim else 1
+                    self._rows[sk] = record_row(member.spec_id, record, attempt)
+
+    def session(self, spec_id: str) -> SessionFacts | None:
+        claim = self.client.claims([spec_id])[0]
+        if claim is None:
+            return None
+        sk = claim.sk
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hgetall(keys.meta(sk))
+        pipe.get(keys.record(sk))
+        pipe.get(keys.spec(sk))
+        pipe.get(keys.partial(sk))
+        raw_meta, raw_record, raw_spec, partial = pipe.execute()
+        meta = {k.decode(): v.decode(errors="replace") for k, v in raw_meta.items()}
+        record = None if raw_record is None else json.loads(raw_record)
+        if not meta and record is None:
+            return None
+        spec = None if raw_spec is None else json.loads(raw_spec)
+        program = (record or {}).get("kind") == "program" or "program" in (spec or {})
+        state = "done" if record is not None else meta.get("state", "gone")
+        return SessionFacts(
+            spec_id=spec_id,
+            state=state if state in ("done", QUEUED, "gone") else RUNNING,
+            batch=meta.get("batch", ""),
+            attempt=claim.attempt,
+            state_text=state,
+            record=record,
+            events=list(self.client.trace(spec_id)),
+            submitted_ms=_digits(meta.get("submitted_ms")),
+            finished_ms=_digits(meta.get("finished_ms")),
+            partial_text=_text(partial),
+            spec=spec,
+            program=program,
+            chats=self._chats(spec_id) if program else (),
+            frames=self._frames(sk) if program else None,
+            flower=flower_links(spec_id),
+        )
+
+    def _chat_claims(self, run_id: str) -> list[tuple[str, keys.Claim]]:
+        """A program run's chats so far (`<run id>#send<n>`, claimed as it sends each)."""
+        out: list[tuple[str, keys.Claim]] = []
+        while True:
+            ids = [f"{run_id}{CHAT_MARK}{n}" for n in range(len(out), len(out) + CHAT_PROBE)]
+            for chat_id, claim in zip(ids, self.client.claims(ids), strict=True):
+                if claim is None:
+                    return out
+                out.append((chat_id, claim))
+
+    def _chats(self, run_id: str) -> tuple[ChatFacts, ...]:
+        chats = self._chat_claims(run_id)
+        states = self._states([c.sk for _, c in chats])
+        records = self.client.records([c.sk for _, c in chats]) if chats else []
+        out = []
+        for (chat_id, _), (state, _, _, _), record in zip(chats, states, records, strict=True):
+            seen = "done" if record is not None else state or "gone"
+            out.append(ChatFacts(chat_id, seen, record=record))
+        return tuple(out)
+
+    def _frames(self, sk: str) -> tuple[FrameView, ...]:
+        """A program run's user-stream events, to the program then from it."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xrange(keys.user_in(sk), count=MAX_FRAMES)
+        pipe.xrange(keys.user_out(sk), count=MAX_FRAMES)
+        out = []
+        for direction, entries in zip(("in", "out"), pipe.execute(), strict=True):
+            for _, fields in entries:
+                event = StreamEvent.from_fields(fields)
+                if event is None:
+                    continue
+                frame = parse_frame(event.frame) if event.kind == DATA else None
+                out.append(
+                    FrameView(
+                        direction=direction,
+                        stream_id=event.stream_id,
+                        kind=event.kind,
+                        seq=None if frame is None else frame.seq,
+                        text="" if frame is None else frame.data.decode(errors="replace"),
+                    )
+                )
+        return tuple(out)
+
+    def trace(self, spec_id: str) -> Iterator[dict[str, Any]] | None:
+        if self.client.session_key(spec_id) is None:
+            return None
+        return self.client.trace(spec_id)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
