@@ -76,6 +76,11 @@ chaos: install
 bench-rate: install
 	$(PY) -m bench.rate $(BENCH_RATE_ARGS)
 
+# The pictures of `cchatq view` in docs/images/ (runs, a batch, a two-round session at
+# 1280x800), taken in headless chromium from a demo batch on a private fleet.
+screenshots: install
+	$(PY) -m bench.screenshots
+
 # Rebuild the committed .wasm fixtures (needs clang-14 lld-14 wasi-libc libclang-rt-14-dev-wasm32).
 guests:
 	$(MAKE) -C fixtures/guests
