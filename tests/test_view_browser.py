@@ -343,3 +343,110 @@ def test_offline_viewer_reads_a_results_file_without_redis(
         expect(page.locator("table#sessions tr[data-session]")).to_have_count(2, timeout=WAIT_MS)
     finally:
         offline.stop()
+
+
+def program_run(spec_id: str, stdin: str) -> dict[str, Any]:
+    """A WASM agent program that asks the model once (replay/plain) and prints the answer."""
+    return {"id": spec_id, "program": {"module": "../guests/prog_chat.wasm", "stdin": stdin}}
+
+
+def test_every_element_the_contract_names_is_on_its_page(
+    view_fleet: Running, viewer: Viewer, page: Page, fresh_id: str
+) -> None:
+    """The contract's selectors, page by page, on a batch of a two-round session, a refused
+    one and a program run: the cells of the runs and batch rows and their links, the filter's
+    inputs, the summary's fields and links, a tool call's retries, the timeline's fields, a
+    program run's sections and chat links, and the JSON twins and health check."""
+    two, bad, prog = f"{fresh_id}/c/two", f"{fresh_id}/c/bad", f"{fresh_id}/c/prog"
+    batch, results = submit(
+        view_fleet, [two_rounds(two, 1, 2, 3), failing(bad), program_run(prog, "contract\n")]
+    )
+    assert results[prog].ok, results[prog].record
+    # runs page
+    page.goto(viewer.url + "/")
+    row = page.locator(f'table#runs tr[data-batch="{batch.id}"]')
+    expect(row.locator("[data-field=status]")).to_have_text("done", timeout=WAIT_MS)
+    for field in ("queued", "running", "done", "failed", "rate", "eta"):
+        expect(row.locator(f"[data-field={field}]")).to_have_count(1)
+    expect(row.locator("td").first.locator("a")).to_have_attribute("href", batch_path(batch.id))
+    program_row = page.locator("table#runs tr[data-kind=program]").filter(
+        has=page.locator(f'a[href="{session_path(prog)}"]')
+    )
+    expect(program_row).to_have_count(1)
+    # batch page
+    page.goto(viewer.url + batch_path(batch.id))
+    sessions = page.locator("table#sessions tr[data-session]")
+    expect(sessions).to_have_count(3, timeout=WAIT_MS)
+    expect(page.locator("#counts [data-outcome]").first).to_be_visible()
+    for spec_id in (two, bad, prog):
+        session_row = page.locator(f'table#sessions tr[data-session="{spec_id}"]')
+        for field in ("status", "code", "latency_ms", "tokens", "rounds", "tools"):
+            expect(session_row.locator(f"[data-field={field}]")).to_have_count(1)
+        link = session_row.locator("td").first.locator("a")
+        expect(link).to_have_attribute("href", session_path(spec_id))
+    for name in ("status", "code", "tool", "q", "sort"):
+        expect(page.locator(f"form#filter [name={name}]")).to_have_count(1)
+    assert (page.locator("form#filter").get_attribute("method") or "get").lower() == "get"
+    # a session page
+    page.goto(viewer.url + session_path(two))
+    summary = page.locator("#summary")
+    expect(summary.locator("[data-field=status]")).to_have_text("ok", timeout=WAIT_MS)
+    for field in ("code", "latency_ms", "tokens_in", "tokens_out"):
+        expect(summary.locator(f"[data-field={field}]")).to_have_count(1)
+    expect(page.locator("a#flower-link")).to_have_count(1)
+    expect(page.locator("#thread .tool-call [data-field=retries]")).to_have_count(2)
+    steps = page.locator("#timeline .step")
+    expect(steps.first).to_be_visible()
+    for field in ("ms", "worker", "attempt"):
+        expect(steps.locator(f"[data-field={field}]")).to_have_count(steps.count())
+    trace = page.locator("a#trace-link").get_attribute("href")
+    assert trace is not None
+    lines = page.request.get(viewer.url + trace).text().splitlines()
+    assert lines and all(isinstance(json.loads(line), dict) for line in lines)
+    # a program run's page
+    page.goto(viewer.url + session_path(prog))
+    expect(page.locator("#stdout")).to_contain_text("ANSWER: Echo: contract", timeout=WAIT_MS)
+    for section in ("#chats", "#forks", "#logs", "#frames"):
+        expect(page.locator(section)).to_have_count(1)
+    chat = page.locator("#chats a").first
+    chat_href = chat.get_attribute("href")
+    assert chat_href is not None and chat_href.startswith("/session/")
+    chat.click()
+    expect(page.locator("#thread .msg[data-role=assistant]")).to_contain_text(
+        "Echo: contract", timeout=WAIT_MS
+    )
+    # JSON twins and the health check
+    assert page.request.get(viewer.url + "/healthz").text().strip() == "ok"
+    api = page.request
+    assert batch.id in api.get(viewer.url + "/api/runs").text()
+    assert api.get(viewer.url + "/api" + batch_path(batch.id)).ok
+    assert two in api.get(viewer.url + "/api" + session_path(two)).text()
+
+
+def test_a_token_guards_every_request_and_a_public_address_needs_one(
+    view_fleet: Running, page: Page, tmp_path: Path
+) -> None:
+    """With --token, a request without it is refused (401); `?token=T` once lets the browser
+    in, a cookie keeps it in; a script may send `Authorization: Bearer T`. Without a token, a
+    non-loopback --host is refused in one line, exit 2, before anything listens."""
+    env = {**os.environ, "REDIS_URL": view_fleet.redis_url}
+    env.pop("CCHATQ_VIEW_TOKEN", None)
+    cmd = [sys.executable, "-m", "producer.cli", "view", "--host", "0.0.0.0"]
+    refused = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused
+    guarded = Viewer.start(["--token", "s3cret"], env, tmp_path / "viewer.log")
+    try:
+        response = page.goto(guarded.url + "/")
+        assert response is not None and response.status == 401
+        response = page.goto(guarded.url + "/?token=s3cret")
+        assert response is not None and response.status == 200
+        expect(page.locator("table#runs")).to_have_count(1)
+        response = page.goto(guarded.url + "/healthz")  # the cookie, not the token, now
+        assert response is not None and response.status == 200
+        bearer = {"Authorization": "Bearer s3cret"}
+        assert page.request.get(guarded.url + "/api/runs", headers=bearer).ok
+        page.context.clear_cookies()
+        assert page.request.get(guarded.url + "/api/runs").status == 401
+        page.goto(guarded.url + "/?token=s3cret")  # the screenshot shows the page let in
+    finally:
+        guarded.stop()
