@@ -97,19 +97,19 @@ class Viewer:
         return self.templates.TemplateResponse(request, name, context, status_code=status)
 
     def not_found(self, request: Request, what: str, key: str, api: bool = False) -> Response:
-        message = f"No {what} {key!r} in {self.source.label}."
+        message = f"No {what} {key} in {self.source.label}."
         if api:
             return JSONResponse({"error": message}, status_code=404)
-        return self.page(request, "not_found.html", 404, message=message)
+        return self.page(request, "not_found.html", 404, message=message, title="Not found")
 
     # pages -----------------------------------------------------------------------------------
 
-    async def runs(self, request: Request) -> Response:
+    def runs(self, request: Request) -> Response:
         runs = self.source.runs()
         name = "_runs.html" if request.query_params.get("fragment") else "runs.html"
         return self.page(request, name, runs=runs, live=any(not r.finished for r in runs))
 
-    async def batch(self, request: Request) -> Response:
+    def batch(self, request: Request) -> Response:
         batch = unquote(path_tail(request, "/batch/"))
         found = self.source.batch_rows(batch)
         if found is None:
@@ -118,7 +118,7 @@ class Viewer:
         name = "_batch.html" if request.query_params.get("fragment") else "batch.html"
         return self.page(request, name, page=page, live=self.source.live and not page.run.finished)
 
-    async def session(self, request: Request) -> Response:
+    def session(self, request: Request) -> Response:
         spec_id = unquote(path_tail(request, "/session/"))
         facts = self.source.session(spec_id)
         if facts is None:
@@ -127,24 +127,24 @@ class Viewer:
         name = "_session.html" if request.query_params.get("fragment") else "session.html"
         return self.page(request, name, view=view, live=self.source.live and view.live)
 
-    async def healthz(self, request: Request) -> Response:
+    def healthz(self, request: Request) -> Response:
         return PlainTextResponse("ok")
 
     # JSON twins ------------------------------------------------------------------------------
 
-    async def api_runs(self, request: Request) -> Response:
+    def api_runs(self, request: Request) -> Response:
         return JSONResponse(
             {"source": self.source.label, "runs": [r.json() for r in self.source.runs()]}
         )
 
-    async def api_batch(self, request: Request) -> Response:
+    def api_batch(self, request: Request) -> Response:
         batch = unquote(path_tail(request, "/api/batch/"))
         found = self.source.batch_rows(batch)
         if found is None:
             return self.not_found(request, "batch", batch, api=True)
         return JSONResponse(batch_page(found, parse_query(request.query_params)).json())
 
-    async def api_session(self, request: Request) -> Response:
+    def api_session(self, request: Request) -> Response:
         tail = path_tail(request, "/api/session/")
         if tail.endswith("/trace"):  # a quoted id holds no `/`: this is the trace route
             return self.api_trace(request, unquote(tail.removesuffix("/trace")))
@@ -191,12 +191,20 @@ def create_app(
         finally:
             source.close()
 
-    async def unknown(request: Request, exc: Exception) -> Response:
-        return viewer.page(request, "not_found.html", 404, message=f"No page {request.url.path!r}.")
+    def unknown(request: Request, exc: Exception) -> Response:
+        message = f"No page at {request.url.path}."
+        return viewer.page(request, "not_found.html", 404, message=message, title="Not found")
+
+    def failed(request: Request, exc: Exception) -> Response:
+        """A source that failed (Redis gone): said on a page; the server logs the traceback."""
+        message = f"{source.label} could not be read ({type(exc).__name__}): try again."
+        if request.url.path.startswith("/api/"):
+            return JSONResponse({"error": message}, status_code=503)
+        return viewer.page(request, "not_found.html", 503, message=message, title="Unavailable")
 
     return Starlette(
         routes=routes,
         middleware=[Middleware(Gate, token=token, hosts=hosts)],
-        exception_handlers={404: unknown},
+        exception_handlers={404: unknown, Exception: failed},
         lifespan=lifespan,
     )

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from producer.viewer.model import OK, BatchRows, RunRow
+from producer.viewer.model import OK, PROGRAM_ROWS, BatchRows, RunRow
 from producer.viewer.progress import Member, run_row
 from producer.viewer.rows import as_int, error_of, record_row
 from producer.viewer.source import ChatFacts, SessionFacts
@@ -143,10 +143,12 @@ class FileSource:
         ordered = sorted(self._batches.values(), key=lambda b: -b.mtime_ms)
         for batch in ordered:
             out.append(self._run(batch))
-            for spec_id in batch.ids:
-                record = self._records[spec_id][0]
-                if record.get("kind") == "program":
-                    out.append(self._program_run(batch, record))
+            programs = [
+                self._records[spec_id][0]
+                for spec_id in batch.ids
+                if self._records[spec_id][0].get("kind") == "program"
+            ]
+            out.extend(self._program_run(batch, record) for record in programs[:PROGRAM_ROWS])
         return out
 
     def _run(self, batch: _Batch) -> RunRow:

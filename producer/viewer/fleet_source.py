@@ -21,6 +21,7 @@ from producer.viewer.model import (
     ERROR,
     GONE,
     OK,
+    PROGRAM_ROWS,
     QUEUED,
     RUNNING,
     BatchRows,
@@ -158,7 +159,7 @@ class FleetSource:
         for batch, submitted_ms, sessions in self.batches.recent(self.most):
             row = self._cached(batch) or self._batch_run(batch, submitted_ms)[0]
             out.append(row)
-            for run_id in sorted(self._program_ids(batch, sessions)):
+            for run_id in sorted(self._program_ids(batch, sessions))[:PROGRAM_ROWS]:
                 program = self._cached(run_id) or self._program_run(run_id, batch)
                 if program is not None:
                     out.append(program)

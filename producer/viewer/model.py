@@ -11,6 +11,7 @@ QUEUED, RUNNING, OK, ERROR, GONE = "queued", "running", "ok", "error", "gone"
 STATUSES = (OK, ERROR, RUNNING, QUEUED)  # what the batch page filters on
 SORTS = ("latency", "tokens")  # the batch page's sorts, each largest first
 PAGE_ROWS = 500  # sessions on one batch page
+PROGRAM_ROWS = 20  # program runs listed under their batch on the runs page (its page has all)
 
 
 def to_json(value: Any) -> dict[str, Any]:

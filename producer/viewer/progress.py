@@ -50,7 +50,8 @@ def run_row(
         recent = sum(1 for end in ends if now_ms - end <= RECENT_S * 1000)
         window = min(RECENT_S, elapsed_s)
         rate = recent / window if window > 0 and recent else rate
-    eta_s: float | None = 0.0 if not pending else None
+    finished = (pending == 0) if finished is None else finished
+    eta_s: float | None = 0.0 if finished else None
     if pending and rate:
         eta_s = pending / rate
     return RunRow(
@@ -68,6 +69,6 @@ def run_row(
         rate=None if rate is None else round(rate, 3),
         eta_s=None if eta_s is None else round(eta_s, 1),
         elapsed_s=round(elapsed_s, 3),
-        finished=(pending == 0) if finished is None else finished,
+        finished=finished,
         source=source,
     )

@@ -67,12 +67,14 @@ class _Builder:
             self._tool_ended(event, call)
             self.ready = ts if self.ready is None else max(self.ready, ts)
         elif name == "rate_limit.waited":
+            kind = event.get("kind") or "step"
+            self._queue_wait(event, self.ready, f"queued: {kind}", round_no)
             wait = _int(event.get("wait_ms")) or 0
             reason = event.get("reason") or "rate limit"
             self.steps.append(
                 TimelineStep(
                     kind="rate_wait",
-                    label=f"rate-limit wait ({event.get('kind') or 'step'})",
+                    label=f"rate-limit wait ({kind})",
                     at_ms=ts,
                     ms=wait,
                     worker=event.get("worker"),
@@ -81,17 +83,60 @@ class _Builder:
             )
             self.ready = ts + wait  # the wait is its own step, not the queue's
         elif name == "session.finished":
+            self._step_time(event)
             self.steps.append(
                 TimelineStep(
                     kind="finish",
                     label="finished" if not event.get("error") else f"ended: {event['error']}",
                     at_ms=ts,
-                    ms=_int(event.get("step_ms")),
+                    ms=None,  # a moment; the step it ended in has its own time
                     worker=event.get("worker"),
                     error=event.get("error"),
                     detail=f"session latency {event.get('latency_ms')} ms"
                     if event.get("latency_ms") is not None
                     else "",
+                )
+            )
+
+    def _step_time(self, event: Event) -> None:
+        """The step time a step's last event carries (`kind`, `step_ms`), told on that step's
+        row: session.finished rides the round that ended the session."""
+        kind, step_ms = event.get("kind"), _int(event.get("step_ms"))
+        if step_ms is None:
+            return
+        for n in range(len(self.steps) - 1, -1, -1):
+            step = self.steps[n]
+            if step.kind == kind and "step " not in step.detail:
+                detail = ", ".join(d for d in (step.detail, f"step {step_ms} ms") if d)
+                self.steps[n] = replace(step, detail=detail)
+                return
+
+    def unfinished(self) -> None:
+        """A model call or tool call that started and has no end yet: running (or its end
+        was never written), shown from its start with no length."""
+        for round_no, started in self.rounds.items():
+            self.steps.append(
+                TimelineStep(
+                    kind="round",
+                    label=f"round {round_no}: model call (no end yet)",
+                    at_ms=_ts(started),
+                    ms=None,
+                    round=round_no,
+                    worker=started.get("worker"),
+                )
+            )
+        for (round_no, call_id), started in self.tools.items():
+            tool = str(started.get("tool") or "tool")
+            self.steps.append(
+                TimelineStep(
+                    kind="tool",
+                    label=f"tool {tool} {call_id} (no end yet)",
+                    at_ms=_ts(started),
+                    ms=None,
+                    round=round_no,
+                    call_id=call_id,
+                    tool=tool,
+                    worker=started.get("worker"),
                 )
             )
 
@@ -194,6 +239,7 @@ def timeline(events: Sequence[Event], submitted_ms: int | None = None) -> tuple[
     builder = _Builder(submitted_ms)
     for event in sorted(events, key=_ts):  # stable: a step's events keep their order
         builder.add(event)
+    builder.unfinished()
     steps = sorted(builder.steps, key=lambda s: s.at_ms)
     if not steps:
         return ()

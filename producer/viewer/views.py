@@ -29,6 +29,7 @@ NO_EVENTS = (
     "No trace events: none written yet, or the fleet runs without them (CCHATQ_TRACE), "
     "or they expired."
 )
+NO_PROGRAM_EVENTS = "A program run writes no trace events of its own: its chats' pages have theirs."
 NO_FRAMES_FILE = "A results file keeps no user-stream frames."
 
 
@@ -58,7 +59,7 @@ def session_view(facts: SessionFacts) -> SessionView:
         note = NO_TRACE_FILE
     else:
         steps = timeline(facts.events, facts.submitted_ms)
-        note = "" if steps else NO_EVENTS
+        note = "" if steps else NO_PROGRAM_EVENTS if facts.program else NO_EVENTS
     if record is not None and not facts.program:
         messages = thread(record.get("transcript") or [], record.get("tool_logs") or [])
     else:
