@@ -10,7 +10,8 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 # twins); worker subprocesses of the fleet tests are not measured.
 COVERAGE_FLOOR := 85
 
-.PHONY: install demo test check lint types contracts cover bench bench-rate chaos guests redis-server
+.PHONY: install demo test check lint types contracts cover bench bench-rate chaos guests redis-server \
+	chromium screenshots
 
 $(PY):
 	$(PYTHON) -m venv $(VENV) || { \
@@ -28,7 +29,15 @@ redis-server:
 	  echo "installing redis-server (apt)"; \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) >/dev/null; }
 
-install: $(STAMP) redis-server
+# chromium: the browser the viewer's browser tests (Playwright) drive headless, Debian's own
+# build at /usr/bin/chromium; Playwright's downloaded browsers are never used (`playwright
+# install` is not run), so the tests need no network beyond the package mirrors.
+chromium:
+	@test -x /usr/bin/chromium || { \
+	  echo "installing chromium (apt)"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null; }
+
+install: $(STAMP) redis-server chromium
 
 demo: install
 	$(PY) -m producer.cli demo
@@ -66,6 +75,11 @@ chaos: install
 # A 1-minute smoke run: make bench-rate BENCH_RATE_ARGS="--scale 0.25 --protocols openai"
 bench-rate: install
 	$(PY) -m bench.rate $(BENCH_RATE_ARGS)
+
+# The pictures of `cchatq view` in docs/images/ (runs, a batch, a two-round session at
+# 1280x800), taken in headless chromium from a demo batch on a private fleet.
+screenshots: install
+	$(PY) -m bench.screenshots
 
 # Rebuild the committed .wasm fixtures (needs clang-14 lld-14 wasi-libc libclang-rt-14-dev-wasm32).
 guests:
