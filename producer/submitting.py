@@ -231,4 +231,5 @@ class Submitting(SessionLookups):
                 args=[sub.batch, n],
                 task_id=keys.start_step(sub.batch, n),
                 queue=task_names.ROUTES[task_names.START],
+                headers={task_names.SENT_HEADER: int(time.time() * 1000)},
             )

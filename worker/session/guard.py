@@ -37,7 +37,7 @@ from worker.session.ports import (
     ToolReads,
     TraceWrite,
 )
-from worker.session.trace import TraceEvent, event, rate_limit_waited, step_timed
+from worker.session.trace import Arrival, TraceEvent, event, rate_limit_waited, step_timed
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,7 @@ class StepGuard:
         targets: Callable[[], list[str]] | None = None,
         reads: RoundReads | ToolReads | None = None,
         first: bool | None = None,
+        arrival: Arrival | None = None,
         **meta: str | int,
     ) -> str | None:
         """Run one delivery of a step under its guards; returns the outcome code of a session
@@ -69,9 +70,12 @@ class StepGuard:
         with its work undone. What `reads` names is read with the lease, in the same round
         trip, and handed to `body` in its StepStart. `first`: whether this is the first
         delivery of its message, when the broker says (its try is then counted with no
-        write)."""
+        write). `arrival`: which worker runs it and how long its message waited (stamped on
+        its trace events)."""
         try:
-            return self._run(step, sk, body, stop_if_cancelled, targets, reads, first, dict(meta))
+            return self._run(
+                step, sk, body, stop_if_cancelled, targets, reads, first, arrival, dict(meta)
+            )
         except (RetryLater, StepDeadLettered):
             raise
         except Exception as exc:
@@ -87,6 +91,7 @@ class StepGuard:
         targets: Callable[[], list[str]] | None,
         reads: RoundReads | ToolReads | None,
         first: bool | None,
+        arrival: Arrival | None,
         meta: dict[str, str | int],
     ) -> str | None:
         sessions = targets or (lambda: [sk])
@@ -97,7 +102,7 @@ class StepGuard:
             raise RetryLater(self.store.lease_left_ms(step) / 1000 + 0.05, f"step {step} is leased")
         # renewed while this worker lives, and known to this process as held until it ends
         with self.store.hold(step, start.lease):
-            return self._leased(step, sk, body, start, stop_if_cancelled, sessions)
+            return self._leased(step, sk, body, start, stop_if_cancelled, sessions, arrival)
 
     def _leased(
         self,
@@ -107,6 +112,7 @@ class StepGuard:
         start: StepStart,
         stop_if_cancelled: bool,
         sessions: Callable[[], list[str]],
+        arrival: Arrival | None,
     ) -> str | None:
         if start.cancelled and stop_if_cancelled:
             # cancellation is checked at every step boundary; finish writes the cancelled body
@@ -117,7 +123,7 @@ class StepGuard:
         if start.tries > self.settings.max_step_attempts:
             self.poison(step, sessions(), f"delivered {start.tries} times")
         outbox = Outbox()
-        self._body(step, sk, body, start, outbox, sessions)
+        self._body(step, sk, body, start, outbox, sessions, arrival)
         if log.isEnabledFor(logging.INFO):  # one line per step that ran: ids and counts only
             published = [s.kind for s in outbox.steps]
             log.info("step %s done: try %d, published %s", step, start.tries, published)
@@ -131,12 +137,13 @@ class StepGuard:
         start: StepStart,
         outbox: Outbox,
         sessions: Callable[[], list[str]],
+        arrival: Arrival | None,
     ) -> None:
         started = time.monotonic()
         try:
             body(start, outbox)
-            if self.settings.trace:  # its kind and duration ride its last event
-                step_timed(outbox.events, step, started)
+            if self.settings.trace:  # its kind, duration, delivery... ride its last event
+                step_timed(outbox.events, step, started, start.tries, arrival)
             # a commit that fails (its tool outcomes are part of it) fails the step: retried
             self.commit(step, sk, outbox)
         except RateLimited as exc:
@@ -145,7 +152,8 @@ class StepGuard:
             self.store.defer_step(step, sk, start.tries_stored, int(exc.wait_s * 1000))
             if self.settings.trace:  # an event for the metrics, never the step's failure
                 with contextlib.suppress(StoreError):
-                    waited = rate_limit_waited(self._spec_id(sk), step, exc)
+                    spec_id = self._spec_id(sk)
+                    waited = rate_limit_waited(spec_id, step, exc, start.tries, arrival)
                     self.trace_now(sk, waited, expire=True)
             raise RetryLater(exc.wait_s, "rate limited") from None
         except SpecMissingError:

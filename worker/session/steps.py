@@ -57,7 +57,7 @@ from worker.session.ports import (
 from worker.session.rate_control import RateControl
 from worker.session.state import Round, Session
 from worker.session.tool_step import ToolContext, ToolStep
-from worker.session.trace import event, model_call_ended, unrun_calls
+from worker.session.trace import Arrival, event, model_call_ended, unrun_calls
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,9 @@ class StepRunner:
 
     # start ---------------------------------------------------------------------------------
 
-    def start(self, batch: str, chunk_no: int, first: bool | None = None) -> str | None:
+    def start(
+        self, batch: str, chunk_no: int, first: bool | None = None, arrival: Arrival | None = None
+    ) -> str | None:
         def members() -> list[keys.ChunkMember]:
             return self.store.chunk_members(batch, chunk_no)
 
@@ -119,11 +121,13 @@ class StepRunner:
 
         # sk "": a chunk is no session (no cancel flag, no meta); its poison ends them all
         step = keys.start_step(batch, chunk_no)
-        return self.guard.run(step, "", body, targets=sessions, first=first)
+        return self.guard.run(step, "", body, targets=sessions, first=first, arrival=arrival)
 
     # round ---------------------------------------------------------------------------------
 
-    def round(self, sk: str, round_no: int, first: bool | None = None) -> str | None:
+    def round(
+        self, sk: str, round_no: int, first: bool | None = None, arrival: Arrival | None = None
+    ) -> str | None:
         def body(start: StepStart, outbox: Outbox) -> None:
             session = self._session(sk, start.session, upto_round=round_no)
             outbox.spec_ids[sk] = session.spec.id
@@ -143,7 +147,9 @@ class StepRunner:
 
         step = keys.round_step(sk, round_no)
         reads = RoundReads(round_no, self.settings.fleet.default_backend)
-        return self.guard.run(step, sk, body, reads=reads, first=first, state=f"round {round_no}")
+        return self.guard.run(
+            step, sk, body, reads=reads, first=first, arrival=arrival, state=f"round {round_no}"
+        )
 
     def _call_model(
         self, sk: str, session: Session, round_no: int, outbox: Outbox
@@ -162,9 +168,8 @@ class StepRunner:
             fleet = self.settings.fleet.tool_defaults
             session, failed = offer_mcp_tools(self.store, self.mcp, fleet, sk, session)
         waiter = keys.round_step(sk, round_no)  # its place in line across its retries
-        reply = Reply.parse(
-            failed or self.models.call_round(sk, session, next_call(session), waiter)
-        )
+        call = next_call(session)
+        reply = Reply.parse(failed or self.models.call_round(sk, session, call, waiter))
         with_reply = replace(session, rounds=(*session.rounds, Round(reply)))
         step: Step | None = plan(with_reply)
         runs = step.runs if isinstance(step, RunTools) else ()
@@ -173,9 +178,9 @@ class StepRunner:
             with_reply, step = replace(session, rounds=(*session.rounds, Round(winner))), None
         if trace:
             took_ms = round((time.monotonic() - started) * 1000)
-            outbox.events.append(
-                model_call_ended(spec_id, round_no, winner, took_ms, with_reply.backend)
-            )
+            backend = with_reply.backend
+            ended = model_call_ended(spec_id, round_no, winner, took_ms, backend, call)
+            outbox.events.append(ended)
         return with_reply, step
 
     def _session(
@@ -197,10 +202,11 @@ class StepRunner:
         index: int,
         background: bool = False,
         first: bool | None = None,
+        arrival: Arrival | None = None,
     ) -> str | None:
         """A tool call's step (worker.session.tool_step); `background`: the call of a
         background tool, run on the background queue after its tool step handed it over."""
-        return ToolStep(self.tool_context, sk, round_no, index, background).run(first)
+        return ToolStep(self.tool_context, sk, round_no, index, background).run(first, arrival)
 
     def spec_of(self, sk: str, kind: type[SpecT]) -> SpecT:
         """A session's spec, of the kind its step expects (a chat or a program run)."""
@@ -273,7 +279,9 @@ class StepRunner:
 
     # finish --------------------------------------------------------------------------------
 
-    def finish(self, sk: str, first: bool | None = None) -> str | None:
+    def finish(
+        self, sk: str, first: bool | None = None, arrival: Arrival | None = None
+    ) -> str | None:
         def body(_: StepStart, outbox: Outbox) -> None:
             spec = self.store.load_spec(sk)
             if isinstance(spec, ProgramSpec):  # only a failed run is finished here
@@ -285,4 +293,4 @@ class StepRunner:
             self.applier.apply(sk, EndSession(self._session(sk), None), outbox)
 
         step = keys.finish_step(sk)
-        return self.guard.run(step, sk, body, stop_if_cancelled=False, first=first)
+        return self.guard.run(step, sk, body, stop_if_cancelled=False, first=first, arrival=arrival)

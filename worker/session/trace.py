@@ -8,9 +8,11 @@ kept in the record only), session.finished; for a background tool's call, task.s
 progress / completed / failed too; rate_limit.waited when a step is put off for its backend's
 rate limit. A redelivered step may repeat one (at least once, like the steps themselves).
 
-A step's kind and how long its body ran ride the last event it made (`kind`, `step_ms`: no
-write of their own). For the fleet's metrics only, with no session (the fleet's stream only):
-step.finished, for a step that made no event (a start or program step), and reconciler.pass.
+A step's kind, how long its body ran, where and how it ran (the worker, the delivery, how
+long its message waited for it) ride the last event it made (`kind`, `step_ms`, `worker`,
+`delivery`, `queue_ms`: no write of their own). For the fleet's metrics only, with no session
+(the fleet's stream only): step.finished, for a step that made no event (a start step, say),
+and reconciler.pass.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 from schemas import keys
 from worker.codecs.reply import Reply
 from worker.errors import RateLimited
+from worker.session.engine import CallModel
 from worker.session.outcomes import ToolOutcome
 
 log = logging.getLogger("cchatq.trace")
@@ -57,10 +60,25 @@ class TraceEvent:
     lines: int | None = None  # tool.logs: lines a call wrote and kept
     log_bytes: int | None = None  # tool.logs: their text's size
     dropped: int | None = None  # tool.logs: lines past the call's bound
+    model: str | None = None  # model.call.*: the model asked for
+    response_model: str | None = None  # model.call.finished: the model that answered
+    finish_reason: str | None = None  # model.call.finished: why the reply ended
+    worker: str | None = None  # the worker's node name, on the step's last event
+    delivery: int | None = None  # the step's delivery (its try: 1, 2 after a redelivery...)
+    queue_ms: int | None = None  # how long the step's message waited before its body began
 
     def to_json(self) -> dict[str, Any]:
         """The fields that are set (a stream entry, a log line, a `cchatq trace` line)."""
         return {f.name: v for f in fields(self) if (v := getattr(self, f.name)) is not None}
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """How a step's delivery reached its worker, as the task says: the worker's node name
+    and how long the message waited on its queue (None: its sender did not stamp it)."""
+
+    worker: str = ""
+    queue_ms: int | None = None
 
 
 def now_ms() -> int:
@@ -75,18 +93,39 @@ def event(name: str, session: str, **values: Any) -> TraceEvent:
     return made
 
 
-def step_timed(events: list[TraceEvent], step: str, started: float) -> None:
-    """The step's kind and how long its body ran since `started` (time.monotonic), on the
-    last of its `events` (they ride the write that ends it), or as a step.finished event of no
-    session when it made none: one XADD (the fleet's stream) for a start or program step."""
+def step_timed(
+    events: list[TraceEvent],
+    step: str,
+    started: float,
+    delivery: int | None = None,
+    arrival: Arrival | None = None,
+) -> None:
+    """The step's kind and how long its body ran since `started` (time.monotonic), with where
+    and how it ran (its delivery, its worker, its message's wait), on the last of its `events`
+    (they ride the write that ends it), or as a step.finished event of no session when it
+    made none: one XADD (the fleet's stream) for a start step."""
     kind, step_ms = keys.step_kind(step), round((time.monotonic() - started) * 1000)
+    ran = ran_as(delivery, arrival)
     if events:
-        events[-1] = replace(events[-1], kind=kind, step_ms=step_ms)
+        events[-1] = replace(events[-1], kind=kind, step_ms=step_ms, **ran)
     else:
-        events.append(event("step.finished", "", kind=kind, step_ms=step_ms))
+        events.append(event("step.finished", "", kind=kind, step_ms=step_ms, **ran))
 
 
-def rate_limit_waited(session: str, step: str, waited: RateLimited) -> TraceEvent:
+def ran_as(delivery: int | None, arrival: Arrival | None) -> dict[str, Any]:
+    """A step's own fields: its delivery, its worker and its message's wait."""
+    if arrival is None:
+        return {"delivery": delivery}
+    return {"delivery": delivery, "worker": arrival.worker or None, "queue_ms": arrival.queue_ms}
+
+
+def rate_limit_waited(
+    session: str,
+    step: str,
+    waited: RateLimited,
+    delivery: int | None = None,
+    arrival: Arrival | None = None,
+) -> TraceEvent:
     """rate_limit.waited: the step is put off (its task retried) for its backend's limit."""
     return event(
         "rate_limit.waited",
@@ -95,13 +134,21 @@ def rate_limit_waited(session: str, step: str, waited: RateLimited) -> TraceEven
         backend=waited.backend or None,
         wait_ms=round(waited.wait_s * 1000),
         reason=waited.reason or None,
+        **ran_as(delivery, arrival),
     )
 
 
 def model_call_ended(
-    session: str, round_no: int, reply: Reply, latency_ms: int, backend: str
+    session: str,
+    round_no: int,
+    reply: Reply,
+    latency_ms: int,
+    backend: str,
+    call: CallModel | None = None,
 ) -> TraceEvent:
-    """model.call.finished (with its token counts), or .failed with the error body's code."""
+    """model.call.finished (with its token counts, the model that answered and why it
+    stopped), or .failed with the error body's code; `call`: the request."""
+    model = call.model if call is not None else None
     error = reply.error
     if error is not None:
         return event(
@@ -111,8 +158,10 @@ def model_call_ended(
             latency_ms=latency_ms,
             error=str(error.get("code")),
             backend=backend,
+            model=model,
         )
     request_id = reply.completion.get("id")
+    answered = reply.completion.get("model")
     return event(
         "model.call.finished",
         session,
@@ -122,11 +171,18 @@ def model_call_ended(
         backend=backend,
         tokens_in=reply.tokens("prompt_tokens"),
         tokens_out=reply.tokens("completion_tokens"),
+        model=model,
+        response_model=answered if isinstance(answered, str) else None,
+        finish_reason=reply.finish_reason,
     )
 
 
 def tool_call_ended(
-    session: str, round_no: int, call_id: str, tool: str, outcome: ToolOutcome
+    session: str,
+    round_no: int,
+    call_id: str,
+    tool: str,
+    outcome: ToolOutcome,
 ) -> TraceEvent:
     """tool.call.finished, or .failed with its error class."""
     return event(
