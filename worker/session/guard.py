@@ -30,13 +30,16 @@ from worker.session.ports import (
     STEP_LEASE_MS,
     Commit,
     Dispatcher,
+    NoSpans,
     Outbox,
     RoundReads,
     SessionStore,
+    SpanSink,
     StepStart,
     ToolReads,
     TraceWrite,
 )
+from worker.session.spans import SpanSession, step_spans
 from worker.session.trace import Arrival, TraceEvent, event, rate_limit_waited, step_timed
 
 log = logging.getLogger(__name__)
@@ -45,10 +48,17 @@ GUARD_RETRY_S = 1.0
 
 
 class StepGuard:
-    def __init__(self, store: SessionStore, dispatch: Dispatcher, settings: Settings) -> None:
+    def __init__(
+        self,
+        store: SessionStore,
+        dispatch: Dispatcher,
+        settings: Settings,
+        spans: SpanSink | None = None,
+    ) -> None:
         self.store = store
         self.dispatch = dispatch
         self.settings = settings
+        self.spans: SpanSink = spans or NoSpans()
 
     def run(
         self,
@@ -155,6 +165,8 @@ class StepGuard:
                     spec_id = self._spec_id(sk)
                     waited = rate_limit_waited(spec_id, step, exc, start.tries, arrival)
                     self.trace_now(sk, waited, expire=True)
+                    if self.spans.on:
+                        self._export_spans(step, sk, [waited])
             raise RetryLater(exc.wait_s, "rate limited") from None
         except SpecMissingError:
             # the session is gone (its spec expired, or was lost with Redis's data): there is
@@ -181,6 +193,11 @@ class StepGuard:
             ends = any(e.event == "session.finished" for e in outbox.events)
             trace = TraceWrite(sk, tuple(outbox.events), expire=ends)
         commit = Commit(sk, step, trace, dict(outbox.outcomes), tuple(outbox.notify))
+        self._write_commit(step, sk, outbox, commit)
+        if self.spans.on and outbox.events:  # once committed: a step that failed made none
+            self._export_spans(step, sk, outbox.events)
+
+    def _write_commit(self, step: str, sk: str, outbox: Outbox, commit: Commit) -> None:
         if self.dispatch.writes_commits:
             self.dispatch.publish(outbox.shown(), commit)
             return
@@ -193,8 +210,23 @@ class StepGuard:
         if commit.notify:
             self.store.notify(sk, commit.notify)
         self.store.end_step(step)
-        if trace is not None:
-            self.store.trace(trace)
+        if commit.trace is not None:
+            self.store.trace(commit.trace)
+
+    def _export_spans(self, step: str, sk: str, events: list[TraceEvent]) -> None:
+        """The spans of a step's committed events (worker.session.spans); a span that cannot be
+        made is lost, never the step."""
+        if not sk:  # a start step's: of no session
+            return
+        try:
+            spec = None
+            with contextlib.suppress(Exception):  # its spans still go, with fewer attributes
+                spec = self.store.load_spec(sk)
+            session = SpanSession(sk, spec, self.store.batch_of(sk) if spec else "")
+            backends, content = self.settings.fleet.backends, self.settings.span_content
+            self.spans.export(step_spans(session, step, events, backends, content))
+        except Exception as exc:
+            log.warning("step %s: spans lost: %s", step, type(exc).__name__)
 
     def trace_now(self, sk: str, *events: TraceEvent, expire: bool = False) -> None:
         """Events written at once, not with the step's end (a background call's progress)."""
@@ -218,6 +250,8 @@ class StepGuard:
                 with contextlib.suppress(StoreError):  # its end, which sets its trace's TTL
                     ended = event("session.finished", spec_id, error=StepFailedError.code)
                     self.trace_now(sk, ended, expire=True)
+                    if self.spans.on:
+                        self._export_spans(step, sk, [ended])
                 continue
             self.dispatch.finish(sk)
         self.store.end_step(step)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from schemas import keys
 from schemas.spec_types import ProgramSpec
@@ -45,10 +45,12 @@ from worker.session.ports import (
     CompletionProvider,
     Dispatcher,
     McpClient,
+    NoSpans,
     Outbox,
     RateLimiter,
     RoundReads,
     SessionStore,
+    SpanSink,
     SpecT,
     StepStart,
     ToolRuntime,
@@ -72,10 +74,14 @@ class StepRunner:
     rate_limiter: RateLimiter  # the static limits of backends with `adaptive: false`
     rate_control: RateControl
     mcp: McpClient | None = None  # MCP servers' tool lists (their calls go through `tools`)
+    spans: SpanSink = field(default_factory=NoSpans)  # OpenTelemetry's, when on
 
     def __post_init__(self) -> None:
         fleet = self.settings.fleet
-        self.guard = StepGuard(self.store, self.dispatch, self.settings)
+        self.guard = StepGuard(self.store, self.dispatch, self.settings, self.spans)
+        # what spans may show of calls (messages, arguments, results) rides the trace events
+        # only while spans are on and their content is asked for
+        self.content = self.settings.trace and self.settings.span_content and self.spans.on
         self.applier = Applier(self.store, self.settings.trace)
         self.models = ModelCaller(
             fleet.backends,
@@ -93,6 +99,7 @@ class StepRunner:
             fleet=fleet.tool_defaults,
             models=self.models,
             trace=self.settings.trace,
+            content=self.content,
         )
 
     def apply(self, sk: str, decision: Decision, dispatch: Dispatcher | None = None) -> None:
@@ -141,7 +148,7 @@ class StepRunner:
             if self.settings.trace and isinstance(step, RunTools) and step.presets:
                 reply = session.rounds[step.round_no].reply
                 outbox.events.extend(
-                    unrun_calls(session.spec.id, step.round_no, reply, step.presets)
+                    unrun_calls(session.spec.id, step.round_no, reply, step.presets, self.content)
                 )
             self.applier.apply(sk, decide(session, step), outbox)
 
@@ -179,7 +186,9 @@ class StepRunner:
         if trace:
             took_ms = round((time.monotonic() - started) * 1000)
             backend = with_reply.backend
-            ended = model_call_ended(spec_id, round_no, winner, took_ms, backend, call)
+            ended = model_call_ended(
+                spec_id, round_no, winner, took_ms, backend, call, self.content
+            )
             outbox.events.append(ended)
         return with_reply, step
 

@@ -54,6 +54,7 @@ class ToolContext:
     fleet: ToolDefaults
     models: ModelCaller  # for summaries of long outputs
     trace: bool
+    content: bool = False  # a call's arguments and result ride its event, for spans
 
 
 @dataclass
@@ -167,8 +168,9 @@ class ToolStep:
         if outcome.logs or outcome.dropped_logs:  # before the end, which the step's time rides
             logged = tool_logs_kept(spec.id, self.round_no, run.call_id, run.name, outcome)
             outbox.events.append(logged)
+        arguments = run.arguments if ctx.content else None
         outbox.events.append(
-            tool_call_ended(spec.id, self.round_no, run.call_id, run.name, outcome)
+            tool_call_ended(spec.id, self.round_no, run.call_id, run.name, outcome, arguments)
         )
         if self.background:
             done = "task.completed" if outcome.ok else "task.failed"

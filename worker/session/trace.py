@@ -7,6 +7,8 @@ finished / failed / retried, tool.logs (how many lines a call wrote: their text 
 kept in the record only), session.finished; for a background tool's call, task.submitted /
 progress / completed / failed too; rate_limit.waited when a step is put off for its backend's
 rate limit. A redelivered step may repeat one (at least once, like the steps themselves).
+Spans (worker.session.spans) are made of them; what they may show of content rides an event
+outside its JSON (`content`), only while spans ask for it.
 
 A step's kind, how long its body ran, where and how it ran (the worker, the delivery, how
 long its message waited for it) ride the last event it made (`kind`, `step_ms`, `worker`,
@@ -20,7 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from schemas import keys
@@ -30,6 +32,7 @@ from worker.session.engine import CallModel
 from worker.session.outcomes import ToolOutcome
 
 log = logging.getLogger("cchatq.trace")
+CONTENT = "content"  # the field to_json leaves out
 
 
 @dataclass(frozen=True)
@@ -66,10 +69,19 @@ class TraceEvent:
     worker: str | None = None  # the worker's node name, on the step's last event
     delivery: int | None = None  # the step's delivery (its try: 1, 2 after a redelivery...)
     queue_ms: int | None = None  # how long the step's message waited before its body began
+    # What spans may show of a call when their content is asked for (messages, arguments,
+    # results): never written to a stream or a log line (to_json leaves it out), and filled
+    # only while spans capture content
+    content: dict[str, Any] | None = field(default=None, compare=False, repr=False)
 
     def to_json(self) -> dict[str, Any]:
-        """The fields that are set (a stream entry, a log line, a `cchatq trace` line)."""
-        return {f.name: v for f in fields(self) if (v := getattr(self, f.name)) is not None}
+        """The fields that are set (a stream entry, a log line, a `cchatq trace` line), never
+        the content."""
+        return {
+            f.name: v
+            for f in fields(self)
+            if f.name != CONTENT and (v := getattr(self, f.name)) is not None
+        }
 
 
 @dataclass(frozen=True)
@@ -145,10 +157,15 @@ def model_call_ended(
     latency_ms: int,
     backend: str,
     call: CallModel | None = None,
+    content: bool = False,
 ) -> TraceEvent:
     """model.call.finished (with its token counts, the model that answered and why it
-    stopped), or .failed with the error body's code; `call`: the request."""
+    stopped), or .failed with the error body's code; `call`: the request, whose messages and
+    reply ride along, outside the event's JSON, when `content` is asked for."""
     model = call.model if call is not None else None
+    carried = None
+    if content and call is not None:
+        carried = {"input": call.messages, "output": reply.message or None}
     error = reply.error
     if error is not None:
         return event(
@@ -159,6 +176,7 @@ def model_call_ended(
             error=str(error.get("code")),
             backend=backend,
             model=model,
+            content=carried,
         )
     request_id = reply.completion.get("id")
     answered = reply.completion.get("model")
@@ -174,6 +192,7 @@ def model_call_ended(
         model=model,
         response_model=answered if isinstance(answered, str) else None,
         finish_reason=reply.finish_reason,
+        content=carried,
     )
 
 
@@ -183,8 +202,13 @@ def tool_call_ended(
     call_id: str,
     tool: str,
     outcome: ToolOutcome,
+    arguments: str | None = None,
 ) -> TraceEvent:
-    """tool.call.finished, or .failed with its error class."""
+    """tool.call.finished, or .failed with its error class; with `arguments` (only while spans
+    capture content) the call's arguments and result ride along, outside the event's JSON."""
+    carried = None
+    if arguments is not None:
+        carried = {"arguments": arguments, "result": tool_result(outcome)}
     return event(
         "tool.call.finished" if outcome.ok else "tool.call.failed",
         session,
@@ -195,7 +219,15 @@ def tool_call_ended(
         latency_ms=outcome.latency_ms,
         error=outcome.code,
         output_bytes=outcome.output_bytes if outcome.ok else None,
+        content=carried,
     )
+
+
+def tool_result(outcome: ToolOutcome) -> str | None:
+    """What a call answered, for a span's content: its output, or its failure's message."""
+    if outcome.ok:
+        return outcome.output
+    return None if outcome.failure is None else outcome.failure.message
 
 
 def tool_logs_kept(
@@ -215,10 +247,15 @@ def tool_logs_kept(
 
 
 def unrun_calls(
-    session: str, round_no: int, reply: Reply, outcomes: dict[int, ToolOutcome]
+    session: str,
+    round_no: int,
+    reply: Reply,
+    outcomes: dict[int, ToolOutcome],
+    content: bool = False,
 ) -> list[TraceEvent]:
     """tool.call.failed for the calls answered without running (unknown, invalid, denied,
-    repeated, not run): they never started."""
+    repeated, not run): they never started. `content`: their arguments and answers ride
+    along, outside the events' JSON."""
     calls = reply.calls
     return [
         event(
@@ -228,6 +265,9 @@ def unrun_calls(
             call_id=calls[i].id,
             tool=calls[i].name,
             error=outcome.code,
+            content={"arguments": calls[i].arguments_text, "result": tool_result(outcome)}
+            if content
+            else None,
         )
         for i, outcome in sorted(outcomes.items())
         if i < len(calls)
