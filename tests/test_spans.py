@@ -1,10 +1,12 @@
 """OpenTelemetry GenAI spans built from trace events (worker/session/spans.py), on hand-made
 events and through the twins: names, kinds, parents, deterministic ids, attributes, error
-types, and content only when it is asked for; and the variables that turn spans on."""
+types, and content only when it is asked for. The SDK edge's conversion and the switch that
+turns spans on are here too; the fleet half is tests/test_otel_fleet.py."""
 
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import replace
 from typing import Any
 
@@ -15,7 +17,7 @@ from schemas.spec_types import McpToolRef, ProgramDef, ProgramSpec, spec_from_js
 from tests.test_steps import SK, pipeline, reply, submit
 from tests.test_steps import spec as pipeline_spec
 from tests.test_trace import CANARY, flaky_weather, mixed_model
-from worker.config import BackendConfig, load_settings, span_exporters
+from worker.config import BackendConfig, Settings, load_settings, span_exporters
 from worker.session.ports import NoSpans
 from worker.session.spans import (
     SpanSession,
@@ -406,3 +408,49 @@ def test_the_service_name_and_content_come_from_the_standard_variables() -> None
     settings = load_settings(on)
     assert (settings.span_service, settings.span_content) == ("evals", True)
     assert not load_settings({}).span_content
+
+
+def test_with_spans_off_the_sdk_edge_is_never_imported() -> None:
+    from worker.wiring import span_sink
+
+    sys.modules.pop("worker.edges.otel_spans", None)
+    assert isinstance(span_sink(Settings()), NoSpans)
+    assert "worker.edges.otel_spans" not in sys.modules
+
+
+def test_spans_asked_for_without_the_extra_are_off_with_one_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from worker import wiring
+
+    monkeypatch.setitem(sys.modules, "worker.edges.otel_spans", None)  # the extra missing
+    settings = Settings(span_exporters=("otlp",))
+    assert isinstance(wiring.span_sink(settings), NoSpans)
+    with caplog.at_level("WARNING", logger="worker.wiring"):
+        wiring.check_spans(settings)
+    assert [r.getMessage() for r in caplog.records] == [wiring.SPANS_MISSING]
+
+
+def test_the_sdk_edge_makes_finished_spans_with_their_own_ids_parents_and_times() -> None:
+    from opentelemetry.trace import SpanKind, StatusCode
+
+    from worker.edges.otel_spans import OtelSpans
+
+    sink = OtelSpans((), "svc")
+    failed = model_finished(error="provider_error")
+    (chat,) = step_spans(chat_session(), "sk1.r0", [failed], BACKENDS)
+    span = sink.readable(chat)
+    assert span.context is not None and span.parent is not None
+    assert (span.context.trace_id, span.context.span_id) == (chat.trace_id, chat.span_id)
+    assert (span.parent.trace_id, span.parent.span_id) == (chat.trace_id, agent_span_id("sk1"))
+    assert span.context.trace_flags.sampled
+    assert (span.start_time, span.end_time) == (9_600 * 10**6, 10_000 * 10**6)
+    assert span.kind == SpanKind.CLIENT
+    assert span.status.status_code == StatusCode.ERROR
+    assert span.attributes is not None and span.attributes["gen_ai.response.finish_reasons"] == (
+        "tool_calls",
+    )
+    assert span.resource.attributes["service.name"] == "svc"
+    assert [e.name for e in span.events] == ["cchatq.queue_wait"]
+    assert span.instrumentation_scope is not None
+    assert span.instrumentation_scope.name == "cchatq"

@@ -13,7 +13,14 @@ from typing import Any
 
 from celery import Celery, Task
 from celery.exceptions import Reject
-from celery.signals import after_setup_logger, celeryd_init, worker_ready
+from celery.signals import (
+    after_setup_logger,
+    celeryd_init,
+    worker_init,
+    worker_process_shutdown,
+    worker_ready,
+    worker_shutdown,
+)
 
 from schemas import task_names
 from schemas.limits import BACKGROUND_TIMEOUT_CAP_MS
@@ -24,6 +31,8 @@ from worker.session.trace import Arrival, now_ms
 from worker.wiring import (
     add_step_context,
     celery_config,
+    check_spans,
+    flush_spans,
     program_steps,
     runner,
     set_worker_concurrency,
@@ -48,6 +57,20 @@ def _log_steps(logger: Any = None, **_: Any) -> None:
     """Every log line of a worker names the step (and so the session) it was written in."""
     if logger is not None:
         add_step_context(list(logger.handlers))
+
+
+@worker_init.connect
+def _check_spans(**_: Any) -> None:
+    """Spans asked for without the otel extra: said once, as the worker starts."""
+    check_spans(load_settings())
+
+
+@worker_process_shutdown.connect
+@worker_shutdown.connect
+def _flush_spans(**_: Any) -> None:
+    """A stopping worker process sends the spans it holds (a prefork child, or the main
+    process of a threads pool)."""
+    flush_spans()
 
 
 @worker_ready.connect
