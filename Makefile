@@ -10,8 +10,8 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 # twins); worker subprocesses of the fleet tests are not measured.
 COVERAGE_FLOOR := 85
 
-.PHONY: install demo test check lint types contracts cover bench bench-rate chaos guests redis-server \
-	chromium screenshots
+.PHONY: install demo test check lint types contracts cover bench bench-otel bench-rate chaos guests \
+	redis-server chromium screenshots
 
 $(PY):
 	$(PYTHON) -m venv $(VENV) || { \
@@ -63,6 +63,11 @@ check: lint types contracts cover
 
 bench: install
 	$(PY) -m bench
+
+# What OpenTelemetry spans cost the workers: the same batch with spans off and exporting over
+# OTLP/HTTP to a receiver in the bench's process. BENCH_OTEL_ARGS="--sessions 200 --content"
+bench-otel: install
+	$(PY) -m bench.otel $(BENCH_OTEL_ARGS)
 
 # The fleet under failure, not part of test: workers SIGKILLed every 2 s,
 # Redis restarted mid-batch, 429s and 500s from the model, the producer killed while it waits.

@@ -6,6 +6,7 @@ Client (producer/client.py)."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -124,6 +125,7 @@ class SessionLookups:
             args=[sk],
             task_id=keys.finish_step(sk),
             queue=task_names.ROUTES[task_names.FINISH],
+            headers={task_names.SENT_HEADER: int(time.time() * 1000)},
         )
         return True
 

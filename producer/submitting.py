@@ -170,7 +170,8 @@ class Submitting(SessionLookups):
                 pipe.expire(keys.watchers(sk), self.ttl_s)
                 if won:
                     sub.new.add(sk)
-                    pipe.set(keys.spec(sk), keys.with_submitted(body, now_ms), ex=self.ttl_s)
+                    stored_form = keys.with_submitted(body, now_ms, sub.batch)
+                    pipe.set(keys.spec(sk), stored_form, ex=self.ttl_s)
                     meta = {
                         "id": spec.id,
                         "batch": sub.batch,
@@ -231,4 +232,5 @@ class Submitting(SessionLookups):
                 args=[sub.batch, n],
                 task_id=keys.start_step(sub.batch, n),
                 queue=task_names.ROUTES[task_names.START],
+                headers={task_names.SENT_HEADER: int(time.time() * 1000)},
             )

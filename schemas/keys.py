@@ -6,7 +6,8 @@ call i:
 
     cq:id:{digest of id}    the sk of that spec id's run, its spec's digest and attempt (Claim);
                             SET NX at submit = the idempotency claim
-    cq:spec:{sk}            canonical spec JSON, with `submitted_ms` (keys.with_submitted)
+    cq:spec:{sk}            canonical spec JSON, with `submitted_ms` and `batch`
+                            (keys.with_submitted)
     cq:meta:{sk}            hash: id, batch, submitted_ms, state, round, backend
     cq:out:{sk}:{r}:m       round r: the model reply (or its error) with the runs its plan made,
                             first writer wins
@@ -65,10 +66,14 @@ TRACE_FIELD = "events"
 GENERATION_BYTES = 4  # of a session key's 12 bytes (hex): the run's generation
 
 
-def with_submitted(spec_body: bytes, submitted_ms: int) -> bytes:
-    """A spec's stored form with when it was submitted (`submitted_ms`, beside its fields: a
-    worker reads it with the spec it caches, not from the session's meta)."""
-    return b'{"submitted_ms":%d,%s' % (submitted_ms, spec_body[1:])
+def with_submitted(spec_body: bytes, submitted_ms: int, batch: str = "") -> bytes:
+    """A spec's stored form with when it was submitted (`submitted_ms`) and in which batch
+    (`batch`), beside its fields: a worker reads them with the spec it caches, not from the
+    session's meta."""
+    if not batch:
+        return b'{"submitted_ms":%d,%s' % (submitted_ms, spec_body[1:])
+    batch_json = json.dumps(batch).encode()
+    return b'{"submitted_ms":%d,"batch":%s,%s' % (submitted_ms, batch_json, spec_body[1:])
 
 
 def trace_events(fields: Mapping[bytes, bytes]) -> list[dict[str, Any]]:
@@ -308,9 +313,18 @@ def rate_room(controller_id: str) -> str:
     return f"{rate_controller(controller_id)}:room"
 
 
+RUN_BATCH_PREFIX = "run-"
+
+
 def run_batch(sk: str) -> str:
     """The batch a program run's chats notify when they finish."""
-    return f"run-{sk}"
+    return f"{RUN_BATCH_PREFIX}{sk}"
+
+
+def run_of_batch(batch: str) -> str | None:
+    """The program run whose chats a batch holds (`run_batch`'s inverse); None for a batch a
+    producer submitted."""
+    return batch.removeprefix(RUN_BATCH_PREFIX) if batch.startswith(RUN_BATCH_PREFIX) else None
 
 
 # Step ids name one unit of at-least-once work; task ids are derived from them.

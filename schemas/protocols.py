@@ -65,6 +65,8 @@ class WireProtocol:
     replay_path: str  # the replay server's path prefix for this protocol ("/v1")
     replay_model: str  # the replay server's model for a scenario: "replay/{scenario}"
     replay: ReplayRules
+    # the provider its calls are traced as (OpenTelemetry's gen_ai.provider.name)
+    genai_provider: str
     hosted: HostedApi | None = None  # None: no built-in backend of this name
 
     def replay_model_for(self, scenario: str) -> str:
@@ -83,6 +85,7 @@ OPENAI = WireProtocol(
     replay_path="/v1",
     replay_model="replay/{scenario}",
     replay=ReplayRules(reasoning_fields=CHAT_REASONING_FIELDS),
+    genai_provider="openai",
     hosted=HostedApi("https://api.openai.com/v1", "OPENAI_API_KEY"),
 )
 ANTHROPIC = WireProtocol(
@@ -93,6 +96,7 @@ ANTHROPIC = WireProtocol(
     replay_model="replay/{scenario}",
     # the turn's content blocks, whose thinking blocks carry their signatures
     replay=ReplayRules(own_entry="content", signed_thinking=True),
+    genai_provider="anthropic",
     hosted=HostedApi("https://api.anthropic.com/v1", "ANTHROPIC_API_KEY"),
 )
 GEMINI = WireProtocol(
@@ -103,6 +107,7 @@ GEMINI = WireProtocol(
     replay_model="replay-{scenario}",
     # the model content's parts, with their thoughtSignature
     replay=ReplayRules(own_entry="parts", signed_thinking=True),
+    genai_provider="gcp.gemini",
     hosted=HostedApi("https://generativelanguage.googleapis.com/v1beta", "GEMINI_API_KEY"),
 )
 TEXT_TAGS = WireProtocol(
@@ -114,6 +119,8 @@ TEXT_TAGS = WireProtocol(
     # the turn's text as the model wrote it, tags included; the chat-completions body it
     # travels in replays reasoning as the openai protocol does
     replay=ReplayRules(own_entry="content", reasoning_fields=CHAT_REASONING_FIELDS),
+    # chat completions with tools as tags in the text: an OpenAI-compatible endpoint's
+    genai_provider="openai",
 )
 
 PROTOCOLS: Mapping[str, WireProtocol] = MappingProxyType(

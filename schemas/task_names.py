@@ -10,6 +10,11 @@ FINISH = "cchatq.finish"
 PROGRAM = "cchatq.program"
 NUDGE = "cchatq.nudge"
 
+# A message header: when the message was sent (ms since the epoch), or for a retry put off by a
+# countdown, when it falls due; a step's `queue_ms` is how long it then waited for a worker.
+# Passed as send_task(headers=...) passes a header, so Flower and `celery inspect` see it too.
+SENT_HEADER = "cchatq_sent_ms"
+
 QUEUE_LLM = "llm"
 QUEUE_TOOLS = "tools"
 QUEUE_CONTROL = "control"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -64,11 +65,19 @@ def test_the_pushed_message_is_the_one_send_task_pushes(
     args: list[str | int] = ["sk-1", 2, 0]
     step = keys.tool_step("sk-1", 2, 0)
     queue = task_names.ROUTES[task_names.TOOL]
-    app.send_task(task_names.TOOL, args=args, task_id=step, queue=queue, argsrepr=repr(args))
+    sent = 1_700_000_000_123  # the header a sender stamps: when it sent the message
+    app.send_task(
+        task_names.TOOL, args=args, task_id=step, queue=queue, argsrepr=repr(args),
+        headers={task_names.SENT_HEADER: sent},
+    )  # fmt: skip
     theirs = _pushed(client, queue)
+    before = time.time_ns() // 1_000_000
     CeleryDispatcher(app, RedisStore(client, ttl_s=60)).tool("sk-1", 2, 0)
+    after = time.time_ns() // 1_000_000
     ours = _pushed(client, queue)
     assert ours.keys() == theirs.keys()
+    assert before <= ours["headers"][task_names.SENT_HEADER] <= after
+    ours["headers"][task_names.SENT_HEADER] = sent
     assert ours["headers"] == theirs["headers"]
     assert {k: v for k, v in ours["properties"].items() if k not in PER_SEND} == {
         k: v for k, v in theirs["properties"].items() if k not in PER_SEND | {"argsrepr"}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 from schemas import keys
@@ -31,3 +32,19 @@ def test_a_claim_holds_its_run_its_specs_digest_and_its_attempt() -> None:
     assert keys.Claim.decode(claim.encode().encode()) == claim
     assert keys.Claim.decode("b" * 24) == keys.Claim("b" * 24)  # a chat's, or an older claim
     assert keys.content_digest(b"1") != keys.content_digest(b"2")
+
+
+def test_a_stored_spec_says_when_and_in_which_batch_it_was_submitted() -> None:
+    body = b'{"id":"a/b","model":"m"}'
+    stored = json.loads(keys.with_submitted(body, 1234, 'b"1'))
+    assert stored == {"submitted_ms": 1234, "batch": 'b"1', "id": "a/b", "model": "m"}
+    assert json.loads(keys.with_submitted(body, 5)) == {
+        "submitted_ms": 5,
+        "id": "a/b",
+        "model": "m",
+    }
+
+
+def test_a_program_runs_chats_name_their_run_by_their_batch() -> None:
+    assert keys.run_of_batch(keys.run_batch("abc123")) == "abc123"
+    assert keys.run_of_batch("0f3e9a1b2c3d") is None

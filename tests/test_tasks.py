@@ -8,7 +8,9 @@ from typing import Any
 import pytest
 from celery.exceptions import Reject, Retry
 
+from schemas import task_names
 from worker.errors import RetryLater
+from worker.session.trace import now_ms
 from worker.tasks import _retry
 
 
@@ -20,9 +22,11 @@ class _Task:
         self.broker_up = broker_up
         self.request = SimpleNamespace(id="abc.r0")
         self.countdowns: list[float] = []
+        self.headers: list[dict[str, Any]] = []
 
-    def retry(self, countdown: float) -> Any:
+    def retry(self, countdown: float, headers: dict[str, Any]) -> Any:
         self.countdowns.append(countdown)
+        self.headers.append(headers)
         if not self.broker_up:
             raise Reject(ConnectionError("broker down"), requeue=False)
         raise Retry(when=countdown)
@@ -30,9 +34,13 @@ class _Task:
 
 def test_a_retry_is_published_with_its_countdown() -> None:
     task = _Task(broker_up=True)
+    before = now_ms()
     with pytest.raises(Retry):
         _retry(task, RetryLater(1.5, "step is leased"))
     assert task.countdowns == [1.5]
+    # the retry's wait on its queue counts from when it falls due, not from when it was put off
+    (headers,) = task.headers
+    assert before + 1500 <= headers[task_names.SENT_HEADER] <= now_ms() + 1500
 
 
 def test_a_retry_the_broker_cannot_take_gives_the_delivery_back() -> None:

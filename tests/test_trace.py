@@ -8,11 +8,13 @@ import json
 from typing import Any
 
 from fixtures.replay.conversation import read_envelope
+from schemas import keys
 from tests.test_engine import WEATHER_FN
 from tests.test_steps import SK, pipeline, reply, submit
 from tests.test_steps import spec as pipeline_spec
 from worker.errors import ToolRuntimeError
 from worker.session.ports import ToolCall
+from worker.session.trace import Arrival
 
 CANARY = "canary-7f3a"
 
@@ -261,3 +263,43 @@ def test_a_summary_that_fails_leaves_the_excerpt() -> None:
     envelope = json.loads(next(m for m in p.transcript() if m["role"] == "tool")["content"])
     assert envelope["truncated"] and "summarized" not in envelope
     assert "bytes omitted" in envelope["data"]
+
+
+def test_a_model_call_says_which_model_was_asked_which_answered_and_why_it_stopped() -> None:
+    events = run_mixed()
+    finished = [e for e in events if e["event"] == "model.call.finished"]
+    assert [(e["model"], e["response_model"], e["finish_reason"]) for e in finished] == [
+        ("m", "m", "tool_calls"),
+        ("m", "m", "stop"),
+    ]
+
+
+def test_a_steps_last_event_says_where_and_how_it_ran() -> None:
+    """The worker and the message's wait come with the delivery (from its task); the delivery
+    count is the step's try: a second delivery of a step says 2."""
+    p = pipeline([reply("hi")])
+    submit(p, pipeline_spec())
+    p.queue.pending.clear()
+    p.runner.round(SK, 0, first=True, arrival=Arrival("llm@host-a", 42))
+    (entry,) = p.store.traces.values()
+    events = [e.to_json() for e in entry]
+    last = events[-1]
+    assert (last["worker"], last["delivery"], last["queue_ms"], last["kind"]) == (
+        "llm@host-a",
+        1,
+        42,
+        "round",
+    )
+    assert all("worker" not in e and "delivery" not in e for e in events[:-1])
+
+
+def test_a_redelivered_step_counts_its_delivery() -> None:
+    p = pipeline([reply("hi"), reply("hi")])
+    submit(p, pipeline_spec())
+    p.queue.pending.clear()
+    step = keys.round_step(SK, 0)
+    p.store.tries[step] = 1  # its first delivery ran and died before its commit
+    p.runner.round(SK, 0, first=False, arrival=Arrival("llm@host-b", None))
+    last = p.store.traces[SK][-1].to_json()
+    assert (last["worker"], last["delivery"]) == ("llm@host-b", 2)
+    assert "queue_ms" not in last  # its sender stamped no time

@@ -15,6 +15,17 @@ Environment variables:
     CCHATQ_STALL_AFTER_S      a session with no progress this long is nudged (30)
     CCHATQ_SESSION_DEADLINE_S a session with no progress this long after its submit ends with
                               deadline_exceeded (default: half CCHATQ_RESULT_TTL_S, 43200)
+
+OpenTelemetry spans (README "OpenTelemetry traces"), off unless asked for:
+    OTEL_TRACES_EXPORTER      otlp and/or console (comma-separated): spans on; none: off
+    OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, OTEL_EXPORTER_OTLP_ENDPOINT
+                              either set (and OTEL_TRACES_EXPORTER unset): spans on, OTLP/HTTP
+    OTEL_SDK_DISABLED         true: spans off whatever else says
+    OTEL_SERVICE_NAME         the spans' service.name (default cchatq-worker)
+    OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT
+                              true: spans carry messages, tool arguments and results
+The exporter and the batch processor read the rest of OTEL_* themselves (endpoint, headers,
+OTEL_BSP_SCHEDULE_DELAY, ...).
 """
 
 from __future__ import annotations
@@ -27,6 +38,8 @@ from pathlib import Path
 from schemas.config import BackendConfig, FleetConfig, read_config
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+DEFAULT_SERVICE_NAME = "cchatq-worker"
+SPAN_EXPORTERS = ("otlp", "console")
 __all__ = ["BackendConfig", "FleetConfig", "Settings", "load_settings"]
 
 
@@ -47,6 +60,11 @@ class Settings:
     # a stalled session this old ends deadline_exceeded: before its keys expire, so every
     # session ends with a body
     session_deadline_ms: int = 43_200_000
+    # OpenTelemetry: the span exporters asked for (otlp, console; none: spans off), the spans'
+    # service name, and whether they carry content (messages, tool arguments and results)
+    span_exporters: tuple[str, ...] = ()
+    span_service: str = DEFAULT_SERVICE_NAME
+    span_content: bool = False
 
 
 def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
@@ -74,4 +92,26 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
             )
             * 1000
         ),
+        span_exporters=span_exporters(env),
+        span_service=env.get("OTEL_SERVICE_NAME") or DEFAULT_SERVICE_NAME,
+        span_content=_true(env.get("OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT")),
     )
+
+
+def span_exporters(env: Mapping[str, str]) -> tuple[str, ...]:
+    """The span exporters the standard OTEL_* variables ask for; () when spans are off: the SDK
+    disabled, OTEL_TRACES_EXPORTER naming none of ours, or nothing said at all."""
+    if _true(env.get("OTEL_SDK_DISABLED")):
+        return ()
+    named = env.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+    if named:
+        asked = (n.strip() for n in named.split(","))
+        return tuple(dict.fromkeys(n for n in asked if n in SPAN_EXPORTERS))
+    endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get(
+        "OTEL_EXPORTER_OTLP_ENDPOINT"
+    )
+    return ("otlp",) if endpoint else ()
+
+
+def _true(value: str | None) -> bool:
+    return (value or "").strip().lower() == "true"

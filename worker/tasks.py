@@ -13,16 +13,26 @@ from typing import Any
 
 from celery import Celery, Task
 from celery.exceptions import Reject
-from celery.signals import after_setup_logger, celeryd_init, worker_ready
+from celery.signals import (
+    after_setup_logger,
+    celeryd_init,
+    worker_init,
+    worker_process_shutdown,
+    worker_ready,
+    worker_shutdown,
+)
 
 from schemas import task_names
 from schemas.limits import BACKGROUND_TIMEOUT_CAP_MS
 from worker.config import load_settings
 from worker.errors import RetryLater
 from worker.session.steps import StepRunner
+from worker.session.trace import Arrival, now_ms
 from worker.wiring import (
     add_step_context,
     celery_config,
+    check_spans,
+    flush_spans,
     program_steps,
     runner,
     set_worker_concurrency,
@@ -47,6 +57,20 @@ def _log_steps(logger: Any = None, **_: Any) -> None:
     """Every log line of a worker names the step (and so the session) it was written in."""
     if logger is not None:
         add_step_context(list(logger.handlers))
+
+
+@worker_init.connect
+def _check_spans(**_: Any) -> None:
+    """Spans asked for without the otel extra: said once, as the worker starts."""
+    check_spans(load_settings())
+
+
+@worker_process_shutdown.connect
+@worker_shutdown.connect
+def _flush_spans(**_: Any) -> None:
+    """A stopping worker process sends the spans it holds (a prefork child, or the main
+    process of a threads pool)."""
+    flush_spans()
 
 
 @worker_ready.connect
@@ -81,14 +105,24 @@ def _first(task: Task) -> bool:
     return not request.retries and not (request.delivery_info or {}).get("redelivered")
 
 
+def _arrival(task: Task) -> Arrival:
+    """Where the delivery runs (the worker's node name) and how long its message waited since
+    it was sent, or fell due (SENT_HEADER; None when its sender did not stamp it)."""
+    request = task.request
+    sent = getattr(request, task_names.SENT_HEADER, None)
+    waited = max(0, now_ms() - sent) if isinstance(sent, int) else None
+    return Arrival(worker=request.hostname or "", queue_ms=waited)
+
+
 def _retry(task: Task, later: RetryLater) -> None:
     """Run this delivery again in `countdown_s`. Celery publishes the retry as a new message
     and, when that fails (the broker is down), rejects this one with requeue=False: the step
     would be gone. Here the delivery is given back instead; if even that cannot reach the
     broker, the message stays among this consumer's taken ones, which a sweeper hands out
     again once the consumer stops beating, and the reconciler covers the rest."""
-    try:
-        raise task.retry(countdown=later.countdown_s) from None
+    due = {task_names.SENT_HEADER: now_ms() + round(later.countdown_s * 1000)}
+    try:  # its wait on the queue counts from when it falls due, not from this delivery
+        raise task.retry(countdown=later.countdown_s, headers=due) from None
     except Reject as rejected:
         log.warning("step %s: retry not published, given back", task.request.id)
         raise Reject(rejected.reason, requeue=True) from None
@@ -96,17 +130,22 @@ def _retry(task: Task, later: RetryLater) -> None:
 
 @app.task(name=task_names.START, **STEP_OPTIONS)
 def start(self: Task, batch: str, chunk_no: int) -> dict[str, str] | None:
-    return _run(self, lambda r: StepRunner.start(r, batch, chunk_no, _first(self)))
+    return _run(self, lambda r: StepRunner.start(r, batch, chunk_no, _first(self), _arrival(self)))
 
 
 @app.task(name=task_names.ROUND, **STEP_OPTIONS)
 def round_(self: Task, sk: str, round_no: int) -> dict[str, str] | None:
-    return _run(self, lambda r: StepRunner.round(r, sk, round_no, _first(self)))
+    return _run(self, lambda r: StepRunner.round(r, sk, round_no, _first(self), _arrival(self)))
 
 
 @app.task(name=task_names.TOOL, **STEP_OPTIONS)
 def tool(self: Task, sk: str, round_no: int, index: int) -> dict[str, str] | None:
-    return _run(self, lambda r: StepRunner.tool(r, sk, round_no, index, first=_first(self)))
+    return _run(
+        self,
+        lambda r: StepRunner.tool(
+            r, sk, round_no, index, first=_first(self), arrival=_arrival(self)
+        ),
+    )
 
 
 @app.task(
@@ -116,12 +155,14 @@ def tool(self: Task, sk: str, round_no: int, index: int) -> dict[str, str] | Non
     **STEP_OPTIONS,
 )
 def background_tool(self: Task, sk: str, round_no: int, index: int) -> dict[str, str] | None:
-    return _run(self, lambda r: StepRunner.tool(r, sk, round_no, index, True, first=_first(self)))
+    return _run(
+        self, lambda r: StepRunner.tool(r, sk, round_no, index, True, _first(self), _arrival(self))
+    )
 
 
 @app.task(name=task_names.FINISH, **STEP_OPTIONS)
 def finish(self: Task, sk: str) -> dict[str, str] | None:
-    return _run(self, lambda r: StepRunner.finish(r, sk, _first(self)))
+    return _run(self, lambda r: StepRunner.finish(r, sk, _first(self), _arrival(self)))
 
 
 @app.task(name=task_names.NUDGE, bind=True, ignore_result=True)
@@ -131,4 +172,4 @@ def nudge(self: Task, sk: str) -> None:
 
 @app.task(name=task_names.PROGRAM, **STEP_OPTIONS)
 def program(self: Task, sk: str) -> dict[str, str] | None:
-    return _run(self, lambda _: program_steps(app).program(sk, _first(self)))
+    return _run(self, lambda _: program_steps(app).program(sk, _first(self), _arrival(self)))

@@ -25,6 +25,7 @@ from worker.edges.store_programs import RedisProgramStore
 from worker.edges.wasm_runtime import WasmToolRuntime
 from worker.guest.step import ProgramSteps
 from worker.session.mcp_offer import ToolRouter
+from worker.session.ports import NoSpans, SpanSink
 from worker.session.reconciler import Reconciler
 from worker.session.steps import StepRunner
 
@@ -45,6 +46,7 @@ class Wiring:
         fleet = settings.fleet.tool_defaults
         self.mcp = McpTools(fleet.mcp_servers, fleet.timeout_ms)  # holds nothing until used
         self._tools = ToolRouter(self.runtime, self.mcp)  # WASM tools, or MCP servers' tools
+        self.spans = span_sink(settings)
         self.runner = StepRunner(
             store=self.store,
             dispatch=CeleryDispatcher(app, self.store),
@@ -54,6 +56,7 @@ class Wiring:
             rate_limiter=RedisRateLimiter(self.store.client),
             rate_control=RedisRateControl(self.store.client),
             mcp=self.mcp,
+            spans=self.spans,
         )
         self.program_steps = ProgramSteps(
             runner=self.runner, programs=self.programs, source=_LazySource(self)
@@ -122,6 +125,43 @@ def _current(app: Celery) -> Wiring:
 
 def runner(app: Celery) -> StepRunner:
     return _current(app).runner
+
+
+SPANS_MISSING = (
+    "OpenTelemetry spans are asked for (OTEL_*) but the otel extra is not installed "
+    "(pip install 'cchatq[otel]'): spans off"
+)
+
+
+def span_sink(settings: Settings) -> SpanSink:
+    """OpenTelemetry's SDK when the OTEL_* variables ask for spans and the otel extra is
+    installed; otherwise nothing, and opentelemetry is never imported."""
+    if not settings.span_exporters:
+        return NoSpans()
+    try:
+        from worker.edges.otel_spans import OtelSpans
+    except ImportError:  # said once at the worker's start (check_spans)
+        return NoSpans()
+    return OtelSpans(settings.span_exporters, settings.span_service)
+
+
+def check_spans(settings: Settings) -> None:
+    """At a worker's start: one warning when spans are asked for and cannot be made. The SDK
+    is imported here then, once, before a prefork pool forks; its exporters are made by each
+    process's wiring."""
+    if not settings.span_exporters:
+        return
+    try:
+        import worker.edges.otel_spans  # noqa: F401
+    except ImportError:
+        log.warning(SPANS_MISSING)
+
+
+def flush_spans() -> None:
+    """Send the spans this process holds (its worker is stopping); builds nothing."""
+    built = _wiring
+    if built is not None and built[0] == os.getpid():
+        built[1].spans.flush()
 
 
 def program_steps(app: Celery) -> ProgramSteps:

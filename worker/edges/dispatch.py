@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -37,11 +38,14 @@ def task_message(
     queue: str,
     parent: Any = None,
     shown_id: str = "",
+    sent_ms: int | None = None,
 ) -> bytes:
     """The message `app.send_task(name, args, task_id=..., queue=...)` would push, from a
     worker running task `parent` (Flower links the steps of a session by root and parent).
     `shown_id`, the session's spec id, is shown as the task's keyword arguments (Flower
-    finds it with `kwargs:session=<id>`); the task gets none."""
+    finds it with `kwargs:session=<id>`); the task gets none. `sent_ms` is stamped as the
+    header task_names.SENT_HEADER, as `send_task(headers={...})` adds a header: the worker
+    that takes the message reads how long it waited."""
     body = json.dumps([args, {}, _EMBED]).encode()
     root_id = (getattr(parent, "root_id", None) or parent.id) if parent is not None else task_id
     headers = {
@@ -65,6 +69,8 @@ def task_message(
         "stamped_headers": None,
         "stamps": {},
     }
+    if sent_ms is not None:
+        headers[task_names.SENT_HEADER] = sent_ms
     properties = {
         "correlation_id": task_id,
         "reply_to": "",
@@ -115,13 +121,16 @@ class CeleryDispatcher(StepPublisher):
         current = self.app.current_worker_task
         parent = current.request if current is not None else None
         pipe = self.store.client.pipeline(transaction=False)
+        sent_ms = time.time_ns() // 1_000_000
         if commit is not None and commit.outcomes:  # before the steps that read them
             self.store.add_outcomes(pipe, commit.sk, commit.outcomes)
         for step in steps:
             name, task_id = _task(step)
             queue = task_names.ROUTES[name]
             # the queue's list is the queue's name: priority 0, no key prefix (wiring's config)
-            message = task_message(name, list(step.args), task_id, queue, parent, step.shown_id)
+            message = task_message(
+                name, list(step.args), task_id, queue, parent, step.shown_id, sent_ms
+            )
             pipe.lpush(queue, message)
         if commit is not None:
             if commit.notify:

@@ -81,6 +81,7 @@ class RedisStore(StepLeases, TraceWrites, ResultWrites, FleetQueries):
         self.progress_after_ms = progress_after_ms
         self._specs: dict[str, Spec] = {}
         self._submitted: dict[str, int] = {}  # sk -> when its producer submitted it (ms)
+        self._batches: dict[str, str] = {}  # sk -> the batch it was submitted in
         self._keeper = LeaseKeeper(self.client)
         self._take_over = self.client.register_script(TAKE_OVER)
 
@@ -124,10 +125,19 @@ class RedisStore(StepLeases, TraceWrites, ResultWrites, FleetQueries):
             evicted = next(iter(self._specs))
             self._specs.pop(evicted)
             self._submitted.pop(evicted, None)
+            self._batches.pop(evicted, None)
         self._specs[sk] = spec
         if isinstance(stored.get("submitted_ms"), int):
             self._submitted[sk] = stored["submitted_ms"]
+        if isinstance(stored.get("batch"), str):
+            self._batches[sk] = stored["batch"]
         return spec
+
+    def batch_of(self, sk: str) -> str:
+        """From the spec this process read (read now when it has not)."""
+        if sk not in self._specs:
+            self.load_spec(sk)
+        return self._batches.get(sk, "")
 
     @translated
     def store_mcp_tools(self, sk: str, tools: tuple[ToolSpec, ...]) -> None:

@@ -36,7 +36,7 @@ class RedisProgramStore:
         (a redelivered program replaying its chats): then it is not started again. Its id
         names this chat (cchatq status), as a spec id names a submitted session."""
         now_ms = int(time.time() * 1000)
-        body = keys.with_submitted(dump_body(spec_to_json(spec)), now_ms)
+        body = keys.with_submitted(dump_body(spec_to_json(spec)), now_ms, batch)
         pipe = self.client.pipeline(transaction=True)
         pipe.set(keys.spec(sk), body, nx=True, ex=self.ttl_s)
         pipe.set(keys.id_claim(spec.id), keys.Claim(sk).encode(), ex=self.ttl_s)

@@ -20,6 +20,7 @@ from worker.session.decisions import WriteEnding
 from worker.session.ending import Ending, failed_program_record
 from worker.session.ports import Outbox, StepStart
 from worker.session.steps import StepRunner
+from worker.session.trace import Arrival
 
 
 @dataclass
@@ -28,7 +29,9 @@ class ProgramSteps:
     programs: ProgramStore
     source: ModuleSource
 
-    def program(self, sk: str, first: bool | None = None) -> str | None:
+    def program(
+        self, sk: str, first: bool | None = None, arrival: Arrival | None = None
+    ) -> str | None:
         def body(_: StepStart, outbox: Outbox) -> None:
             spec = self.runner.spec_of(sk, ProgramSpec)
             started = time.monotonic()
@@ -55,8 +58,9 @@ class ProgramSteps:
                 )
             self.runner.apply(sk, WriteEnding(Ending(record["body"], record)), outbox)
 
+        step = keys.program_step(sk)
         return self.runner.guard.run(
-            keys.program_step(sk), sk, body, stop_if_cancelled=False, first=first, state="running"
+            step, sk, body, stop_if_cancelled=False, first=first, arrival=arrival, state="running"
         )
 
     def _mcp_access(self, spec: ProgramSpec) -> McpAccess:

@@ -3,10 +3,12 @@ the round, tool, finish, nudge and program steps hand theirs here."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
 from schemas.bodies import OK, dump_body, outcome_code
+from worker.errors import StoreError
 from worker.session.decisions import (
     CallNext,
     Decision,
@@ -40,6 +42,7 @@ class Applier:
             send.finish(sk)
         else:
             self._write(sk, decision.ending, send)
+            self._finished(sk, decision.ending, send)
 
     def _start_tools(self, sk: str, decision: StartTools, send: Dispatcher) -> None:
         plan = decision.plan
@@ -91,16 +94,32 @@ class Applier:
         latency_ms = int(time.time() * 1000) - inputs.submitted_ms
         closing = ending(session, decision.step, inputs.failure, inputs.cancelled, latency_ms)
         self._write(sk, closing, send)
-        if self.trace and isinstance(send, Outbox):
-            code = outcome_code(closing.body)
-            send.events.append(
-                event(
-                    "session.finished",
-                    session.spec.id,
-                    latency_ms=latency_ms,
-                    error=None if code == OK else code,
-                )
+        self._finished(sk, closing, send, session.spec.id, latency_ms)
+
+    def _finished(
+        self,
+        sk: str,
+        closing: Ending,
+        send: Dispatcher,
+        spec_id: str | None = None,
+        latency_ms: int | None = None,
+    ) -> None:
+        """The session.finished event of a session's end (a program run's: its record names
+        it), after the step's own events; its latency counts from the submit."""
+        if not self.trace or not isinstance(send, Outbox):
+            return
+        if latency_ms is None:  # a program run's: from when it was submitted, when known
+            with contextlib.suppress(StoreError):
+                latency_ms = int(time.time() * 1000) - self.store.ending_inputs(sk).submitted_ms
+        code = outcome_code(closing.body)
+        send.events.append(
+            event(
+                "session.finished",
+                spec_id if spec_id is not None else str(closing.record.get("id", sk)),
+                latency_ms=latency_ms,
+                error=None if code == OK else code,
             )
+        )
 
     def _write(self, sk: str, closing: Ending, send: Dispatcher) -> None:
         if isinstance(send, Outbox):  # the waiting batches are told with the step's commit

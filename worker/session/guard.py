@@ -30,14 +30,17 @@ from worker.session.ports import (
     STEP_LEASE_MS,
     Commit,
     Dispatcher,
+    NoSpans,
     Outbox,
     RoundReads,
     SessionStore,
+    SpanSink,
     StepStart,
     ToolReads,
     TraceWrite,
 )
-from worker.session.trace import TraceEvent, event, rate_limit_waited, step_timed
+from worker.session.spans import SpanSession, step_spans
+from worker.session.trace import Arrival, TraceEvent, event, rate_limit_waited, step_timed
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +48,17 @@ GUARD_RETRY_S = 1.0
 
 
 class StepGuard:
-    def __init__(self, store: SessionStore, dispatch: Dispatcher, settings: Settings) -> None:
+    def __init__(
+        self,
+        store: SessionStore,
+        dispatch: Dispatcher,
+        settings: Settings,
+        spans: SpanSink | None = None,
+    ) -> None:
         self.store = store
         self.dispatch = dispatch
         self.settings = settings
+        self.spans: SpanSink = spans or NoSpans()
 
     def run(
         self,
@@ -59,6 +69,7 @@ class StepGuard:
         targets: Callable[[], list[str]] | None = None,
         reads: RoundReads | ToolReads | None = None,
         first: bool | None = None,
+        arrival: Arrival | None = None,
         **meta: str | int,
     ) -> str | None:
         """Run one delivery of a step under its guards; returns the outcome code of a session
@@ -69,9 +80,12 @@ class StepGuard:
         with its work undone. What `reads` names is read with the lease, in the same round
         trip, and handed to `body` in its StepStart. `first`: whether this is the first
         delivery of its message, when the broker says (its try is then counted with no
-        write)."""
+        write). `arrival`: which worker runs it and how long its message waited (stamped on
+        its trace events)."""
         try:
-            return self._run(step, sk, body, stop_if_cancelled, targets, reads, first, dict(meta))
+            return self._run(
+                step, sk, body, stop_if_cancelled, targets, reads, first, arrival, dict(meta)
+            )
         except (RetryLater, StepDeadLettered):
             raise
         except Exception as exc:
@@ -87,6 +101,7 @@ class StepGuard:
         targets: Callable[[], list[str]] | None,
         reads: RoundReads | ToolReads | None,
         first: bool | None,
+        arrival: Arrival | None,
         meta: dict[str, str | int],
     ) -> str | None:
         sessions = targets or (lambda: [sk])
@@ -97,7 +112,7 @@ class StepGuard:
             raise RetryLater(self.store.lease_left_ms(step) / 1000 + 0.05, f"step {step} is leased")
         # renewed while this worker lives, and known to this process as held until it ends
         with self.store.hold(step, start.lease):
-            return self._leased(step, sk, body, start, stop_if_cancelled, sessions)
+            return self._leased(step, sk, body, start, stop_if_cancelled, sessions, arrival)
 
     def _leased(
         self,
@@ -107,6 +122,7 @@ class StepGuard:
         start: StepStart,
         stop_if_cancelled: bool,
         sessions: Callable[[], list[str]],
+        arrival: Arrival | None,
     ) -> str | None:
         if start.cancelled and stop_if_cancelled:
             # cancellation is checked at every step boundary; finish writes the cancelled body
@@ -117,7 +133,7 @@ class StepGuard:
         if start.tries > self.settings.max_step_attempts:
             self.poison(step, sessions(), f"delivered {start.tries} times")
         outbox = Outbox()
-        self._body(step, sk, body, start, outbox, sessions)
+        self._body(step, sk, body, start, outbox, sessions, arrival)
         if log.isEnabledFor(logging.INFO):  # one line per step that ran: ids and counts only
             published = [s.kind for s in outbox.steps]
             log.info("step %s done: try %d, published %s", step, start.tries, published)
@@ -131,12 +147,13 @@ class StepGuard:
         start: StepStart,
         outbox: Outbox,
         sessions: Callable[[], list[str]],
+        arrival: Arrival | None,
     ) -> None:
         started = time.monotonic()
         try:
             body(start, outbox)
-            if self.settings.trace:  # its kind and duration ride its last event
-                step_timed(outbox.events, step, started)
+            if self.settings.trace:  # its kind, duration, delivery... ride its last event
+                step_timed(outbox.events, step, started, start.tries, arrival)
             # a commit that fails (its tool outcomes are part of it) fails the step: retried
             self.commit(step, sk, outbox)
         except RateLimited as exc:
@@ -145,8 +162,11 @@ class StepGuard:
             self.store.defer_step(step, sk, start.tries_stored, int(exc.wait_s * 1000))
             if self.settings.trace:  # an event for the metrics, never the step's failure
                 with contextlib.suppress(StoreError):
-                    waited = rate_limit_waited(self._spec_id(sk), step, exc)
+                    spec_id = self._spec_id(sk)
+                    waited = rate_limit_waited(spec_id, step, exc, start.tries, arrival)
                     self.trace_now(sk, waited, expire=True)
+                    if self.spans.on:
+                        self._export_spans(step, sk, [waited])
             raise RetryLater(exc.wait_s, "rate limited") from None
         except SpecMissingError:
             # the session is gone (its spec expired, or was lost with Redis's data): there is
@@ -173,6 +193,11 @@ class StepGuard:
             ends = any(e.event == "session.finished" for e in outbox.events)
             trace = TraceWrite(sk, tuple(outbox.events), expire=ends)
         commit = Commit(sk, step, trace, dict(outbox.outcomes), tuple(outbox.notify))
+        self._write_commit(step, sk, outbox, commit)
+        if self.spans.on and outbox.events:  # once committed: a step that failed made none
+            self._export_spans(step, sk, outbox.events)
+
+    def _write_commit(self, step: str, sk: str, outbox: Outbox, commit: Commit) -> None:
         if self.dispatch.writes_commits:
             self.dispatch.publish(outbox.shown(), commit)
             return
@@ -185,8 +210,23 @@ class StepGuard:
         if commit.notify:
             self.store.notify(sk, commit.notify)
         self.store.end_step(step)
-        if trace is not None:
-            self.store.trace(trace)
+        if commit.trace is not None:
+            self.store.trace(commit.trace)
+
+    def _export_spans(self, step: str, sk: str, events: list[TraceEvent]) -> None:
+        """The spans of a step's committed events (worker.session.spans); a span that cannot be
+        made is lost, never the step."""
+        if not sk:  # a start step's: of no session
+            return
+        try:
+            spec = None
+            with contextlib.suppress(Exception):  # its spans still go, with fewer attributes
+                spec = self.store.load_spec(sk)
+            session = SpanSession(sk, spec, self.store.batch_of(sk) if spec else "")
+            backends, content = self.settings.fleet.backends, self.settings.span_content
+            self.spans.export(step_spans(session, step, events, backends, content))
+        except Exception as exc:
+            log.warning("step %s: spans lost: %s", step, type(exc).__name__)
 
     def trace_now(self, sk: str, *events: TraceEvent, expire: bool = False) -> None:
         """Events written at once, not with the step's end (a background call's progress)."""
@@ -210,6 +250,8 @@ class StepGuard:
                 with contextlib.suppress(StoreError):  # its end, which sets its trace's TTL
                     ended = event("session.finished", spec_id, error=StepFailedError.code)
                     self.trace_now(sk, ended, expire=True)
+                    if self.spans.on:
+                        self._export_spans(step, sk, [ended])
                 continue
             self.dispatch.finish(sk)
         self.store.end_step(step)

@@ -23,6 +23,7 @@ from worker.errors import InternalError
 from worker.session.engine import ToolRun
 from worker.session.outcomes import ToolOutcome
 from worker.session.round_record import StoredRound
+from worker.session.spans import SpanValue
 from worker.session.state import Session
 from worker.session.tool_logs import ToolLogs
 from worker.session.trace import TraceEvent
@@ -108,6 +109,11 @@ class SessionStore(Protocol):
     """Session state: specs, stored outputs (first writer wins), step guards, results."""
 
     def load_spec(self, sk: str) -> Spec: ...
+    def batch_of(self, sk: str) -> str:
+        """The batch a session was submitted in, as its stored spec says ("" when it says
+        none); a program run's chats are in `keys.run_batch` of their run."""
+        ...
+
     def load_session(self, sk: str, backend: str, upto_round: int | None = None) -> Session: ...
     def tool_inputs(self, sk: str, round_no: int, index: int) -> ToolInputs: ...
     def store_round(self, sk: str, round_no: int, reply: Reply, runs: Sequence[ToolRun]) -> Reply:
@@ -321,6 +327,33 @@ class Outbox(StepPublisher):
 
     def publish(self, steps: Sequence[NextStep], commit: Commit | None = None) -> None:
         self.steps.extend(steps)
+
+
+class SpanSink(Protocol):
+    """Where a session's spans go (OpenTelemetry, worker.edges.otel_spans) as its steps commit
+    their trace events; `on` False: nowhere, and no span is built."""
+
+    on: bool
+
+    def export(self, spans: Sequence[SpanValue]) -> None:
+        """Hand finished spans over (batched and sent in the background; never raises)."""
+        ...
+
+    def flush(self) -> None:
+        """Send what is held: the worker is stopping."""
+        ...
+
+
+class NoSpans:
+    """The SpanSink of a worker whose spans are off."""
+
+    on = False
+
+    def export(self, spans: Sequence[SpanValue]) -> None:
+        return None
+
+    def flush(self) -> None:
+        return None
 
 
 class RateLimiter(Protocol):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from schemas import keys
 from schemas.spec_types import ProgramSpec
@@ -45,10 +45,12 @@ from worker.session.ports import (
     CompletionProvider,
     Dispatcher,
     McpClient,
+    NoSpans,
     Outbox,
     RateLimiter,
     RoundReads,
     SessionStore,
+    SpanSink,
     SpecT,
     StepStart,
     ToolRuntime,
@@ -57,7 +59,7 @@ from worker.session.ports import (
 from worker.session.rate_control import RateControl
 from worker.session.state import Round, Session
 from worker.session.tool_step import ToolContext, ToolStep
-from worker.session.trace import event, model_call_ended, unrun_calls
+from worker.session.trace import Arrival, event, model_call_ended, unrun_calls
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +74,14 @@ class StepRunner:
     rate_limiter: RateLimiter  # the static limits of backends with `adaptive: false`
     rate_control: RateControl
     mcp: McpClient | None = None  # MCP servers' tool lists (their calls go through `tools`)
+    spans: SpanSink = field(default_factory=NoSpans)  # OpenTelemetry's, when on
 
     def __post_init__(self) -> None:
         fleet = self.settings.fleet
-        self.guard = StepGuard(self.store, self.dispatch, self.settings)
+        self.guard = StepGuard(self.store, self.dispatch, self.settings, self.spans)
+        # what spans may show of calls (messages, arguments, results) rides the trace events
+        # only while spans are on and their content is asked for
+        self.content = self.settings.trace and self.settings.span_content and self.spans.on
         self.applier = Applier(self.store, self.settings.trace)
         self.models = ModelCaller(
             fleet.backends,
@@ -93,6 +99,7 @@ class StepRunner:
             fleet=fleet.tool_defaults,
             models=self.models,
             trace=self.settings.trace,
+            content=self.content,
         )
 
     def apply(self, sk: str, decision: Decision, dispatch: Dispatcher | None = None) -> None:
@@ -102,7 +109,9 @@ class StepRunner:
 
     # start ---------------------------------------------------------------------------------
 
-    def start(self, batch: str, chunk_no: int, first: bool | None = None) -> str | None:
+    def start(
+        self, batch: str, chunk_no: int, first: bool | None = None, arrival: Arrival | None = None
+    ) -> str | None:
         def members() -> list[keys.ChunkMember]:
             return self.store.chunk_members(batch, chunk_no)
 
@@ -119,11 +128,13 @@ class StepRunner:
 
         # sk "": a chunk is no session (no cancel flag, no meta); its poison ends them all
         step = keys.start_step(batch, chunk_no)
-        return self.guard.run(step, "", body, targets=sessions, first=first)
+        return self.guard.run(step, "", body, targets=sessions, first=first, arrival=arrival)
 
     # round ---------------------------------------------------------------------------------
 
-    def round(self, sk: str, round_no: int, first: bool | None = None) -> str | None:
+    def round(
+        self, sk: str, round_no: int, first: bool | None = None, arrival: Arrival | None = None
+    ) -> str | None:
         def body(start: StepStart, outbox: Outbox) -> None:
             session = self._session(sk, start.session, upto_round=round_no)
             outbox.spec_ids[sk] = session.spec.id
@@ -137,13 +148,15 @@ class StepRunner:
             if self.settings.trace and isinstance(step, RunTools) and step.presets:
                 reply = session.rounds[step.round_no].reply
                 outbox.events.extend(
-                    unrun_calls(session.spec.id, step.round_no, reply, step.presets)
+                    unrun_calls(session.spec.id, step.round_no, reply, step.presets, self.content)
                 )
             self.applier.apply(sk, decide(session, step), outbox)
 
         step = keys.round_step(sk, round_no)
         reads = RoundReads(round_no, self.settings.fleet.default_backend)
-        return self.guard.run(step, sk, body, reads=reads, first=first, state=f"round {round_no}")
+        return self.guard.run(
+            step, sk, body, reads=reads, first=first, arrival=arrival, state=f"round {round_no}"
+        )
 
     def _call_model(
         self, sk: str, session: Session, round_no: int, outbox: Outbox
@@ -162,9 +175,8 @@ class StepRunner:
             fleet = self.settings.fleet.tool_defaults
             session, failed = offer_mcp_tools(self.store, self.mcp, fleet, sk, session)
         waiter = keys.round_step(sk, round_no)  # its place in line across its retries
-        reply = Reply.parse(
-            failed or self.models.call_round(sk, session, next_call(session), waiter)
-        )
+        call = next_call(session)
+        reply = Reply.parse(failed or self.models.call_round(sk, session, call, waiter))
         with_reply = replace(session, rounds=(*session.rounds, Round(reply)))
         step: Step | None = plan(with_reply)
         runs = step.runs if isinstance(step, RunTools) else ()
@@ -173,9 +185,11 @@ class StepRunner:
             with_reply, step = replace(session, rounds=(*session.rounds, Round(winner))), None
         if trace:
             took_ms = round((time.monotonic() - started) * 1000)
-            outbox.events.append(
-                model_call_ended(spec_id, round_no, winner, took_ms, with_reply.backend)
+            backend = with_reply.backend
+            ended = model_call_ended(
+                spec_id, round_no, winner, took_ms, backend, call, self.content
             )
+            outbox.events.append(ended)
         return with_reply, step
 
     def _session(
@@ -197,10 +211,11 @@ class StepRunner:
         index: int,
         background: bool = False,
         first: bool | None = None,
+        arrival: Arrival | None = None,
     ) -> str | None:
         """A tool call's step (worker.session.tool_step); `background`: the call of a
         background tool, run on the background queue after its tool step handed it over."""
-        return ToolStep(self.tool_context, sk, round_no, index, background).run(first)
+        return ToolStep(self.tool_context, sk, round_no, index, background).run(first, arrival)
 
     def spec_of(self, sk: str, kind: type[SpecT]) -> SpecT:
         """A session's spec, of the kind its step expects (a chat or a program run)."""
@@ -273,7 +288,9 @@ class StepRunner:
 
     # finish --------------------------------------------------------------------------------
 
-    def finish(self, sk: str, first: bool | None = None) -> str | None:
+    def finish(
+        self, sk: str, first: bool | None = None, arrival: Arrival | None = None
+    ) -> str | None:
         def body(_: StepStart, outbox: Outbox) -> None:
             spec = self.store.load_spec(sk)
             if isinstance(spec, ProgramSpec):  # only a failed run is finished here
@@ -285,4 +302,4 @@ class StepRunner:
             self.applier.apply(sk, EndSession(self._session(sk), None), outbox)
 
         step = keys.finish_step(sk)
-        return self.guard.run(step, sk, body, stop_if_cancelled=False, first=first)
+        return self.guard.run(step, sk, body, stop_if_cancelled=False, first=first, arrival=arrival)

@@ -37,7 +37,7 @@ from worker.session.ports import (
 )
 from worker.session.summaries import summarized
 from worker.session.tool_policy import ToolCaller
-from worker.session.trace import event, tool_call_ended, tool_logs_kept
+from worker.session.trace import Arrival, event, tool_call_ended, tool_logs_kept
 
 PROGRESS_EVERY_S = 0.5  # task.progress events of one call, at most this often
 CANCEL_CHECK_S = 1.0  # a background call reads its session's cancel flag at most this often
@@ -54,6 +54,7 @@ class ToolContext:
     fleet: ToolDefaults
     models: ModelCaller  # for summaries of long outputs
     trace: bool
+    content: bool = False  # a call's arguments and result ride its event, for spans
 
 
 @dataclass
@@ -64,11 +65,11 @@ class ToolStep:
     index: int
     background: bool = False
 
-    def run(self, first: bool | None = None) -> str | None:
+    def run(self, first: bool | None = None, arrival: Arrival | None = None) -> str | None:
         sk, round_no, index = self.sk, self.round_no, self.index
         step = (keys.background_step if self.background else keys.tool_step)(sk, round_no, index)
         reads = ToolReads(round_no, index)
-        return self.ctx.guard.run(step, sk, self._body, reads=reads, first=first)
+        return self.ctx.guard.run(step, sk, self._body, reads=reads, first=first, arrival=arrival)
 
     def _body(self, start: StepStart, outbox: Outbox) -> None:
         ctx, round_no, index = self.ctx, self.round_no, self.index
@@ -167,8 +168,9 @@ class ToolStep:
         if outcome.logs or outcome.dropped_logs:  # before the end, which the step's time rides
             logged = tool_logs_kept(spec.id, self.round_no, run.call_id, run.name, outcome)
             outbox.events.append(logged)
+        arguments = run.arguments if ctx.content else None
         outbox.events.append(
-            tool_call_ended(spec.id, self.round_no, run.call_id, run.name, outcome)
+            tool_call_ended(spec.id, self.round_no, run.call_id, run.name, outcome, arguments)
         )
         if self.background:
             done = "task.completed" if outcome.ok else "task.failed"

@@ -7,10 +7,14 @@ finished / failed / retried, tool.logs (how many lines a call wrote: their text 
 kept in the record only), session.finished; for a background tool's call, task.submitted /
 progress / completed / failed too; rate_limit.waited when a step is put off for its backend's
 rate limit. A redelivered step may repeat one (at least once, like the steps themselves).
+Spans (worker.session.spans) are made of them; what they may show of content rides an event
+outside its JSON (`content`), only while spans ask for it.
 
-A step's kind and how long its body ran ride the last event it made (`kind`, `step_ms`: no
-write of their own). For the fleet's metrics only, with no session (the fleet's stream only):
-step.finished, for a step that made no event (a start or program step), and reconciler.pass.
+A step's kind, how long its body ran, where and how it ran (the worker, the delivery, how
+long its message waited for it) ride the last event it made (`kind`, `step_ms`, `worker`,
+`delivery`, `queue_ms`: no write of their own). For the fleet's metrics only, with no session
+(the fleet's stream only): step.finished, for a step that made no event (a start step, say),
+and reconciler.pass.
 """
 
 from __future__ import annotations
@@ -18,15 +22,17 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from schemas import keys
 from worker.codecs.reply import Reply
 from worker.errors import RateLimited
+from worker.session.engine import CallModel
 from worker.session.outcomes import ToolOutcome
 
 log = logging.getLogger("cchatq.trace")
+CONTENT = "content"  # the field to_json leaves out
 
 
 @dataclass(frozen=True)
@@ -57,10 +63,34 @@ class TraceEvent:
     lines: int | None = None  # tool.logs: lines a call wrote and kept
     log_bytes: int | None = None  # tool.logs: their text's size
     dropped: int | None = None  # tool.logs: lines past the call's bound
+    model: str | None = None  # model.call.*: the model asked for
+    response_model: str | None = None  # model.call.finished: the model that answered
+    finish_reason: str | None = None  # model.call.finished: why the reply ended
+    worker: str | None = None  # the worker's node name, on the step's last event
+    delivery: int | None = None  # the step's delivery (its try: 1, 2 after a redelivery...)
+    queue_ms: int | None = None  # how long the step's message waited before its body began
+    # What spans may show of a call when their content is asked for (messages, arguments,
+    # results): never written to a stream or a log line (to_json leaves it out), and filled
+    # only while spans capture content
+    content: dict[str, Any] | None = field(default=None, compare=False, repr=False)
 
     def to_json(self) -> dict[str, Any]:
-        """The fields that are set (a stream entry, a log line, a `cchatq trace` line)."""
-        return {f.name: v for f in fields(self) if (v := getattr(self, f.name)) is not None}
+        """The fields that are set (a stream entry, a log line, a `cchatq trace` line), never
+        the content."""
+        return {
+            f.name: v
+            for f in fields(self)
+            if f.name != CONTENT and (v := getattr(self, f.name)) is not None
+        }
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """How a step's delivery reached its worker, as the task says: the worker's node name
+    and how long the message waited on its queue (None: its sender did not stamp it)."""
+
+    worker: str = ""
+    queue_ms: int | None = None
 
 
 def now_ms() -> int:
@@ -75,18 +105,39 @@ def event(name: str, session: str, **values: Any) -> TraceEvent:
     return made
 
 
-def step_timed(events: list[TraceEvent], step: str, started: float) -> None:
-    """The step's kind and how long its body ran since `started` (time.monotonic), on the
-    last of its `events` (they ride the write that ends it), or as a step.finished event of no
-    session when it made none: one XADD (the fleet's stream) for a start or program step."""
+def step_timed(
+    events: list[TraceEvent],
+    step: str,
+    started: float,
+    delivery: int | None = None,
+    arrival: Arrival | None = None,
+) -> None:
+    """The step's kind and how long its body ran since `started` (time.monotonic), with where
+    and how it ran (its delivery, its worker, its message's wait), on the last of its `events`
+    (they ride the write that ends it), or as a step.finished event of no session when it
+    made none: one XADD (the fleet's stream) for a start step."""
     kind, step_ms = keys.step_kind(step), round((time.monotonic() - started) * 1000)
+    ran = ran_as(delivery, arrival)
     if events:
-        events[-1] = replace(events[-1], kind=kind, step_ms=step_ms)
+        events[-1] = replace(events[-1], kind=kind, step_ms=step_ms, **ran)
     else:
-        events.append(event("step.finished", "", kind=kind, step_ms=step_ms))
+        events.append(event("step.finished", "", kind=kind, step_ms=step_ms, **ran))
 
 
-def rate_limit_waited(session: str, step: str, waited: RateLimited) -> TraceEvent:
+def ran_as(delivery: int | None, arrival: Arrival | None) -> dict[str, Any]:
+    """A step's own fields: its delivery, its worker and its message's wait."""
+    if arrival is None:
+        return {"delivery": delivery}
+    return {"delivery": delivery, "worker": arrival.worker or None, "queue_ms": arrival.queue_ms}
+
+
+def rate_limit_waited(
+    session: str,
+    step: str,
+    waited: RateLimited,
+    delivery: int | None = None,
+    arrival: Arrival | None = None,
+) -> TraceEvent:
     """rate_limit.waited: the step is put off (its task retried) for its backend's limit."""
     return event(
         "rate_limit.waited",
@@ -95,13 +146,26 @@ def rate_limit_waited(session: str, step: str, waited: RateLimited) -> TraceEven
         backend=waited.backend or None,
         wait_ms=round(waited.wait_s * 1000),
         reason=waited.reason or None,
+        **ran_as(delivery, arrival),
     )
 
 
 def model_call_ended(
-    session: str, round_no: int, reply: Reply, latency_ms: int, backend: str
+    session: str,
+    round_no: int,
+    reply: Reply,
+    latency_ms: int,
+    backend: str,
+    call: CallModel | None = None,
+    content: bool = False,
 ) -> TraceEvent:
-    """model.call.finished (with its token counts), or .failed with the error body's code."""
+    """model.call.finished (with its token counts, the model that answered and why it
+    stopped), or .failed with the error body's code; `call`: the request, whose messages and
+    reply ride along, outside the event's JSON, when `content` is asked for."""
+    model = call.model if call is not None else None
+    carried = None
+    if content and call is not None:
+        carried = {"input": call.messages, "output": reply.message or None}
     error = reply.error
     if error is not None:
         return event(
@@ -111,8 +175,11 @@ def model_call_ended(
             latency_ms=latency_ms,
             error=str(error.get("code")),
             backend=backend,
+            model=model,
+            content=carried,
         )
     request_id = reply.completion.get("id")
+    answered = reply.completion.get("model")
     return event(
         "model.call.finished",
         session,
@@ -122,13 +189,26 @@ def model_call_ended(
         backend=backend,
         tokens_in=reply.tokens("prompt_tokens"),
         tokens_out=reply.tokens("completion_tokens"),
+        model=model,
+        response_model=answered if isinstance(answered, str) else None,
+        finish_reason=reply.finish_reason,
+        content=carried,
     )
 
 
 def tool_call_ended(
-    session: str, round_no: int, call_id: str, tool: str, outcome: ToolOutcome
+    session: str,
+    round_no: int,
+    call_id: str,
+    tool: str,
+    outcome: ToolOutcome,
+    arguments: str | None = None,
 ) -> TraceEvent:
-    """tool.call.finished, or .failed with its error class."""
+    """tool.call.finished, or .failed with its error class; with `arguments` (only while spans
+    capture content) the call's arguments and result ride along, outside the event's JSON."""
+    carried = None
+    if arguments is not None:
+        carried = {"arguments": arguments, "result": tool_result(outcome)}
     return event(
         "tool.call.finished" if outcome.ok else "tool.call.failed",
         session,
@@ -139,7 +219,15 @@ def tool_call_ended(
         latency_ms=outcome.latency_ms,
         error=outcome.code,
         output_bytes=outcome.output_bytes if outcome.ok else None,
+        content=carried,
     )
+
+
+def tool_result(outcome: ToolOutcome) -> str | None:
+    """What a call answered, for a span's content: its output, or its failure's message."""
+    if outcome.ok:
+        return outcome.output
+    return None if outcome.failure is None else outcome.failure.message
 
 
 def tool_logs_kept(
@@ -159,10 +247,15 @@ def tool_logs_kept(
 
 
 def unrun_calls(
-    session: str, round_no: int, reply: Reply, outcomes: dict[int, ToolOutcome]
+    session: str,
+    round_no: int,
+    reply: Reply,
+    outcomes: dict[int, ToolOutcome],
+    content: bool = False,
 ) -> list[TraceEvent]:
     """tool.call.failed for the calls answered without running (unknown, invalid, denied,
-    repeated, not run): they never started."""
+    repeated, not run): they never started. `content`: their arguments and answers ride
+    along, outside the events' JSON."""
     calls = reply.calls
     return [
         event(
@@ -172,6 +265,9 @@ def unrun_calls(
             call_id=calls[i].id,
             tool=calls[i].name,
             error=outcome.code,
+            content={"arguments": calls[i].arguments_text, "result": tool_result(outcome)}
+            if content
+            else None,
         )
         for i, outcome in sorted(outcomes.items())
         if i < len(calls)

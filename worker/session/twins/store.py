@@ -116,6 +116,9 @@ class MemoryStore(ProgramTwin):
             spec = with_mcp_tools(spec, tuple(tool_from_json(t) for t in json.loads(listed)))
         return spec
 
+    def batch_of(self, sk: str) -> str:
+        return self.meta_of.get(sk, {}).get("batch", "")
+
     def store_mcp_tools(self, sk: str, tools: tuple[ToolSpec, ...]) -> None:
         with self._cond:
             self.mcp_listed.setdefault(sk, dump_body([tool_to_json(t) for t in tools]))
