@@ -318,3 +318,20 @@ def test_a_running_session_shows_its_spec_state_and_streamed_text() -> None:
         "tool calculate call_0_0 (no end yet)",
     ]
     assert view.has_trace and view.flower_search == "kwargs:session=s1"
+
+
+def test_the_round_that_ended_a_session_has_the_worker_its_last_event_names() -> None:
+    """A step's worker and delivery ride its last event: for the round that ends the session,
+    that is session.finished, and the round's row says so."""
+    t0 = 1_000_000
+    events = [
+        {"event": "model.call.started", "session": "s", "ts_ms": t0 + 5, "round": 0},
+        {"event": "model.call.finished", "session": "s", "ts_ms": t0 + 20, "round": 0,
+         "latency_ms": 15},
+        {"event": "session.finished", "session": "s", "ts_ms": t0 + 22, "latency_ms": 22,
+         "kind": "round", "step_ms": 17, "worker": "llm-2@host", "delivery": 2},
+    ]  # fmt: skip
+    by_label = {s.label: s for s in timeline(events, submitted_ms=t0)}
+    last = by_label["round 0: model call"]
+    assert (last.worker, last.attempt) == ("llm-2@host", 2)
+    assert "step 17 ms" in last.detail

@@ -99,8 +99,8 @@ class _Builder:
             )
 
     def _step_time(self, event: Event) -> None:
-        """The step time a step's last event carries (`kind`, `step_ms`), told on that step's
-        row: session.finished rides the round that ended the session."""
+        """What a step's last event carries (`kind`, `step_ms`, `worker`, `delivery`), told
+        on that step's row: session.finished rides the round that ended the session."""
         kind, step_ms = event.get("kind"), _int(event.get("step_ms"))
         if step_ms is None:
             return
@@ -108,7 +108,12 @@ class _Builder:
             step = self.steps[n]
             if step.kind == kind and "step " not in step.detail:
                 detail = ", ".join(d for d in (step.detail, f"step {step_ms} ms") if d)
-                self.steps[n] = replace(step, detail=detail)
+                self.steps[n] = replace(
+                    step,
+                    detail=detail,
+                    worker=step.worker or event.get("worker"),
+                    attempt=step.attempt or _int(event.get("delivery")),
+                )
                 return
 
     def unfinished(self) -> None:
