@@ -17,7 +17,8 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1
 COPY --from=build /wheels /wheels
-RUN pip install /wheels/*.whl && rm -rf /wheels
+# with the otel extra: a compose fleet sends spans once .env sets OTEL_EXPORTER_OTLP_ENDPOINT
+RUN pip install "$(echo /wheels/*.whl)[otel]" && rm -rf /wheels
 # A home for the compiled-module cache (CCHATQ_MODULE_CACHE_DIR: ~/.cache/cchatq/modules) and
 # /app, the services' working directory, both the user's own.
 RUN useradd --create-home --uid 10001 --user-group cchatq \
