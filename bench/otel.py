@@ -7,7 +7,7 @@ once every span arrived (6 a session), so the exporting's CPU is counted. Printe
 per session (all worker processes, pool children included) with spans off and on, the
 difference, and the spans received.
 
-    python -m bench.otel [--sessions 500] [--pairs 2] [--content] [--delay-ms 5000]
+    python -m bench.otel [--sessions 500] [--pairs 4] [--content] [--delay-ms 5000]
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 import uuid
 
 from bench.cost import Cost, measured
@@ -60,10 +61,38 @@ def _run(base: Fleet, db: int, env: dict[str, str], n: int, receiver: OtlpReceiv
         client.close()
 
 
+def sdk_ms_per_span(reps: int = 2_000) -> float:
+    """CPU (this process's) of the SDK's part of one span: a chat span as the builder makes
+    it, turned into an SDK span and encoded as OTLP protobuf; steadier than the fleet's pairs,
+    which this machine's drift swamps."""
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+
+    from worker.edges.otel_spans import OtelSpans
+    from worker.session.spans import SpanEventValue, SpanValue
+
+    attributes: dict[str, str | int | tuple[str, ...]] = {
+        "gen_ai.operation.name": "chat", "gen_ai.provider.name": "openai",
+        "gen_ai.request.model": "replay/two_rounds", "gen_ai.response.model": "replay/two_rounds",
+        "gen_ai.response.id": "chatcmpl-0123456789", "gen_ai.usage.input_tokens": 30,
+        "gen_ai.usage.output_tokens": 5, "gen_ai.response.finish_reasons": ("tool_calls",),
+        "server.address": "127.0.0.1", "server.port": 8011, "cchatq.session.id": "eval/0042",
+        "cchatq.batch.id": "0123456789ab", "cchatq.step": "0123456789abcdef01234567.r1",
+        "cchatq.attempt": 1, "cchatq.worker": "llm-1@host",
+    }  # fmt: skip
+    wait = SpanEventValue("cchatq.queue_wait", 1_000, {"wait_ms": 3})
+    span = SpanValue("chat replay/two_rounds", "client", 1 << 100, 1 << 50, 1 << 40, 1_000,
+                     1_013, attributes, (wait,))  # fmt: skip
+    sink = OtelSpans((), "bench")  # no exporter: the conversion and the encoding alone
+    started = time.process_time()
+    for _ in range(reps):
+        encode_spans([sink.readable(span)]).SerializeToString()
+    return (time.process_time() - started) * 1000 / reps
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.otel", description=__doc__)
     parser.add_argument("--sessions", type=int, default=500)
-    parser.add_argument("--pairs", type=int, default=2)
+    parser.add_argument("--pairs", type=int, default=4)
     parser.add_argument("--content", action="store_true", help="spans capture content too")
     parser.add_argument(
         "--delay-ms", type=int, default=None, help="OTEL_BSP_SCHEDULE_DELAY (default: 5000)"
@@ -82,9 +111,11 @@ def main(argv: list[str] | None = None) -> int:
             spans_env["OTEL_BSP_SCHEDULE_DELAY"] = str(args.delay_ms)
         if args.content:
             spans_env["OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"] = "true"
-        for pair in range(args.pairs):  # in turns: this machine's speed drifts between runs
-            off.append(_run(base, 12, {}, n, None))
-            on.append(_run(base, 13, spans_env, n, receiver))
+        for pair in range(args.pairs):  # in turns, each first in every other pair: this
+            # machine's speed drifts between runs, and a pair's second run finds it warmer
+            runs = [("off", 12, {}, None), ("on", 13, spans_env, receiver)]
+            for label, db, env, sink in runs if pair % 2 == 0 else reversed(runs):
+                (off if label == "off" else on).append(_run(base, db, env, n, sink))
             received = len(receiver.spans())
             receiver.clear()
             print(f"pair {pair + 1}: off {_ms(off[-1], n)}; on {_ms(on[-1], n)}", file=sys.stderr)
@@ -99,6 +130,10 @@ def main(argv: list[str] | None = None) -> int:
         ),
         ("spans' cost per session", f"{on_ms - off_ms:+.2f} ms ({(on_ms / off_ms - 1):+.0%})"),
         ("  a span", f"{(on_ms - off_ms) / SPANS_PER_SESSION:+.3f} ms"),
+        (
+            "  the SDK's part of a span (convert + encode, in-process)",
+            f"{sdk_ms_per_span():.3f} ms",
+        ),
         ("spans received in the last run", f"{received} ({received / n:.1f} a session)"),
     ]
     width = max(len(k) for k, _ in rows)
