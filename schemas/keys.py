@@ -131,6 +131,21 @@ def run_session_key(spec_id: str, generation: str) -> str:
     return _digest(spec_id)[: 24 - 2 * GENERATION_BYTES] + generation
 
 
+CHAT_MARK = "#send"  # a program run's chat id: `<run id>#send<n>`
+
+
+def chat_spec_id(run_id: str, send_no: int) -> str:
+    """The spec id of a program run's `send_no`-th chat (`cchatq result '<run id>#send0'`)."""
+    return f"{run_id}{CHAT_MARK}{send_no}"
+
+
+def chat_of(spec_id: str) -> tuple[str, int] | None:
+    """The run id and send number a chat's spec id names (`chat_spec_id`'s inverse); None for
+    an id that names no program run's chat."""
+    run_id, mark, number = spec_id.rpartition(CHAT_MARK)
+    return (run_id, int(number)) if mark and run_id and number.isdigit() else None
+
+
 def chat_session_key(run_sk: str, send_no: int) -> str:
     """The session key of a program run's `send_no`-th chat: the same for every replay of
     that run, and new with the run's generation."""

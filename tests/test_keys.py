@@ -48,3 +48,11 @@ def test_a_stored_spec_says_when_and_in_which_batch_it_was_submitted() -> None:
 def test_a_program_runs_chats_name_their_run_by_their_batch() -> None:
     assert keys.run_of_batch(keys.run_batch("abc123")) == "abc123"
     assert keys.run_of_batch("0f3e9a1b2c3d") is None
+
+
+def test_a_program_chat_spec_id_names_its_run_and_send_number() -> None:
+    assert keys.chat_spec_id("runs/a#b", 3) == "runs/a#b#send3"
+    assert keys.chat_of(keys.chat_spec_id("runs/a#b", 3)) == ("runs/a#b", 3)
+    assert keys.chat_of("eval/0042") is None
+    assert keys.chat_of("#send1") is None  # no run id
+    assert keys.chat_of("run#sendx") is None

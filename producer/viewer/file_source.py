@@ -16,9 +16,9 @@ from producer.viewer.model import OK, PROGRAM_ROWS, BatchRows, RunRow
 from producer.viewer.progress import Member, run_row
 from producer.viewer.rows import as_int, error_of, record_row
 from producer.viewer.source import ChatFacts, SessionFacts
+from schemas import keys
 
 log = logging.getLogger(__name__)
-CHAT_MARK = "#send"  # a program run's chat: `<run id>#send<n>`
 
 
 class ResultsFileError(ValueError):
@@ -194,7 +194,7 @@ class FileSource:
         chats: tuple[ChatFacts, ...] = ()
         if program:
             chats = tuple(
-                ChatFacts(f"{spec_id}{CHAT_MARK}{n}", "done", body=body)
+                ChatFacts(keys.chat_spec_id(spec_id, n), "done", body=body)
                 for n, body in enumerate(record.get("responses") or [])
                 if isinstance(body, dict)
             )
@@ -211,16 +211,16 @@ class FileSource:
 
     def _chat(self, chat_id: str) -> SessionFacts | None:
         """A program run's chat, from the body its run's line keeps."""
-        run_id, mark, number = chat_id.rpartition(CHAT_MARK)
-        found = self._records.get(run_id) if mark and number.isdigit() else None
+        chat = keys.chat_of(chat_id)
+        found = self._records.get(chat[0]) if chat else None
         responses = (found[0].get("responses") or []) if found else []
-        if found is None or int(number) >= len(responses):
+        if chat is None or found is None or chat[1] >= len(responses):
             return None
         return SessionFacts(
             spec_id=chat_id,
             state="done",
             batch=found[1],
-            record=chat_record(chat_id, responses[int(number)]),
+            record=chat_record(chat_id, responses[chat[1]]),
             source=self._batches[found[1]].source,
         )
 

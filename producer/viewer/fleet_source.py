@@ -45,7 +45,6 @@ MEMBERS_TTL_S = 10.0  # a batch's ids and their claims are read again after this
 MAX_CACHED_ROWS = 200_000  # finished sessions' rows and states kept (then they start over)
 MAX_FRAMES = 500  # user-stream events shown, each way
 CHAT_PROBE = 16  # a program run's chats looked up per round trip
-CHAT_MARK = "#send"
 
 # (state, outcome, finished_ms, submitted_ms) of a session's meta; all None when it is gone
 MetaState = tuple[str | None, str | None, int | None, int | None]
@@ -284,7 +283,7 @@ class FleetSource:
         """A program run's chats so far (`<run id>#send<n>`, claimed as it sends each)."""
         out: list[tuple[str, keys.Claim]] = []
         while True:
-            ids = [f"{run_id}{CHAT_MARK}{n}" for n in range(len(out), len(out) + CHAT_PROBE)]
+            ids = [keys.chat_spec_id(run_id, n) for n in range(len(out), len(out) + CHAT_PROBE)]
             for chat_id, claim in zip(ids, self.client.claims(ids), strict=True):
                 if claim is None:
                     return out

@@ -213,7 +213,7 @@ class ProgramHost:
             return -abi.EBADF
         self._check_cancel()
         n, self.sends = self.sends, self.sends + 1
-        chat_id = f"{self.d.run_id}#send{n}"
+        chat_id = keys.chat_spec_id(self.d.run_id, n)
         sk = keys.chat_session_key(self.d.run_sk, n)
         auto = bool(flags & abi.SEND_AUTO_TOOL_CALL)
         metrics = bool(flags & abi.SEND_METRICS)
