@@ -41,6 +41,8 @@ def result_line(record: dict[str, Any]) -> dict[str, Any]:
         "metrics": record.get("metrics", {}),
         "error": body.get("error"),
     }
+    if record.get("metadata"):  # the spec's metadata, given back
+        line["metadata"] = record["metadata"]
     if record.get("tool_logs"):  # what its tools wrote, each line marked with its call
         line["tool_logs"] = record["tool_logs"]
     return line
@@ -116,7 +118,7 @@ class Batch:
         again, self._waited = self._waited, True  # an earlier wait took entries of the done list
         for sk, record in self.client.wait(sub, timeout_s=timeout_s, look_first=again):
             status = str(record.get("status"))
-            yield Result(sub.ids[sk], status, sub.batch, sub.attempts[sk], record)
+            yield Result(sub.ids[sk], status, sub.batch, sub.runs[sk].attempt, record)
 
     def status(self) -> BatchSummary:
         """Counts of its sessions by state (queued, running, done, gone) and outcome."""

@@ -1,7 +1,7 @@
 """Batches after their submit (`cchatq batch`): list them, count a batch's sessions by state
 and outcome, collect its results, cancel what still runs. A batch names the spec ids it
-submitted (keys.batch_ids); each id's claim names its latest run, so a batch's results follow
-a `--rerun` or a run submitted again after a loss.
+submitted (keys.batch_ids) and the run of each that it ran or joined (keys.batch_runs): its
+results are those runs, whatever later reruns of the same ids do.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from schemas.spec_types import Spec, spec_from_json
 @dataclass(frozen=True)
 class BatchMember:
     spec_id: str
-    claim: keys.Claim | None  # None: its run is gone (expired, or lost with Redis's data)
+    claim: keys.Claim | None  # the run this batch ran; None: not known (expired with Redis's data)
 
 
 @dataclass(frozen=True)
@@ -58,10 +58,20 @@ class Batches:
         return [(b.decode(), int(ms), n) for (b, ms), n in zip(found, sizes, strict=True) if n]
 
     def members(self, batch: str) -> list[BatchMember]:
-        ids = [i.decode() for i in self.redis.lrange(keys.batch_ids(batch), 0, -1)]
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.lrange(keys.batch_ids(batch), 0, -1)
+        pipe.lrange(keys.batch_runs(batch), 0, -1)
+        ids, runs = pipe.execute()
+        runs += [None] * (len(ids) - len(runs))
         return [
-            BatchMember(i, claim) for i, claim in zip(ids, self.client.claims(ids), strict=True)
+            BatchMember(i.decode(), None if run is None else keys.Claim.decode(run))
+            for i, run in zip(ids, runs, strict=True)
         ]
+
+    def namespace(self, batch: str) -> str:
+        """The namespace a batch's ids were claimed in (the client's if it is not known)."""
+        raw = self.redis.get(keys.batch_namespace(batch))
+        return self.client.namespace if raw is None else str(raw.decode())
 
     def summary(self, batch: str) -> BatchSummary | None:
         submitted = self.redis.zscore(keys.BATCHES, batch)
@@ -106,11 +116,11 @@ class Batches:
         """Ask every session of the batch that has not finished to stop: how many."""
         summary_states = self._states(members := self.members(batch))
         running = [
-            m.spec_id
+            m.claim.sk
             for m, (state, outcome) in zip(members, summary_states, strict=True)
             if m.claim is not None and state is not None and outcome is None
         ]
-        return sum(self.client.cancel(spec_id) for spec_id in running)
+        return sum(self.client.cancel_run(sk) for sk in running)
 
     def _states(self, members: list[BatchMember]) -> list[tuple[str | None, str | None]]:
         """Each member's (state, outcome) from its meta; (None, None) when its run is gone."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import threading
 from collections.abc import Sequence
@@ -19,14 +20,19 @@ from producer.cli_view import add_view_parser
 from producer.client import Client
 from producer.fleet import worker_command
 from producer.fleet_status import read_fleet_status
-from schemas import task_names
+from schemas import keys, task_names
 from schemas.bodies import dump_text
 from schemas.config import ConfigError, read_config
 from schemas.protocols import NAMES as PROTOCOL_NAMES
 
 
+def id_client(args: argparse.Namespace) -> Client:
+    """A client that finds an id's run where `--namespace` or `--batch` says."""
+    return Client(redis_url(), namespace=args.namespace, lookup_batch=args.batch)
+
+
 def cmd_status(args: argparse.Namespace) -> int:
-    client = Client(redis_url())
+    client = id_client(args)
     if args.id is None:  # the fleet: tasks queued and running per queue, workers, sessions
         print(json.dumps(read_fleet_status(client.redis).to_json(), indent=2))
         return 0
@@ -40,7 +46,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_result(args: argparse.Namespace) -> int:
-    client = Client(redis_url())
+    client = id_client(args)
     if args.tool_output is not None:
         output = client.tool_output(args.id, args.tool_output)
         if output is None:
@@ -60,7 +66,7 @@ def cmd_result(args: argparse.Namespace) -> int:
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
-    client = Client(redis_url())
+    client = id_client(args)
     if client.status(args.id) is None:
         print(f"unknown session id: {args.id}", file=sys.stderr)
         return 1
@@ -85,7 +91,7 @@ def cmd_metrics(args: argparse.Namespace) -> int:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    if not Client(redis_url()).cancel(args.id):
+    if not id_client(args).cancel(args.id):
         print(f"unknown session id: {args.id}", file=sys.stderr)
         return 1
     print(f"cancel requested: {args.id}")
@@ -182,10 +188,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-wait", action="store_true")
     p.add_argument(
         "--rerun",
-        action="store_true",
-        help="run every id already submitted again, as its next attempt (a changed spec "
-        "under an id already submitted is refused without it)",
+        choices=["changed", "all"],
+        default="none",
+        help="ids already submitted in the namespace run again, as their next attempt: those "
+        "whose spec changed, or all (without it, a changed spec under a submitted id is refused)",
     )
+    p.add_argument(
+        "--resample",
+        action="store_true",
+        help="the file's ids are this batch's own: every line runs again, and the namespace's "
+        "runs of the same ids stay as they are",
+    )
+    _namespace_argument(p)
     p.add_argument(
         "--no-key-check",
         action="store_true",
@@ -223,10 +237,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("status", help="a session's state, or the fleet's without an id")
     p.add_argument("id", nargs="?")
+    _lookup_arguments(p)
     p.set_defaults(fn=cmd_status)
 
     p = sub.add_parser("result", help="print a finished session's response body")
     p.add_argument("id")
+    _lookup_arguments(p)
     p.add_argument(
         "--full", action="store_true", help="the whole record: transcript and metrics too"
     )
@@ -237,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("trace", help="a session's trace events as JSONL (ids, codes, times)")
     p.add_argument("id")
+    _lookup_arguments(p)
     p.add_argument("--follow", action="store_true", help="wait for events until it finishes")
     p.set_defaults(fn=cmd_trace)
 
@@ -252,10 +269,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("id")
     p.add_argument("--stream-id", type=int, default=1, help="the user stream (default 1)")
+    _lookup_arguments(p)
     p.set_defaults(fn=cmd_stream)
 
     p = sub.add_parser("cancel", help="cancel a session at its next step boundary")
     p.add_argument("id")
+    _lookup_arguments(p)
     p.set_defaults(fn=cmd_cancel)
 
     p = sub.add_parser("worker", help="run a Celery worker for one queue with its default pool")
@@ -301,6 +320,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _namespace_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--namespace",
+        type=namespace_name,
+        help="where spec ids are unique (default: the configuration's `namespace`, 'default')",
+    )
+
+
+def _lookup_arguments(p: argparse.ArgumentParser) -> None:
+    """How an id command finds its run: in a namespace, or as a batch ran it."""
+    _namespace_argument(p)
+    p.add_argument("--batch", help="the run of the id that this batch ran")
+
+
+def namespace_name(value: str) -> str:
+    if not re.fullmatch(keys.NAMESPACE_PATTERN, value):
+        raise argparse.ArgumentTypeError(f"{value!r}: {keys.NAMESPACE_RULE}")
+    return value
+
+
 def _format_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--format",
@@ -314,6 +353,14 @@ def _format_arguments(p: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="with --format openai: the errors file (default: beside --out, *.errors.jsonl)",
     )
+    p.add_argument(
+        "--include",
+        action="append",
+        choices=["transcript"],
+        default=[],
+        help="with --format openai: each output line also holds its rounds and tool calls "
+        "(body._cchatq.transcript)",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -321,6 +368,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if getattr(args, "errors", None) and args.format != "openai":
         parser.error("--errors goes with --format openai")
+    if getattr(args, "include", None) and args.format != "openai":
+        parser.error("--include goes with --format openai")
     return int(args.fn(args))
 
 

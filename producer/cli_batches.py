@@ -34,7 +34,13 @@ from producer.openai_batch import (
 )
 from producer.report import Progress, batch_states, summary
 from producer.specfile import SpecFileError, load_spec_file
-from producer.submitting import ModuleExpiredError, SpecConflictError, Submission
+from producer.submitting import (
+    BATCH_SCOPE,
+    ModuleExpiredError,
+    Rerun,
+    SpecConflictError,
+    Submission,
+)
 from producer.validation_progress import validation_progress
 from schemas.spec_types import Spec
 
@@ -49,11 +55,15 @@ class BatchInterrupted(Exception):
         self.batch, self.done, self.total = batch, done, total
 
 
-def result_files(fmt: str, out: Path, errors: str | None = None) -> ResultFiles:
+def result_files(
+    fmt: str, out: Path, errors: str | None = None, include: Sequence[str] = ()
+) -> ResultFiles:
     """Where a batch's result lines go: `cchatq` (one file) or `openai` (OpenAI Batch output
-    lines, failed requests in the errors file: `errors`, else beside `out`)."""
+    lines, failed requests in the errors file: `errors`, else beside `out`; `include`
+    "transcript": each line with its rounds and tool calls)."""
     if fmt == "openai":
-        return ResultFiles(out, openai_lines(), Path(errors or errors_path(out)))
+        lines = openai_lines(transcript="transcript" in include)
+        return ResultFiles(out, lines, Path(errors or errors_path(out)))
 
     def line(sk: str, record: dict[str, Any], batch: str, attempt: int) -> tuple[bool, str]:
         return False, batch_line(record, batch, attempt)
@@ -76,8 +86,9 @@ def run_batch(
     out: Path,
     timeout_s: float | None,
     stream: TextIO = sys.stderr,
-    rerun: bool = False,
+    rerun: Rerun = "none",
     files: ResultFiles | None = None,
+    namespace: str | None = None,
 ) -> list[dict[str, Any]]:
     """Submit, show progress, write one JSON line per session (with its batch and which
     attempt of its id it is; or, with `files`, in their format), print the summary. Each line
@@ -85,7 +96,7 @@ def run_batch(
     had; once all are in, the files are rewritten in input order."""
     started = time.monotonic()
     files = files or result_files("cchatq", out)
-    sub: Submission = client.enqueue(specs, rerun=rerun)
+    sub: Submission = client.enqueue(specs, rerun=rerun, namespace=namespace)
     warn_unserved(client, specs, stream)
 
     reused = len(sub.order) - len(sub.new)
@@ -101,12 +112,12 @@ def run_batch(
         try:
             for sk, record in client.wait(sub, timeout_s=timeout_s):
                 records[sk] = record
-                files.write(sk, record, sub.batch, sub.attempts[sk])
+                files.write(sk, record, sub.batch, sub.runs[sk].attempt)
                 progress.update(sk, record)
         except (KeyboardInterrupt, TimeoutError):
             raise BatchInterrupted(sub.batch, len(records), len(sub.order)) from None
     ordered = [records[sk] for sk in sub.order]
-    files.rewrite((sk, records[sk], sub.batch, sub.attempts[sk]) for sk in sub.order)
+    files.rewrite((sk, records[sk], sub.batch, sub.runs[sk].attempt) for sk in sub.order)
     stream.write(f"results: {files}\n{summary(ordered, time.monotonic() - started)}\n")
     return ordered
 
@@ -119,18 +130,14 @@ def cmd_submit(args: argparse.Namespace) -> int:
     check = backend_check(config, check_keys=not args.no_key_check)
     try:  # OpenAI Batch request lines are made specs, their tools bound by --tools
         bindings = load_tool_bindings(args.tools) if args.tools else None
+        convert = converter(bindings, args.provider)
         with validation_progress(args.file, sys.stderr) as on_progress:
-            loaded = load_spec_file(
-                args.file,
-                check,
-                convert=converter(bindings, args.provider),
-                on_progress=on_progress,
-            )
+            loaded = load_spec_file(args.file, check, convert=convert, on_progress=on_progress)
     except (ToolsFileError, SpecFileError) as exc:
         print(f"rejected, nothing enqueued:\n{exc}", file=sys.stderr)
         return EXIT_REJECTED
     out = Path(args.out)
-    files = result_files(args.format, out, args.errors)
+    files = result_files(args.format, out, args.errors, args.include)
     if not args.no_wait:  # a results file that cannot be written is found before anything runs
         for path, flag in zip(files.paths, ("--out", "--errors"), strict=False):
             try:
@@ -138,22 +145,29 @@ def cmd_submit(args: argparse.Namespace) -> int:
             except OSError as exc:
                 print(f"rejected, nothing enqueued: {flag} {path}: {exc.strerror}", file=sys.stderr)
                 return EXIT_REJECTED
-    client = Client(redis_url(), config=config)
+    client = Client(redis_url(), config=config, namespace=args.namespace)
+    # an OpenAI Batch file's custom_ids are its own, as OpenAI scopes them; --resample gives
+    # a file's ids a scope of their own too, so each submit samples them again
+    own_scope = args.resample or (convert.requests > 0 and args.namespace is None)
+    namespace = BATCH_SCOPE if own_scope else None
     try:
         if args.no_wait:
-            sub = client.enqueue([s.spec for s in loaded], rerun=args.rerun)
+            sub = client.enqueue([s.spec for s in loaded], rerun=args.rerun, namespace=namespace)
             print(f"batch {sub.batch}: {len(sub.new)} sessions enqueued")
             warn_unserved(client, [s.spec for s in loaded])
             return EXIT_OK
         specs = [s.spec for s in loaded]
-        records = run_batch(client, specs, out, args.timeout_s, rerun=args.rerun, files=files)
+        records = run_batch(
+            client, specs, out, args.timeout_s, rerun=args.rerun, files=files, namespace=namespace
+        )
     except SpecConflictError as exc:
         lines = {s.spec.id: s.line for s in loaded}
         print("rejected, nothing enqueued:", file=sys.stderr)
         for spec_id in exc.spec_ids[:MAX_LISTED]:
             print(
                 f"{args.file}:{lines[spec_id]}: id: {spec_id!r} was already submitted with a"
-                " different spec (--rerun runs every submitted id again, as a new attempt)",
+                f" different spec in namespace {client.namespace!r} (--rerun changed runs the"
+                " changed ids again, as their next attempt; --namespace NS submits elsewhere)",
                 file=sys.stderr,
             )
         if len(exc.spec_ids) > MAX_LISTED:
@@ -213,9 +227,17 @@ def cmd_batch(args: argparse.Namespace) -> int:
             print(f"batch {args.batch}: no failed session to run again", file=sys.stderr)
             return EXIT_OK
         out = Path(args.out)
-        files = result_files(args.format, out, args.errors)
+        files = result_files(args.format, out, args.errors, args.include)
         try:  # a new batch of their next attempts, waited for as a submit is
-            records = run_batch(client, again, out, None, rerun=True, files=files)
+            records = run_batch(
+                client,
+                again,
+                out,
+                None,
+                rerun="all",
+                files=files,
+                namespace=batches.namespace(args.batch),
+            )
         except ModuleExpiredError as exc:
             print(f"batch {args.batch}: {exc}", file=sys.stderr)
             return EXIT_REJECTED
@@ -223,7 +245,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
             return interrupted(stop, out)
         return ended(records)
     written, failed = 0, 0
-    with result_files(args.format, Path(args.out), args.errors) as files:
+    with result_files(args.format, Path(args.out), args.errors, args.include) as files:
         for member, record in batches.results(args.batch):
             if record is not None and member.claim is not None:
                 files.write(member.claim.sk, record, args.batch, member.claim.attempt)

@@ -83,7 +83,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_stream(args: argparse.Namespace) -> int:
     """Talk to a running program: stdin lines in, the lines it writes out (user stream N)."""
-    client = Client(redis_url())
+    client = Client(redis_url(), namespace=args.namespace, lookup_batch=args.batch)
     try:
         stream = client.stream(args.id, args.stream_id)
         pipe_lines(stream, sys.stdin, sys.stdout)

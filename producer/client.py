@@ -15,6 +15,7 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from producer.batch import Batch
+from producer.submitting import Rerun
 from producer.waiting import Waiting
 from schemas.config import FleetConfig, read_config
 from schemas.spec_types import Spec
@@ -29,15 +30,24 @@ RECONNECT_BACKOFF_S = (0.05, 1.0)  # first and longest pause between two tries
 
 class Client(Waiting):
     def __init__(
-        self, redis_url: str, ttl_s: int = DEFAULT_TTL_S, config: FleetConfig | None = None
+        self,
+        redis_url: str,
+        ttl_s: int = DEFAULT_TTL_S,
+        config: FleetConfig | None = None,
+        namespace: str | None = None,
+        lookup_batch: str | None = None,
     ) -> None:
         """`config`: the fleet's configuration (its backends), which `submit` checks specs
         against; by default the one this process's environment names, as the workers read it
-        (CCHATQ_CONFIG / CCHATQ_BACKENDS). A ConfigError if that is wrong."""
+        (CCHATQ_CONFIG / CCHATQ_BACKENDS). A ConfigError if that is wrong. `namespace`: where
+        spec ids are claimed and looked up (default: the configuration's); `lookup_batch`: an
+        id looked up is the run that batch ran."""
         # Any: redis-py annotates replies as bytes | str; this client never decodes (bytes).
         self.redis: Any = redis.Redis.from_url(redis_url, client_name=CLIENT_NAME, **reconnecting())
         self.ttl_s = ttl_s
         self.config = config if config is not None else read_config()
+        self.namespace = namespace or self.config.namespace
+        self.lookup_batch = lookup_batch
         self.celery = Celery("cchatq-producer", broker=redis_url)
         first_s, longest_s = RECONNECT_BACKOFF_S
         self.celery.conf.update(
@@ -58,18 +68,21 @@ class Client(Waiting):
     def submit(
         self,
         specs: Iterable[Mapping[str, Any] | Spec],
-        rerun: bool = False,
+        rerun: Rerun = "none",
         check_keys: bool = True,
         base_dir: Path | None = None,
+        namespace: str | None = None,
     ) -> Batch:
         """Validate and enqueue sessions and program runs (spec objects as a spec file's lines
         are, or Spec values), exactly as `cchatq submit` does: a SpecFileError lists every
         problem (`<specs>:N: field: message`, N counting from 1) and nothing is enqueued; a
-        SpecConflictError names ids already submitted with another spec (unless `rerun`).
-        `check_keys`: refuse a backend whose API key variable is unset here. Module paths are
-        relative to `base_dir` (default: the working directory)."""
+        SpecConflictError names ids already submitted with another spec (unless `rerun` is
+        "changed" or "all"). `namespace`: where the ids are claimed (default the client's;
+        BATCH_SCOPE: the batch's own). `check_keys`: refuse a backend whose API key variable
+        is unset here. Module paths are relative to `base_dir` (default: the working
+        directory)."""
         loaded = self._validate(specs, check_keys, base_dir)
-        return Batch(self, self.enqueue(loaded, rerun=rerun))
+        return Batch(self, self.enqueue(loaded, rerun=rerun, namespace=namespace))
 
 
 def reconnecting() -> dict[str, Any]:

@@ -23,6 +23,8 @@ class SessionLookups:
     redis: Any  # the Client's: redis-py, replies as bytes
     celery: Celery
     ttl_s: int
+    namespace: str  # where an id is looked up (its claim) unless `lookup_batch` names a batch
+    lookup_batch: str | None  # an id is the run this batch ran (`--batch B`)
 
     def records(self, sks: Sequence[str]) -> list[dict[str, Any] | None]:
         raw = self.redis.mget([keys.record(sk) for sk in sks])
@@ -40,9 +42,24 @@ class SessionLookups:
     # one session ---------------------------------------------------------------------------
 
     def session_key(self, spec_id: str) -> str | None:
-        """The session key of a spec id's run, None if that id was never submitted (or its
-        run expired)."""
-        raw = self.redis.get(keys.id_claim(spec_id))
+        """The session key of a spec id's run: the one `lookup_batch` ran, else its latest in
+        the namespace; a program run's chat (`<run id>#send<n>`) through its run. None if
+        that id was never submitted there (or its run expired)."""
+        if self.lookup_batch is not None:
+            sk = self.batch_run(self.lookup_batch, spec_id)
+        else:
+            raw = self.redis.get(keys.id_claim(self.namespace, spec_id))
+            sk = None if raw is None else keys.Claim.decode(raw).sk
+        chat = keys.chat_of(spec_id) if sk is None else None
+        if chat is None:
+            return sk
+        run_sk = self.session_key(chat[0])
+        return None if run_sk is None else keys.chat_session_key(run_sk, chat[1])
+
+    def batch_run(self, batch: str, spec_id: str) -> str | None:
+        """The session key of the run of `spec_id` that `batch` ran."""
+        at = self.redis.lpos(keys.batch_ids(batch), spec_id)
+        raw = None if at is None else self.redis.lindex(keys.batch_runs(batch), at)
         return None if raw is None else keys.Claim.decode(raw).sk
 
     def status(self, spec_id: str) -> dict[str, Any] | None:
@@ -94,8 +111,13 @@ class SessionLookups:
         """A session's trace events in order; with `follow`, waits for more until its
         session.finished event (or until the session is gone)."""
         stream_sk = self.session_key(spec_id)
-        if stream_sk is None:
-            return
+        if stream_sk is not None:
+            yield from self.run_trace(stream_sk, follow, block_ms)
+
+    def run_trace(
+        self, stream_sk: str, follow: bool = False, block_ms: int = 1000
+    ) -> Iterator[dict[str, Any]]:
+        """`trace`, of a run known by its session key."""
         stream, last = keys.trace(stream_sk), "0-0"
         while True:
             read = self.redis.xread({stream: last}, count=1000, block=block_ms if follow else None)
@@ -114,8 +136,12 @@ class SessionLookups:
     def cancel(self, spec_id: str) -> bool:
         """Ask a session to stop; every step checks at its boundary. False if unknown."""
         sk = self.session_key(spec_id)
-        spec = None if sk is None else self._stored_spec(sk)
-        if sk is None or spec is None:
+        return sk is not None and self.cancel_run(sk)
+
+    def cancel_run(self, sk: str) -> bool:
+        """`cancel`, of a run known by its session key."""
+        spec = self._stored_spec(sk)
+        if spec is None:
             return False
         self.redis.set(keys.cancel(sk), "1", ex=self.ttl_s)
         if isinstance(spec, ProgramSpec):

@@ -38,10 +38,10 @@ from marshmallow import ValidationError
 
 from producer.batch import result_line
 from producer.modules import ModuleChecker
-from producer.specfile import Conversion, SpecConvert, flatten_errors
+from producer.specfile import Conversion, flatten_errors
 from schemas.bodies import OK
 from schemas.policy_schema import ToolPolicySchema
-from schemas.spec import ToolSpecSchema
+from schemas.spec import ID_MAX_CHARS, ID_PATTERN, ToolSpecSchema
 from schemas.strict import FUNCTION_NAME_PATTERN
 
 CHAT_COMPLETIONS = "/v1/chat/completions"
@@ -54,6 +54,9 @@ DROPPED_FUNCTION_FIELDS = ("strict",)  # the worker validates arguments against 
 BATCH_REQ_PREFIX = "batch_req_"
 UPSTREAM_STATUS = re.compile(r"HTTP (\d{3}): (.*)\Z", re.DOTALL)  # worker/edges/provider_http.py
 PROVIDER_CODES = ("provider_error", "provider_unavailable")
+CUSTOM_ID_PREFIX = "cid-"  # a spec id made of a custom_id that is not one (spec_id_of)
+CUSTOM_ID_KEY = "custom_id"  # where its metadata keeps that custom_id, as it was given
+EXTENSION_KEY = "_cchatq"  # cchatq's own fields in an output line's body (as `_spear` is)
 
 Problems = list[tuple[str, str]]  # (field, message)
 
@@ -163,10 +166,15 @@ def request_to_spec(
     for legacy in ("functions", "function_call"):
         if legacy in body:
             problems.append((f"body.{legacy}", "legacy functions are not run: give tools"))
+    custom_id = obj["custom_id"]
+    if not isinstance(custom_id, str) or not custom_id:
+        problems.append(("custom_id", "must be a non-empty string" + _got(custom_id)))
     tools = _tools(body.get("tools"), bindings, problems)
     if problems:
         return problems
-    spec: dict[str, Any] = {"id": obj["custom_id"]}
+    spec: dict[str, Any] = {"id": spec_id_of(custom_id)}
+    if spec["id"] != custom_id:  # the output names it as it was given
+        spec["metadata"] = {CUSTOM_ID_KEY: custom_id}
     spec.update({k: body[k] for k in ("model", "messages") if k in body})
     if isinstance(spec.get("messages"), list):  # OpenAI's newer name for the system role
         spec["messages"] = [
@@ -181,6 +189,14 @@ def request_to_spec(
     if provider:
         spec["provider"] = provider
     return spec
+
+
+def spec_id_of(custom_id: str) -> str:
+    """The spec id of a request: its custom_id when that is a spec id already, else one made
+    of its digest (`cid-...`), the custom_id kept in the spec's metadata for its output."""
+    if re.fullmatch(ID_PATTERN, custom_id) and len(custom_id) <= ID_MAX_CHARS:
+        return custom_id
+    return CUSTOM_ID_PREFIX + hashlib.sha256(custom_id.encode()).hexdigest()[:32]
 
 
 def _tools(raw: Any, bindings: ToolBindings | None, problems: Problems) -> list[dict[str, Any]]:
@@ -239,19 +255,29 @@ def openai_field(spec_field: str) -> str:
     return f"body.{spec_field}"
 
 
-def converter(bindings: ToolBindings | None = None, provider: str | None = None) -> SpecConvert:
+class Converter:
     """For load_spec_file: each OpenAI request line made a spec (its issues named by the
-    request's fields, on its physical line); any other line as it is."""
+    request's fields, on its physical line); any other line as it is. Counts the request
+    lines it made specs of (`requests`, their spec ids in `request_ids`)."""
 
-    def convert(obj: Any) -> Conversion:
+    def __init__(self, bindings: ToolBindings | None = None, provider: str | None = None) -> None:
+        self.bindings, self.provider = bindings, provider
+        self.requests = 0
+        self.request_ids: set[str] = set()
+
+    def __call__(self, obj: Any) -> Conversion:
         if not is_request(obj):
             return Conversion(obj)
-        spec = request_to_spec(obj, bindings, provider)
+        spec = request_to_spec(obj, self.bindings, self.provider)
         if isinstance(spec, list):
             return Conversion(problems=spec)
+        self.requests += 1
+        self.request_ids.add(spec["id"])
         return Conversion(spec, field_name=openai_field)
 
-    return convert
+
+def converter(bindings: ToolBindings | None = None, provider: str | None = None) -> Converter:
+    return Converter(bindings, provider)
 
 
 # output lines out ---------------------------------------------------------------------------
@@ -267,17 +293,24 @@ def program_body(record: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in result_line(record).items() if k not in ("id", "kind", "error")}
 
 
-def output_line(sk: str, record: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
+def output_line(
+    sk: str, record: dict[str, Any], transcript: bool = False
+) -> tuple[bool, dict[str, Any]]:
     """(failed, the session's OpenAI Batch output line). A chat session's `response.body` is its
-    response body without cchatq's `_spear`; a program run's is `program_body(record)`.
-    `request_id` is the provider's id of the reply, else the session key."""
+    last reply without cchatq's `_spear`, its `usage` the session's total over all its rounds
+    (what a cost sum needs), and cchatq's own fields under EXTENSION_KEY: the last round's
+    usage, the rounds, and with `transcript` the rounds' messages and tool calls. A program
+    run's body is `program_body(record)`. `request_id` is the provider's id of the reply,
+    else the session key."""
     body = record.get("body") or {}
-    head = {"id": request_line_id(sk), "custom_id": record["id"]}
+    custom_id = (record.get("metadata") or {}).get(CUSTOM_ID_KEY, record["id"])
+    head = {"id": request_line_id(sk), "custom_id": custom_id}
     if record.get("status") == OK:
         if record.get("kind") == "program":
             answer = program_body(record)
         else:
             answer = {k: v for k, v in body.items() if k != "_spear"}
+            answer.update(_session_usage(record, transcript))
         reply_id = body.get("id")
         request_id = reply_id if isinstance(reply_id, str) and reply_id else sk
         response = {"status_code": 200, "request_id": request_id, "body": answer}
@@ -294,6 +327,22 @@ def output_line(sk: str, record: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
     return True, {**head, "response": response, "error": None}
 
 
+def _session_usage(record: dict[str, Any], transcript: bool) -> dict[str, Any]:
+    """A session's body fields for its output line: `usage` summed over its rounds (from its
+    record's metrics; the reply's own when metrics were off) and EXTENSION_KEY."""
+    body = record.get("body") or {}
+    metrics = record.get("metrics") or {}
+    extension: dict[str, Any] = {"round_usage": body.get("usage")}
+    if "iterations" in metrics:
+        extension["rounds"] = metrics["iterations"]
+    if transcript:
+        extension["transcript"] = record.get("transcript", [])
+    fields: dict[str, Any] = {EXTENSION_KEY: extension}
+    if metrics.get("usage"):
+        fields["usage"] = metrics["usage"]
+    return fields
+
+
 def errors_path(out: Path) -> Path:
     """The default errors file beside `out`: results.jsonl -> results.errors.jsonl."""
     return out.with_name(out.name.removesuffix(".jsonl") + ".errors.jsonl")
@@ -304,9 +353,11 @@ RecordLine = Callable[[str, dict[str, Any], str, int], tuple[bool, str]]
 Row = tuple[str, dict[str, Any], str, int]  # (sk, record, batch, attempt)
 
 
-def openai_lines() -> RecordLine:
+def openai_lines(transcript: bool = False) -> RecordLine:
+    """Output lines; `transcript`: each with its rounds' messages and tool calls."""
+
     def line(sk: str, record: dict[str, Any], batch: str, attempt: int) -> tuple[bool, str]:
-        failed, obj = output_line(sk, record)
+        failed, obj = output_line(sk, record, transcript)
         return failed, json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n"
 
     return line

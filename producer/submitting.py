@@ -10,7 +10,7 @@ import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from producer.backend_check import backend_check
 from producer.lookups import SessionLookups
@@ -28,6 +28,12 @@ from schemas.spec_types import (
     stored,
 )
 
+# which ids already submitted in the namespace run again: none (a changed spec is refused),
+# those whose spec changed, or all of them (each as its next attempt)
+Rerun = Literal["none", "changed", "all"]
+RERUN_MODES: tuple[Rerun, ...] = ("none", "changed", "all")
+BATCH_SCOPE = "@batch"  # enqueue's namespace for ids scoped to the batch (keys.batch_scope)
+
 CHUNK_SIZE = 256  # sessions admitted by one start task
 PIPELINE_SIZE = 1000  # sessions per Redis round trip at submit
 
@@ -35,13 +41,14 @@ PIPELINE_SIZE = 1000  # sessions per Redis round trip at submit
 @dataclass
 class Submission:
     batch: str
+    namespace: str  # where its ids were claimed (keys.batch_scope(batch) for its own)
     order: list[str]  # session keys in input order
     ids: dict[str, str]  # sk -> spec id
     new: set[str] = field(default_factory=set)  # enqueued by this submission
     done: set[str] = field(default_factory=set)  # already finished before it (resubmitted ids)
     programs: set[str] = field(default_factory=set)  # program runs among them
     specs: dict[str, Spec] = field(default_factory=dict)  # sk -> spec: to run again if lost
-    attempts: dict[str, int] = field(default_factory=dict)  # sk -> which attempt of its id
+    runs: dict[str, keys.Claim] = field(default_factory=dict)  # sk -> its run (the claim)
     chunks: int = 0  # start tasks sent for this batch (a resubmission numbers on from here)
 
 
@@ -63,6 +70,7 @@ class ModuleExpiredError(Exception):
 
 class Submitting(SessionLookups):
     config: FleetConfig  # the Client's: the backends specs are checked against
+    namespace: str  # the Client's: where ids are claimed unless a submit names another
 
     def _validate(
         self, specs: Iterable[Mapping[str, Any] | Spec], check_keys: bool, base_dir: Path | None
@@ -107,20 +115,26 @@ class Submitting(SessionLookups):
         specs: Sequence[Spec],
         batch: str | None = None,
         first_chunk: int = 0,
-        rerun: bool = False,
+        rerun: Rerun = "none",
         within: bool = False,
+        namespace: str | None = None,
     ) -> Submission:
-        """Enqueue validated canonical specs. Idempotent by spec id: an id already submitted
-        with the same spec is not run again; this batch waits for (or reads) its stored result
-        instead. An id already submitted with a different spec raises SpecConflictError, with
-        nothing enqueued. `rerun`: every id already submitted runs again, as its next attempt.
-        A new run gets a session key of a new generation (keys.run_session_key). `within`:
-        these sessions join `batch` (submitted again after a loss) rather than name it."""
+        """Enqueue validated canonical specs. Idempotent by spec id within a namespace
+        (`namespace`, default the client's; BATCH_SCOPE: the batch's own): an id already
+        submitted there with the same spec is not run again; this batch joins its run instead.
+        An id already submitted with a different spec raises SpecConflictError, with nothing
+        enqueued, unless `rerun` says which ids already submitted run again ("changed": those
+        whose spec changed, "all": every one), each as its next attempt. A new run gets a
+        session key of a new generation (keys.run_session_key). `within`: these sessions join
+        `batch` (submitted again after a loss) rather than name it."""
+        batch = batch or uuid.uuid4().hex[:12]
+        scope = keys.batch_scope(batch) if namespace == BATCH_SCOPE else namespace
+        scope = scope or self.namespace
         shas = self.upload_modules(specs)
         bodies = [dump_body(spec_to_json(stored(spec, shas))) for spec in specs]
         contents = [keys.content_digest(body) for body in bodies]
-        held = self.claims([spec.id for spec in specs])
-        if not rerun:
+        held = self.claims([spec.id for spec in specs], scope)
+        if rerun == "none":
             conflicts = [
                 spec.id
                 for spec, claim, content in zip(specs, held, contents, strict=True)
@@ -128,7 +142,7 @@ class Submitting(SessionLookups):
             ]
             if conflicts:
                 raise SpecConflictError(conflicts)
-        sub = Submission(batch=batch or uuid.uuid4().hex[:12], order=[], ids={}, chunks=first_chunk)
+        sub = Submission(batch=batch, namespace=scope, order=[], ids={}, chunks=first_chunk)
         now_ms = int(time.time() * 1000)
         for start in range(0, len(specs), PIPELINE_SIZE):
             end = start + PIPELINE_SIZE
@@ -136,9 +150,11 @@ class Submitting(SessionLookups):
             pipe = self.redis.pipeline(transaction=False)
             claims: list[tuple[keys.Claim, bool]] = []
             for (spec, _, before), content in zip(part, contents[start:end], strict=True):
-                again = rerun and before is not None
+                again = before is not None and (
+                    rerun == "all" or (rerun == "changed" and before.content != content)
+                )
                 claim = keys.Claim(
-                    keys.run_session_key(spec.id, keys.new_generation()),
+                    keys.run_session_key(scope, spec.id, keys.new_generation()),
                     content,
                     before.attempt + 1 if again and before is not None else 1,
                 )
@@ -146,24 +162,27 @@ class Submitting(SessionLookups):
                 # the claim answers the run this id already has (None: ours is new); a rerun
                 # takes the claim over
                 pipe.set(
-                    keys.id_claim(spec.id), claim.encode(), nx=not again, get=True, ex=self.ttl_s
+                    keys.id_claim(scope, spec.id),
+                    claim.encode(),
+                    nx=not again,
+                    get=True,
+                    ex=self.ttl_s,
                 )
-            runs: list[tuple[str, bool]] = []
+            runs: list[tuple[keys.Claim, bool]] = []
             for (claim, again), found in zip(claims, pipe.execute(), strict=True):
                 # a claim found holding our own fresh claim was ours: its pipeline was sent
                 # again after a reconnect, once Redis had already run it
                 if again or found is None or found.decode() == claim.encode():
-                    runs.append((claim.sk, True))
-                    sub.attempts[claim.sk] = claim.attempt
+                    runs.append((claim, True))
                 else:
-                    theirs = keys.Claim.decode(found)
-                    runs.append((theirs.sk, False))
-                    sub.attempts[theirs.sk] = theirs.attempt
+                    runs.append((keys.Claim.decode(found), False))
             pipe = self.redis.pipeline(transaction=False)
-            for (spec, body, _), (sk, won) in zip(part, runs, strict=True):
+            for (spec, body, _), (run, won) in zip(part, runs, strict=True):
+                sk = run.sk
                 sub.order.append(sk)
                 sub.ids[sk] = spec.id
                 sub.specs[sk] = spec
+                sub.runs[sk] = run
                 if isinstance(spec, ProgramSpec):
                     sub.programs.add(sk)
                 pipe.sadd(keys.watchers(sk), sub.batch)
@@ -184,33 +203,30 @@ class Submitting(SessionLookups):
                 else:
                     pipe.exists(keys.response(sk))
             results = iter(pipe.execute())
-            for sk, won in runs:
+            for run, won in runs:
                 next(results), next(results)
                 if won:
                     next(results), next(results), next(results), next(results)
                 elif next(results):
-                    sub.done.add(sk)
+                    sub.done.add(run.sk)
         self._admit(sub, within)
         return sub
 
-    def claims(self, spec_ids: Sequence[str]) -> list[keys.Claim | None]:
-        """Each id's claim (its latest run), None for an id never submitted or expired."""
+    def claims(
+        self, spec_ids: Sequence[str], namespace: str | None = None
+    ) -> list[keys.Claim | None]:
+        """Each id's claim in `namespace` (default the client's): its latest run, None for an
+        id never submitted there or expired."""
+        scope = namespace or self.namespace
         found: list[bytes | None] = []
         for start in range(0, len(spec_ids), PIPELINE_SIZE):
             part = spec_ids[start : start + PIPELINE_SIZE]
-            found.extend(self.redis.mget([keys.id_claim(i) for i in part]))
+            found.extend(self.redis.mget([keys.id_claim(scope, i) for i in part]))
         return [None if raw is None else keys.Claim.decode(raw) for raw in found]
 
     def _admit(self, sub: Submission, within: bool) -> None:
-        if not within:  # a new batch names its ids (`cchatq batch`)
-            pipe = self.redis.pipeline(transaction=False)
-            ids = [sub.ids[sk] for sk in sub.order]
-            for start in range(0, len(ids), PIPELINE_SIZE):
-                pipe.rpush(keys.batch_ids(sub.batch), *ids[start : start + PIPELINE_SIZE])
-            pipe.expire(keys.batch_ids(sub.batch), self.ttl_s)
-            pipe.zadd(keys.BATCHES, {sub.batch: int(time.time() * 1000)})
-            pipe.expire(keys.BATCHES, self.ttl_s)
-            pipe.execute()
+        if not within:  # a new batch names its ids and their runs (`cchatq batch`)
+            self._admit_names(sub)
         fresh = [
             keys.ChunkMember(sk, program=sk in sub.programs, spec_id=sub.ids[sk]).encode()
             for sk in sub.order
@@ -234,3 +250,20 @@ class Submitting(SessionLookups):
                 queue=task_names.ROUTES[task_names.START],
                 headers={task_names.SENT_HEADER: int(time.time() * 1000)},
             )
+
+    def _admit_names(self, sub: Submission) -> None:
+        """The batch's ids, their runs and its namespace, in input order, and the batch among
+        the fleet's batches (written whole: a pipeline sent again writes them once)."""
+        pipe = self.redis.pipeline(transaction=False)
+        ids = [sub.ids[sk] for sk in sub.order]
+        runs = [sub.runs[sk].encode() for sk in sub.order]
+        pipe.delete(keys.batch_ids(sub.batch), keys.batch_runs(sub.batch))
+        for start in range(0, len(ids), PIPELINE_SIZE):
+            pipe.rpush(keys.batch_ids(sub.batch), *ids[start : start + PIPELINE_SIZE])
+            pipe.rpush(keys.batch_runs(sub.batch), *runs[start : start + PIPELINE_SIZE])
+        pipe.set(keys.batch_namespace(sub.batch), sub.namespace, ex=self.ttl_s)
+        for key in (keys.batch_ids(sub.batch), keys.batch_runs(sub.batch)):
+            pipe.expire(key, self.ttl_s)
+        pipe.zadd(keys.BATCHES, {sub.batch: int(time.time() * 1000)})
+        pipe.expire(keys.BATCHES, self.ttl_s)
+        pipe.execute()

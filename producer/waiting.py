@@ -9,6 +9,8 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import redis
+
 from producer.lookups import QUEUED
 from producer.submitting import Submission, Submitting
 from schemas import keys, task_names
@@ -77,36 +79,56 @@ class Waiting(Submitting):
                 raise TimeoutError(f"{len(pending)} of {len(sub.order)} sessions still running")
 
     def _rerun_lost(self, sub: Submission, pending: set[str]) -> None:
-        """Sessions whose id's claim no longer names them: Redis lost its data (restarted
-        without persistence, or a failover to a replica that had not seen the submit). Those
-        whose claim is gone are submitted again (a new generation: what steps of the lost run
-        still write is never read); one claimed anew elsewhere is followed there. Each takes
-        its place in `sub` under its new key."""
+        """Sessions Redis lost (their meta is gone: restarted without persistence, or a
+        failover to a replica that had not seen the submit). Those whose id's claim is gone
+        too are submitted again (a new generation: what steps of the lost run still write is
+        never read); one claimed anew meanwhile (another producer submitted it again) is
+        followed there. Each takes its place in `sub` and in the batch's runs under its new
+        key. A session whose meta is there is this batch's run, whatever its id's claim says
+        now: a later rerun of the id is another batch's."""
         sks = sorted(pending)[:STATE_SAMPLE]
-        claims = self.claims([sub.ids[sk] for sk in sks])
-        moved: dict[str, str] = {}  # old sk -> the sk its id names now
+        pipe = self.redis.pipeline(transaction=False)
+        for sk in sks:
+            pipe.exists(keys.meta(sk))
+        gone = [sk for sk, there in zip(sks, pipe.execute(), strict=True) if not there]
+        if not gone:
+            return
+        claims = self.claims([sub.ids[sk] for sk in gone], sub.namespace)
+        moved: dict[str, keys.Claim] = {}  # old sk -> the run its id names now
         lost: list[str] = []
-        for sk, claim in zip(sks, claims, strict=True):
+        for sk, claim in zip(gone, claims, strict=True):
             if claim is None:
                 if sk in sub.specs:
                     lost.append(sk)
             elif claim.sk != sk:
-                moved[sk] = claim.sk
+                moved[sk] = claim
         if lost:
             log.warning("%d sessions lost with Redis's data: submitted again", len(lost))
-            again = self.enqueue([sub.specs[sk] for sk in lost], sub.batch, sub.chunks, within=True)
+            again = self.enqueue(
+                [sub.specs[sk] for sk in lost],
+                sub.batch,
+                sub.chunks,
+                within=True,
+                namespace=sub.namespace,
+            )
             sub.chunks = again.chunks
-            sub.attempts.update(again.attempts)
-            moved.update(zip(lost, again.order, strict=True))
             sub.programs |= again.programs
+            moved.update((old, again.runs[new]) for old, new in zip(lost, again.order, strict=True))
         place = {sk: n for n, sk in enumerate(sub.order)}
-        for old, new in moved.items():
+        pipe = self.redis.pipeline(transaction=False)
+        for old, run in moved.items():
             pending.discard(old)
-            pending.add(new)
-            sub.order[place[old]] = new
-            sub.ids[new] = sub.ids[old]
+            pending.add(run.sk)
+            sub.order[place[old]] = run.sk
+            sub.ids[run.sk] = sub.ids[old]
+            sub.runs[run.sk] = run
             if old in sub.specs:
-                sub.specs[new] = sub.specs[old]
+                sub.specs[run.sk] = sub.specs[old]
+            pipe.lset(keys.batch_runs(sub.batch), place[old], run.encode())
+        try:
+            pipe.execute()
+        except redis.ResponseError:  # the batch's lists were lost too: it keeps its own
+            self._admit_names(sub)
 
     def _finished(self, pending: set[str]) -> list[str]:
         """Those of `pending` whose response fd is written."""

@@ -4,6 +4,7 @@ or inline in `CCHATQ_BACKENDS` (which wins):
 
     {"backends": {NAME: {"protocol": P, "base_url": URL, "api_key_env": VAR, ...}},
      "default_backend": NAME,
+     "namespace": NAME,      (where spec ids are unique unless `--namespace` says; "default")
      "tools": {"timeout_ms": N, "max_retries": N, "retry_backoff_ms": N, "max_parallel": N,
                "auto_tool_call": BOOL, "default_environment": NAME,
                "environments": {NAME: {"max_risk_level": L, "allow_tools": [GLOB],
@@ -47,6 +48,7 @@ from marshmallow import (
 )
 
 from schemas.fleet import Environment, McpServerConfig, ToolDefaults
+from schemas.keys import DEFAULT_NAMESPACE, NAMESPACE_PATTERN, NAMESPACE_RULE
 from schemas.limits import TOOL_TIMEOUT_CAP_MS
 from schemas.mcp import SERVER_ID
 from schemas.protocols import NAMES as PROTOCOL_NAMES
@@ -104,6 +106,7 @@ def builtin_backends(replay_url: str = DEFAULT_REPLAY_URL) -> dict[str, BackendC
 class FleetConfig:
     backends: Mapping[str, BackendConfig] = field(default_factory=builtin_backends)
     default_backend: str = "replay"
+    namespace: str = DEFAULT_NAMESPACE  # where a submit claims its spec ids (schemas/keys.py)
     tool_defaults: ToolDefaults = field(default_factory=ToolDefaults)
     source: str = "built-in defaults"  # where it was read: the file, or CCHATQ_BACKENDS
 
@@ -245,6 +248,7 @@ class _ConfigSchema(Schema):
 
     backends = fields.Dict(keys=fields.String(validate=validate.Length(min=1)), values=fields.Raw())
     default_backend = fields.String()
+    namespace = fields.String(validate=validate.Regexp(NAMESPACE_PATTERN, error=NAMESPACE_RULE))
     tools = fields.Nested(_ToolsSchema)
     mcp_servers = fields.Dict(
         keys=fields.String(
@@ -311,6 +315,7 @@ def parse_config(
     return FleetConfig(
         backends=backends,
         default_backend=default_backend,
+        namespace=top.get("namespace", DEFAULT_NAMESPACE),
         tool_defaults=ToolDefaults(
             **{**tools, "environments": environments, "mcp_servers": servers}
         ),

@@ -4,8 +4,9 @@ A session is addressed by `sk`, a short key: its spec id's digest (ids may hold 
 which would make task ids and Flower URLs awkward) and the run's generation. Round r, tool
 call i:
 
-    cq:id:{digest of id}    the sk of that spec id's run, its spec's digest and attempt (Claim);
-                            SET NX at submit = the idempotency claim
+    cq:id:{digest of namespace and id}
+                            the sk of that spec id's latest run in its namespace, its spec's
+                            digest and attempt (Claim); SET NX at submit = the idempotency claim
     cq:spec:{sk}            canonical spec JSON, with `submitted_ms` and `batch`
                             (keys.with_submitted)
     cq:meta:{sk}            hash: id, batch, submitted_ms, state, round, backend
@@ -22,6 +23,9 @@ call i:
     cq:watch:{sk}           batches waiting for this session
     cq:done:{batch}         list of finished sks, pushed by finish (producers BLPOP it)
     cq:batch:{batch}:ids    the spec ids a batch submitted, in input order
+    cq:batch:{batch}:runs   the run of each of them this batch ran or joined (Claim), in the
+                            same order: a batch's results are these runs, whatever reruns follow
+    cq:batch:{batch}:ns     the namespace its ids were claimed in (a retry claims there too)
     cq:batches              sorted set: batch -> when it was submitted (ms)
     cq:chunk:{batch}:{n}    sks admitted by one start task
     cq:module:{sha256}      WASM module bytes, content-addressed
@@ -89,9 +93,25 @@ def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
-def id_claim(spec_id: str) -> str:
-    """The session key of a spec id's run: SET NX at submit (the idempotency claim)."""
-    return f"{PREFIX}:id:{_digest(spec_id)}"
+DEFAULT_NAMESPACE = "default"
+NAMESPACE_PATTERN = r"[A-Za-z0-9._-]{1,64}\Z"  # a user's namespace; `batch:...` is a batch's own
+NAMESPACE_RULE = "must be 1-64 of A-Z a-z 0-9 . _ -"
+BATCH_SCOPE_PREFIX = "batch:"
+
+
+def batch_scope(batch: str) -> str:
+    """The namespace of a batch whose ids are its own (an OpenAI Batch file's `custom_id`s, a
+    `--resample`): no other batch's id is the same id."""
+    return f"{BATCH_SCOPE_PREFIX}{batch}"
+
+
+def _scoped(namespace: str, spec_id: str) -> str:
+    return json.dumps([namespace, spec_id])  # no pair reads as another
+
+
+def id_claim(namespace: str, spec_id: str) -> str:
+    """The claim of a spec id in a namespace: SET NX at submit (the idempotency claim)."""
+    return f"{PREFIX}:id:{_digest(_scoped(namespace, spec_id))}"
 
 
 @dataclass(frozen=True)
@@ -124,11 +144,11 @@ def new_generation() -> str:
     return secrets.token_hex(GENERATION_BYTES)
 
 
-def run_session_key(spec_id: str, generation: str) -> str:
-    """A run's session key: its spec id's digest and the run's generation, drawn at submit.
+def run_session_key(namespace: str, spec_id: str, generation: str) -> str:
+    """A run's session key: its scoped spec id's digest and the run's generation, drawn at submit.
     A resubmission after Redis lost its data is a new generation, so steps of the earlier
     run still in flight write markers the new run never reads."""
-    return _digest(spec_id)[: 24 - 2 * GENERATION_BYTES] + generation
+    return _digest(_scoped(namespace, spec_id))[: 24 - 2 * GENERATION_BYTES] + generation
 
 
 CHAT_MARK = "#send"  # a program run's chat id: `<run id>#send<n>`
@@ -231,9 +251,19 @@ def watchers(sk: str) -> str:
 
 
 def batch_ids(batch: str) -> str:
-    """The spec ids a batch submitted, in input order (a list): its sessions are found
-    through their ids' claims, so a rerun or a generation after a loss is followed."""
+    """The spec ids a batch submitted, in input order (a list), beside their runs
+    (batch_runs)."""
     return f"{PREFIX}:batch:{batch}:ids"
+
+
+def batch_runs(batch: str) -> str:
+    """The run (Claim) of each id of a batch, in input order: what `cchatq batch results`
+    reads, so a batch's results stay those of the runs it ran."""
+    return f"{PREFIX}:batch:{batch}:runs"
+
+
+def batch_namespace(batch: str) -> str:
+    return f"{PREFIX}:batch:{batch}:ns"
 
 
 BATCHES = f"{PREFIX}:batches"  # batch -> when it was submitted (ms), a sorted set

@@ -38,6 +38,7 @@ ROLES = ("system", "user", "assistant", "tool")
 # Patterns end in \Z, not $: marshmallow's Regexp uses re.match, and "$" accepts a
 # trailing newline ("abc\n" would pass).
 ID_PATTERN = r"[A-Za-z0-9._:/@+-]+\Z"
+ID_MAX_CHARS = 200
 # The worker owns these upstream request fields; letting params override them would
 # bypass validation (model, messages, tools) or break response assembly (stream).
 RESERVED_PARAMS = ("model", "messages", "tools", "stream")
@@ -259,7 +260,7 @@ class SessionSpecSchema(Schema):
     id = fields.String(
         required=True,
         validate=[
-            validate.Length(min=1, max=200),
+            validate.Length(min=1, max=ID_MAX_CHARS),
             validate.Regexp(ID_PATTERN, error="Must match [A-Za-z0-9._:/@+-]+."),
         ],
     )

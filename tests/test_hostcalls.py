@@ -167,7 +167,7 @@ class Harness:
         self.shared.blobs[sha] = blob
         self.runs += 1
         run_id = f"{self.fresh_id}/hostcalls{self.runs}"
-        run_sk = keys.run_session_key(run_id, keys.new_generation())
+        run_sk = keys.run_session_key(keys.DEFAULT_NAMESPACE, run_id, keys.new_generation())
         defaults = ChatDefaults(
             run_id=run_id,
             run_sk=run_sk,

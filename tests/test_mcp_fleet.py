@@ -89,7 +89,7 @@ def run_mcp_fs(mcp: McpFleet, tmp_path: Path, spec_id: str, environment: str) ->
 def chat_spec(mcp: McpFleet, run_id: str) -> dict[str, Any]:
     """The stored spec of a program run's first chat: what its model was offered."""
     redis = mcp.running.client.redis
-    run_sk = keys.Claim.decode(redis.get(keys.id_claim(run_id))).sk
+    run_sk = keys.Claim.decode(redis.get(keys.id_claim(keys.DEFAULT_NAMESPACE, run_id))).sk
     return dict(json.loads(redis.get(keys.spec(keys.chat_session_key(run_sk, 0)))))
 
 

@@ -61,7 +61,9 @@ def run(twins: McpPipe, p: Program, allowed: tuple[str, ...]) -> tuple[ProgramHo
     blob = bytes(wat2wasm(p.wat()))
     sha = hashlib.sha256(blob).hexdigest()
     twins.blobs[sha] = blob
-    run_sk = keys.run_session_key(f"mcp/{sha[:8]}{allowed}", keys.new_generation())
+    run_sk = keys.run_session_key(
+        keys.DEFAULT_NAMESPACE, f"mcp/{sha[:8]}{allowed}", keys.new_generation()
+    )
     defaults = ChatDefaults(
         run_id="mcp/run",
         run_sk=run_sk,

@@ -18,6 +18,7 @@ from openai.types.chat import ChatCompletion
 
 from fixtures.demo_batch import weather_json
 from producer.cli import main
+from producer.client import Client
 from producer.openai_batch import (
     ResultFiles,
     ToolBindings,
@@ -133,7 +134,7 @@ def test_every_problem_of_a_request_line_names_its_line_and_openai_field(tmp_pat
         request("r12", tools=[{"type": "function"}]),
         request("r13", tools=[{"type": "function", "function": {"name": 7}}]),
         request("r14", tools=[function_tool("lookup")]),
-        request("r 15"),
+        {**request("r15"), "custom_id": 15},
         request("r16", messages=[{"role": "user", "content": None}]),
         {**request("r17"), "body": {"messages": [{"role": "user", "content": "hi"}]}},
         request("r18", tools=[function_tool("weather_cache", foo=1)]),
@@ -162,7 +163,7 @@ def test_every_problem_of_a_request_line_names_its_line_and_openai_field(tmp_pat
         "13: body.tools.0.function.name: must be a string, got 7",
         "14: body.tools.0.function.name: tool 'lookup' is not bound to a module"
         " (not in --tools tools.json)",
-        "15: custom_id: Must match [A-Za-z0-9._:/@+-]+.",
+        "15: custom_id: must be a non-empty string, got 15",
         "16: body.messages.0.content: Required (non-null) when role is 'user'.",
         "17: body.model: Missing data for required field.",
         "18: body.tools.0.function.foo: Unknown field.",
@@ -340,7 +341,8 @@ def test_an_answer_is_a_200_line_without_cchatq_fields() -> None:
     assert line["id"] == output_line("sk1", record("ok", body))[1]["id"]  # stable
     assert line["id"] != output_line("sk2", record("ok", body))[1]["id"]
     assert line["custom_id"] == "req-1"
-    assert line["response"] == {"status_code": 200, "request_id": "chatcmpl-1", "body": COMPLETION}
+    said = {**COMPLETION, "_cchatq": {"round_usage": COMPLETION["usage"]}}
+    assert line["response"] == {"status_code": 200, "request_id": "chatcmpl-1", "body": said}
     assert line["error"] is None
     no_id = {k: v for k, v in body.items() if k != "id"}
     assert output_line("sk1", record("ok", no_id))[1]["response"]["request_id"] == "sk1"
@@ -481,17 +483,22 @@ def test_submit_an_openai_batch_file_and_get_openai_batch_output(
     assert plain["choices"][0]["message"] == {"role": "assistant", "content": "Echo: Say hi"}
     told = assert_output_line(answers[1], ids[1])["choices"][0]["message"]
     assert told["content"] == f"Weather report: {weather_json('Paris')}"
-    # ran on the backend --provider named (the answer is a chat.completion all the same)
-    stored = json.loads(running.client.response(ids[1]) or b"{}")
+    # ran on the backend --provider named (the answer is a chat.completion all the same);
+    # the file's ids are its batch's own (as OpenAI scopes custom_id), so found through it
+    batch_id = re.search(r"batch (\S+): 4 sessions enqueued", proc.stderr)
+    assert batch_id, proc.stderr
+    client = Client(running.redis_url, config=running.fleet.config(), lookup_batch=batch_id[1])
+    assert running.client.session_key(ids[1]) is None  # not an id of the namespace
+    stored = json.loads(client.response(ids[1]) or b"{}")
     assert stored["_spear"]["backend"] == "replay-anthropic"
-    assert running.client.record(ids[1])["metrics"]["tool_calls"] == 1  # type: ignore[index]
+    assert client.record(ids[1])["metrics"]["tool_calls"] == 1  # type: ignore[index]
 
     refused, limited = failures
     assert list(refused) == ["id", "custom_id", "response", "error"]
     assert LINE_ID.match(refused["id"]) and refused["error"] is None
     assert list(refused["response"]) == ["status_code", "request_id", "body"]
     assert refused["response"]["status_code"] == 400
-    assert running.client.session_key(ids[2]) == refused["response"]["request_id"]
+    assert client.session_key(ids[2]) == refused["response"]["request_id"]
     said = refused["response"]["body"]["error"]
     assert list(said) == ["message", "type", "param", "code"]
     assert (said["type"], said["param"], said["code"]) == ("provider_error", None, "provider_error")
@@ -501,11 +508,44 @@ def test_submit_an_openai_batch_file_and_get_openai_batch_output(
     assert list(limited["error"]) == ["code", "message"]
     assert limited["error"]["code"] == "tool_call_limit"
 
-    batch_id = re.search(r"batch (\S+): 4 sessions enqueued", proc.stderr)
-    assert batch_id, proc.stderr
+    client.close()
     again, again_errors = tmp_path / "again.jsonl", tmp_path / "again-errors.jsonl"
     collected = cli("batch", "results", batch_id.group(1), "--format", "openai",
                     "--out", str(again), "--errors", str(again_errors))  # fmt: skip
     assert collected.returncode == 1, collected.stderr
     assert again.read_text() == out.read_text()
     assert again_errors.read_text() == errors_path(out).read_text()
+
+
+def test_an_answer_counts_the_usage_of_every_round_and_keeps_the_last_rounds_apart() -> None:
+    """A two-round session: `usage` is what a cost sum needs (the record's total), the last
+    round's own usage and the rounds under `_cchatq`, the transcript only when asked."""
+    total = {"prompt_tokens": 9, "completion_tokens": 6, "total_tokens": 15}
+    transcript = [{"role": "user", "content": "hi"},
+                  {"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}]},
+                  {"role": "tool", "tool_call_id": "c1", "content": "18C"},
+                  {"role": "assistant", "content": "hello"}]  # fmt: skip
+    done = {**record("ok", COMPLETION), "transcript": transcript,
+            "metrics": {"iterations": 2, "usage": total}}  # fmt: skip
+    body = output_line("sk1", done)[1]["response"]["body"]
+    assert body["usage"] == total
+    assert body["_cchatq"] == {"round_usage": COMPLETION["usage"], "rounds": 2}
+    assert body["choices"] == COMPLETION["choices"]
+    with_rounds = output_line("sk1", done, transcript=True)[1]["response"]["body"]
+    assert with_rounds["_cchatq"]["transcript"] == transcript
+
+
+@pytest.mark.parametrize(
+    "custom_id", ["request-1", "task 7 / row #3", "é中文", "x" * 500, "a\nb", '{"json": 1}']
+)
+def test_any_string_is_a_custom_id_and_the_output_names_it_as_given(custom_id: str) -> None:
+    spec = request_to_spec(request(custom_id), None)
+    assert isinstance(spec, dict)
+    if spec["id"] == custom_id:  # already a spec id: kept, so `cchatq result ID` finds it
+        assert "metadata" not in spec
+    else:
+        assert spec["id"].startswith("cid-") and spec["metadata"] == {"custom_id": custom_id}
+        again = request_to_spec(request(custom_id), None)
+        assert isinstance(again, dict) and again["id"] == spec["id"]  # by digest
+    done = {**record("ok", COMPLETION, spec_id=spec["id"]), "metadata": spec.get("metadata")}
+    assert output_line("sk1", done)[1]["custom_id"] == custom_id

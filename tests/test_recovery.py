@@ -257,7 +257,12 @@ def test_a_resubmission_after_data_loss_never_trusts_markers_of_the_earlier_run(
     first = submit_specs(client, [dict(spec)], tmp_path)
     assert dict(client.wait(first, timeout_s=30))[first.order[0]]["status"] == "ok"
     old = first.order[0]
-    lost = [keys.id_claim(spec["id"]), keys.spec(old), keys.meta(old), keys.response(old)]
+    lost = [
+        keys.id_claim(keys.DEFAULT_NAMESPACE, spec["id"]),
+        keys.spec(old),
+        keys.meta(old),
+        keys.response(old),
+    ]
     client.redis.delete(*lost, keys.record(old))
     # what the first run's steps still write after the loss: a reply and published markers
     assert client.redis.exists(keys.step_state(keys.round_step(old, 0)))

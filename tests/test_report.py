@@ -184,10 +184,12 @@ class FakeLookups(SessionLookups):
 
 def test_batch_states_reads_the_pending_sessions_or_an_even_spread_of_them() -> None:
     client = FakeLookups()
-    few = Submission(batch="b", order=["s1", "s2", "s3"], ids={})
+    few = Submission(batch="b", namespace="default", order=["s1", "s2", "s3"], ids={})
     assert batch_states(client, few, {"s2"})() == (2, 0)
     assert client.looked[-1] == ["s1", "s3"]
-    many = Submission(batch="b", order=[f"s{n}" for n in range(25_000)], ids={})
+    many = Submission(
+        batch="b", namespace="default", order=[f"s{n}" for n in range(25_000)], ids={}
+    )
     finished = {f"s{n}" for n in range(1000)}
     batch_states(client, many, finished)()
     looked = client.looked[-1]

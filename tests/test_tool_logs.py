@@ -262,7 +262,7 @@ def test_a_spear_style_programs_logs_hold_its_forked_tools_lines_in_call_order(
     blob = (GUESTS / "prog_spear_tool_log.wasm").read_bytes()
     sha = hashlib.sha256(blob).hexdigest()
     blobs[sha] = blob
-    run_sk = keys.run_session_key("toollogs", keys.new_generation())
+    run_sk = keys.run_session_key(keys.DEFAULT_NAMESPACE, "toollogs", keys.new_generation())
     defaults = ChatDefaults("toollogs", run_sk, sha, None, None, time.monotonic() + 60)
     host = ProgramHost(defaults, pipe.store, pipe.queue)
     outcome = run_program(_Source(pipe.runtime), ProgramRun(module_sha256=sha), host)

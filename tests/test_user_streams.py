@@ -257,7 +257,9 @@ def test_spears_echo_sample_written_its_way_echoes_each_line_then_ends(h: Harnes
     blob = (GUESTS / "prog_user_stream_echo.wasm").read_bytes()
     sha = hashlib.sha256(blob).hexdigest()
     h.shared.blobs[sha] = blob
-    run_sk = keys.run_session_key(f"{h.fresh_id}/echo", keys.new_generation())
+    run_sk = keys.run_session_key(
+        keys.DEFAULT_NAMESPACE, f"{h.fresh_id}/echo", keys.new_generation()
+    )
     sent = [frame(1, "hello"), frame(1, "world", 2)]
     for event in (StreamEvent(OPEN, 1), *(StreamEvent(DATA, 1, f) for f in sent)):
         h.shared.store.user_send(run_sk, event)

@@ -34,12 +34,11 @@ class RedisProgramStore:
     def submit_chat(self, sk: str, spec: SessionSpec, batch: str) -> bool:
         """Store a chat's spec and watch it from the run's batch. False if it already exists
         (a redelivered program replaying its chats): then it is not started again. Its id
-        names this chat (cchatq status), as a spec id names a submitted session."""
+        names this chat (`cchatq status '<run id>#send<n>'`, found through its run's claim)."""
         now_ms = int(time.time() * 1000)
         body = keys.with_submitted(dump_body(spec_to_json(spec)), now_ms, batch)
         pipe = self.client.pipeline(transaction=True)
         pipe.set(keys.spec(sk), body, nx=True, ex=self.ttl_s)
-        pipe.set(keys.id_claim(spec.id), keys.Claim(sk).encode(), ex=self.ttl_s)
         pipe.hsetnx(keys.meta(sk), "submitted_ms", now_ms)
         pipe.hset(keys.meta(sk), mapping={"id": spec.id, "batch": batch})
         pipe.expire(keys.meta(sk), self.ttl_s)

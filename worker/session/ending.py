@@ -60,6 +60,8 @@ def ending(
             "transcript": transcript(session, closing_fill(session, step, missing)),
             "metrics": metrics(session, latency_ms) if session.flags.metrics else {},
         }
+        if session.spec.metadata:  # the spec's own, given back with its result
+            record["metadata"] = session.spec.metadata
         logs = tool_logs(session)
         if logs:  # only then: a session whose tools wrote nothing keeps its record's shape
             record["tool_logs"] = logs
