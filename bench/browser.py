@@ -31,9 +31,11 @@ def launch_chromium(pw: Playwright) -> Browser:
     return pw.chromium.launch(executable_path=str(CHROMIUM), headless=True)
 
 
-def session_path(spec_id: str) -> str:
-    """A session page's path: the id quoted whole (it may hold `/`), as the viewer links it."""
-    return "/session/" + quote(spec_id, safe="")
+def session_path(spec_id: str, batch: str | None = None) -> str:
+    """A session page's path: the id quoted whole (it may hold `/`), as the viewer links it;
+    with `batch`, the run that batch ran (as a batch page links it)."""
+    in_batch = "" if batch is None else "?batch=" + quote(batch, safe="")
+    return "/session/" + quote(spec_id, safe="") + in_batch
 
 
 def batch_path(batch: str) -> str:

@@ -311,7 +311,7 @@ def test_batch_filter_and_links_from_runs_to_session(
     spec_id = first.get_attribute("data-session")
     assert spec_id is not None
     first.locator("td").first.locator("a").click()
-    expect(page).to_have_url(viewer.url + session_path(spec_id), timeout=WAIT_MS)
+    expect(page).to_have_url(viewer.url + session_path(spec_id, batch.id), timeout=WAIT_MS)
     expect(page.locator("#summary [data-field=code]")).to_have_text("provider_error")
 
 
@@ -383,7 +383,7 @@ def test_every_element_the_contract_names_is_on_its_page(
         for field in ("status", "code", "latency_ms", "tokens", "rounds", "tools"):
             expect(session_row.locator(f"[data-field={field}]")).to_have_count(1)
         link = session_row.locator("td").first.locator("a")
-        expect(link).to_have_attribute("href", session_path(spec_id))
+        expect(link).to_have_attribute("href", session_path(spec_id, batch.id))
     for name in ("status", "code", "tool", "q", "sort"):
         expect(page.locator(f"form#filter [name={name}]")).to_have_count(1)
     assert (page.locator("form#filter").get_attribute("method") or "get").lower() == "get"

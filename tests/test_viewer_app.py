@@ -90,7 +90,7 @@ def test_batch_page_counts_filters_and_links(client: TestClient) -> None:
     for name in ("status", "code", "tool", "q", "sort"):
         assert f'name="{name}"' in html
     assert html.count("<tr data-session=") == 6
-    assert f'href="/session/{q(ODD_ID)}"' in html
+    assert f'href="/session/{q(ODD_ID)}?batch=b1"' in html  # the run this batch ran
     failed = client.get("/batch/b1", params={"status": "error"}).text
     assert re.findall(r'data-session="([^"]+)"', failed) == ["b1/fail"]
     assert '<td data-field="code">provider_error</td>' in failed

@@ -111,7 +111,8 @@ def test_a_batch_seen_running_then_finished(
     assert [c["name"] for c in calls] == ["calculate", "calculate"] and all(c["ok"] for c in calls)
     html = http.get(f"/session/{q(session_id)}").text
     assert 'id="flower-link"' in html and "kwargs%3Asession%3D" in html
-    assert f'id="trace-link" href="/api/session/{q(session_id)}/trace"' in html
+    link = f'id="trace-link" href="/api/session/{q(session_id)}/trace?batch={sub.batch}"'
+    assert link in html
     trace = http.get(f"/api/session/{q(session_id)}/trace")
     events = [json.loads(line) for line in trace.text.splitlines()]
     assert events[0]["event"] == "session.started" and events[-1]["event"] == "session.finished"

@@ -120,7 +120,7 @@ class Viewer:
 
     def session(self, request: Request) -> Response:
         spec_id = unquote(path_tail(request, "/session/"))
-        facts = self.source.session(spec_id)
+        facts = self.source.session(spec_id, request.query_params.get("batch"))
         if facts is None:
             return self.not_found(request, "session", spec_id)
         view = session_view(facts)
@@ -149,13 +149,13 @@ class Viewer:
         if tail.endswith("/trace"):  # a quoted id holds no `/`: this is the trace route
             return self.api_trace(request, unquote(tail.removesuffix("/trace")))
         spec_id = unquote(tail)
-        facts = self.source.session(spec_id)
+        facts = self.source.session(spec_id, request.query_params.get("batch"))
         if facts is None:
             return self.not_found(request, "session", spec_id, api=True)
         return JSONResponse(session_view(facts).json())
 
     def api_trace(self, request: Request, spec_id: str) -> Response:
-        events = self.source.trace(spec_id)
+        events = self.source.trace(spec_id, request.query_params.get("batch"))
         if events is None:
             why = "session" if self.source.live else "trace (results files keep none) of session"
             return self.not_found(request, why, spec_id, api=True)

@@ -184,7 +184,7 @@ class FileSource:
         )
         return BatchRows(batch, self._run(found), rows)
 
-    def session(self, spec_id: str) -> SessionFacts | None:
+    def session(self, spec_id: str, batch: str | None = None) -> SessionFacts | None:
         self._fresh()
         found = self._records.get(spec_id)
         if found is None:
@@ -224,7 +224,7 @@ class FileSource:
             source=self._batches[found[1]].source,
         )
 
-    def trace(self, spec_id: str) -> Iterator[dict[str, Any]] | None:
+    def trace(self, spec_id: str, batch: str | None = None) -> Iterator[dict[str, Any]] | None:
         return None  # a results file keeps no trace events
 
     def close(self) -> None:

@@ -243,8 +243,8 @@ class FleetSource:
                     attempt = member.claim.attempt if member.claim else 1
                     self._rows[sk] = record_row(member.spec_id, record, attempt)
 
-    def session(self, spec_id: str) -> SessionFacts | None:
-        claim = self.client.claims([spec_id])[0]
+    def session(self, spec_id: str, batch: str | None = None) -> SessionFacts | None:
+        claim = self._run_of(spec_id, batch)
         if claim is None:
             return None
         sk = claim.sk
@@ -268,7 +268,7 @@ class FleetSource:
             attempt=claim.attempt,
             state_text=state,
             record=record,
-            events=list(self.client.trace(spec_id)),
+            events=list(self.client.run_trace(sk)),
             submitted_ms=_digits(meta.get("submitted_ms")),
             finished_ms=_digits(meta.get("finished_ms")),
             partial_text=_text(partial),
@@ -280,14 +280,20 @@ class FleetSource:
         )
 
     def _chat_claims(self, run_id: str) -> list[tuple[str, keys.Claim]]:
-        """A program run's chats so far (`<run id>#send<n>`, claimed as it sends each)."""
+        """A program run's chats so far (`<run id>#send<n>`, stored as it sends each)."""
+        run_sk = self.client.session_key(run_id)
         out: list[tuple[str, keys.Claim]] = []
-        while True:
-            ids = [keys.chat_spec_id(run_id, n) for n in range(len(out), len(out) + CHAT_PROBE)]
-            for chat_id, claim in zip(ids, self.client.claims(ids), strict=True):
-                if claim is None:
+        while run_sk is not None:
+            numbers = range(len(out), len(out) + CHAT_PROBE)
+            sks = [keys.chat_session_key(run_sk, n) for n in numbers]
+            pipe = self.redis.pipeline(transaction=False)
+            for sk in sks:
+                pipe.exists(keys.meta(sk))
+            for n, sk, there in zip(numbers, sks, pipe.execute(), strict=True):
+                if not there:
                     return out
-                out.append((chat_id, claim))
+                out.append((keys.chat_spec_id(run_id, n), keys.Claim(sk)))
+        return out
 
     def _chats(self, run_id: str) -> tuple[ChatFacts, ...]:
         chats = self._chat_claims(run_id)
@@ -322,10 +328,21 @@ class FleetSource:
                 )
         return tuple(out)
 
-    def trace(self, spec_id: str) -> Iterator[dict[str, Any]] | None:
-        if self.client.session_key(spec_id) is None:
-            return None
-        return self.client.trace(spec_id)
+    def trace(self, spec_id: str, batch: str | None = None) -> Iterator[dict[str, Any]] | None:
+        claim = self._run_of(spec_id, batch)
+        return None if claim is None else self.client.run_trace(claim.sk)
+
+    def _run_of(self, spec_id: str, batch: str | None) -> keys.Claim | None:
+        """The run of an id that `batch` ran (its members), else the id's latest (its claim;
+        a program run's chat through its run)."""
+        if batch is not None:
+            found = [m.claim for m in self._batch_members(batch) if m.spec_id == spec_id]
+            return found[0] if found else None
+        claim = self.client.claims([spec_id])[0]
+        if claim is None and keys.chat_of(spec_id) is not None:
+            sk = self.client.session_key(spec_id)
+            claim = None if sk is None else keys.Claim(sk)
+        return claim
 
     def close(self) -> None:
         self.client.close()

@@ -64,10 +64,11 @@ class ViewSource(Protocol):
     def batch_rows(self, batch: str) -> BatchRows | None:
         """Every session of a batch, None for a batch this source does not know."""
 
-    def session(self, spec_id: str) -> SessionFacts | None:
-        """One session or program run, None when unknown."""
+    def session(self, spec_id: str, batch: str | None = None) -> SessionFacts | None:
+        """One session or program run (the run `batch` ran, else the id's latest), None when
+        unknown."""
 
-    def trace(self, spec_id: str) -> Iterator[dict[str, Any]] | None:
+    def trace(self, spec_id: str, batch: str | None = None) -> Iterator[dict[str, Any]] | None:
         """A session's trace events in order, None when unknown or not kept."""
 
     def close(self) -> None: ...
