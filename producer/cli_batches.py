@@ -162,10 +162,15 @@ def cmd_submit(args: argparse.Namespace) -> int:
         )
     except SpecConflictError as exc:
         lines = {s.spec.id: s.line for s in loaded}
+
+        def named(spec_id: str) -> str:  # an OpenAI request's id is its custom_id
+            return "custom_id" if spec_id in convert.request_ids else "id"
+
         print("rejected, nothing enqueued:", file=sys.stderr)
         for spec_id in exc.spec_ids[:MAX_LISTED]:
             print(
-                f"{args.file}:{lines[spec_id]}: id: {spec_id!r} was already submitted with a"
+                f"{args.file}:{lines[spec_id]}: {named(spec_id)}: {spec_id!r} was already"
+                " submitted with a"
                 f" different spec in namespace {client.namespace!r} (--rerun changed runs the"
                 " changed ids again, as their next attempt; --namespace NS submits elsewhere)",
                 file=sys.stderr,

@@ -103,6 +103,12 @@ def test_two_openai_files_reusing_a_custom_id_both_run(
     shown = cli("result", "request-1", "--batch", first)
     assert shown.returncode == 0 and "Echo: first file" in shown.stdout, shown.stderr
     assert cli("result", "request-1").returncode == 1  # not an id of the namespace
+    # in a namespace a user names, a custom_id is claimed there, and a refusal names it so
+    cli.submit([request("request-1", "named")], "--format", "openai", "--namespace", fresh_id)
+    path = cli.write([request("request-1", "changed")])
+    refused = cli("submit", path, "--format", "openai", "--namespace", fresh_id)
+    assert refused.returncode == 2
+    assert f"{path}:1: custom_id: 'request-1' was already submitted" in refused.stderr
 
 
 def test_a_batchs_results_never_change_and_rerun_changed_runs_only_the_changed_id(
