@@ -16,7 +16,7 @@ def redis_url() -> str:
     return os.environ.get("REDIS_URL", DEFAULT_REDIS_URL)
 
 
-# `cchatq submit`'s exit codes (README: Results)
+# `cchatq submit`'s exit codes (README: Submitting and results)
 EXIT_OK = 0  # every session ended ok
 EXIT_FAILED = 1  # every session ended, some with an error body
 EXIT_REJECTED = 2  # the input was rejected: nothing enqueued

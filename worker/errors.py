@@ -139,18 +139,18 @@ class ToolValidationError(ToolError):
     code = "VALIDATION_ERROR"
     raised_when = (
         "the call's arguments are not JSON, break the tool's schema, were cut off by the "
-        "token limit, or the schema itself cannot be checked (was invalid_arguments)"
+        "token limit, or the schema itself cannot be checked"
     )
 
 
 class ToolNotFoundError(ToolError):
     code = "TOOL_NOT_FOUND"
-    raised_when = "the model called a tool the session does not offer (was unknown_tool)"
+    raised_when = "the model called a tool the session does not offer"
 
 
 class ToolTimeoutError(ToolError):
     code = "TIMEOUT"
-    raised_when = "the tool ran past its timeout_ms (was tool_exec_failed)"
+    raised_when = "the tool ran past its timeout_ms"
     retryable = True
     ran_by_default = True
 
@@ -159,7 +159,7 @@ class ToolRuntimeError(ToolError):
     code = "RUNTIME_ERROR"
     raised_when = (
         "the tool trapped, returned rc < 0, wrote bad UTF-8, hit its memory limit, or its "
-        "module could not load (was tool_exec_failed); an MCP tool's result said isError, or "
+        "module could not load; an MCP tool's result said isError, or "
         "its server failed or could not be reached"
     )
     retryable = True
@@ -173,15 +173,14 @@ class ToolPermissionError(ToolError):
 
 class ToolOutputTooLargeError(ToolError):
     code = "OUTPUT_TOO_LARGE"
-    raised_when = "the tool's output exceeds max_tool_output_bytes (was tool_exec_failed)"
+    raised_when = "the tool's output exceeds max_tool_output_bytes"
     ran_by_default = True
 
 
 class RepeatedCallError(ToolError):
     code = "REPEATED_CALL"
     raised_when = (
-        "the same call (name and arguments) came in 3 consecutive rounds: valid, but not run "
-        "again (was repeated_call)"
+        "the same call (name and arguments) came in 3 consecutive rounds: valid, but not run again"
     )
 
 
