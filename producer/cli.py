@@ -14,6 +14,7 @@ from importlib import metadata
 from producer.batch import result_line
 from producer.cli_batches import cmd_batch, cmd_submit
 from producer.cli_common import EXIT_OK, EXIT_REJECTED, flower_links, redis_url
+from producer.cli_fleet import add_fleet_parsers
 from producer.cli_programs import cmd_demo, cmd_run, cmd_stream
 from producer.cli_view import add_view_parser
 from producer.client import Client
@@ -241,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_trace)
 
     add_view_parser(sub)
+    add_fleet_parsers(sub)
 
     p = sub.add_parser("metrics", help="serve the fleet's Prometheus metrics (reads Redis)")
     p.add_argument("--port", type=int, default=9808)

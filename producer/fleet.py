@@ -120,6 +120,7 @@ class Fleet:
     workers: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     redis_cmd: list[str] = field(default_factory=list)  # our redis-server's, to restart it
     redis_proc: subprocess.Popen[bytes] | None = None
+    names: dict[int, str] = field(default_factory=dict)  # pid -> the name its log is under
     owns_workdir: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
@@ -325,6 +326,7 @@ class Fleet:
                 start_new_session=True,
             )
         self.procs.append(proc)
+        self.names[proc.pid] = name
         return proc
 
     def stop(self) -> None:
