@@ -27,14 +27,17 @@ REDIS_DB = 8
 MARK = "CCHATQ_TEST_FLEET_MARK"
 
 
-def clean_env(mark: str) -> dict[str, str]:
-    """This environment without any fleet's address or configuration, marked."""
+def clean_env(mark: str, venv_on_path: bool = True) -> dict[str, str]:
+    """This environment without any fleet's address or configuration, marked; with this
+    Python's scripts (cchatq) first on PATH, or (`venv_on_path` False) nowhere on it."""
     env = {
         k: v
         for k, v in os.environ.items()
-        if k != "REDIS_URL" and not k.startswith(("CCHATQ_", "FLOWER_"))
+        if k not in ("REDIS_URL", "VIRTUAL_ENV") and not k.startswith(("CCHATQ_", "FLOWER_"))
     }
-    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+    scripts = str(Path(sys.executable).parent)
+    path = [d for d in env.get("PATH", "").split(":") if d and d != scripts]
+    env["PATH"] = ":".join([scripts, *path] if venv_on_path else path)
     env[MARK] = mark
     return env
 
