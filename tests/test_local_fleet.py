@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import requests
 
 from fixtures.demo_batch import WEATHER
 from producer.fleet import Fleet, free_port, replay_backends
@@ -161,7 +162,8 @@ def test_up_uses_a_redis_that_answers_and_the_configured_backends(
     base_fleet: Fleet, tmp_path: Path, fresh_id: str
 ) -> None:
     """REDIS_URL set: no redis-server of its own; CCHATQ_BACKENDS set: no replay server, the
-    workers run on that configuration."""
+    workers run on that configuration. With Flower (its API open on loopback, as no basic auth
+    is set) and the metrics exporter."""
     mark = uuid.uuid4().hex
     url = base_fleet.redis_url.rsplit("/", 1)[0] + f"/{REDIS_DB}"
     config = {
@@ -171,12 +173,18 @@ def test_up_uses_a_redis_that_answers_and_the_configured_backends(
     env = {**clean_env(mark), "REDIS_URL": url, "CCHATQ_BACKENDS": json.dumps(config)}
     folder = tmp_path / "fleet"
     try:
-        up = cchatq("up", "--dir", str(folder), env=env, cwd=tmp_path)
+        up = cchatq("up", "--dir", str(folder), "--flower", "--metrics", env=env, cwd=tmp_path)
         assert up.returncode == 0, up.stderr
-        assert exports(up.stdout) == {"REDIS_URL": url}
+        shell = exports(up.stdout)
+        assert shell == {"REDIS_URL": url, "CCHATQ_FLOWER_URL": shell["CCHATQ_FLOWER_URL"]}
         record = json.loads((folder / "fleet.json").read_text())
         names = {p["name"].split("-")[0] for p in record["processes"]}
-        assert names == {"background", "control", "llm", "programs", "tools"}, names
+        queues = {"background", "control", "llm", "programs", "tools"}
+        assert names == {*queues, "flower", "metrics"}, names
+        workers = requests.get(f"{shell['CCHATQ_FLOWER_URL']}/api/workers", timeout=5)
+        assert workers.status_code == 200
+        metrics = requests.get(record["metrics_url"], timeout=5)
+        assert "cchatq_consumers" in metrics.text
         specs = spec_file(tmp_path / "specs.jsonl", fresh_id)
         out = tmp_path / "results.jsonl"
         ran = cchatq("submit", str(specs), "--out", str(out), env=env, cwd=tmp_path)
