@@ -632,7 +632,7 @@ def test_flower_asks_for_the_basic_auth_of_env_and_keeps_its_history(stack: Stac
     db = command_flag(command, "--db")
     assert db is not None
     volume = named_volumes("flower").get(str(Path(db).parent))
-    assert volume in COMPOSE["volumes"], f"--db {db} is not in a named volume"
+    assert volume is not None and volume in COMPOSE["volumes"], f"--db {db}: in no named volume"
     assert list(stack.plan.volume(volume).glob("flower.db*")), "no task history file"
 
 

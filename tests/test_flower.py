@@ -155,7 +155,7 @@ def test_status_prints_a_flower_link_that_works_with_the_auth(
     """`cchatq status ID`'s curl line, run as printed with FLOWER_BASIC_AUTH set, fetches the
     session's tasks; the password itself is printed nowhere."""
     shown, env = flower
-    spec = {"id": f"{fresh_id}/linked", "model": "replay/plain",
+    spec: dict[str, Any] = {"id": f"{fresh_id}/linked", "model": "replay/plain",
             "messages": [{"role": "user", "content": "hi"}]}  # fmt: skip
     run_specs(running.client, [spec], tmp_path)
     sk = str(running.client.session_key(spec["id"]))
