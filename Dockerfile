@@ -19,10 +19,11 @@ ENV PYTHONUNBUFFERED=1 \
 COPY --from=build /wheels /wheels
 # with the otel extra: a compose fleet sends spans once .env sets OTEL_EXPORTER_OTLP_ENDPOINT
 RUN pip install "$(echo /wheels/*.whl)[otel]" && rm -rf /wheels
-# A home for the compiled-module cache (CCHATQ_MODULE_CACHE_DIR: ~/.cache/cchatq/modules) and
-# /app, the services' working directory, both the user's own.
+# A home for the compiled-module cache (CCHATQ_MODULE_CACHE_DIR: ~/.cache/cchatq/modules),
+# /app, the services' working directory, and /var/lib/flower, Flower's task history (a named
+# volume starts as the image's folder, so it is the user's own too).
 RUN useradd --create-home --uid 10001 --user-group cchatq \
-    && install -d -o cchatq -g cchatq /app
+    && install -d -o cchatq -g cchatq /app /var/lib/flower
 USER cchatq
 WORKDIR /app
 CMD ["cchatq", "--help"]

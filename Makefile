@@ -10,7 +10,7 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 # twins); worker subprocesses of the fleet tests are not measured.
 COVERAGE_FLOOR := 85
 
-.PHONY: install demo test check lint types contracts cover bench bench-otel bench-rate chaos guests \
+.PHONY: install demo test test-fast check lint types contracts cover bench bench-otel bench-rate chaos guests \
 	redis-server chromium screenshots
 
 $(PY):
@@ -44,6 +44,10 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# the suite without the fleet tests: no Redis, workers or replay server started (about 2 min)
+test-fast: install
+	$(PY) -m pytest -q -m "not fleet" $(PYTEST_ARGS)
 
 lint: install
 	ruff check worker producer schemas fixtures tests bench

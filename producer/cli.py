@@ -14,7 +14,8 @@ from importlib import metadata
 
 from producer.batch import result_line
 from producer.cli_batches import cmd_batch, cmd_submit
-from producer.cli_common import EXIT_OK, EXIT_REJECTED, flower_links, redis_url
+from producer.cli_common import EXIT_OK, EXIT_REJECTED, flower_curl, flower_links, redis_url
+from producer.cli_fleet import add_fleet_parsers
 from producer.cli_programs import cmd_demo, cmd_run, cmd_stream
 from producer.cli_view import add_view_parser
 from producer.client import Client
@@ -41,6 +42,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"unknown session id: {args.id}", file=sys.stderr)
         return 1
     status["flower_search"], status["flower_tasks"] = flower_links(args.id)
+    status["flower_curl"] = flower_curl(status["flower_tasks"])
     print(json.dumps(status, indent=2, sort_keys=True))
     return 0
 
@@ -146,17 +148,22 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_flower(args: argparse.Namespace) -> int:
-    cmd = [
-        sys.executable,
-        "-m",
-        "celery",
-        "-A",
-        "worker.tasks",
-        "flower",
-        f"--port={args.port}",
-        f"--address={args.address}",
-    ]
-    os.execv(cmd[0], cmd)
+    """Flower on the fleet's broker. FLOWER_BASIC_AUTH (`user:password[,user2:password2]`)
+    turns its basic auth on: Flower reads the variable itself, so the password is never on a
+    command line (`ps` shows those). Set but empty it is dropped, as Flower would otherwise
+    take it for one empty credential and let no one in."""
+    env = dict(os.environ)
+    auth = env.pop("FLOWER_BASIC_AUTH", "").strip()
+    if auth:
+        if not all(":" in pair.strip(":") for pair in auth.split(",")):
+            print("FLOWER_BASIC_AUTH: expected user:password[,user2:password2]", file=sys.stderr)
+            return EXIT_REJECTED
+        env["FLOWER_BASIC_AUTH"] = auth
+    cmd = [sys.executable, "-m", "celery", "-A", "worker.tasks", "flower",
+           f"--port={args.port}", f"--address={args.address}"]  # fmt: skip
+    if args.persistent:  # its task history kept across restarts, in --db
+        cmd += ["--persistent=True", f"--db={args.db}"]
+    os.execve(cmd[0], cmd, env)
 
 
 def cmd_replay_server(args: argparse.Namespace) -> int:
@@ -258,6 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_trace)
 
     add_view_parser(sub)
+    add_fleet_parsers(sub)
 
     p = sub.add_parser("metrics", help="serve the fleet's Prometheus metrics (reads Redis)")
     p.add_argument("--port", type=int, default=9808)
@@ -289,9 +297,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name")
     p.set_defaults(fn=cmd_worker)
 
-    p = sub.add_parser("flower", help="run Flower on this fleet")
+    p = sub.add_parser(
+        "flower", help="run Flower on this fleet (basic auth from FLOWER_BASIC_AUTH)"
+    )
     p.add_argument("--port", type=int, default=5555)
     p.add_argument("--address", default="127.0.0.1")
+    p.add_argument(
+        "--persistent", action="store_true", help="keep its task history across restarts, in --db"
+    )
+    p.add_argument("--db", default="flower.db", help="with --persistent: the file (flower.db)")
     p.set_defaults(fn=cmd_flower)
 
     p = sub.add_parser("replay-server", help="run the replay LLM server")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 from urllib.parse import urlencode
 
@@ -39,3 +40,10 @@ def flower_links(spec_id: str) -> tuple[str, str]:
     search = f"kwargs:session={spec_id}"
     flower = os.environ.get("CCHATQ_FLOWER_URL", DEFAULT_FLOWER_URL).rstrip("/")
     return search, f"{flower}/api/tasks?{urlencode({'search': search})}"
+
+
+def flower_curl(tasks_url: str) -> str:
+    """The shell line that fetches a Flower API link: with the credentials of
+    FLOWER_BASIC_AUTH when it is set, named by the variable (a secret is never printed)."""
+    auth = '-u "$FLOWER_BASIC_AUTH" ' if os.environ.get("FLOWER_BASIC_AUTH", "").strip() else ""
+    return f"curl {auth}{shlex.quote(tasks_url)}"

@@ -17,7 +17,8 @@ from producer.client import Client
 from producer.fleet import Fleet, replay_backend_name
 from producer.specfile import SpecFileError, load_spec_file, load_spec_from_objects
 from producer.user_stream import pipe_lines
-from schemas.spec_types import spec_from_json, spec_to_json
+from schemas import task_names
+from schemas.spec_types import Spec, spec_from_json, spec_to_json
 
 DEMO_FILE = Path(fixtures.__file__).parent / "demo" / "sessions.jsonl"
 
@@ -109,28 +110,44 @@ def cmd_demo(args: argparse.Namespace) -> int:
         )
         for s in loaded
     ]
-    with Fleet() as fleet:
-        # always a Redis of its own: never a user's (REDIS_URL), nor workers already on it
-        redis_url = fleet.ensure_redis(private=True)
-        replay_url = fleet.start_replay()
-        fleet.start_workers()
-        fleet.wait_served()
-        print(
-            f"redis {redis_url}  replay {replay_url} ({backend})  "
-            f"workers llm/tools/control/programs  logs {fleet.workdir}",
-            file=sys.stderr,
-        )
-        client = Client(redis_url, config=fleet.config())
-        try:
-            records = run_batch(client, specs, Path(args.out), args.timeout_s)
-        except BatchInterrupted as stop:
-            print(f"{stop}: the demo fleet stops now", file=sys.stderr)
-            return EXIT_INTERRUPTED
-        finally:
-            client.close()
-    problems = [(r["id"], p) for r in records for p in check({**r, "id": r["id"].split(":", 1)[1]})]
+    problems: list[tuple[str, str]] = []
+    fleet = Fleet()  # its folder is removed as it stops, unless something failed
+    try:
+        records = _run_demo(fleet, specs, backend, args)
+        problems = [
+            (r["id"], p) for r in records for p in check({**r, "id": r["id"].split(":", 1)[1]})
+        ]
+    except BatchInterrupted as stop:
+        print(f"{stop}: the demo fleet stops now", file=sys.stderr)
+        fleet.keep = True
+        return EXIT_INTERRUPTED
+    except BaseException:
+        fleet.keep = True
+        raise
+    finally:
+        fleet.keep = fleet.keep or bool(problems)
+        fleet.stop()
+        if fleet.keep:
+            print(f"the demo fleet's logs: {fleet.workdir}", file=sys.stderr)
     for spec_id, problem in problems[:20]:
         print(f"  MISMATCH {spec_id}: {problem}", file=sys.stderr)
     verdict = "all match" if not problems else f"{len(problems)} mismatches"
     print(f"checked {len(records)} sessions against expected outcomes: {verdict}", file=sys.stderr)
     return 1 if problems else 0
+
+
+def _run_demo(
+    fleet: Fleet, specs: list[Spec], backend: str, args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    # always a Redis of its own: never a user's (REDIS_URL), nor workers already on it
+    redis_url = fleet.ensure_redis(private=True)
+    replay_url = fleet.start_replay()
+    fleet.start_workers()
+    fleet.wait_served()
+    queues = "/".join(task_names.ALL_QUEUES)
+    print(f"redis {redis_url}  replay {replay_url} ({backend})  workers {queues}", file=sys.stderr)
+    client = Client(redis_url, config=fleet.config())
+    try:
+        return run_batch(client, specs, Path(args.out), args.timeout_s)
+    finally:
+        client.close()

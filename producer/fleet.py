@@ -2,7 +2,12 @@
 subprocesses and stopped by pid. Used by `cchatq demo`, the tests and the benchmarks.
 
 Workers are started as `python -m celery -A worker.tasks worker ...` processes, so the producer
-never imports the worker.
+never imports the worker. Every process runs in a session of its own (its process group is it
+and its children), with its output in a log file, so it can outlive the process that started it
+(`cchatq up`, producer/local_fleet.py).
+
+A fleet with no `workdir` given makes a temporary one and removes it on `stop()`, unless it is
+kept: `keep` set (a caller that failed and wants the logs read) or CCHATQ_KEEP_FLEET_DIR=1.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -20,14 +26,16 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
 
 import redis
 
 from producer.fleet_status import read_fleet_status
 from schemas import task_names
-from schemas.config import FleetConfig, parse_config
+from schemas.config import FleetConfig, read_config
 from schemas.protocols import PROTOCOLS
+
+# the variables a configuration is read from (schemas/config.py read_config)
+CONFIG_VARIABLES = ("CCHATQ_BACKENDS", "CCHATQ_CONFIG")
 
 # queue -> (pool, concurrency): I/O-bound model calls on threads, CPU-bound WASM on one process
 # per core, bookkeeping on a few threads (docs/architecture.md section 2).
@@ -98,22 +106,42 @@ def worker_command(
 
 @dataclass
 class Fleet:
-    """Processes started by this fleet, stopped (by pid) on exit."""
+    """Processes started by this fleet, stopped (by pid) on exit. `workdir` holds Redis's data
+    and, unless `log_dir` names another folder, the processes' logs; left empty, a temporary
+    one is made here and removed by `stop()` unless kept (the module's docstring)."""
 
     redis_url: str = ""
     replay_url: str = ""
     env: dict[str, str] = field(default_factory=dict)
-    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="cchatq-fleet-")))
+    workdir: Path = field(default_factory=Path)
+    log_dir: Path | None = None
+    keep: bool = False  # keep a temporary workdir on stop (its logs, to read after a failure)
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     workers: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     redis_cmd: list[str] = field(default_factory=list)  # our redis-server's, to restart it
     redis_proc: subprocess.Popen[bytes] | None = None
+    names: dict[int, str] = field(default_factory=dict)  # pid -> the name its log is under
+    owns_workdir: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        if self.workdir == Path():
+            self.workdir = Path(tempfile.mkdtemp(prefix="cchatq-fleet-"))
+            self.owns_workdir = True
 
     def __enter__(self) -> Fleet:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is not None and self.owns_workdir:
+            self.keep = True  # what failed is in the logs
         self.stop()
+
+    @property
+    def logs(self) -> Path:
+        return self.log_dir or self.workdir
+
+    def log_of(self, name: str) -> Path:
+        return self.logs / f"{name}.log"
 
     # redis ---------------------------------------------------------------------------------
 
@@ -147,7 +175,7 @@ class Fleet:
         deadline = time.monotonic() + 10
         while not redis_answers(self.redis_url):
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server did not start (see {self.workdir / 'redis.log'})")
+                raise RuntimeError(f"redis-server did not start (see {self.log_of('redis')})")
             time.sleep(0.05)
 
     def restart_redis(self, sig: int = signal.SIGKILL, down_s: float = 0.0) -> float:
@@ -167,43 +195,42 @@ class Fleet:
     # replay server -------------------------------------------------------------------------
 
     def start_replay(self, latency_ms: int = 0, args: Sequence[str] = ()) -> str:
-        """Start the replay server; `args` are more of its options (`--fault-429-rate 0.1`)."""
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "fixtures.replay",
-                "--port",
-                "0",
-                "--latency-ms",
-                str(latency_ms),
-                *args,
-            ],
-            stdout=subprocess.PIPE,
-            stderr=open(self.workdir / "replay.log", "ab"),  # noqa: SIM115 - lives as long as the process
-        )
-        self.procs.append(proc)
-        assert proc.stdout is not None
-        line = _readline(proc.stdout, timeout_s=15).decode().strip()
-        if not line.startswith("READY "):
-            raise RuntimeError(
-                f"replay server did not start: {line!r} (see {self.workdir / 'replay.log'})"
-            )
-        self.replay_url = line.split(" ", 1)[1]
-        return self.replay_url
+        """Start the replay server; `args` are more of its options (`--fault-429-rate 0.1`).
+        It picks a free port itself and says `READY <url>` in its log."""
+        cmd = [sys.executable, "-m", "fixtures.replay", "--port", "0",
+               "--latency-ms", str(latency_ms), *args]  # fmt: skip
+        log = self.log_of("replay")
+        offset = log.stat().st_size if log.exists() else 0  # a line of an earlier one is not it
+        proc = self.spawn(cmd, "replay")
+        deadline = time.monotonic() + 15
+        while True:
+            ready = _ready_line(log, offset)
+            if ready:
+                self.replay_url = ready
+                return ready
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"replay server did not start (see {log})")
+            time.sleep(0.05)
 
     # workers -------------------------------------------------------------------------------
 
     def worker_env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        """This process's environment with the fleet's Redis, module cache and configuration.
+        The configuration: what `env` names (CCHATQ_BACKENDS or CCHATQ_CONFIG), else the
+        replay server's backends when this fleet has one, else this process's own."""
         env = dict(os.environ)
         env.update(
-            {
-                "REDIS_URL": self.redis_url,
-                "CCHATQ_REPLAY_URL": self.replay_url,
-                "CCHATQ_MODULE_CACHE_DIR": str(self.workdir / "modules"),
-                "CCHATQ_BACKENDS": json.dumps({"backends": replay_backends(self.replay_url)}),
-            }
+            {"REDIS_URL": self.redis_url, "CCHATQ_MODULE_CACHE_DIR": str(self.workdir / "modules")}
         )
+        named = {k: v for k, v in self.env.items() if k in CONFIG_VARIABLES}
+        if not named and self.replay_url:
+            named = {"CCHATQ_BACKENDS": json.dumps({"backends": replay_backends(self.replay_url)})}
+        if named:  # one configuration, not another one this process happens to have as well
+            for variable in CONFIG_VARIABLES:
+                env.pop(variable, None)
+        if self.replay_url:
+            env["CCHATQ_REPLAY_URL"] = self.replay_url
+        env.update(named)
         env.update(self.env)
         env.update(extra or {})
         return env
@@ -211,8 +238,7 @@ class Fleet:
     def config(self) -> FleetConfig:
         """The configuration its workers read (worker_env): what a producer checks specs
         against."""
-        raw = json.loads(self.worker_env()["CCHATQ_BACKENDS"])
-        return parse_config(raw, self.replay_url, "the fleet's CCHATQ_BACKENDS")
+        return read_config(self.worker_env())
 
     def start_worker(
         self,
@@ -233,20 +259,33 @@ class Fleet:
             self.start_worker(queue, extra_env=extra_env)
 
     def wait_served(
-        self, queues: Sequence[str] = task_names.ALL_QUEUES, timeout_s: float = 60
+        self,
+        queues: Sequence[str] = task_names.ALL_QUEUES,
+        timeout_s: float = 60,
+        already: dict[str, int] | None = None,
     ) -> None:
         """Until each of `queues` (start_workers' own) has a consumer beating in Redis (a worker
-        registers once it has booted), so that a batch submitted next is not warned about."""
+        registers once it has booted), so that a batch submitted next is not warned about.
+        `already`: consumers per queue there were before ours started (a shared Redis), each
+        queue waits for one more. A worker of ours that exits meanwhile fails it at once."""
         client = redis.Redis.from_url(self.redis_url)
         deadline = time.monotonic() + timeout_s
+        before = already or {}
         try:
             while True:
                 served = read_fleet_status(client).consumers_by_queue
-                missing = sorted(q for q in queues if not served.get(q))
+                missing = sorted(q for q in queues if served.get(q, 0) <= before.get(q, 0))
                 if not missing:
                     return
+                for name, proc in self.workers.items():
+                    if proc.poll() is not None:
+                        raise RuntimeError(
+                            f"worker {name} exited with {proc.returncode} (see {self.log_of(name)})"
+                        )
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"no worker took from {missing} (see {self.workdir})")
+                    logs = [str(self.log_of(n)) for n in self.workers if _queue_of(n) in missing]
+                    where = ", ".join(logs) or str(self.logs)
+                    raise RuntimeError(f"no worker took from {missing} (see {where})")
                 time.sleep(0.1)
         finally:
             client.close()
@@ -274,15 +313,25 @@ class Fleet:
     def spawn(
         self, cmd: list[str], name: str, env: dict[str, str] | None = None
     ) -> subprocess.Popen[bytes]:
-        log = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115 - lives as long as the process
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+        """Start `cmd` in a session of its own, its output appended to `<name>.log` and no
+        stdin: nothing ties it to this process (a shell's `$(...)` waiting on our stdout)."""
+        self.logs.mkdir(parents=True, exist_ok=True)
+        with open(self.log_of(name), "ab") as log:  # the child keeps its own descriptor
+            proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
         self.procs.append(proc)
+        self.names[proc.pid] = name
         return proc
 
     def stop(self) -> None:
-        """Stop every process this fleet started: SIGTERM, then SIGKILL after a grace period."""
+        """Stop every process this fleet started: SIGTERM, then SIGKILL after a grace period.
+        Then a temporary workdir of its own goes, unless kept."""
         for proc in reversed(self.procs):
             if proc.poll() is None:
                 _signal_group(proc, signal.SIGTERM)
@@ -296,6 +345,18 @@ class Fleet:
         self.procs.clear()
         self.workers.clear()
         self.redis_proc = None
+        if self.owns_workdir and not self.kept:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    @property
+    def kept(self) -> bool:
+        """Whether stop() leaves a temporary workdir in place (for its logs)."""
+        return self.keep or os.environ.get("CCHATQ_KEEP_FLEET_DIR", "") not in ("", "0")
+
+
+def _queue_of(worker_name: str) -> str:
+    """A worker's queue from the name start_worker gave it (`llm-0`, `tools-1`)."""
+    return worker_name.rsplit("-", 1)[0]
 
 
 def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
@@ -308,11 +369,13 @@ def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
             proc.send_signal(sig)
 
 
-def _readline(stream: IO[bytes], timeout_s: float) -> bytes:
-    import selectors
-
-    sel = selectors.DefaultSelector()
-    sel.register(stream, selectors.EVENT_READ)
-    if not sel.select(timeout=timeout_s):
-        return b""
-    return stream.readline()
+def _ready_line(log: Path, offset: int) -> str:
+    """The url of the replay server's `READY <url>` line, written past `offset` of its log."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(offset)
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    found = re.search(r"^READY (\S+)$", text, flags=re.M)
+    return found.group(1) if found else ""

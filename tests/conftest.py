@@ -5,6 +5,7 @@ Redis is our own, on a free port, and every test uses fresh session ids."""
 from __future__ import annotations
 
 import json
+import sys
 import uuid
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass
@@ -36,8 +37,9 @@ class Running:
 
 
 @pytest.fixture(scope="session")
-def base_fleet() -> Iterator[Fleet]:
-    """One private Redis and one replay server for the whole run."""
+def base_fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
+    """One private Redis and one replay server for the whole run. Its folder (every fleet's
+    logs) is removed at the end, but kept when a test failed or CCHATQ_KEEP_FLEET_DIR=1."""
     fleet = Fleet()
     slow = Fleet(workdir=fleet.workdir / "slow")
     slow.workdir.mkdir()
@@ -52,7 +54,10 @@ def base_fleet() -> Iterator[Fleet]:
         yield fleet
     finally:
         slow.stop()
+        fleet.keep = request.session.testsfailed > 0
         fleet.stop()
+        if fleet.kept:
+            print(f"\nfleet logs kept in {fleet.workdir}", file=sys.__stderr__)
 
 
 def _workers(

@@ -4,12 +4,14 @@ There is no Docker engine here, so each service's exec-form `command` is started
 subprocess with the service's compose environment, in an empty directory of its own (the
 image's /app holds no source). Compose host names and ports become 127.0.0.1 and free ports,
 a bind mount's container path its directory here (so CCHATQ_CONFIG names ./fixtures/config's file),
-and services start in compose's `depends_on` order. Each service must answer within 30 s:
-Redis to PING (with its AOF on), the replay server and Flower over HTTP, and each worker to a
-Celery control ping sent to its own node name while it consumes its own queue. Healthcheck
-commands run the same way, because `service_healthy` waits on them: a CMD-SHELL one in `sh`,
-with $HOSTNAME this machine's host name and the image's PATH this Python's scripts. Processes
-are stopped by pid: SIGTERM to the process group, then SIGKILL after 10 s.
+a named volume's a folder of the test's, .env's variables (Flower's basic auth) what a user
+would set, and services start in compose's `depends_on` order. Each service must answer within
+30 s: Redis to PING (with its AOF on), the replay server, Flower and the metrics exporter over
+HTTP, and each worker to a Celery control ping sent to its own node name while it consumes its
+own queue. Healthcheck commands run the same way, because `service_healthy` waits on them: a
+CMD-SHELL one in `sh`, with $HOSTNAME this machine's host name and the image's PATH this
+Python's scripts. Processes are stopped by pid: SIGTERM to the process group, then SIGKILL
+after 10 s.
 
 The file itself is checked against the Compose Specification's JSON schema (vendored in
 tests/data), and so are the Dockerfile its build names, the .dockerignore, the mounted
@@ -60,7 +62,7 @@ WORKER_QUEUES = {
     "worker-programs": "programs",
     "worker-background": "background",
 }
-PYTHON_SERVICES = {"replay", "flower", *WORKER_QUEUES}
+PYTHON_SERVICES = {"replay", "flower", "metrics", *WORKER_QUEUES}
 WAIT_S = 30.0  # per service
 STOP_GRACE_S = 10.0
 LOCAL = "127.0.0.1"
@@ -75,6 +77,9 @@ SCHEMA_PATH = ROOT / "tests" / "data" / "compose_spec.json"
 SCHEMA_SHA256 = "46b7d35f19dd93a05f8fea530291bf84d881c1791ec167ecf0e6fb94e639d496"
 DURATION = re.compile(r"(\d+(?:\.\d+)?)(us|ms|s|m|h)")
 DURATION_UNITS_S = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+# what .env gives the Python services here (env_file): Flower's basic auth, as a user sets it
+DOTENV = {"FLOWER_BASIC_AUTH": f"compose:pw{os.getpid()}"}
+FLOWER_AUTH = ("compose", f"pw{os.getpid()}")
 
 
 def command_flag(command: list[str], flag: str) -> str | None:
@@ -112,6 +117,16 @@ def bind_mounts(service: str) -> dict[str, Path]:
         source, target = str(volume).split(":")[:2]
         if source.startswith((".", "/")):
             mounts[target] = (ROOT / source).resolve()
+    return mounts
+
+
+def named_volumes(service: str) -> dict[str, str]:
+    """A service's named volumes: container path -> volume name (short syntax)."""
+    mounts: dict[str, str] = {}
+    for volume in SERVICES[service].get("volumes") or []:
+        source, target = str(volume).split(":")[:2]
+        if not source.startswith((".", "/")):
+            mounts[target] = source
     return mounts
 
 
@@ -197,8 +212,21 @@ class Plan:
             elif "://" in arg:
                 out.append(self.url(arg, own))
             else:
-                out.append(arg)
+                out.append(self.volume_path(arg, own))
         return out
+
+    def volume_path(self, arg: str, own: str) -> str:
+        """A path in one of the service's named volumes: that volume's folder here."""
+        for target, name in named_volumes(own).items():
+            if arg == target or arg.startswith(target + "/"):
+                folder = self.volume(name)
+                return str(folder) + arg[len(target) :]
+        return arg
+
+    def volume(self, name: str) -> Path:
+        folder = self.workdir / "volumes" / name
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
 
     def command(self, service: str) -> list[str]:
         return self.args(SERVICES[service]["command"], service) + EXTRA_ARGS.get(service, [])
@@ -208,6 +236,8 @@ class Plan:
         env = {
             k: v for k, v in os.environ.items() if k != "REDIS_URL" and not k.startswith("CCHATQ_")
         }
+        if service in PYTHON_SERVICES:  # env_file .env, as a user fills it in
+            env.update(DOTENV)
         raw = SERVICES[service].get("environment") or {}
         assert isinstance(raw, dict), f"{service}: environment as a mapping, please"
         mounts = bind_mounts(service)
@@ -337,6 +367,14 @@ def http_answers(path: str, body: str) -> Callable[[Stack, str], bool]:
     return check
 
 
+def metrics_answer(stack: Stack, service: str) -> bool:
+    try:
+        response = requests.get(stack.plan.http(service, "/metrics"), timeout=2)
+    except requests.RequestException:
+        return False
+    return response.status_code == 200 and "cchatq_queue_depth" in response.text
+
+
 def node_name(service: str, hostname: str | None = None) -> str:
     """The worker's Celery node name: `cchatq worker --name N` names it `N@<hostname>`."""
     name = command_flag(SERVICES[service]["command"], "--name") or WORKER_QUEUES[service]
@@ -354,6 +392,7 @@ CHECKS: dict[str, tuple[Callable[[Stack, str], bool], Callable[[str], str]]] = {
     "redis": (redis_answers, lambda _: "PONG"),
     "replay": (http_answers("/healthz", "ok"), lambda _: "200 ok from GET /healthz"),
     "flower": (http_answers("/healthcheck", "OK"), lambda _: "200 OK from GET /healthcheck"),
+    "metrics": (metrics_answer, lambda _: "cchatq metrics from GET /metrics"),
     **dict.fromkeys(
         WORKER_QUEUES,
         (worker_answers, lambda name: f"control-ping reply from node {node_name(name)}"),
@@ -472,6 +511,7 @@ def test_workers_read_the_mounted_configuration_and_keys_from_env_file(tmp_path:
         if line.strip() and not line.startswith("#")
     )
     assert all(not value.strip() for value in keys_documented.values()), "no real keys, please"
+    assert set(DOTENV) <= set(keys_documented), "what Flower's auth is read from"
     assert ".env" in (ROOT / ".gitignore").read_text().split()
     configs: set[Path] = set()
     for name in PYTHON_SERVICES:
@@ -523,8 +563,10 @@ def test_addresses_name_services_on_the_ports_they_listen_on(tmp_path: Path) -> 
     assert urlsplit(python_env["REDIS_URL"]).hostname == "redis"
     assert urlsplit(python_env["CCHATQ_REPLAY_URL"]).hostname == "replay"
     assert urlsplit(python_env["CCHATQ_REPLAY_URL"]).path == "/v1"
-    published = [str(p).rsplit(":", 1)[-1] for p in SERVICES["flower"].get("ports", [])]
-    assert str(plan.compose_ports["flower"]) in published, "Flower's port is published"
+    for service in ("flower", "metrics"):
+        published = [str(p).rsplit(":", 1)[-1] for p in SERVICES[service].get("ports", [])]
+        assert str(plan.compose_ports[service]) in published, f"{service}'s port is published"
+        assert all(str(p).startswith("127.0.0.1:") for p in SERVICES[service]["ports"])
 
 
 def test_depends_on_names_services_that_can_become_healthy() -> None:
@@ -567,7 +609,7 @@ def test_flower_lists_the_workers(stack: Stack) -> None:
     nodes = {node_name(service) for service in WORKER_QUEUES}
     deadline = time.monotonic() + WAIT_S
     while True:
-        page = requests.get(stack.plan.http("flower", "/workers"), timeout=5)
+        page = requests.get(stack.plan.http("flower", "/workers"), auth=FLOWER_AUTH, timeout=5)
         missing = {node for node in nodes if node not in page.text}
         if page.status_code == 200 and not missing:
             return
@@ -575,6 +617,28 @@ def test_flower_lists_the_workers(stack: Stack) -> None:
             log = stack.tail("flower")
             pytest.fail(f"Flower's /workers ({page.status_code}) lacks {sorted(missing)}:\n{log}")
         time.sleep(0.5)
+
+
+def test_flower_asks_for_the_basic_auth_of_env_and_keeps_its_history(stack: Stack) -> None:
+    """FLOWER_BASIC_AUTH (from .env) guards its pages and its API; its task history file is in
+    its named volume (--persistent, --db)."""
+    stack.wait("flower")
+    api = stack.plan.http("flower", "/api/workers")
+    assert requests.get(api, timeout=5).status_code == 401
+    assert requests.get(api, auth=("compose", "wrong"), timeout=5).status_code == 401
+    assert requests.get(api, auth=FLOWER_AUTH, timeout=5).status_code == 200
+    command = SERVICES["flower"]["command"]
+    assert "--persistent" in command and "FLOWER_BASIC_AUTH" not in " ".join(command)
+    db = command_flag(command, "--db")
+    assert db is not None
+    volume = named_volumes("flower").get(str(Path(db).parent))
+    assert volume is not None and volume in COMPOSE["volumes"], f"--db {db}: in no named volume"
+    assert list(stack.plan.volume(volume).glob("flower.db*")), "no task history file"
+
+
+def test_metrics_answers(stack: Stack) -> None:
+    stack.wait("metrics")
+    assert command_flag(SERVICES["metrics"]["command"], "--address") == "0.0.0.0"
 
 
 def run_healthcheck(

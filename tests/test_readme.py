@@ -10,15 +10,19 @@ import re
 import shlex
 import subprocess
 import sys
+import uuid
 from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
+from fixtures.replay.catalog import MARKERS, replay_table
+from fixtures.replay.scenarios import SCENARIOS
 from producer.cli import build_parser
 from schemas.config import BackendConfig
 from schemas.tool_policy import policy_table
 from tests.conftest import Running
+from tests.test_local_fleet import clean_env, marked_processes, wait_until_gone
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -82,6 +86,55 @@ def test_the_policy_table_is_the_declarations() -> None:
     """A policy field's row is written from its declaration (schemas/tool_policy.py)."""
     table = policy_table()
     assert table in README, f"the README's policy table should read:\n{table}"
+
+
+def section(heading: str) -> str:
+    """A section's text, from its heading to the next heading of its level or above."""
+    level = heading.split(" ", 1)[0]
+    assert f"\n{heading}\n" in README, f"README.md has no section {heading!r}"
+    text = README.split(f"\n{heading}\n", 1)[1]
+    return re.split(rf"\n#{{1,{len(level)}}} ", text, maxsplit=1)[0]
+
+
+def test_the_replay_table_names_every_model_and_marker() -> None:
+    """Every scenario fixtures/replay/scenarios.py defines, and every marker, has its row, as
+    fixtures/replay/catalog.py writes it (`python -m fixtures.replay.catalog`)."""
+    text = section("### Replay models and markers")
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    models = {m for row in rows for m in re.findall(r"^\| `replay/(\w+)`", row)}
+    assert models == set(SCENARIOS), f"missing {SCENARIOS - models}, unknown {models - SCENARIOS}"
+    for syntax, _ in MARKERS.values():
+        assert any(row.startswith(f"| `{syntax}` |") for row in rows), syntax
+    assert replay_table() in text, f"the table should read:\n{replay_table()}"
+
+
+@pytest.mark.fleet
+def test_the_quickstart_runs_as_written(tmp_path: Path) -> None:
+    """The quickstart's first sh block, but `make` lines and comments, in `bash -e`: in a
+    folder of its own that sees the checkout's .venv and fixtures (so results.jsonl and the
+    fleet's folder land there), in an environment with no fleet's address or configuration.
+    It ends 0, and leaves no fleet folder and no process `cchatq up` started."""
+    (block, *_) = re.findall(r"```sh\n(.*?)```", section("## Quickstart"), flags=re.S)
+    lines = [
+        line
+        for line in block.splitlines()
+        if line.strip() and not line.lstrip().startswith("#") and not line.startswith("make ")
+    ]
+    assert any("cchatq up" in line for line in lines) and "cchatq down" in lines[-1]
+    for name in (".venv", "fixtures"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    mark = uuid.uuid4().hex
+    env = clean_env(mark, venv_on_path=False)  # `. .venv/bin/activate` puts cchatq there
+    ran = subprocess.run(
+        ["bash", "-e", "-c", "\n".join(lines)],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    left = wait_until_gone(mark)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert not (tmp_path / ".cchatq-fleet").exists()
+    assert left == [] and marked_processes(mark) == []
+    results = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert results and all(r["status"] == "ok" for r in results)
 
 
 @pytest.mark.fleet

@@ -20,13 +20,15 @@ class _Task:
 
     def __init__(self, broker_up: bool) -> None:
         self.broker_up = broker_up
-        self.request = SimpleNamespace(id="abc.r0")
+        self.request = SimpleNamespace(id="abc.r0", kwargsrepr="{'session': 'eval/1'}")
         self.countdowns: list[float] = []
         self.headers: list[dict[str, Any]] = []
+        self.kwargsreprs: list[str | None] = []
 
-    def retry(self, countdown: float, headers: dict[str, Any]) -> Any:
+    def retry(self, countdown: float, headers: dict[str, Any], kwargsrepr: str | None) -> Any:
         self.countdowns.append(countdown)
         self.headers.append(headers)
+        self.kwargsreprs.append(kwargsrepr)
         if not self.broker_up:
             raise Reject(ConnectionError("broker down"), requeue=False)
         raise Retry(when=countdown)
@@ -41,6 +43,8 @@ def test_a_retry_is_published_with_its_countdown() -> None:
     # the retry's wait on its queue counts from when it falls due, not from when it was put off
     (headers,) = task.headers
     assert before + 1500 <= headers[task_names.SENT_HEADER] <= now_ms() + 1500
+    # and it shows its session's spec id as the delivery did (Celery's own: its empty kwargs)
+    assert task.kwargsreprs == ["{'session': 'eval/1'}"]
 
 
 def test_a_retry_the_broker_cannot_take_gives_the_delivery_back() -> None:

@@ -121,8 +121,10 @@ def _retry(task: Task, later: RetryLater) -> None:
     broker, the message stays among this consumer's taken ones, which a sweeper hands out
     again once the consumer stops beating, and the reconciler covers the rest."""
     due = {task_names.SENT_HEADER: now_ms() + round(later.countdown_s * 1000)}
+    # the retry shows what the delivery showed (its session's spec id), not the empty kwargs
+    shown = getattr(task.request, "kwargsrepr", None) or None
     try:  # its wait on the queue counts from when it falls due, not from this delivery
-        raise task.retry(countdown=later.countdown_s, headers=due) from None
+        raise task.retry(countdown=later.countdown_s, headers=due, kwargsrepr=shown) from None
     except Reject as rejected:
         log.warning("step %s: retry not published, given back", task.request.id)
         raise Reject(rejected.reason, requeue=True) from None

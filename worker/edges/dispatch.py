@@ -1,7 +1,9 @@
 """Publishing the next step: the worker's only celery importer besides the app module.
 
 Task ids are the step ids, so a step published twice is the same task in Flower, and task
-arguments are ids only (no prompt or tool argument ever travels in a message).
+arguments are ids only (no prompt or tool argument ever travels in a message). Every step's
+task shows its session's spec id as its keyword arguments, so Flower's `kwargs:session=<id>`
+finds all of a session's tasks.
 
 A step is published as one LPUSH of the message Celery itself would send (task protocol 2, as
 kombu's Redis transport stores it), not through `app.send_task`: Celery's send path (routing,
@@ -127,10 +129,9 @@ class CeleryDispatcher(StepPublisher):
         for step in steps:
             name, task_id = _task(step)
             queue = task_names.ROUTES[name]
+            shown_id = step.shown_id or self._spec_id(str(step.args[0]))
             # the queue's list is the queue's name: priority 0, no key prefix (wiring's config)
-            message = task_message(
-                name, list(step.args), task_id, queue, parent, step.shown_id, sent_ms
-            )
+            message = task_message(name, list(step.args), task_id, queue, parent, shown_id, sent_ms)
             pipe.lpush(queue, message)
         if commit is not None:
             if commit.notify:
@@ -140,3 +141,12 @@ class CeleryDispatcher(StepPublisher):
             if commit.trace is not None:
                 self.store.add_trace(pipe, commit.trace)
         pipe.execute()
+
+    def _spec_id(self, sk: str) -> str:
+        """The spec id of a session whose step was published by one that did not read its spec
+        (a dead-lettered step's finish, a cancel, the reconciler's nudges): from the store's
+        cache of specs, else one read. Shown only; a spec that cannot be read shows none."""
+        try:
+            return self.store.load_spec(sk).id
+        except Exception:
+            return ""
