@@ -274,6 +274,41 @@ def test_a_result_is_written_once_and_announced(backend: Backend, sk: str) -> No
     store.set_partial(sk, None)
 
 
+def test_the_end_is_decided_once_and_owned_by_the_step_that_wrote_it(
+    backend: Backend, sk: str
+) -> None:
+    """The first writer ends the session: the meta keeps its outcome and names it; another
+    step's write changes nothing and tells no batch; the winner's own redelivery (whose commit
+    may not have been written) is told it ended the session."""
+    backend.submit(sk, spec(sk), "")
+    store = backend.store
+    ok = {"id": "x", "body": {"choices": []}}
+    cancelled = {"id": "x", "body": {"error": {"code": "cancelled", "message": "m"}}}
+    round_step, finish = keys.round_step(sk, 0), keys.finish_step(sk)
+    assert store.write_result(sk, b'{"choices":[]}', ok, [], round_step)
+    told: list[str] = []
+    assert not store.write_result(sk, b'{"error":{}}', cancelled, told, finish)
+    assert told == []
+    assert not store.write_result(sk, b'{"error":{}}', cancelled, None, "")
+    assert store.write_result(sk, b'{"choices":[]}', ok, [], round_step)
+    meta = store.meta(sk)
+    assert (meta["state"], meta["outcome"], meta["ended_by"]) == ("done", "ok", round_step)
+
+
+def test_only_steps_a_delivery_works_on_are_leased(backend: Backend, sk: str) -> None:
+    store = backend.store
+    leased, done, free = (keys.round_step(sk, r) for r in range(3))
+    store.begin_step(leased, 60_000, None, sk)
+    store.begin_step(done, 60_000, None, sk)
+    store.end_step(done)
+    running = store.leased_steps([leased, done, free])
+    assert list(running) == [leased]
+    assert 0 < running[leased] <= 60_000
+    store.release_lease(leased)
+    assert store.leased_steps([leased, done, free]) == {}
+    assert store.leased_steps([]) == {}
+
+
 def test_chunk_members_in_order(backend: Backend, sk: str) -> None:
     backend.chunk("b" + sk, 0, ["x", "p:y", "z"])
     assert backend.store.chunk_members("b" + sk, 0) == [
