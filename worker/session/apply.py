@@ -40,8 +40,7 @@ class Applier:
             self._end(sk, decision, send)
         elif isinstance(decision, FinishLater):
             send.finish(sk)
-        else:
-            self._write(sk, decision.ending, send)
+        elif self._write(sk, decision.ending, send):
             self._finished(sk, decision.ending, send)
 
     def _start_tools(self, sk: str, decision: StartTools, send: Dispatcher) -> None:
@@ -88,13 +87,13 @@ class Applier:
     def _end(self, sk: str, decision: EndSession, send: Dispatcher) -> None:
         """A chat session's ending, under the ending rules (they read its failure, its cancel
         flag and when it was submitted). Its session.finished event joins the step's Outbox,
-        after the round's own events."""
+        after the round's own events, when this step is the one that ended it."""
         session = decision.session
         inputs = self.store.ending_inputs(sk)
         latency_ms = int(time.time() * 1000) - inputs.submitted_ms
         closing = ending(session, decision.step, inputs.failure, inputs.cancelled, latency_ms)
-        self._write(sk, closing, send)
-        self._finished(sk, closing, send, session.spec.id, latency_ms)
+        if self._write(sk, closing, send):
+            self._finished(sk, closing, send, session.spec.id, latency_ms)
 
     def _finished(
         self,
@@ -121,9 +120,14 @@ class Applier:
             )
         )
 
-    def _write(self, sk: str, closing: Ending, send: Dispatcher) -> None:
-        if isinstance(send, Outbox):  # the waiting batches are told with the step's commit
-            self.store.write_result(sk, dump_body(closing.body), closing.record, send.notify)
-            send.outcome = outcome_code(closing.body)  # the step's task result: a code
-        else:
-            self.store.write_result(sk, dump_body(closing.body), closing.record)
+    def _write(self, sk: str, closing: Ending, send: Dispatcher) -> bool:
+        """Write the ending, first writer wins: True when this step ended the session (it, and
+        only it, makes the session.finished event), False when another step had."""
+        body = dump_body(closing.body)
+        if not isinstance(send, Outbox):
+            return self.store.write_result(sk, body, closing.record)
+        # the waiting batches are told with the step's commit
+        if not self.store.write_result(sk, body, closing.record, send.notify, send.step):
+            return False
+        send.outcome = outcome_code(closing.body)  # the step's task result: a code
+        return True

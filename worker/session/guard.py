@@ -22,6 +22,7 @@ from worker.errors import (
     SpecMissingError,
     StepDeadLettered,
     StepFailedError,
+    StepsInFlight,
     StoreError,
 )
 from worker.session.ending import bare_record
@@ -126,13 +127,13 @@ class StepGuard:
     ) -> str | None:
         if start.cancelled and stop_if_cancelled:
             # cancellation is checked at every step boundary; finish writes the cancelled body
-            cancel = Outbox()
+            cancel = Outbox(step)
             cancel.finish(sk)
             self.commit(step, sk, cancel)
             return None
         if start.tries > self.settings.max_step_attempts:
             self.poison(step, sessions(), f"delivered {start.tries} times")
-        outbox = Outbox()
+        outbox = Outbox(step)
         self._body(step, sk, body, start, outbox, sessions, arrival)
         if log.isEnabledFor(logging.INFO):  # one line per step that ran: ids and counts only
             published = [s.kind for s in outbox.steps]
@@ -168,6 +169,10 @@ class StepGuard:
                     if self.spans.on:
                         self._export_spans(step, sk, [waited])
             raise RetryLater(exc.wait_s, "rate limited") from None
+        except StepsInFlight as exc:
+            # an ending waiting for its session's running steps is no failure either
+            self.store.defer_step(step, sk, start.tries_stored, int(exc.wait_s * 1000))
+            raise RetryLater(exc.wait_s, str(exc)) from None
         except SpecMissingError:
             # the session is gone (its spec expired, or was lost with Redis's data): there is
             # nothing to run and no one to tell; a producer that still waits submits it again
@@ -246,7 +251,8 @@ class StepGuard:
             if step == keys.finish_step(sk):
                 spec_id = self._spec_id(sk)
                 record = bare_record(spec_id, failed.body())
-                self.store.write_result(sk, dump_body(failed.body()), record)
+                if not self.store.write_result(sk, dump_body(failed.body()), record, None, step):
+                    continue  # another step ended the session, and said so
                 with contextlib.suppress(StoreError):  # its end, which sets its trace's TTL
                     ended = event("session.finished", spec_id, error=StepFailedError.code)
                     self.trace_now(sk, ended, expire=True)

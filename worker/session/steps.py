@@ -24,6 +24,7 @@ from worker.errors import (
     CancelledError,
     DeadlineExceededError,
     SpecMissingError,
+    StepsInFlight,
     StoreError,
 )
 from worker.session.apply import Applier
@@ -36,7 +37,7 @@ from worker.session.decisions import (
     WriteEnding,
     decide,
 )
-from worker.session.ending import Ending, failed_program_record
+from worker.session.ending import Ending, failed_program_record, running_steps
 from worker.session.engine import RunTools, Step, next_call, plan
 from worker.session.guard import StepGuard
 from worker.session.mcp_offer import offer_mcp_tools
@@ -62,6 +63,9 @@ from worker.session.tool_step import ToolContext, ToolStep
 from worker.session.trace import Arrival, event, model_call_ended, unrun_calls
 
 log = logging.getLogger(__name__)
+# how often an ending waiting for its session's running steps looks again (a lease's time
+# left, when shorter): a cancel lands this soon after the call it waits for
+FINISH_POLL_MS = 500
 
 
 @dataclass
@@ -299,7 +303,12 @@ class StepRunner:
                 ending = Ending(result, failed_program_record(spec, result))
                 self.applier.apply(sk, WriteEnding(ending), outbox)
                 return
-            self.applier.apply(sk, EndSession(self._session(sk), None), outbox)
+            session = self._session(sk)
+            running = self.store.leased_steps(running_steps(sk, session))
+            if running:  # a model call in flight: its tokens count, its events come first
+                wait_ms = min(max(running.values()), FINISH_POLL_MS)
+                raise StepsInFlight(max(wait_ms, 50) / 1000, len(running))
+            self.applier.apply(sk, EndSession(session, None), outbox)
 
         step = keys.finish_step(sk)
         return self.guard.run(step, sk, body, stop_if_cancelled=False, first=first, arrival=arrival)
