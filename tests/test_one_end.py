@@ -197,3 +197,31 @@ def test_a_cancelled_program_run_ends_once() -> None:
     assert [(e.event, e.error) for e in ends] == [("session.finished", "cancelled")]
     assert p.body()["error"]["code"] == "cancelled"
     assert p.store.meta(SK)["ended_by"] == keys.program_step(SK)
+
+
+def test_a_round_ending_while_the_finish_looks_at_the_steps_is_counted() -> None:
+    """The finish step reads the session, then looks at its steps: a round whose call ends in
+    between (its reply stored, its step done) is read again, and its tokens count."""
+    calls = ("call_1", "get_weather", '{"city":"Paris"}')
+    p = pipeline([reply(None, calls), reply(None, calls)])
+    submit(p, spec(WEATHER_FN))
+    p.queue.run_next(p.runner)  # round 0 asked for a tool
+    p.queue.run_next(p.runner)  # whose step published round 1
+    assert list(p.queue.pending) == [("round", SK, 1)]
+    failed = {"error": {"code": "deadline_exceeded", "message": "past the deadline"}}
+    p.store.dead_letter(f"{SK}.deadline", SK, failed, "deadline")
+    look = p.store.leased_steps
+    looks: list[list[str]] = []
+
+    def round_ends_meanwhile(steps: list[str]) -> dict[str, int]:
+        if not looks:  # round 1 runs to its end between the finish's two reads
+            p.run(p.queue.pending.popleft())
+        looks.append(steps)
+        return look(steps)
+
+    p.store.leased_steps = round_ends_meanwhile  # type: ignore[method-assign]
+    assert p.runner.finish(SK) == "deadline_exceeded"
+    assert len(looks) == 2  # looked again, at round 1's steps
+    assert usage(p) == {k: 2 * v for k, v in USAGE.items()}
+    ends = finished(p)
+    assert [(e.event, e.error) for e in ends] == [("session.finished", "deadline_exceeded")]
