@@ -225,3 +225,22 @@ def test_a_round_ending_while_the_finish_looks_at_the_steps_is_counted() -> None
     assert usage(p) == {k: 2 * v for k, v in USAGE.items()}
     ends = finished(p)
     assert [(e.event, e.error) for e in ends] == [("session.finished", "deadline_exceeded")]
+
+
+def test_a_round_that_ended_the_session_and_is_cancelled_before_its_redelivery_ends_it_once() -> (
+    None
+):
+    """The round wrote the ending but not its commit; `cchatq cancel` comes before its
+    redelivery, which still commits the end (from the stored reply: no second call), and the
+    cancel's finish step adds nothing."""
+    p = pipeline([reply("hello")], store=lambda m: FailingStore(m, end_step=1))
+    submit(p, spec())
+    round_step = p.queue.pending.popleft()
+    with pytest.raises(RetryLater):
+        p.run(round_step)
+    p.store.cancel(SK)
+    p.queue.finish(SK)
+    p.queue.pending.append(round_step)
+    p.drain()
+    assert_ended_once(p, "ok")
+    assert len(p.provider.requests) == 1

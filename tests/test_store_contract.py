@@ -265,8 +265,8 @@ def test_a_result_is_written_once_and_announced(backend: Backend, sk: str) -> No
     backend.submit(sk, spec(sk), "batch-" + sk)
     store = backend.store
     assert not store.has_result(sk)
-    assert store.write_result(sk, b'{"ok":1}', {"id": "x"})
-    assert not store.write_result(sk, b'{"ok":2}', {"id": "y"})
+    assert store.write_result(sk, b'{"ok":1}', {"id": "x"}) == "ok"
+    assert store.write_result(sk, b'{"ok":2}', {"id": "y"}) is None
     assert store.has_result(sk)
     assert store.watcher_batches(sk) == ["batch-" + sk]
     assert store.meta(sk)["state"] == "done"
@@ -285,12 +285,13 @@ def test_the_end_is_decided_once_and_owned_by_the_step_that_wrote_it(
     ok = {"id": "x", "body": {"choices": []}}
     cancelled = {"id": "x", "body": {"error": {"code": "cancelled", "message": "m"}}}
     round_step, finish = keys.round_step(sk, 0), keys.finish_step(sk)
-    assert store.write_result(sk, b'{"choices":[]}', ok, [], round_step)
+    assert store.write_result(sk, b'{"choices":[]}', ok, [], round_step) == "ok"
     told: list[str] = []
-    assert not store.write_result(sk, b'{"error":{}}', cancelled, told, finish)
+    assert store.write_result(sk, b'{"error":{}}', cancelled, told, finish) is None
     assert told == []
-    assert not store.write_result(sk, b'{"error":{}}', cancelled, None, "")
-    assert store.write_result(sk, b'{"choices":[]}', ok, [], round_step)
+    assert store.write_result(sk, b'{"error":{}}', cancelled, None, "") is None
+    # the winner's redelivery, whose ending now says cancelled: told the outcome written
+    assert store.write_result(sk, b'{"error":{}}', cancelled, [], round_step) == "ok"
     meta = store.meta(sk)
     assert (meta["state"], meta["outcome"], meta["ended_by"]) == ("done", "ok", round_step)
 

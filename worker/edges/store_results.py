@@ -12,20 +12,20 @@ from schemas.bodies import dump_body, outcome_code
 from worker.edges.step_leases import translated
 
 # The response and the record set once (NX), and with them the end in the meta: the state,
-# when, the outcome and the step that ended it (`ended_by`). Returns {1, watchers} to the
-# writer, and to a later delivery of the step that wrote them; {0, {}} to anyone else.
+# when, the outcome and the step that ended it (`ended_by`). Returns {outcome, watchers} to
+# the writer, and to a later delivery of the step that wrote them; {'', {}} to anyone else.
 WRITE_ONCE = """
 if redis.call('set', KEYS[2], ARGV[2], 'NX', 'EX', ARGV[3]) then
   redis.call('set', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[3])
   redis.call('hset', KEYS[3], 'state', 'done', 'finished_ms', ARGV[4], 'outcome', ARGV[5],
              'ended_by', ARGV[6])
   redis.call('zrem', KEYS[4], ARGV[7])
-  return {1, redis.call('smembers', KEYS[5])}
+  return {ARGV[5], redis.call('smembers', KEYS[5])}
 end
 if ARGV[6] ~= '' and redis.call('hget', KEYS[3], 'ended_by') == ARGV[6] then
-  return {1, redis.call('smembers', KEYS[5])}
+  return {redis.call('hget', KEYS[3], 'outcome') or '', redis.call('smembers', KEYS[5])}
 end
-return {0, {}}
+return {'', {}}
 """
 
 
@@ -48,29 +48,29 @@ class ResultWrites:
         record: dict[str, Any],
         notify_later: list[str] | None = None,
         ender: str = "",
-    ) -> bool:
+    ) -> str | None:
         """Write the response fd once, with the session's end in its meta, then tell every
-        waiting batch (or add them to `notify_later`). True if this call ended the session
-        (or step `ender`, which this is a delivery of, had)."""
+        waiting batch (or add them to `notify_later`). The outcome code of the ending written
+        if this call ended the session (or step `ender`, which this is a delivery of, had)."""
         # One script, so the end is decided once: the meta's state, outcome and ended_by are
         # the winner's, and a later writer (a cancel's finish racing the round that ended
         # the session) changes nothing. The watchers are read with the write: a batch that
         # starts watching later finds the response.
         done = {"state": "done", "finished_ms": int(time.time() * 1000)}
-        won, batches = self._write_once(
+        code, batches = self._write_once(
             keys=[keys.record(sk), keys.response(sk), keys.meta(sk), keys.ACTIVE,
                   keys.watchers(sk)],
             args=[dump_body(record), body, self.ttl_s, done["finished_ms"],
                   outcome_code(record.get("body")), ender, sk],
         )  # fmt: skip
-        if not won:
-            return False
+        if not code:
+            return None
         watchers = [b.decode() for b in batches]
         if notify_later is not None:
             notify_later.extend(watchers)
         else:
             self.notify(sk, watchers)
-        return True
+        return bytes(code).decode()
 
     @translated
     def watcher_batches(self, sk: str) -> list[str]:

@@ -125,7 +125,7 @@ class StepGuard:
         sessions: Callable[[], list[str]],
         arrival: Arrival | None,
     ) -> str | None:
-        if start.cancelled and stop_if_cancelled:
+        if start.cancelled and stop_if_cancelled and not self._ended_by(step, sk, start):
             # cancellation is checked at every step boundary; finish writes the cancelled body
             cancel = Outbox(step)
             cancel.finish(sk)
@@ -187,6 +187,14 @@ class StepGuard:
             raise RetryLater(
                 min(0.2 * 2**start.tries, 10.0), f"{type(exc).__name__}: {exc}"
             ) from exc
+
+    def _ended_by(self, step: str, sk: str, start: StepStart) -> bool:
+        """Whether this step wrote its session's ending in a delivery whose commit was never
+        written: its body runs again (on what it stored, so no call is made twice), to commit
+        the session's end. Read only for a step delivered again and cancelled."""
+        if start.tries <= 1:
+            return False
+        return self.store.meta(sk).get("ended_by") == step
 
     def commit(self, step: str, sk: str, outbox: Outbox) -> None:
         """Publish what the step decided with what it writes as it ends: its tool outcomes,

@@ -204,12 +204,13 @@ class SessionStore(Protocol):
         record: dict[str, Any],
         notify_later: list[str] | None = None,
         ender: str = "",
-    ) -> bool:
+    ) -> str | None:
         """Write the response fd and the record once, with the session's end in its meta
-        (state, outcome, `ended_by`: the step `ender`). True when this call wrote them, or
-        when step `ender` had (its redelivery, whose commit may never have been written): the
-        caller ends the session, and only it tells the batches waiting for it, or adds them
-        to `notify_later` for the caller to tell (with its step's commit)."""
+        (state, outcome, `ended_by`: the step `ender`). When this call wrote them, or step
+        `ender` had (its redelivery, whose commit may never have been written), the caller
+        ends the session: it gets the outcome code of the ending written, and only it tells
+        the batches waiting for the session, or adds them to `notify_later` for the caller to
+        tell (with its step's commit). None when another step ended it."""
         ...
 
     def watcher_batches(self, sk: str) -> list[str]: ...

@@ -299,12 +299,12 @@ class MemoryStore(ProgramTwin):
         record: dict[str, Any],
         notify_later: list[str] | None = None,
         ender: str = "",
-    ) -> bool:
+    ) -> str | None:
         with self._cond:
             meta = self.meta_of.setdefault(sk, {})
             if sk in self.responses:
                 if not ender or meta.get("ended_by") != ender:
-                    return False
+                    return None
             else:
                 self.responses[sk] = bytes(body)
                 self.records.setdefault(sk, dump_body(record))
@@ -316,7 +316,7 @@ class MemoryStore(ProgramTwin):
             notify_later.extend(batches)
         else:
             self.notify(sk, batches)
-        return True
+        return meta["outcome"]
 
     def watcher_batches(self, sk: str) -> list[str]:
         return sorted(self.watchers.get(sk, ()))
