@@ -108,8 +108,10 @@ class SessionLookups:
     def trace(
         self, spec_id: str, follow: bool = False, block_ms: int = 1000
     ) -> Iterator[dict[str, Any]]:
-        """A session's trace events in order; with `follow`, waits for more until its
-        session.finished event (or until the session is gone)."""
+        """A session's trace events in time order; with `follow`, waits for more until its
+        session.finished event (or until the session is gone). A step appends its events when
+        it ends, so steps running side by side append theirs out of time order: without
+        `follow` every event is read, then sorted by its time; with it, each read is."""
         stream_sk = self.session_key(spec_id)
         if stream_sk is not None:
             yield from self.run_trace(stream_sk, follow, block_ms)
@@ -119,18 +121,23 @@ class SessionLookups:
     ) -> Iterator[dict[str, Any]]:
         """`trace`, of a run known by its session key."""
         stream, last = keys.trace(stream_sk), "0-0"
+        if not follow:
+            events = [
+                e for _, fields in self.redis.xrange(stream) for e in keys.trace_events(fields)
+            ]
+            yield from in_time_order(events)
+            return
         while True:
-            read = self.redis.xread({stream: last}, count=1000, block=block_ms if follow else None)
+            read = self.redis.xread({stream: last}, count=1000, block=block_ms)
             entries = read[0][1] if read else []
+            events = []
             for entry_id, fields in entries:
                 last = entry_id
-                for event in keys.trace_events(fields):
-                    yield event
-                    if follow and event.get("event") == "session.finished":
-                        return
-            if not follow and not entries:
-                return
-            if follow and not entries and not self.redis.exists(keys.meta(stream_sk)):
+                events.extend(keys.trace_events(fields))
+            yield from in_time_order(events)
+            if any(e.get("event") == "session.finished" for e in events):
+                return  # the session's last event: its end waited for its running steps
+            if not entries and not self.redis.exists(keys.meta(stream_sk)):
                 return
 
     def cancel(self, spec_id: str) -> bool:
@@ -173,3 +180,8 @@ class SessionLookups:
         """The spec a run was submitted with, None once it expired."""
         raw = self.redis.get(keys.spec(sk))
         return None if raw is None else spec_from_json(json.loads(raw))
+
+
+def in_time_order(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Events by their time (`ts_ms`); events of one time keep the order they were made in."""
+    return sorted(events, key=lambda e: int(e.get("ts_ms") or 0))

@@ -199,7 +199,9 @@ def test_cancelled_session_ends_with_cancelled_body(
     wait_for(lambda: running.client.redis.hget(keys.meta(sk), "state") == b"round 0")
     assert running.client.cancel(spec["id"])
     record = dict(running.client.wait(sub, timeout_s=20))[sk]
-    assert not running.client.redis.exists(keys.model_out(sk, 0))  # the slow call still runs
+    # the end waited for the call in flight, whose reply is stored and in the transcript
+    assert running.client.redis.exists(keys.model_out(sk, 0))
+    assert [m["role"] for m in record["transcript"]] == ["user", "assistant"]
     assert record["status"] == "error"
     assert record["body"] == {"error": {"code": "cancelled", "message": "session cancelled"}}
     assert (

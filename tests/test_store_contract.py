@@ -265,13 +265,49 @@ def test_a_result_is_written_once_and_announced(backend: Backend, sk: str) -> No
     backend.submit(sk, spec(sk), "batch-" + sk)
     store = backend.store
     assert not store.has_result(sk)
-    assert store.write_result(sk, b'{"ok":1}', {"id": "x"})
-    assert not store.write_result(sk, b'{"ok":2}', {"id": "y"})
+    assert store.write_result(sk, b'{"ok":1}', {"id": "x"}) == "ok"
+    assert store.write_result(sk, b'{"ok":2}', {"id": "y"}) is None
     assert store.has_result(sk)
     assert store.watcher_batches(sk) == ["batch-" + sk]
     assert store.meta(sk)["state"] == "done"
     store.set_partial(sk, "half")
     store.set_partial(sk, None)
+
+
+def test_the_end_is_decided_once_and_owned_by_the_step_that_wrote_it(
+    backend: Backend, sk: str
+) -> None:
+    """The first writer ends the session: the meta keeps its outcome and names it; another
+    step's write changes nothing and tells no batch; the winner's own redelivery (whose commit
+    may not have been written) is told it ended the session."""
+    backend.submit(sk, spec(sk), "")
+    store = backend.store
+    ok = {"id": "x", "body": {"choices": []}}
+    cancelled = {"id": "x", "body": {"error": {"code": "cancelled", "message": "m"}}}
+    round_step, finish = keys.round_step(sk, 0), keys.finish_step(sk)
+    assert store.write_result(sk, b'{"choices":[]}', ok, [], round_step) == "ok"
+    told: list[str] = []
+    assert store.write_result(sk, b'{"error":{}}', cancelled, told, finish) is None
+    assert told == []
+    assert store.write_result(sk, b'{"error":{}}', cancelled, None, "") is None
+    # the winner's redelivery, whose ending now says cancelled: told the outcome written
+    assert store.write_result(sk, b'{"error":{}}', cancelled, [], round_step) == "ok"
+    meta = store.meta(sk)
+    assert (meta["state"], meta["outcome"], meta["ended_by"]) == ("done", "ok", round_step)
+
+
+def test_only_steps_a_delivery_works_on_are_leased(backend: Backend, sk: str) -> None:
+    store = backend.store
+    leased, done, free = (keys.round_step(sk, r) for r in range(3))
+    store.begin_step(leased, 60_000, None, sk)
+    store.begin_step(done, 60_000, None, sk)
+    store.end_step(done)
+    running = store.leased_steps([leased, done, free])
+    assert list(running) == [leased]
+    assert 0 < running[leased] <= 60_000
+    store.release_lease(leased)
+    assert store.leased_steps([leased, done, free]) == {}
+    assert store.leased_steps([]) == {}
 
 
 def test_chunk_members_in_order(backend: Backend, sk: str) -> None:

@@ -287,6 +287,15 @@ class RateLimited(StepControl):
         self.reason = reason  # "429", or what had no room: window, pace, tokens, queued
 
 
+class StepsInFlight(StepControl):
+    """An ending that waits for steps of its session still running (a model call in flight):
+    its delivery comes back in `wait_s`, no try spent, so the end counts what they did."""
+
+    def __init__(self, wait_s: float, steps: int) -> None:
+        super().__init__(f"{steps} steps of the session still run")
+        self.wait_s = wait_s
+
+
 class StepDeadLettered(StepControl):
     """A step failed for good and was dead-lettered (its sessions end with step_failed): its
     task ends as a Celery FAILURE, so Flower and the task events show it. Ids only."""

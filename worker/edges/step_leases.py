@@ -157,6 +157,27 @@ class StepLeases:
     def published_steps(self, steps: list[str]) -> set[str]:
         return {s for s, state in self._step_states(steps) if state == keys.STEP_DONE}
 
+    @translated
+    def leased_steps(self, steps: list[str]) -> dict[str, int]:
+        """One round trip; a lease whose holder is known gone (liveness) does not count: its
+        step runs again, or is taken over, and waiting on it would only delay an end."""
+        if not steps:
+            return {}
+        pipe = self.client.pipeline(transaction=False)
+        for step in steps:
+            pipe.get(keys.step_state(step))
+            pipe.pttl(keys.step_state(step))
+        replies = pipe.execute()
+        leased: dict[str, int] = {}
+        for n, step in enumerate(steps):
+            state, left_ms = replies[2 * n], replies[2 * n + 1]
+            if state is None or not state.startswith(keys.STEP_LEASED + b":"):
+                continue
+            held = state[len(keys.STEP_LEASED) + 1 :].decode(errors="replace")
+            if not liveness.token_abandoned(held):
+                leased[step] = max(int(left_ms), 0)
+        return leased
+
     def _step_states(self, steps: list[str]) -> list[tuple[str, bytes | None]]:
         """Each step with its state (a lease, done, or None): one MGET."""
         if not steps:

@@ -32,7 +32,7 @@ from worker.codecs.reply import Reply
 from worker.edges import liveness
 from worker.edges.step_leases import TAKE_OVER, LeaseKeeper, StepLeases, translated
 from worker.edges.store_fleet import FleetQueries
-from worker.edges.store_results import ResultWrites
+from worker.edges.store_results import WRITE_ONCE, ResultWrites
 from worker.edges.store_trace import TraceWrites
 from worker.errors import SpecMissingError, StoreError
 from worker.session.engine import ToolRun
@@ -84,6 +84,7 @@ class RedisStore(StepLeases, TraceWrites, ResultWrites, FleetQueries):
         self._batches: dict[str, str] = {}  # sk -> the batch it was submitted in
         self._keeper = LeaseKeeper(self.client)
         self._take_over = self.client.register_script(TAKE_OVER)
+        self._write_once = self.client.register_script(WRITE_ONCE)
 
     @classmethod
     def from_url(

@@ -11,12 +11,30 @@ from schemas import keys
 from schemas.bodies import dump_body, outcome_code
 from worker.edges.step_leases import translated
 
+# The response and the record set once (NX), and with them the end in the meta: the state,
+# when, the outcome and the step that ended it (`ended_by`). Returns {outcome, watchers} to
+# the writer, and to a later delivery of the step that wrote them; {'', {}} to anyone else.
+WRITE_ONCE = """
+if redis.call('set', KEYS[2], ARGV[2], 'NX', 'EX', ARGV[3]) then
+  redis.call('set', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[3])
+  redis.call('hset', KEYS[3], 'state', 'done', 'finished_ms', ARGV[4], 'outcome', ARGV[5],
+             'ended_by', ARGV[6])
+  redis.call('zrem', KEYS[4], ARGV[7])
+  return {ARGV[5], redis.call('smembers', KEYS[5])}
+end
+if ARGV[6] ~= '' and redis.call('hget', KEYS[3], 'ended_by') == ARGV[6] then
+  return {redis.call('hget', KEYS[3], 'outcome') or '', redis.call('smembers', KEYS[5])}
+end
+return {'', {}}
+"""
+
 
 class ResultWrites:
-    """A part of RedisStore (which sets `client` and `ttl_s`)."""
+    """A part of RedisStore (which sets `client`, `ttl_s` and `_write_once`: WRITE_ONCE)."""
 
     client: Any
     ttl_s: int
+    _write_once: Any
 
     @translated
     def has_result(self, sk: str) -> bool:
@@ -24,27 +42,35 @@ class ResultWrites:
 
     @translated
     def write_result(
-        self, sk: str, body: bytes, record: dict[str, Any], notify_later: list[str] | None = None
-    ) -> bool:
-        """Write the response fd once, then tell every waiting batch (or add them to
-        `notify_later`). True if this call wrote it."""
-        # No MULTI: the record is written before the response, so whoever sees the response
-        # finds the record too; each SET NX keeps the first outcome. The watchers are read
-        # after the response: a batch that starts watching later finds the response.
-        pipe = self.client.pipeline(transaction=False)
-        pipe.set(keys.record(sk), dump_body(record), nx=True, ex=self.ttl_s)
-        pipe.set(keys.response(sk), body, nx=True, ex=self.ttl_s)
+        self,
+        sk: str,
+        body: bytes,
+        record: dict[str, Any],
+        notify_later: list[str] | None = None,
+        ender: str = "",
+    ) -> str | None:
+        """Write the response fd once, with the session's end in its meta, then tell every
+        waiting batch (or add them to `notify_later`). The outcome code of the ending written
+        if this call ended the session (or step `ender`, which this is a delivery of, had)."""
+        # One script, so the end is decided once: the meta's state, outcome and ended_by are
+        # the winner's, and a later writer (a cancel's finish racing the round that ended
+        # the session) changes nothing. The watchers are read with the write: a batch that
+        # starts watching later finds the response.
         done = {"state": "done", "finished_ms": int(time.time() * 1000)}
-        pipe.hset(keys.meta(sk), mapping={**done, "outcome": outcome_code(record.get("body"))})
-        pipe.zrem(keys.ACTIVE, sk)
-        pipe.smembers(keys.watchers(sk))
-        _, wrote, _, _, batches = pipe.execute()
+        code, batches = self._write_once(
+            keys=[keys.record(sk), keys.response(sk), keys.meta(sk), keys.ACTIVE,
+                  keys.watchers(sk)],
+            args=[dump_body(record), body, self.ttl_s, done["finished_ms"],
+                  outcome_code(record.get("body")), ender, sk],
+        )  # fmt: skip
+        if not code:
+            return None
         watchers = [b.decode() for b in batches]
         if notify_later is not None:
             notify_later.extend(watchers)
         else:
             self.notify(sk, watchers)
-        return bool(wrote)
+        return bytes(code).decode()
 
     @translated
     def watcher_batches(self, sk: str) -> list[str]:

@@ -7,7 +7,7 @@ import contextlib
 import time
 from dataclasses import dataclass
 
-from schemas.bodies import OK, dump_body, outcome_code
+from schemas.bodies import OK, dump_body
 from worker.errors import StoreError
 from worker.session.decisions import (
     CallNext,
@@ -41,8 +41,9 @@ class Applier:
         elif isinstance(decision, FinishLater):
             send.finish(sk)
         else:
-            self._write(sk, decision.ending, send)
-            self._finished(sk, decision.ending, send)
+            code = self._write(sk, decision.ending, send)
+            if code is not None:
+                self._finished(sk, decision.ending, code, send)
 
     def _start_tools(self, sk: str, decision: StartTools, send: Dispatcher) -> None:
         plan = decision.plan
@@ -88,30 +89,32 @@ class Applier:
     def _end(self, sk: str, decision: EndSession, send: Dispatcher) -> None:
         """A chat session's ending, under the ending rules (they read its failure, its cancel
         flag and when it was submitted). Its session.finished event joins the step's Outbox,
-        after the round's own events."""
+        after the round's own events, when this step is the one that ended it."""
         session = decision.session
         inputs = self.store.ending_inputs(sk)
         latency_ms = int(time.time() * 1000) - inputs.submitted_ms
         closing = ending(session, decision.step, inputs.failure, inputs.cancelled, latency_ms)
-        self._write(sk, closing, send)
-        self._finished(sk, closing, send, session.spec.id, latency_ms)
+        code = self._write(sk, closing, send)
+        if code is not None:
+            self._finished(sk, closing, code, send, session.spec.id, latency_ms)
 
     def _finished(
         self,
         sk: str,
         closing: Ending,
+        code: str,
         send: Dispatcher,
         spec_id: str | None = None,
         latency_ms: int | None = None,
     ) -> None:
         """The session.finished event of a session's end (a program run's: its record names
-        it), after the step's own events; its latency counts from the submit."""
+        it), with the outcome `code` written (a redelivery's ending may differ from it: a
+        cancel since), after the step's own events; its latency counts from the submit."""
         if not self.trace or not isinstance(send, Outbox):
             return
         if latency_ms is None:  # a program run's: from when it was submitted, when known
             with contextlib.suppress(StoreError):
                 latency_ms = int(time.time() * 1000) - self.store.ending_inputs(sk).submitted_ms
-        code = outcome_code(closing.body)
         send.events.append(
             event(
                 "session.finished",
@@ -121,9 +124,15 @@ class Applier:
             )
         )
 
-    def _write(self, sk: str, closing: Ending, send: Dispatcher) -> None:
-        if isinstance(send, Outbox):  # the waiting batches are told with the step's commit
-            self.store.write_result(sk, dump_body(closing.body), closing.record, send.notify)
-            send.outcome = outcome_code(closing.body)  # the step's task result: a code
-        else:
-            self.store.write_result(sk, dump_body(closing.body), closing.record)
+    def _write(self, sk: str, closing: Ending, send: Dispatcher) -> str | None:
+        """Write the ending, first writer wins: the outcome code written when this step ended
+        the session (it, and only it, makes the session.finished event), None when another
+        step had."""
+        body = dump_body(closing.body)
+        if not isinstance(send, Outbox):
+            return self.store.write_result(sk, body, closing.record)
+        # the waiting batches are told with the step's commit
+        code = self.store.write_result(sk, body, closing.record, send.notify, send.step)
+        if code is not None:
+            send.outcome = code  # the step's task result: a code
+        return code

@@ -9,6 +9,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from schemas import keys
 from schemas.bodies import is_error_body
 from schemas.spec_types import ProgramSpec
 from worker.errors import CancelledError, InternalError, ToolNotRunError
@@ -88,6 +89,21 @@ def closing_fill(
         for i in range(len(session.rounds[-1].reply.calls)):
             fill.setdefault(i, missing)
     return fill
+
+
+def running_steps(sk: str, session: Session) -> list[str]:
+    """The steps of a chat session that may still be running when it is to end: the round
+    after its stored ones (its model call in flight), its last stored round (its commit not
+    written yet) and that round's tool steps. An end waits for them, so that it counts what
+    they did (a completed call's tokens) and is the session's last event."""
+    rounds = len(session.rounds)
+    steps = [keys.round_step(sk, rounds)]
+    if rounds:
+        last = rounds - 1
+        steps.append(keys.round_step(sk, last))
+        calls = session.rounds[last].reply.call_count
+        steps.extend(keys.tool_step(sk, last, i) for i in range(calls))
+    return steps
 
 
 def bare_record(spec_id: str, body: dict[str, Any]) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from worker.errors import (
     SpecMissingError,
     StepDeadLettered,
     StepFailedError,
+    StepsInFlight,
     StoreError,
 )
 from worker.session.ending import bare_record
@@ -124,15 +125,15 @@ class StepGuard:
         sessions: Callable[[], list[str]],
         arrival: Arrival | None,
     ) -> str | None:
-        if start.cancelled and stop_if_cancelled:
+        if start.cancelled and stop_if_cancelled and not self._ended_by(step, sk, start):
             # cancellation is checked at every step boundary; finish writes the cancelled body
-            cancel = Outbox()
+            cancel = Outbox(step)
             cancel.finish(sk)
             self.commit(step, sk, cancel)
             return None
         if start.tries > self.settings.max_step_attempts:
             self.poison(step, sessions(), f"delivered {start.tries} times")
-        outbox = Outbox()
+        outbox = Outbox(step)
         self._body(step, sk, body, start, outbox, sessions, arrival)
         if log.isEnabledFor(logging.INFO):  # one line per step that ran: ids and counts only
             published = [s.kind for s in outbox.steps]
@@ -168,6 +169,10 @@ class StepGuard:
                     if self.spans.on:
                         self._export_spans(step, sk, [waited])
             raise RetryLater(exc.wait_s, "rate limited") from None
+        except StepsInFlight as exc:
+            # an ending waiting for its session's running steps is no failure either
+            self.store.defer_step(step, sk, start.tries_stored, int(exc.wait_s * 1000))
+            raise RetryLater(exc.wait_s, str(exc)) from None
         except SpecMissingError:
             # the session is gone (its spec expired, or was lost with Redis's data): there is
             # nothing to run and no one to tell; a producer that still waits submits it again
@@ -182,6 +187,14 @@ class StepGuard:
             raise RetryLater(
                 min(0.2 * 2**start.tries, 10.0), f"{type(exc).__name__}: {exc}"
             ) from exc
+
+    def _ended_by(self, step: str, sk: str, start: StepStart) -> bool:
+        """Whether this step wrote its session's ending in a delivery whose commit was never
+        written: its body runs again (on what it stored, so no call is made twice), to commit
+        the session's end. Read only for a step delivered again and cancelled."""
+        if start.tries <= 1:
+            return False
+        return self.store.meta(sk).get("ended_by") == step
 
     def commit(self, step: str, sk: str, outbox: Outbox) -> None:
         """Publish what the step decided with what it writes as it ends: its tool outcomes,
@@ -246,7 +259,8 @@ class StepGuard:
             if step == keys.finish_step(sk):
                 spec_id = self._spec_id(sk)
                 record = bare_record(spec_id, failed.body())
-                self.store.write_result(sk, dump_body(failed.body()), record)
+                if not self.store.write_result(sk, dump_body(failed.body()), record, None, step):
+                    continue  # another step ended the session, and said so
                 with contextlib.suppress(StoreError):  # its end, which sets its trace's TTL
                     ended = event("session.finished", spec_id, error=StepFailedError.code)
                     self.trace_now(sk, ended, expire=True)

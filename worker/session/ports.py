@@ -168,6 +168,11 @@ class SessionStore(Protocol):
         """Which of these steps are published (their continuation was sent)."""
         ...
 
+    def leased_steps(self, steps: list[str]) -> dict[str, int]:
+        """Which of these steps a delivery works on now (leased, not published), each with
+        the ms its lease has left."""
+        ...
+
     def set_partial(self, sk: str, text: str | None) -> None: ...
     def store_mcp_tools(self, sk: str, tools: tuple[ToolSpec, ...]) -> None:
         """Store the MCP tools a session offers, as its first round listed them (first writer
@@ -193,11 +198,19 @@ class SessionStore(Protocol):
     def meta(self, sk: str) -> dict[str, str]: ...
     def has_result(self, sk: str) -> bool: ...
     def write_result(
-        self, sk: str, body: bytes, record: dict[str, Any], notify_later: list[str] | None = None
-    ) -> bool:
-        """Write the response fd and the record once (True: this call wrote them), then tell
-        the batches waiting for the session, or add them to `notify_later` for the caller to
-        tell (with its step's commit)."""
+        self,
+        sk: str,
+        body: bytes,
+        record: dict[str, Any],
+        notify_later: list[str] | None = None,
+        ender: str = "",
+    ) -> str | None:
+        """Write the response fd and the record once, with the session's end in its meta
+        (state, outcome, `ended_by`: the step `ender`). When this call wrote them, or step
+        `ender` had (its redelivery, whose commit may never have been written), the caller
+        ends the session: it gets the outcome code of the ending written, and only it tells
+        the batches waiting for the session, or adds them to `notify_later` for the caller to
+        tell (with its step's commit). None when another step ended it."""
         ...
 
     def watcher_batches(self, sk: str) -> list[str]: ...
@@ -310,7 +323,8 @@ class Outbox(StepPublisher):
     """A Dispatcher that keeps what one step publishes, so that the step can send it all
     with its published marker (`Dispatcher.publish`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, step: str = "") -> None:
+        self.step = step  # the step whose outbox this is: the ender of a session it ends
         self.steps: list[NextStep] = []
         self.events: list[TraceEvent] = []  # written with the step's published marker
         self.spec_ids: dict[str, str] = {}  # sk -> spec id, shown with the steps it publishes

@@ -24,6 +24,7 @@ from worker.errors import (
     CancelledError,
     DeadlineExceededError,
     SpecMissingError,
+    StepsInFlight,
     StoreError,
 )
 from worker.session.apply import Applier
@@ -36,7 +37,7 @@ from worker.session.decisions import (
     WriteEnding,
     decide,
 )
-from worker.session.ending import Ending, failed_program_record
+from worker.session.ending import Ending, failed_program_record, running_steps
 from worker.session.engine import RunTools, Step, next_call, plan
 from worker.session.guard import StepGuard
 from worker.session.mcp_offer import offer_mcp_tools
@@ -62,6 +63,9 @@ from worker.session.tool_step import ToolContext, ToolStep
 from worker.session.trace import Arrival, event, model_call_ended, unrun_calls
 
 log = logging.getLogger(__name__)
+# how often an ending waiting for its session's running steps looks again (a lease's time
+# left, when shorter): a cancel lands this soon after the call it waits for
+FINISH_POLL_MS = 500
 
 
 @dataclass
@@ -277,6 +281,21 @@ class StepRunner:
         idle = tuple(i for step, i in tools.items() if step not in active)
         self.apply(sk, replace(decision, publish=idle))
 
+    def _settled(self, sk: str) -> Session:
+        """The session once none of its steps runs (StepsInFlight until then: a model call in
+        flight ends first, so its tokens count and its events come before the end). Read
+        again after the look at its steps: a round that ended between the two reads is in."""
+        session = self._session(sk)
+        while True:
+            running = self.store.leased_steps(running_steps(sk, session))
+            if running:
+                wait_ms = min(max(running.values()), FINISH_POLL_MS)
+                raise StepsInFlight(max(wait_ms, 50) / 1000, len(running))
+            settled = self._session(sk)
+            if len(settled.rounds) == len(session.rounds):
+                return settled
+            session = settled
+
     def end_overdue(self, sk: str, deadline_ms: int) -> None:
         """A session past the fleet's deadline with no progress ends deadline_exceeded: its
         failure is recorded (first failure wins) and its finish step writes the body."""
@@ -299,7 +318,7 @@ class StepRunner:
                 ending = Ending(result, failed_program_record(spec, result))
                 self.applier.apply(sk, WriteEnding(ending), outbox)
                 return
-            self.applier.apply(sk, EndSession(self._session(sk), None), outbox)
+            self.applier.apply(sk, EndSession(self._settled(sk), None), outbox)
 
         step = keys.finish_step(sk)
         return self.guard.run(step, sk, body, stop_if_cancelled=False, first=first, arrival=arrival)

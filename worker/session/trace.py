@@ -6,7 +6,8 @@ Events: session.started, model.call.started / finished / failed, tool.call.start
 finished / failed / retried, tool.logs (how many lines a call wrote: their text is the tool's,
 kept in the record only), session.finished; for a background tool's call, task.submitted /
 progress / completed / failed too; rate_limit.waited when a step is put off for its backend's
-rate limit. A redelivered step may repeat one (at least once, like the steps themselves).
+rate limit. A redelivered step may repeat one (at least once, like the steps themselves), but
+session.finished: the step that wrote the session's ending makes it, once.
 Spans (worker.session.spans) are made of them; what they may show of content rides an event
 outside its JSON (`content`), only while spans ask for it.
 

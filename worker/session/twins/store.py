@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from schemas import keys
-from schemas.bodies import dump_body
+from schemas.bodies import dump_body, outcome_code
 from schemas.keys import ChunkMember
 from schemas.spec_types import (
     SessionSpec,
@@ -252,6 +252,15 @@ class MemoryStore(ProgramTwin):
         with self._cond:
             return {s for s in steps if s in self.published}
 
+    def leased_steps(self, steps: list[str]) -> dict[str, int]:
+        with self._cond:
+            now = time.monotonic()
+            return {
+                s: int((self.leases[s] - now) * 1000)
+                for s in steps
+                if s not in self.published and self.leases.get(s, 0.0) > now
+            }
+
     def end_step(self, step: str) -> None:
         with self._cond:
             self.published.add(step)
@@ -284,21 +293,30 @@ class MemoryStore(ProgramTwin):
         return sk in self.responses
 
     def write_result(
-        self, sk: str, body: bytes, record: dict[str, Any], notify_later: list[str] | None = None
-    ) -> bool:
+        self,
+        sk: str,
+        body: bytes,
+        record: dict[str, Any],
+        notify_later: list[str] | None = None,
+        ender: str = "",
+    ) -> str | None:
         with self._cond:
-            wrote = sk not in self.responses
-            self.responses.setdefault(sk, bytes(body))
-            self.records.setdefault(sk, dump_body(record))
-            self.meta_of.setdefault(sk, {}).update(
-                state="done", finished_ms=str(int(time.time() * 1000))
-            )
+            meta = self.meta_of.setdefault(sk, {})
+            if sk in self.responses:
+                if not ender or meta.get("ended_by") != ender:
+                    return None
+            else:
+                self.responses[sk] = bytes(body)
+                self.records.setdefault(sk, dump_body(record))
+                outcome = outcome_code(record.get("body"))
+                meta.update(state="done", finished_ms=str(int(time.time() * 1000)))
+                meta.update(outcome=outcome, ended_by=ender)
             batches = list(self.watchers.get(sk, ()))
         if notify_later is not None:
             notify_later.extend(batches)
         else:
             self.notify(sk, batches)
-        return wrote
+        return meta["outcome"]
 
     def watcher_batches(self, sk: str) -> list[str]:
         return sorted(self.watchers.get(sk, ()))
