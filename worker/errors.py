@@ -83,7 +83,10 @@ class UnknownToolError(SessionError):
 
 class CancelledError(SessionError):
     code = "cancelled"
-    raised_when = "`cchatq cancel` (or a program's cancel) took effect at a step boundary"
+    raised_when = (
+        "`cchatq cancel` (or a program's cancel) took effect at a step boundary; a model or"
+        " tool call in flight ends first, and its tokens count in the record's usage"
+    )
 
 
 class StepFailedError(SessionError):
