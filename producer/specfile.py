@@ -53,13 +53,14 @@ class SpecFileError(Exception):
         self.issues: list[SpecIssue] = list(issues)
         super().__init__(self.listing(MAX_LISTED_ISSUES))
 
-    def listing(self, most: int | None) -> str:
-        """The issues, one a line: the first `most` (None: all), then how many more."""
+    def listing(self, most: int | None, more_hint: str = "") -> str:
+        """The issues, one a line: the first `most` (None: all), then how many more (and
+        `more_hint`: how to see them)."""
         shown = self.issues if most is None else self.issues[:most]
         lines = [str(issue) for issue in shown]
         hidden = len(self.issues) - len(shown)
         if hidden > 0:
-            lines.append(f"... and {hidden} more (--all-issues lists them all)")
+            lines.append(f"... and {hidden} more{more_hint}")
         return "\n".join(lines)
 
 
