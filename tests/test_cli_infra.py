@@ -62,6 +62,7 @@ COMMANDS = {
     "result": ["result", "some-id"],
     "trace": ["trace", "some-id"],
     "cancel": ["cancel", "some-id"],
+    "stream": ["stream", "some-id"],
     "run": ["run", str(GUESTS / "prog_chat.wasm"), "--model", "replay/plain"],
     "view": ["view", "--port", "0"],
     "metrics": ["metrics", "--port", "0"],
