@@ -7,6 +7,7 @@ results are those runs, whatever later reruns of the same ids do.
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -14,7 +15,7 @@ from typing import Any
 
 from producer.submitting import PIPELINE_SIZE, Submitting
 from schemas import keys
-from schemas.bodies import OK
+from schemas.bodies import CANCELLED, OK, is_error_body
 from schemas.spec_types import Spec, spec_from_json
 
 
@@ -31,16 +32,66 @@ class BatchSummary:
     sessions: int
     states: dict[str, int] = field(default_factory=dict)  # queued, running, done, gone
     outcomes: dict[str, int] = field(default_factory=dict)  # of the done: ok or error codes
+    cancelling: int = 0  # of the unfinished, those asked to stop (cancel requested)
+    last_finished_ms: int | None = None  # the latest time one of its sessions ended
 
     @property
     def unfinished(self) -> int:
         return self.states.get("queued", 0) + self.states.get("running", 0)
 
+    @property
+    def completed_ms(self) -> int | None:
+        """When its last session ended: None while any runs (or none ended)."""
+        return None if self.unfinished else self.last_finished_ms
+
+    @property
+    def status(self) -> str:
+        """Its status word, as an OpenAI Batch's (README: Batches)."""
+        return batch_status(self)
+
     def to_json(self) -> dict[str, Any]:
+        """`cchatq batch status B --json`: times ISO-8601 UTC (None until they happen)."""
+        completed = self.completed_ms
         return {
-            "batch": self.batch, "submitted_ms": self.submitted_ms, "sessions": self.sessions,
+            "batch": self.batch, "status": self.status, "sessions": self.sessions,
             "states": self.states, "outcomes": self.outcomes,
+            "submitted_at": iso_utc(self.submitted_ms) if self.submitted_ms else None,
+            "completed_at": None if completed is None else iso_utc(completed),
         }  # fmt: skip
+
+
+def batch_status(summary: BatchSummary) -> str:
+    """validating: recorded, none of its sessions stored yet (its submit is enqueuing);
+    in_progress: some queued or running; cancelling: some still run and were asked to stop;
+    once none runs: expired if some are gone (their runs expired or were lost before their
+    results could be read), cancelled if a cancel ended some, failed if every session ended
+    with an error, else completed (some may have failed: see the outcomes)."""
+    if summary.sessions == 0:
+        return "validating"
+    if summary.unfinished:
+        return "cancelling" if summary.cancelling else "in_progress"
+    if summary.states.get("gone"):
+        return "expired"
+    if summary.outcomes.get(CANCELLED):
+        return "cancelled"
+    if not summary.outcomes.get(OK):
+        return "failed"
+    return "completed"
+
+
+def iso_utc(epoch_ms: int | float) -> str:
+    """An epoch time in ms as ISO-8601 UTC to the second: 2025-01-31T12:00:00Z."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(epoch_ms / 1000))
+
+
+@dataclass(frozen=True)
+class FailedSession:
+    """A session of a batch that ended with an error body: what `batch retry` chooses from."""
+
+    spec_id: str
+    sk: str
+    code: str
+    message: str  # its error body's message (a provider's says `HTTP 400: ...`)
 
 
 class Batches:
@@ -80,15 +131,25 @@ class Batches:
             return None
         states: Counter[str] = Counter()
         outcomes: Counter[str] = Counter()
-        for member, (state, outcome) in zip(members, self._states(members), strict=True):
+        cancelling, last_ms = 0, None
+        ends = self._ends(members)
+        for member, (state, outcome), (finished_ms, cancel) in zip(
+            members, self._states(members), ends, strict=True
+        ):
             if member.claim is None or state is None:
                 states["gone"] += 1
             elif outcome is not None:
                 states["done"] += 1
                 outcomes[outcome] += 1
+                if finished_ms is not None:
+                    last_ms = max(last_ms or 0, finished_ms)
             else:
                 states["queued" if state == "queued" else "running"] += 1
-        return BatchSummary(batch, int(submitted or 0), len(members), dict(states), dict(outcomes))
+                cancelling += cancel
+        return BatchSummary(
+            batch, int(submitted or 0), len(members), dict(states), dict(outcomes),
+            cancelling, last_ms,
+        )  # fmt: skip
 
     def results(self, batch: str) -> Iterator[tuple[BatchMember, dict[str, Any] | None]]:
         """Each member with its record (None while it runs, or when its run is gone)."""
@@ -100,16 +161,28 @@ class Batches:
             for member in part:
                 yield member, None if member.claim is None else next(records)
 
-    def failed_specs(self, batch: str) -> list[Spec]:
-        """The stored specs of the batch's sessions that ended with an error body: to run
-        again (`cchatq batch retry B --failed`), as their ids' next attempts."""
+    def failed_sessions(self, batch: str) -> list[FailedSession]:
+        """The batch's sessions that ended with an error body, each with its code and its
+        body's message (what `cchatq batch retry` selects by)."""
         members = self.members(batch)
         failed = [
-            m.claim.sk
+            (m.spec_id, m.claim.sk, outcome)
             for m, (_, outcome) in zip(members, self._states(members), strict=True)
-            if m.claim is not None and outcome not in (None, OK)
+            if m.claim is not None and outcome is not None and outcome != OK
         ]
-        raw = self.redis.mget([keys.spec(sk) for sk in failed]) if failed else []
+        out: list[FailedSession] = []
+        for start in range(0, len(failed), PIPELINE_SIZE):
+            part = failed[start : start + PIPELINE_SIZE]
+            bodies = self.redis.mget([keys.response(sk) for _, sk, _ in part])
+            for (spec_id, sk, outcome), raw in zip(part, bodies, strict=True):
+                body: Any = json.loads(raw) if raw is not None else None
+                message = str(body["error"].get("message", "")) if is_error_body(body) else ""
+                out.append(FailedSession(spec_id, sk, outcome, message))
+        return out
+
+    def specs_of(self, sks: list[str]) -> list[Spec]:
+        """The stored specs of these sessions (those still stored), to run again."""
+        raw = self.redis.mget([keys.spec(sk) for sk in sks]) if sks else []
         return [spec_from_json(json.loads(r)) for r in raw if r is not None]
 
     def cancel(self, batch: str) -> int:
@@ -121,6 +194,23 @@ class Batches:
             if m.claim is not None and state is not None and outcome is None
         ]
         return sum(self.client.cancel_run(sk) for sk in running)
+
+    def _ends(self, members: list[BatchMember]) -> list[tuple[int | None, bool]]:
+        """Each member's (finished_ms, cancel requested); (None, False) when its run is gone."""
+        pipe = self.redis.pipeline(transaction=False)
+        for member in members:
+            if member.claim is not None:
+                pipe.hget(keys.meta(member.claim.sk), "finished_ms")
+                pipe.exists(keys.cancel(member.claim.sk))
+        found = iter(pipe.execute())
+        ends: list[tuple[int | None, bool]] = []
+        for member in members:
+            if member.claim is None:
+                ends.append((None, False))
+                continue
+            finished, cancel = next(found), next(found)
+            ends.append((int(finished) if finished is not None else None, bool(cancel)))
+        return ends
 
     def _states(self, members: list[BatchMember]) -> list[tuple[str | None, str | None]]:
         """Each member's (state, outcome) from its meta; (None, None) when its run is gone."""

@@ -11,14 +11,29 @@ import sys
 import threading
 from collections.abc import Sequence
 from importlib import metadata
+from typing import TYPE_CHECKING, Any
+
+import redis
 
 from producer.batch import result_line
-from producer.cli_batches import cmd_batch, cmd_submit
-from producer.cli_common import EXIT_OK, EXIT_REJECTED, flower_curl, flower_links, redis_url
+from producer.batches import iso_utc
+from producer.cli_batch import add_batch_parser
+from producer.cli_batches import MAX_LISTED, cmd_submit
+from producer.cli_common import (
+    EXIT_OK,
+    EXIT_REJECTED,
+    EXIT_UNREACHABLE,
+    RedisUnreachable,
+    connect,
+    flower_curl,
+    flower_links,
+    reach_redis,
+    redis_url,
+    unreachable_message,
+)
 from producer.cli_fleet import add_fleet_parsers
 from producer.cli_programs import cmd_demo, cmd_run, cmd_stream
 from producer.cli_view import add_view_parser
-from producer.client import Client
 from producer.fleet import worker_command
 from producer.fleet_status import read_fleet_status
 from schemas import keys, task_names
@@ -26,10 +41,28 @@ from schemas.bodies import dump_text
 from schemas.config import ConfigError, read_config
 from schemas.protocols import NAMES as PROTOCOL_NAMES
 
+if TYPE_CHECKING:
+    from producer.client import Client
+
+# a session's meta times (epoch ms) -> how `cchatq status ID` shows them (ISO-8601 UTC)
+SHOWN_TIMES = {"submitted_ms": "submitted_at", "finished_ms": "finished_at"}
+
+
+def shown_status(status: dict[str, Any]) -> dict[str, Any]:
+    """A session's status as `cchatq status ID` prints it: its times ISO-8601 UTC."""
+    shown = dict(status)
+    for field, name in SHOWN_TIMES.items():
+        value = shown.pop(field, None)
+        if isinstance(value, str) and value.isdigit():
+            shown[name] = iso_utc(int(value))
+        elif value is not None:
+            shown[field] = value
+    return shown
+
 
 def id_client(args: argparse.Namespace) -> Client:
     """A client that finds an id's run where `--namespace` or `--batch` says."""
-    return Client(redis_url(), namespace=args.namespace, lookup_batch=args.batch)
+    return connect(namespace=args.namespace, lookup_batch=args.batch)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -43,7 +76,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 1
     status["flower_search"], status["flower_tasks"] = flower_links(args.id)
     status["flower_curl"] = flower_curl(status["flower_tasks"])
-    print(json.dumps(status, indent=2, sort_keys=True))
+    print(json.dumps(shown_status(status), indent=2, sort_keys=True))
     return 0
 
 
@@ -80,6 +113,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
 def cmd_metrics(args: argparse.Namespace) -> int:
     from producer.metrics import Exporter
 
+    reach_redis(redis_url())
     exporter = Exporter(redis_url())
     exporter.serve(args.port, args.address)
     print(f"metrics on http://{args.address}:{args.port}/metrics", flush=True)
@@ -222,20 +256,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--provider", help="OpenAI Batch lines: the backend that runs them (default_backend)"
     )
+    p.add_argument(
+        "--all-issues",
+        action="store_true",
+        help=f"list every rejected line (by default the first {MAX_LISTED})",
+    )
     _format_arguments(p)
     p.set_defaults(fn=cmd_submit)
 
-    p = sub.add_parser("batch", help="list batches, or one's status, results or cancel")
-    p.add_argument("action", choices=["list", "status", "results", "cancel", "retry"])
-    p.add_argument("batch", nargs="?")
-    p.add_argument(
-        "--out", default="results.jsonl", help="with results or retry: the file to write"
-    )
-    p.add_argument(
-        "--failed", action="store_true", help="with retry: the sessions that failed (required)"
-    )
-    _format_arguments(p)
-    p.set_defaults(fn=cmd_batch)
+    _format_arguments(add_batch_parser(sub))
 
     p = sub.add_parser("config", help="check the fleet's configuration and list its backends")
     p.add_argument("action", choices=["check"])
@@ -384,7 +413,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--errors goes with --format openai")
     if getattr(args, "include", None) and args.format != "openai":
         parser.error("--include goes with --format openai")
-    return int(args.fn(args))
+    try:
+        return int(args.fn(args))
+    except RedisUnreachable as exc:  # the first contact failed (producer/cli_common.py)
+        print(exc, file=sys.stderr)
+    except (redis.ConnectionError, redis.TimeoutError) as exc:  # lost later, past the retries
+        print(unreachable_message(redis_url(), exc), file=sys.stderr)
+    return EXIT_UNREACHABLE
 
 
 if __name__ == "__main__":

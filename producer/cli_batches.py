@@ -1,10 +1,10 @@
-"""`cchatq submit` and `cchatq batch`: validate, enqueue, wait with progress, write the results
-(cchatq or OpenAI Batch lines) as they arrive, and collect, cancel or retry a batch later."""
+"""`cchatq submit`: validate, enqueue, wait with progress, write the results (cchatq or OpenAI
+Batch lines) as they arrive. `cchatq batch retry` runs its sessions the same way
+(producer/cli_batch.py)."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Sequence
@@ -13,14 +13,14 @@ from typing import Any, TextIO
 
 from producer.backend_check import backend_check
 from producer.batch import batch_line
-from producer.batches import Batches
 from producer.cli_common import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_REJECTED,
+    connect,
     fleet_config,
-    redis_url,
+    plural,
 )
 from producer.client import Client
 from producer.fleet_status import read_fleet_status, unserved
@@ -36,7 +36,6 @@ from producer.report import Progress, batch_states, summary
 from producer.specfile import SpecFileError, load_spec_file
 from producer.submitting import (
     BATCH_SCOPE,
-    ModuleExpiredError,
     Rerun,
     SpecConflictError,
     Submission,
@@ -44,7 +43,7 @@ from producer.submitting import (
 from producer.validation_progress import validation_progress
 from schemas.spec_types import Spec
 
-MAX_LISTED = 20  # rejected lines listed, then how many more
+MAX_LISTED = 20  # rejected lines listed, then how many more (all of them: --all-issues)
 
 
 class BatchInterrupted(Exception):
@@ -101,7 +100,7 @@ def run_batch(
 
     reused = len(sub.order) - len(sub.new)
     stream.write(
-        f"batch {sub.batch}: {len(sub.new)} sessions enqueued"
+        f"batch {sub.batch}: {plural(len(sub.new), 'session')} enqueued"
         + (f", {reused} already submitted" if reused else "")
         + "\n"
     )
@@ -133,8 +132,14 @@ def cmd_submit(args: argparse.Namespace) -> int:
         convert = converter(bindings, args.provider)
         with validation_progress(args.file, sys.stderr) as on_progress:
             loaded = load_spec_file(args.file, check, convert=convert, on_progress=on_progress)
-    except (ToolsFileError, SpecFileError) as exc:
+    except ToolsFileError as exc:
         print(f"rejected, nothing enqueued:\n{exc}", file=sys.stderr)
+        return EXIT_REJECTED
+    except SpecFileError as exc:
+        shown = exc.listing(
+            None if args.all_issues else MAX_LISTED, " (--all-issues lists them all)"
+        )
+        print(f"rejected, nothing enqueued:\n{shown}", file=sys.stderr)
         return EXIT_REJECTED
     out = Path(args.out)
     files = result_files(args.format, out, args.errors, args.include)
@@ -145,7 +150,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
             except OSError as exc:
                 print(f"rejected, nothing enqueued: {flag} {path}: {exc.strerror}", file=sys.stderr)
                 return EXIT_REJECTED
-    client = Client(redis_url(), config=config, namespace=args.namespace)
+    client = connect(config, namespace=args.namespace)
     # an OpenAI Batch file's custom_ids are its own, as OpenAI scopes them; --resample gives
     # a file's ids a scope of their own too, so each submit samples them again
     own_scope = args.resample or (convert.requests > 0 and args.namespace is None)
@@ -153,7 +158,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     try:
         if args.no_wait:
             sub = client.enqueue([s.spec for s in loaded], rerun=args.rerun, namespace=namespace)
-            print(f"batch {sub.batch}: {len(sub.new)} sessions enqueued")
+            print(f"batch {sub.batch}: {plural(len(sub.new), 'session')} enqueued")
             warn_unserved(client, [s.spec for s in loaded])
             return EXIT_OK
         specs = [s.spec for s in loaded]
@@ -167,7 +172,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
             return "custom_id" if spec_id in convert.request_ids else "id"
 
         print("rejected, nothing enqueued:", file=sys.stderr)
-        for spec_id in exc.spec_ids[:MAX_LISTED]:
+        listed = exc.spec_ids if args.all_issues else exc.spec_ids[:MAX_LISTED]
+        for spec_id in listed:
             print(
                 f"{args.file}:{lines[spec_id]}: {named(spec_id)}: {spec_id!r} was already"
                 " submitted with a"
@@ -175,8 +181,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
                 " changed ids again, as their next attempt; --namespace NS submits elsewhere)",
                 file=sys.stderr,
             )
-        if len(exc.spec_ids) > MAX_LISTED:
-            print(f"... and {len(exc.spec_ids) - MAX_LISTED} more", file=sys.stderr)
+        if len(exc.spec_ids) > len(listed):
+            more = len(exc.spec_ids) - len(listed)
+            print(f"... and {more} more (--all-issues lists them all)", file=sys.stderr)
         return EXIT_REJECTED
     except BatchInterrupted as stop:
         return interrupted(stop, out)
@@ -197,69 +204,3 @@ def interrupted(stop: BatchInterrupted, out: Path) -> int:
         file=sys.stderr,
     )
     return EXIT_INTERRUPTED
-
-
-def cmd_batch(args: argparse.Namespace) -> int:
-    """`cchatq batch list | status B | results B --out F | cancel B | retry B --failed`."""
-    client = Client(redis_url())
-    batches = Batches(client)
-    if args.action == "list":
-        for batch, submitted_ms, sessions in batches.recent():
-            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(submitted_ms / 1000))
-            print(f"{batch}  {when}  {sessions} sessions")
-        return EXIT_OK
-    if args.batch is None:
-        print(f"cchatq batch {args.action}: which batch?", file=sys.stderr)
-        return EXIT_REJECTED
-    summary = batches.summary(args.batch)
-    if summary is None:
-        print(f"unknown batch: {args.batch}", file=sys.stderr)
-        return EXIT_REJECTED
-    if args.action == "status":
-        print(json.dumps(summary.to_json(), indent=2, sort_keys=True))
-        return EXIT_OK
-    if args.action == "cancel":
-        print(f"batch {args.batch}: cancel requested for {batches.cancel(args.batch)} sessions")
-        return EXIT_OK
-    if args.action == "retry":
-        if not args.failed:
-            print(
-                "cchatq batch retry runs the failed sessions again: say --failed", file=sys.stderr
-            )
-            return EXIT_REJECTED
-        again = batches.failed_specs(args.batch)
-        if not again:
-            print(f"batch {args.batch}: no failed session to run again", file=sys.stderr)
-            return EXIT_OK
-        out = Path(args.out)
-        files = result_files(args.format, out, args.errors, args.include)
-        try:  # a new batch of their next attempts, waited for as a submit is
-            records = run_batch(
-                client,
-                again,
-                out,
-                None,
-                rerun="all",
-                files=files,
-                namespace=batches.namespace(args.batch),
-            )
-        except ModuleExpiredError as exc:
-            print(f"batch {args.batch}: {exc}", file=sys.stderr)
-            return EXIT_REJECTED
-        except BatchInterrupted as stop:
-            return interrupted(stop, out)
-        return ended(records)
-    written, failed = 0, 0
-    with result_files(args.format, Path(args.out), args.errors, args.include) as files:
-        for member, record in batches.results(args.batch):
-            if record is not None and member.claim is not None:
-                files.write(member.claim.sk, record, args.batch, member.claim.attempt)
-                written += 1
-                failed += record.get("status") != "ok"
-    left = summary.sessions - written
-    shown = f"batch {args.batch}: {written} of {summary.sessions} results in {files}"
-    print(shown, file=sys.stderr)
-    if left:
-        print(f"{left} not finished (`cchatq batch status {args.batch}`)", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    return EXIT_FAILED if failed else EXIT_OK

@@ -1,27 +1,134 @@
-"""What the `cchatq` commands share: where Redis is, the exit codes, the fleet's configuration."""
+"""What the `cchatq` commands share: where Redis is and reaching it, the exit codes, the
+fleet's configuration, counts as they are printed."""
 
 from __future__ import annotations
 
 import os
 import shlex
+import socket
 import sys
-from urllib.parse import urlencode
+from typing import TYPE_CHECKING
+from urllib.parse import urlencode, urlsplit, urlunsplit
+
+import redis
 
 from schemas.config import ConfigError, FleetConfig, read_config
 
+if TYPE_CHECKING:
+    from producer.client import Client
+
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_FLOWER_URL = "http://127.0.0.1:5555"  # CCHATQ_FLOWER_URL: where session links point
+REDIS_SCHEMES = ("redis", "rediss", "unix")
+# The first contact with Redis: a command that cannot reach it says so within a few seconds,
+# instead of riding out RECONNECT_S of retries meant for a restart mid-batch.
+PROBE_TIMEOUT_S = 2.0
 
 
 def redis_url() -> str:
     return os.environ.get("REDIS_URL", DEFAULT_REDIS_URL)
 
 
-# `cchatq submit`'s exit codes (README: Submitting and results)
+# `cchatq`'s exit codes (README: Exit codes)
 EXIT_OK = 0  # every session ended ok
 EXIT_FAILED = 1  # every session ended, some with an error body
 EXIT_REJECTED = 2  # the input was rejected: nothing enqueued
 EXIT_INTERRUPTED = 3  # Ctrl-C or --timeout-s: the sessions left keep running on the fleet
+EXIT_UNREACHABLE = 4  # Redis could not be reached (or REDIS_URL is not a Redis URL)
+
+
+class RedisUnreachable(Exception):
+    """Redis at `url` did not answer (or the URL is not one): the one line the CLI prints."""
+
+
+def redacted(url: str) -> str:
+    """A Redis URL without its password: what messages and pages show."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    where = parts.netloc.rpartition("@")[2]  # host:port as written (a bad port is shown)
+    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{where}"))
+
+
+def unreachable_message(url: str, exc: BaseException) -> str:
+    """One line: which Redis could not be reached, why, and what to do about it."""
+    shown = redacted(url)
+    reason, hint = _reason(exc), f"start one ({_start_hint(url)}) or set REDIS_URL"
+    if isinstance(exc.__context__, socket.gaierror):
+        reason, hint = f"unknown host: {reason}", "check the host name in REDIS_URL"
+    elif isinstance(exc, redis.AuthenticationError | redis.ResponseError):
+        hint = "check the user and password in REDIS_URL"
+    elif isinstance(exc, redis.exceptions.InvalidResponse):
+        hint = "point REDIS_URL at a Redis server"
+    return f"cchatq: cannot reach Redis at {shown} ({reason}): {hint}"
+
+
+def check_redis_url(url: str) -> None:
+    """A RedisUnreachable naming the URL and the accepted schemes unless it is a Redis URL."""
+    scheme = urlsplit(url).scheme
+    if scheme not in REDIS_SCHEMES:
+        accepted = ", ".join(f"{s}://" for s in REDIS_SCHEMES)
+        raise RedisUnreachable(
+            f"cchatq: REDIS_URL {redacted(url)!r} is not a Redis URL (accepted schemes: {accepted})"
+        )
+
+
+def reach_redis(url: str) -> None:
+    """PING Redis at `url` once, without retries: a RedisUnreachable (one line) if it does
+    not answer within PROBE_TIMEOUT_S to connect and again to reply."""
+    check_redis_url(url)
+    timeout_s = PROBE_TIMEOUT_S
+    try:
+        probe = redis.Redis.from_url(
+            url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s
+        )
+    except ValueError as exc:
+        raise RedisUnreachable(f"cchatq: REDIS_URL {redacted(url)!r} is not valid: {exc}") from None
+    try:
+        probe.ping()
+    except (redis.RedisError, OSError) as exc:
+        raise RedisUnreachable(unreachable_message(url, exc)) from None
+    finally:
+        probe.close()
+
+
+def connect(
+    config: FleetConfig | None = None,
+    namespace: str | None = None,
+    lookup_batch: str | None = None,
+) -> Client:
+    """The CLI's client of the fleet at REDIS_URL, once Redis answered (reach_redis). Later
+    connection errors are ridden out for the Client's RECONNECT_S, then end the command in
+    one line (producer/cli.py main). Ids are claimed and looked up in `namespace` (default: the
+    configuration's), or as `lookup_batch` ran them."""
+    from producer.client import Client  # the Celery app: only for commands that connect
+
+    url = redis_url()
+    reach_redis(url)
+    if config is None:
+        try:  # only its namespace is read here: a configuration the workers would refuse
+            config = read_config()  # still lets a session be looked up
+        except ConfigError:
+            config = FleetConfig()
+    return Client(url, config=config, namespace=namespace, lookup_batch=lookup_batch)
+
+
+def _reason(exc: BaseException) -> str:
+    cause = exc.__context__ if exc.__context__ is not None else exc
+    if isinstance(cause, TimeoutError) or isinstance(exc, redis.TimeoutError):
+        return f"no answer within {PROBE_TIMEOUT_S:g} s"
+    if isinstance(cause, OSError) and cause.strerror:
+        return cause.strerror
+    if isinstance(exc, redis.exceptions.InvalidResponse):
+        return "not a Redis server"
+    return str(exc).strip().rstrip(".") or type(exc).__name__
+
+
+def _start_hint(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme == "unix":
+        return f"redis-server --unixsocket {parts.path}"
+    return f"redis-server --port {parts.port or 6379}"
 
 
 def fleet_config() -> FleetConfig | None:
@@ -47,3 +154,8 @@ def flower_curl(tasks_url: str) -> str:
     FLOWER_BASIC_AUTH when it is set, named by the variable (a secret is never printed)."""
     auth = '-u "$FLOWER_BASIC_AUTH" ' if os.environ.get("FLOWER_BASIC_AUTH", "").strip() else ""
     return f"curl {auth}{shlex.quote(tasks_url)}"
+
+
+def plural(count: int, noun: str, many: str | None = None) -> str:
+    """`1 session`, `2 sessions` (`many`: a plural not made with -s): counts as printed."""
+    return f"{count} {noun if count == 1 else many or noun + 's'}"

@@ -11,11 +11,17 @@ from typing import Any
 
 import fixtures
 from producer.backend_check import backend_check
-from producer.cli_batches import BatchInterrupted, run_batch
-from producer.cli_common import EXIT_INTERRUPTED, EXIT_REJECTED, fleet_config, redis_url
+from producer.cli_batches import BatchInterrupted, run_batch, warn_unserved
+from producer.cli_common import (
+    EXIT_INTERRUPTED,
+    EXIT_REJECTED,
+    connect,
+    fleet_config,
+    plural,
+)
 from producer.client import Client
 from producer.fleet import Fleet, replay_backend_name
-from producer.specfile import SpecFileError, load_spec_file, load_spec_from_objects
+from producer.specfile import SpecFileError, file_problem, load_spec_file, load_spec_from_objects
 from producer.user_stream import pipe_lines
 from schemas import task_names
 from schemas.spec_types import Spec, spec_from_json, spec_to_json
@@ -41,7 +47,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         "limits": {"run_timeout_ms": args.timeout_ms},
     }
     if args.stdin:
-        spec["program"]["stdin"] = Path(args.stdin).read_text()
+        try:
+            spec["program"]["stdin"] = Path(args.stdin).read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            print(f"rejected: --stdin {args.stdin}: {file_problem(exc)}", file=sys.stderr)
+            return EXIT_REJECTED
     if args.provider:
         spec["provider"] = args.provider
     if args.model:
@@ -54,11 +64,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     except SpecFileError as exc:
         print(f"rejected:\n{exc}", file=sys.stderr)
         return EXIT_REJECTED
-    client = Client(redis_url(), config=config)
+    client = connect(config)
     run_id = spec["id"]
     print(f"run {run_id}", file=sys.stderr, flush=True)  # first: to cancel or look it up
     try:
         sub = client.enqueue(loaded)
+        warn_unserved(client, loaded)
         record = next(iter(client.wait(sub, timeout_s=args.timeout_ms / 1000 + 60)))[1]
     except (KeyboardInterrupt, TimeoutError):
         print(
@@ -84,7 +95,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_stream(args: argparse.Namespace) -> int:
     """Talk to a running program: stdin lines in, the lines it writes out (user stream N)."""
-    client = Client(redis_url(), namespace=args.namespace, lookup_batch=args.batch)
+    client = connect(namespace=args.namespace, lookup_batch=args.batch)
     try:
         stream = client.stream(args.id, args.stream_id)
         pipe_lines(stream, sys.stdin, sys.stdout)
@@ -131,8 +142,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
             print(f"the demo fleet's logs: {fleet.workdir}", file=sys.stderr)
     for spec_id, problem in problems[:20]:
         print(f"  MISMATCH {spec_id}: {problem}", file=sys.stderr)
-    verdict = "all match" if not problems else f"{len(problems)} mismatches"
-    print(f"checked {len(records)} sessions against expected outcomes: {verdict}", file=sys.stderr)
+    verdict = "all match" if not problems else plural(len(problems), "mismatch", "mismatches")
+    checked = plural(len(records), "session")
+    print(f"checked {checked} against expected outcomes: {verdict}", file=sys.stderr)
     return 1 if problems else 0
 
 

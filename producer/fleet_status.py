@@ -27,7 +27,7 @@ from schemas.task_names import (
 class FleetStatus:
     queued: dict[str, int]  # tasks waiting on each queue
     taken: dict[str, int]  # tasks taken by a worker and not acknowledged yet (running), per queue
-    consumers: int  # broker consumers beating: worker processes that take tasks
+    consumers: int  # worker processes taking tasks (their broker consumers beating)
     consumers_by_queue: dict[str, int]  # of those, how many take from each queue
     active_sessions: int  # sessions submitted and not finished
     dead_letters: int  # steps dead-lettered (those the stream keeps)
@@ -56,21 +56,19 @@ def read_fleet_status(client: Any) -> FleetStatus:
         pipe.xlen(keys.DEADLETTER)
     replies = pipe.execute()
     taken = dict.fromkeys(ALL_QUEUES, 0)
-    by_queue = dict.fromkeys(ALL_QUEUES, 0)
-    beating = 0
-    for n in range(len(consumers)):
+    serving: dict[str, set[str]] = {queue: set() for queue in ALL_QUEUES}
+    for n, consumer in enumerate(consumers):
         alive, moved, held = replies[3 * n : 3 * n + 3]
-        beating += alive is not None
         for queue in (alive or b"").decode().split(","):
-            if queue in by_queue:
-                by_queue[queue] += 1
+            if queue in serving:
+                serving[queue].add(process_of(consumer))
         for queue in [_moved_queue(m) for m in moved] + [_held_queue(h) for h in held]:
             taken[queue] = taken.get(queue, 0) + 1
     return FleetStatus(
         queued=dict(zip(ALL_QUEUES, depths, strict=True)),
         taken=taken,
-        consumers=beating,
-        consumers_by_queue=by_queue,
+        consumers=len(set().union(*serving.values())),
+        consumers_by_queue={queue: len(procs) for queue, procs in serving.items()},
         active_sessions=int(active),
         dead_letters=int(replies[-1]) if has_dead else 0,
         rate_controllers=read_rate_controllers(client),
@@ -96,6 +94,14 @@ def read_rate_controllers(client: Any) -> list[ControllerStatus]:
             fields = {k.decode(): v.decode() for k, v in raw.items()}
             out.append(controller_status(cid, fields, int(in_flight), now_ms))
     return out
+
+
+def process_of(consumer: str) -> str:
+    """The worker process of a broker consumer: its name is `<unique>.<pid>@<host>`
+    (worker/edges/liveness.py). A process has several (a channel consuming its queues, and
+    others beating with no queue, "-"), so it is counted by this, once per queue it serves."""
+    unique, dot, process = consumer.partition(".")
+    return process if dot and process else unique
 
 
 def _moved_queue(raw: bytes) -> str:

@@ -38,7 +38,7 @@ from marshmallow import ValidationError
 
 from producer.batch import result_line
 from producer.modules import ModuleChecker
-from producer.specfile import Conversion, flatten_errors
+from producer.specfile import Conversion, file_problem, flatten_errors
 from schemas.bodies import OK
 from schemas.policy_schema import ToolPolicySchema
 from schemas.spec import ID_MAX_CHARS, ID_PATTERN, ToolSpecSchema
@@ -89,7 +89,7 @@ def load_tool_bindings(path: str | Path) -> ToolBindings:
     try:
         raw = json.loads(file_path.read_text(encoding="utf-8-sig"))
     except OSError as exc:
-        raise ToolsFileError(shown, [("", f"cannot read: {exc.strerror or exc}")]) from None
+        raise ToolsFileError(shown, [("", file_problem(exc))]) from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ToolsFileError(shown, [("", f"invalid JSON: {exc}")]) from None
     if not isinstance(raw, dict):

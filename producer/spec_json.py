@@ -34,10 +34,26 @@ class SpecIssue:
     message: str
 
     def __str__(self) -> str:
-        where = f"{printable(self.path)}:{self.line}"
+        # a problem with the file as a whole names no line: `nope.jsonl: no such file`
+        where = printable(self.path) + (f":{self.line}" if self.line else "")
         if self.field:
             return f"{where}: {printable(self.field)}: {printable(self.message)}"
         return f"{where}: {printable(self.message)}"
+
+
+def file_problem(exc: BaseException) -> str:
+    """Why a file could not be read, in a few words: `no such file`, `is a directory`."""
+    if isinstance(exc, FileNotFoundError):
+        return "no such file"
+    if isinstance(exc, IsADirectoryError):
+        return "is a directory, not a file"
+    if isinstance(exc, PermissionError):
+        return "cannot read: permission denied"
+    if isinstance(exc, UnicodeDecodeError):
+        return "cannot read: not UTF-8 text"
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"cannot read: {exc.strerror}"
+    return f"cannot read: {exc}"
 
 
 def printable(text: str) -> str:

@@ -36,6 +36,7 @@ from producer.spec_json import MAX_DEPTH as MAX_DEPTH
 from producer.spec_json import JsonlReader, json_entries, json_type, path_key, screen_object
 from producer.spec_json import ProgressHook as ProgressHook
 from producer.spec_json import SpecIssue as SpecIssue
+from producer.spec_json import file_problem as file_problem
 from schemas.program_spec import ProgramSpecSchema, is_program
 from schemas.spec import SessionSpecSchema
 from schemas.spec_types import ProgramSpec, Spec
@@ -50,11 +51,17 @@ UNKNOWN_FIELD = "Unknown field."
 class SpecFileError(Exception):
     def __init__(self, issues: Sequence[SpecIssue]) -> None:
         self.issues: list[SpecIssue] = list(issues)
-        lines = [str(issue) for issue in self.issues[:MAX_LISTED_ISSUES]]
-        hidden = len(self.issues) - MAX_LISTED_ISSUES
+        super().__init__(self.listing(MAX_LISTED_ISSUES))
+
+    def listing(self, most: int | None, more_hint: str = "") -> str:
+        """The issues, one a line: the first `most` (None: all), then how many more (and
+        `more_hint`: how to see them)."""
+        shown = self.issues if most is None else self.issues[:most]
+        lines = [str(issue) for issue in shown]
+        hidden = len(self.issues) - len(shown)
         if hidden > 0:
-            lines.append(f"... and {hidden} more")
-        super().__init__("\n".join(lines))
+            lines.append(f"... and {hidden} more{more_hint}")
+        return "\n".join(lines)
 
 
 @dataclass(frozen=True)
@@ -99,7 +106,7 @@ def load_spec_file(
         base_dir = file_path.resolve().parent
         fh = file_path.open("rb")
     except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop
-        raise SpecFileError([SpecIssue(shown, 0, "", f"cannot read: {exc}")]) from None
+        raise SpecFileError([SpecIssue(shown, 0, "", file_problem(exc))]) from None
     validator = _Validator(shown, base_dir, check, convert)
     with fh:
         try:
@@ -115,7 +122,7 @@ def load_spec_file(
                 for line, obj, screen in reader:
                     validator.add(line, obj, screen)
         except OSError as exc:
-            validator.issues.append(SpecIssue(shown, 0, "", f"cannot read: {exc}"))
+            validator.issues.append(SpecIssue(shown, 0, "", file_problem(exc)))
     return validator.finish()
 
 

@@ -76,7 +76,8 @@ class Waiting(Submitting):
                         progress = time.monotonic()
                         yield sk, record
             if deadline is not None and time.monotonic() > deadline and pending:
-                raise TimeoutError(f"{len(pending)} of {len(sub.order)} sessions still running")
+                noun = "session" if len(sub.order) == 1 else "sessions"
+                raise TimeoutError(f"{len(pending)} of {len(sub.order)} {noun} still running")
 
     def _rerun_lost(self, sub: Submission, pending: set[str]) -> None:
         """Sessions Redis lost (their meta is gone: restarted without persistence, or a

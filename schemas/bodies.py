@@ -28,6 +28,17 @@ def is_error_body(obj: Any) -> bool:
 
 
 OK = "ok"  # the outcome of a session that ended with an answer
+CANCELLED = "cancelled"  # the code of a session a cancel ended
+# Every code a session's error body can carry (worker/errors.py defines each; the README's
+# error table says when; tests/test_errors.py keeps this list in step with the tree).
+SESSION_ERROR_CODES = frozenset(
+    {
+        "cancelled", "deadline_exceeded", "guest_error", "guest_trap", "internal_error",
+        "invalid_request", "mcp_error", "provider_error", "provider_protocol_error",
+        "provider_timeout", "provider_unavailable", "step_failed", "tool_call_limit",
+        "unknown_tool",
+    }
+)  # fmt: skip
 
 
 def outcome_code(body: Any) -> str:

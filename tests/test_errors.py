@@ -6,7 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from worker.errors import CchatqError, RunAborted, StepFailedError, body_codes
+from schemas.bodies import CANCELLED, SESSION_ERROR_CODES
+from worker.errors import CancelledError, CchatqError, RunAborted, StepFailedError, body_codes
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,3 +34,10 @@ def test_every_error_carries_its_code_into_its_body() -> None:
     assert error.body() == {"error": {"code": "step_failed", "message": "step x failed for good"}}
     aborted = RunAborted(StepFailedError("gone"))
     assert isinstance(aborted, CchatqError) and aborted.code == "step_failed"
+
+
+def test_the_producer_knows_every_code_a_session_can_end_with() -> None:
+    """schemas/bodies.py's list (what `cchatq batch retry --codes` accepts) is the tree's
+    session-ending codes: the lower-case ones (a tool's error classes are upper-case)."""
+    assert {code for code in body_codes() if code.islower()} == SESSION_ERROR_CODES
+    assert CancelledError.code == CANCELLED

@@ -663,20 +663,21 @@ def test_cli_batch_list_status_results_and_cancel(
     assert submitted.returncode == 0 and batch in cli("batch", "list").stdout
 
     def status() -> dict[str, Any]:
-        return dict(json.loads(cli("batch", "status", batch).stdout))
+        return dict(json.loads(cli("batch", "status", batch, "--json").stdout))
 
     wait_for(lambda: status()["states"].get("done") == 2, timeout_s=30)
     assert status()["states"] == {"done": 2, "running": 1} and status()["sessions"] == 3
+    assert status()["status"] == "in_progress" and status()["completed_at"] is None
     out = tmp_path / "collected.jsonl"
     partial = cli("batch", "results", batch, "--out", str(out))
     assert partial.returncode == 3 and "2 of 3 results" in partial.stderr
     assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == [
         specs[0]["id"], specs[1]["id"]
     ]  # fmt: skip
-    assert "cancel requested for 1 sessions" in cli("batch", "cancel", batch).stdout
+    assert "cancel requested for 1 session\n" in cli("batch", "cancel", batch).stdout
     # the cancelled one ends when its model call does (cancellation is read between steps)
     wait_for(lambda: status()["states"].get("done") == 3, timeout_s=60)
-    assert status()["outcomes"] == {"ok": 2, "cancelled": 1}
+    assert status()["outcomes"] == {"ok": 2, "cancelled": 1} and status()["status"] == "cancelled"
     full = cli("batch", "results", batch, "--out", str(out))
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert full.returncode == 1 and [x["id"] for x in lines] == [s["id"] for s in specs]

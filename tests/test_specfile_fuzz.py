@@ -26,7 +26,7 @@ FUZZ = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
-WHOLE_FILE = ("no specs in file", "cannot read")
+WHOLE_FILE = ("no specs in file", "cannot read", "no such file", "is a directory")
 NO_OBJECT = ("invalid JSON", "invalid UTF-8", "expected a JSON object", "line longer than")
 
 VALID: list[dict[str, Any]] = [

@@ -231,9 +231,25 @@ def test_empty_files(tmp_path: Path, text: str) -> None:
 
 
 def test_a_directory_or_a_missing_file(tmp_path: Path) -> None:
-    for path in (tmp_path, tmp_path / "missing.jsonl"):
+    for path, said in (
+        (tmp_path, "is a directory, not a file"),
+        (tmp_path / "nope.jsonl", "no such file"),
+    ):
         [issue] = issues_of(path)
-        assert issue.line == 0 and issue.message.startswith("cannot read")
+        assert issue.line == 0 and issue.message == said
+        assert str(issue) == f"{path}: {said}"  # no `:0`: the file as a whole
+
+
+def test_an_unreadable_file(tmp_path: Path) -> None:
+    path = write(tmp_path / "secret.jsonl", "{}\n")
+    path.chmod(0)
+    try:
+        if os.access(path, os.R_OK):
+            pytest.skip("run as a user who reads every file (root)")
+        [issue] = issues_of(path)
+        assert str(issue) == f"{path}: cannot read: permission denied"
+    finally:
+        path.chmod(0o600)
 
 
 # --- keys -------------------------------------------------------------------------------

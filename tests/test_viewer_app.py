@@ -15,10 +15,10 @@ import pytest
 from starlette.testclient import TestClient
 
 from producer.cli import main
+from producer.cli_common import redacted
 from producer.viewer.app import HERE, create_app
 from producer.viewer.auth import COOKIE, host_name, is_loopback
 from producer.viewer.file_source import FileSource
-from producer.viewer.fleet_source import redacted
 from producer.viewer.model import RunRow
 from producer.viewer.serve import run_viewer
 from tests.viewer_data import HOSTILE, program_line, session_line, write_lines
@@ -240,9 +240,9 @@ def test_no_redis_is_refused_in_one_line(
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     monkeypatch.setenv("REDIS_URL", f"redis://127.0.0.1:{port}/0")
-    assert main(["view", "--port", "0"]) == 2
+    assert main(["view", "--port", "0"]) == 4
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and f"no Redis answers at redis://127.0.0.1:{port}/0" in err
+    assert err.count("\n") == 1 and f"cannot reach Redis at redis://127.0.0.1:{port}/0" in err
 
 
 def test_without_the_extra_the_command_says_how_to_install_it(

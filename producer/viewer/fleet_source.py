@@ -14,10 +14,9 @@ import json
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 from producer.batches import Batches, BatchMember
-from producer.cli_common import flower_links
+from producer.cli_common import flower_links, redacted
 from producer.client import Client
 from producer.submitting import CHUNK_SIZE, PIPELINE_SIZE
 from producer.viewer.model import (
@@ -48,16 +47,6 @@ CHAT_PROBE = 16  # a program run's chats looked up per round trip
 
 # (state, outcome, finished_ms, submitted_ms) of a session's meta; all None when it is gone
 MetaState = tuple[str | None, str | None, int | None, int | None]
-
-
-def redacted(url: str) -> str:
-    """A Redis URL without its password (shown in the page's header)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def _text(raw: Any) -> str | None:

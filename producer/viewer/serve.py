@@ -9,15 +9,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
-import redis
 import uvicorn
 
-from producer.cli_common import EXIT_OK, EXIT_REJECTED, redis_url
+from producer.cli_common import (
+    EXIT_OK,
+    EXIT_REJECTED,
+    EXIT_UNREACHABLE,
+    RedisUnreachable,
+    reach_redis,
+    redis_url,
+)
 from producer.client import Client
 from producer.viewer.app import create_app
 from producer.viewer.auth import LOOPBACK_NAMES, is_loopback
 from producer.viewer.file_source import FileSource, ResultsFileError
-from producer.viewer.fleet_source import FleetSource, redacted
+from producer.viewer.fleet_source import FleetSource
 from producer.viewer.source import ViewSource
 from schemas.config import FleetConfig
 
@@ -43,23 +49,13 @@ class _Server(uvicorn.Server):
         print(f"cchatq view: {url_of(self.shown_host, port)}", file=self.stream, flush=True)
 
 
-class SourceError(Exception):
-    """Nothing to read: no Redis answers."""
-
-
 def open_source(files: Sequence[str]) -> ViewSource:
     """Results files when named (no Redis), else the fleet at REDIS_URL. The viewer submits
     nothing, so its client holds the built-in configuration: no backend, no key of the fleet's."""
     if files:
         return FileSource([Path(f) for f in files])
     url = redis_url()
-    probe = redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=3)
-    try:
-        probe.ping()
-    except redis.RedisError as exc:
-        raise SourceError(f"no Redis answers at {redacted(url)} ({exc}): set REDIS_URL") from None
-    finally:
-        probe.close()
+    reach_redis(url)  # a RedisUnreachable: the one line `cchatq` prints
     return FleetSource(Client(url, config=FleetConfig()), url)
 
 
@@ -80,9 +76,12 @@ def run_viewer(
         return EXIT_REJECTED
     try:
         source = open_source(files)
-    except (ResultsFileError, SourceError) as exc:
+    except ResultsFileError as exc:
         print(f"cchatq view: {exc}", file=stream)
         return EXIT_REJECTED
+    except RedisUnreachable as exc:
+        print(exc, file=stream)
+        return EXIT_UNREACHABLE
     # without a token, only a loopback Host is served (no page of another site may rebind to it)
     hosts = None if token else {*LOOPBACK_NAMES, host}
     app = create_app(source, token=token, hosts=hosts)
