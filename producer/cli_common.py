@@ -53,7 +53,8 @@ def redacted(url: str) -> str:
 def unreachable_message(url: str, exc: BaseException) -> str:
     """One line: which Redis could not be reached, why, and what to do about it."""
     shown = redacted(url)
-    reason, hint = _reason(exc), f"start one ({_start_hint(url)}) or set REDIS_URL"
+    local = 'or a whole local fleet with `eval "$(cchatq up)"`'
+    reason, hint = _reason(exc), f"start one ({_start_hint(url)}), {local}, or set REDIS_URL"
     if isinstance(exc.__context__, socket.gaierror):
         reason, hint = f"unknown host: {reason}", "check the host name in REDIS_URL"
     elif isinstance(exc, redis.AuthenticationError | redis.ResponseError):
