@@ -13,24 +13,14 @@ from typing import Any
 
 import pytest
 
+from fixtures.demo_batch import WEATHER
 from producer.client import Client
 from tests.conftest import GUESTS, Running
 
 pytestmark = pytest.mark.fleet
 
 WEATHER_WASM = str(GUESTS / "weather.wasm")
-WEATHER_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather for a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}},
-            "required": ["city"],
-        },
-    },
-}
+WEATHER_TOOL = {"type": "function", "function": WEATHER["function"]}  # as OpenAI offers it
 
 
 def request(custom_id: str, prompt: str, **body: Any) -> dict[str, Any]:
