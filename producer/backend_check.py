@@ -1,7 +1,8 @@
 """Checking a spec's backends at submit against the configuration the producer shares with the
 workers (schemas/config.py): a backend no worker would know, or one whose API key variable is
-unset, is refused with the spec's line and field instead of failing every session later. So is
-an MCP server (`mcp_servers`) that is not configured, or not allowed in the spec's environment.
+unset, is refused with the spec's line and field instead of failing every session later (at
+`model` when a model alias of the configuration routes it). So is an MCP server
+(`mcp_servers`) that is not configured, or not allowed in the spec's environment.
 
 The key check reads this process's environment: the producer is expected to run with the
 fleet's configuration and keys. A producer that holds no keys (only the workers do) turns it
@@ -15,6 +16,7 @@ from collections.abc import Mapping
 
 from producer.specfile import SpecCheck
 from schemas.config import FleetConfig
+from schemas.model_routes import route_model
 from schemas.spec_types import SessionSpec, Spec
 
 
@@ -22,9 +24,10 @@ def backend_check(
     config: FleetConfig, environ: Mapping[str, str] | None = None, check_keys: bool = True
 ) -> SpecCheck:
     env = os.environ if environ is None else environ
-    verdicts: dict[str | None, str | None] = {}  # a file names few backends: each judged once
+    # a file names few backends: each judged once (per model alias that names it)
+    verdicts: dict[tuple[str | None, str | None], str | None] = {}
 
-    def problem(name: str | None) -> str | None:
+    def problem(name: str | None, alias: str | None) -> str | None:
         key = name or config.default_backend
         backend = config.backends.get(key)
         if backend is None:
@@ -33,7 +36,9 @@ def backend_check(
                 f" {', '.join(sorted(config.backends))}"
             )
         if check_keys and backend.api_key_env and not env.get(backend.api_key_env):
-            whose = "" if name else f" (the default backend, {key!r})"
+            whose = f" (the default backend, {key!r})" if name is None else ""
+            if alias is not None:
+                whose = f" (model alias {alias!r}, models.{alias}.backend)"
             return (
                 f"backend {key!r}{whose} reads its API key from ${backend.api_key_env},"
                 " which is not set (--no-key-check when only the workers hold it)"
@@ -41,20 +46,33 @@ def backend_check(
         return None
 
     def check(spec: Spec) -> list[tuple[str, str]]:
-        named: list[tuple[str, str | None]] = [("provider", spec.provider)]
-        if isinstance(spec, SessionSpec) and spec.limits.compress_backend:
-            named.append(("limits.compress_backend", spec.limits.compress_backend))
         found = []
-        for field, name in named:
-            if name not in verdicts:
-                verdicts[name] = problem(name)
-            if verdicts[name] is not None:
-                found.append((field, str(verdicts[name])))
+        for field, name, alias in _named_backends(config, spec):
+            if (name, alias) not in verdicts:
+                verdicts[name, alias] = problem(name, alias)
+            if verdicts[name, alias] is not None:
+                found.append((field, str(verdicts[name, alias])))
         if isinstance(spec, SessionSpec):
             found.extend(mcp_problems(config, spec))
         return found
 
     return check
+
+
+def _named_backends(config: FleetConfig, spec: Spec) -> list[tuple[str, str | None, str | None]]:
+    """The backends a spec's model calls go to, as (field, backend, alias): its provider's, or
+    the backend its model alias routes it to (None: the fleet's default), and its summaries'."""
+    route = route_model(config.models, spec.provider, spec.model or "")
+    named: list[tuple[str, str | None, str | None]] = [("provider", spec.provider, None)]
+    if route.alias is not None:
+        named = [("model", route.backend, route.alias)]
+    if isinstance(spec, SessionSpec) and spec.limits.compress_backend:
+        named.append(("limits.compress_backend", spec.limits.compress_backend, None))
+    elif isinstance(spec, SessionSpec) and spec.limits.compress_model:
+        summary = route_model(config.models, spec.provider, spec.limits.compress_model)
+        if summary.alias is not None:
+            named.append(("limits.compress_model", summary.backend, summary.alias))
+    return named
 
 
 def mcp_problems(config: FleetConfig, spec: SessionSpec) -> list[tuple[str, str]]:

@@ -136,7 +136,8 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 def cmd_config(args: argparse.Namespace) -> int:
     """`cchatq config check`: the configuration the workers and submit would read, checked
-    whole (exit 2 naming each problem), then its backends and whether each key is set here."""
+    whole (exit 2 naming each problem), then its backends and whether each key is set here,
+    its model aliases and its MCP servers."""
     environ = dict(os.environ)
     if args.file:
         environ.pop("CCHATQ_BACKENDS", None)
@@ -153,6 +154,8 @@ def cmd_config(args: argparse.Namespace) -> int:
             found = "set" if environ.get(backend.api_key_env) else "NOT SET here"
             key = f"${backend.api_key_env} {found}"
         print(f"  {name:<24} {backend.protocol:<16} {backend.base_url}  {key}")
+    for name, alias in sorted(config.models.items()):
+        print(f"  model {name:<18} -> {alias.backend} {alias.model}")
     fleet = config.tool_defaults
     for server_id, server in sorted(fleet.mcp_servers.items()):
         where = server.command[0] if server.command else server.url

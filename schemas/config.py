@@ -4,6 +4,7 @@ or inline in `CCHATQ_BACKENDS` (which wins):
 
     {"backends": {NAME: {"protocol": P, "base_url": URL, "api_key_env": VAR, ...}},
      "default_backend": NAME,
+     "models": {NAME: {"backend": NAME, "model": UPSTREAM, "params": {...}}},
      "namespace": NAME,      (where spec ids are unique unless `--namespace` says; "default")
      "tools": {"timeout_ms": N, "max_retries": N, "retry_backoff_ms": N, "max_parallel": N,
                "auto_tool_call": BOOL, "default_environment": NAME,
@@ -16,6 +17,11 @@ or inline in `CCHATQ_BACKENDS` (which wins):
                      "risk_level": L}}
 
 An MCP server is usable only by sessions whose environment lists it (`mcp_servers`).
+A model alias (`models`) sends a spec asking for NAME, with no provider, to its backend under
+its upstream model, its params under the spec's own (schemas/model_routes.py). A map, not
+LiteLLM's `model_list` of entries: a name routes to one backend (no load balancing), so a map
+states each name once and its problems are named by it (`models.NAME.backend`); the endpoint
+and key stay in `backends`, shared by every alias on them.
 
 Four backends exist without any configuration, as the provider SDKs and LiteLLM name them:
 `openai`, `anthropic` and `gemini` are the real APIs with their conventional key variables (the
@@ -44,6 +50,7 @@ from marshmallow import (
     ValidationError,
     fields,
     validate,
+    validates,
     validates_schema,
 )
 
@@ -51,8 +58,10 @@ from schemas.fleet import Environment, McpServerConfig, ToolDefaults
 from schemas.keys import DEFAULT_NAMESPACE, NAMESPACE_PATTERN, NAMESPACE_RULE
 from schemas.limits import TOOL_TIMEOUT_CAP_MS
 from schemas.mcp import SERVER_ID
+from schemas.model_routes import TOOL_CHOICE_PARAMS, ModelAlias
 from schemas.protocols import NAMES as PROTOCOL_NAMES
 from schemas.protocols import PROTOCOLS
+from schemas.spec import RESERVED_PARAMS
 from schemas.spec_types import RISK_LEVELS
 
 DEFAULT_REPLAY_URL = "http://127.0.0.1:8011/v1"
@@ -107,6 +116,7 @@ class FleetConfig:
     backends: Mapping[str, BackendConfig] = field(default_factory=builtin_backends)
     default_backend: str = "replay"
     namespace: str = DEFAULT_NAMESPACE  # where a submit claims its spec ids (schemas/keys.py)
+    models: Mapping[str, ModelAlias] = field(default_factory=dict)  # model aliases, by name
     tool_defaults: ToolDefaults = field(default_factory=ToolDefaults)
     source: str = "built-in defaults"  # where it was read: the file, or CCHATQ_BACKENDS
 
@@ -242,12 +252,34 @@ class _ToolsSchema(Schema):
             raise ValidationError("is not an environment", "default_environment")
 
 
+class _ModelSchema(Schema):
+    class Meta:
+        unknown = RAISE
+
+    backend = fields.String(required=True, validate=validate.Length(min=1))
+    model = fields.String(required=True, validate=validate.Length(min=1))
+    params = fields.Dict(keys=fields.String())
+
+    @validates("params")
+    def _not_reserved(self, value: dict[str, Any], **kwargs: Any) -> None:
+        reserved = {
+            key: ["set by the spec or the worker, not params"]
+            for key in (*RESERVED_PARAMS, *TOOL_CHOICE_PARAMS)
+            if key in value
+        }
+        if reserved:
+            raise ValidationError(reserved)
+
+
 class _ConfigSchema(Schema):
     class Meta:
         unknown = RAISE
 
     backends = fields.Dict(keys=fields.String(validate=validate.Length(min=1)), values=fields.Raw())
     default_backend = fields.String()
+    models = fields.Dict(
+        keys=fields.String(validate=validate.Length(min=1)), values=fields.Nested(_ModelSchema)
+    )
     namespace = fields.String(validate=validate.Regexp(NAMESPACE_PATTERN, error=NAMESPACE_RULE))
     tools = fields.Nested(_ToolsSchema)
     mcp_servers = fields.Dict(
@@ -292,6 +324,14 @@ def parse_config(
     default_backend = top.get("default_backend", "replay")
     if default_backend not in backends and default_backend not in (top.get("backends") or {}):
         problems.append(("default_backend", f"{default_backend!r} is not a backend"))
+    models = {  # an entry refused in part is left out: its problems are listed already
+        name: ModelAlias(name, alias["backend"], alias["model"], dict(alias.get("params") or {}))
+        for name, alias in (top.get("models") or {}).items()
+        if isinstance(alias, dict) and {"backend", "model"} <= alias.keys()
+    }
+    for name, alias in models.items():
+        if alias.backend not in backends and alias.backend not in (top.get("backends") or {}):
+            problems.append((f"models.{name}.backend", f"{alias.backend!r} is not a backend"))
     tools = top.get("tools") or {}
     servers = _mcp_servers(top.get("mcp_servers") or {})
     named = raw["mcp_servers"] if isinstance(raw.get("mcp_servers"), dict) else {}
@@ -315,6 +355,7 @@ def parse_config(
     return FleetConfig(
         backends=backends,
         default_backend=default_backend,
+        models=models,
         namespace=top.get("namespace", DEFAULT_NAMESPACE),
         tool_defaults=ToolDefaults(
             **{**tools, "environments": environments, "mcp_servers": servers}

@@ -1,8 +1,9 @@
 """A model call, as the steps make it: the backend named by the session (or the fleet's
-default), the account's rate control (worker.session.rate_control; the static limit of a
-backend with `adaptive: false`), the call through the CompletionProvider port, and the partial
-text of a streamed round for `cchatq status`. The round step and the summaries of long tool
-outputs call models only through here."""
+default; a model alias of the configuration routes a session that names none:
+schemas/model_routes.py), the account's rate control (worker.session.rate_control; the static
+limit of a backend with `adaptive: false`), the call through the CompletionProvider port, and
+the partial text of a streamed round for `cchatq status`. The round step and the summaries of
+long tool outputs call models only through here."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from schemas.model_routes import ModelAlias, ModelRoute, route_model
 from worker.codecs.protocol import ChatRequest, Delta
 from worker.codecs.rate_headers import RateSignal
 from worker.config import BackendConfig
@@ -81,6 +83,13 @@ class ModelCaller:
     rate_limiter: RateLimiter  # a backend's static limit, when it is not adaptive
     store: SessionStore  # where a streamed round's partial text goes
     control: RateControl  # the adaptive rate control of every other backend
+    models: Mapping[str, ModelAlias] = field(default_factory=dict)  # the model aliases
+
+    def route(
+        self, provider: str | None, model: str, params: Mapping[str, Any] | None = None
+    ) -> ModelRoute:
+        """Where a call naming `provider` and `model` goes (an alias applies without one)."""
+        return route_model(self.models, provider, model, params)
 
     def backend(self, provider: str | None) -> BackendConfig | None:
         """The backend of this name (the fleet's default for None); None when there is none."""
@@ -94,17 +103,18 @@ class ModelCaller:
     ) -> dict[str, Any]:
         """A round's model call: the reply, or the error body the round ends in. RateLimited
         when its backend has no room yet (the step is put off, no try spent)."""
-        backend = self.backend(session.spec.provider)
+        route = self.route(session.spec.provider, step.model, step.params)
+        backend = self.backend(route.backend)
         if backend is None:
-            name = session.spec.provider
+            name = route.backend
             return ProviderError(
                 f"unknown backend {name!r}; configured: {sorted(self.backends)}"
             ).body()
         chat = ChatRequest(
-            model=step.model,
+            model=route.model,
             messages=step.messages,
             tools=step.tools,
-            params=step.params,
+            params=route.params,
             tool_choice=step.tool_choice,
             parallel_tool_calls=step.parallel_tool_calls,
             stream=backend.stream,

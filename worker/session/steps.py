@@ -94,6 +94,7 @@ class StepRunner:
             self.rate_limiter,
             self.store,
             self.rate_control,
+            fleet.models,
         )
         self.tool_context = ToolContext(
             store=self.store,
@@ -200,11 +201,15 @@ class StepRunner:
         self, sk: str, read: Session | None = None, upto_round: int | None = None
     ) -> Session:
         """The session as the engine sees it: what the step read (or reads now), with the
-        fleet's tool defaults."""
+        fleet's tool defaults, and the backend its model alias routes it to (its reply's
+        `_spear.backend`)."""
         if read is None:
             backend = self.settings.fleet.default_backend
             read = self.store.load_session(sk, backend, upto_round=upto_round)
-        return replace(read, fleet=self.settings.fleet.tool_defaults)
+        routed = self.models.route(read.spec.provider, read.spec.model).backend
+        return replace(
+            read, backend=routed or read.backend, fleet=self.settings.fleet.tool_defaults
+        )
 
     # tool ----------------------------------------------------------------------------------
 

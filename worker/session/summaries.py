@@ -37,7 +37,10 @@ def summarized(
         or outcome.output_bytes <= limits.compress_over_bytes
     ):
         return outcome
-    backend = models.backend(limits.compress_backend or spec.provider)
+    route = models.route(
+        limits.compress_backend or spec.provider, limits.compress_model or spec.model
+    )
+    backend = models.backend(route.backend)
     if backend is None:
         return outcome
     text = (
@@ -46,7 +49,7 @@ def summarized(
         else excerpt(output, SUMMARY_INPUT_BYTES)
     )
     chat = ChatRequest(
-        model=limits.compress_model or spec.model,
+        model=route.model,
         messages=[
             {
                 "role": "system",
@@ -55,7 +58,7 @@ def summarized(
             {"role": "user", "content": text},
         ],
         tools=[],
-        params={},
+        params=route.params,
     )
     try:
         reply = Reply.parse(models.complete(backend, chat))
