@@ -6,7 +6,8 @@
 2. sessions per second for 1,000 such sessions;
 3. with 200 ms model latency and llm concurrency C: wall time next to the ideal
    (model calls x latency / C);
-4. the validation of a 120k-session spec file at submit (bench/validation.py, no fleet).
+4. the validation of a 120k-session spec file at submit (bench/validation.py, no fleet);
+5. a stdio MCP tool call after the first, through the worker's edge (bench/mcp_calls.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 import fixtures
 from bench.codecs import codec_rows
 from bench.goals import in_flight_goal, throughput_goals
+from bench.mcp_calls import mcp_call_row
 from bench.tool_calls import rate_limit_rows, tool_call_rows
 from bench.validation import validation_row
 from fixtures.demo_batch import WEATHER
@@ -164,6 +166,7 @@ def fork_micro(rows: list[tuple[str, str]]) -> None:
 def main() -> int:
     rows: list[tuple[str, str]] = codec_rows()
     rows.append(validation_row())
+    rows.append(mcp_call_row())
     fork_micro(rows)
     tool_call_rows(rows)
     with Fleet() as fleet, Fleet() as slow:

@@ -14,7 +14,7 @@ or inline in `CCHATQ_BACKENDS` (which wins):
      "mcp_servers": {ID: {"command": [PROGRAM, ARG, ...], "env": {VAR: VALUE}, "cwd": DIR}
                          | {"url": URL, "api_key_env": VAR},
                      with either: "allow_tools"/"deny_tools": [GLOB], "timeout_ms": N,
-                     "risk_level": L}}
+                     "risk_level": L, "list_ttl_s": S}}
 
 An MCP server is usable only by sessions whose environment lists it (`mcp_servers`).
 A model alias (`models`) sends a spec asking for NAME, with no provider, to its backend under
@@ -65,6 +65,7 @@ from schemas.spec import RESERVED_PARAMS
 from schemas.spec_types import RISK_LEVELS
 
 DEFAULT_REPLAY_URL = "http://127.0.0.1:8011/v1"
+LIST_TTL_CAP_S = 86_400  # an MCP server's listing kept at most a day
 ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
 
 
@@ -147,6 +148,17 @@ class _StrictInt(fields.Field[int]):
         return value
 
 
+class _TtlSeconds(fields.Field[float]):
+    """A cache's time to live: 0 (no cache) up to a day."""
+
+    def _deserialize(self, value: Any, attr: str | None, data: Any, **kwargs: Any) -> float:
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise ValidationError("must be a number of seconds")
+        if not math.isfinite(value) or not 0 <= value <= LIST_TTL_CAP_S:
+            raise ValidationError(f"must be between 0 and {LIST_TTL_CAP_S} seconds")
+        return float(value)
+
+
 class _Seconds(fields.Field[float]):
     def _deserialize(self, value: Any, attr: str | None, data: Any, **kwargs: Any) -> float:
         if not isinstance(value, int | float) or isinstance(value, bool):
@@ -220,6 +232,7 @@ class _McpServerSchema(Schema):
         )
     )
     risk_level = fields.String(validate=validate.OneOf(RISK_LEVELS))
+    list_ttl_s = _TtlSeconds()
 
     @validates_schema
     def _one_transport(self, data: dict[str, Any], **kwargs: Any) -> None:
@@ -379,6 +392,7 @@ def _mcp_servers(loaded: dict[str, Any]) -> dict[str, McpServerConfig]:
             deny_tools=tuple(server.get("deny_tools") or ()),
             timeout_ms=server.get("timeout_ms"),
             risk_level=server.get("risk_level", "low"),
+            list_ttl_s=float(server.get("list_ttl_s", McpServerConfig.list_ttl_s)),
         )
     return out
 

@@ -14,8 +14,9 @@ from schemas.limits import Limits
 
 @dataclass(frozen=True)
 class McpServerConfig:
-    """One MCP server of the configuration's `mcp_servers`: a command the worker spawns (stdio,
-    one process per listing or call) or the URL of a streamable-HTTP server."""
+    """One MCP server of the configuration's `mcp_servers`: a command the worker spawns (stdio:
+    one process per worker process, kept for its listings and calls) or the URL of a
+    streamable-HTTP server (one session per worker process)."""
 
     id: str
     command: tuple[str, ...] = ()  # stdio: the program and its arguments
@@ -27,6 +28,7 @@ class McpServerConfig:
     deny_tools: tuple[str, ...] = ()
     timeout_ms: int | None = None  # a call's (and a listing's); None: tools.timeout_ms
     risk_level: str = "low"  # of each of its tools, as a tool policy's (permissions)
+    list_ttl_s: float = 60.0  # how long a worker process keeps its listing; 0: not kept
 
     @property
     def transport(self) -> str:

@@ -102,6 +102,8 @@ class McpToolRef:
 
     server: str
     tool: str
+    # the tool message is the whole CallToolResult, as SPEAR sends it (a program's chat)
+    whole_result: bool = False
 
 
 @dataclass(frozen=True)
@@ -314,7 +316,10 @@ def _tool_to_json(tool: ToolSpec) -> dict[str, Any]:
     if policy:
         out["policy"] = policy
     if tool.mcp is not None:
-        out["mcp"] = {"server": tool.mcp.server, "tool": tool.mcp.tool}
+        ref: dict[str, Any] = {"server": tool.mcp.server, "tool": tool.mcp.tool}
+        if tool.mcp.whole_result:
+            ref["whole_result"] = True
+        out["mcp"] = ref
     return out
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,8 @@ from schemas.spec_types import (
     SessionSpec,
     spec_from_json,
     spec_to_json,
+    tool_from_json,
+    tool_to_json,
     with_mcp_tools,
 )
 from tests.test_config import cli
@@ -60,7 +63,9 @@ def test_mcp_servers_are_named_once_and_allowed_per_environment() -> None:
         "WEB_MCP_TOKEN",
     )
     assert (fs.allow_tools, fs.deny_tools, fs.timeout_ms) == (("*",), (), None)
-    assert fs.risk_level == "low"
+    assert (fs.risk_level, fs.list_ttl_s) == ("low", 60.0)
+    kept = parse_config({"mcp_servers": {"fs": {"command": ["x"], "list_ttl_s": 0}}})
+    assert kept.tool_defaults.mcp_servers["fs"].list_ttl_s == 0.0  # 0: listed for every use
     assert fleet.mcp_allowed("dev") == ("fs",)
     assert fleet.mcp_allowed(None) == ("fs",)  # the default environment's
     assert fleet.mcp_allowed("prod") == ()
@@ -80,6 +85,7 @@ def test_mcp_configuration_is_checked_strictly_each_problem_by_its_path() -> Non
                 "mixed": {"url": "http://127.0.0.1:9/mcp", "env": {"A": "b"}, "cwd": "/"},
                 "keyed": {"command": ["x"], "api_key_env": "TOKEN"},
                 "typed": {"command": ["x"], "timeout_ms": "5000", "risk_level": "extreme"},
+                "ttl": {"command": ["x"], "list_ttl_s": -1},
                 "ftp": {"url": "ftp://host/mcp"},
                 "has space": {"command": ["x"]},
                 "unknown": {"command": ["x"], "args": ["y"]},
@@ -97,6 +103,7 @@ def test_mcp_configuration_is_checked_strictly_each_problem_by_its_path() -> Non
         "mcp_servers.keyed.api_key_env: only with url",
         "mcp_servers.typed.timeout_ms: must be an integer",
         "mcp_servers.typed.risk_level: Must be one of: low, medium, high.",
+        "mcp_servers.ttl.list_ttl_s: must be between 0 and 86400 seconds",
         "mcp_servers.ftp.url: Not a valid URL.",
         "mcp_servers.unknown.args: unknown key",
         "tools.environments.dev.mcp_servers.0: 'fs' is not one of mcp_servers",
@@ -139,6 +146,11 @@ def test_offered_tools_pass_the_servers_globs_then_the_sessions_lists() -> None:
     assert [t.mcp.tool for t in allowlisted if t.mcp] == ["read_file", "list_dir"]
     denied = offered_tools(SERVER, LISTED, allowlist=["*"], denylist=["list_*"])
     assert [t.mcp.tool for t in denied if t.mcp] == ["read_file", "write_file"]
+    # a program's tool is stored with whole_result, and only then (spec sessions' unchanged)
+    assert tool_to_json(read)["mcp"] == {"server": "fs", "tool": "read_file"}
+    whole = replace(read, mcp=McpToolRef("fs", "read_file", whole_result=True))
+    assert tool_to_json(whole)["mcp"]["whole_result"] is True
+    assert tool_from_json(tool_to_json(whole)) == whole
 
 
 def session_spec(**extra: Any) -> dict[str, Any]:

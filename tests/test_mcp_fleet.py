@@ -112,16 +112,21 @@ def test_with_permission_the_allowed_tools_are_called_and_the_denied_not_offered
     body = json.loads(record["stdout"].split("response_json=", 1)[1])
     assert body == record["responses"][0]
     said = body["choices"][0]["message"]["content"]
-    # the program reads raw tool outputs (SPEAR's): the fixture's sum; `secret` was not offered
+    # the program reads raw tool outputs (SPEAR's): the whole CallToolResult of the fixture's
+    # sum; `secret` was not offered
+    whole = (
+        '{"content":[{"type":"text","text":"42"}],"structuredContent":{"result":42},'
+        '"isError":false}'
+    )
     assert said == (
-        'Tool said: {"result":42} | {"error":{"code":"TOOL_NOT_FOUND",'
+        f'Tool said: {whole} | {{"error":{{"code":"TOOL_NOT_FOUND",'
         f'"message":"unknown tool: {SECRET}"}}}}'
     )
     offered = chat_spec(mcp_fleet, run_id)
     assert [t["function"]["name"] for t in offered["tools"]] == [ADD, ECHO]  # add, e*
-    assert [t["mcp"] for t in offered["tools"]] == [
-        {"server": "fs", "tool": "add"},
-        {"server": "fs", "tool": "echo"},
+    assert [t["mcp"] for t in offered["tools"]] == [  # a program's: the whole result
+        {"server": "fs", "tool": "add", "whole_result": True},
+        {"server": "fs", "tool": "echo", "whole_result": True},
     ]
     assert not any(key.startswith("mcp.") for key in offered["params"])  # never upstream
     assert mcp_fleet.ran()[len(before) :] == ["add"]  # run once, on the server; secret never

@@ -143,25 +143,33 @@ def test_with_permission_the_allowed_tools_are_offered_and_called(twins: McpPipe
     assert twins.mcp.calls == [("fs", "add", {"a": 40, "b": 2})]
     body = host.response_bodies()[0]
     said = body["choices"][0]["message"]["content"]
-    # raw outputs, as SPEAR programs read them: the sum, and `secret` unknown (never offered)
-    assert said.startswith('Tool said: {"result": 42} | {"error":{"code":"TOOL_NOT_FOUND"')
+    # raw outputs, as SPEAR programs read them: the whole CallToolResult of the sum, and
+    # `secret` unknown (never offered)
+    whole = '{"content":[{"type":"text","text":"{\\"result\\": 42}"}],"isError":false}'
+    assert said.startswith(f'Tool said: {whole} | {{"error":{{"code":"TOOL_NOT_FOUND"')
+    assert [t.mcp and t.mcp.whole_result for t in chat.tools] == [True, True]
     assert dump.result(recv) > 0
 
 
-def test_a_server_that_cannot_list_makes_the_response_an_mcp_error(twins: McpPipe) -> None:
+def test_a_server_that_cannot_list_is_skipped_with_a_warn_line(twins: McpPipe) -> None:
     twins.mcp.down.add("fs")
     p = Program()
     s = p.call("cchat_create")
-    for raw in SETS[:2]:
+    for raw in (*SETS[:2], '{"key":"model","value":"replay/plain"}'):
         with_arg(p, "cchat_ctl", Ref(s), SET_PARAM, raw)
     write_msg(p, Ref(s), "user", "hello")
     p.call("cchat_send", Ref(s), AUTO_TOOL_CALL)
-    host, _, _ = run(twins, p, allowed=("fs",))
-    assert host.response_bodies() == [
+    host, _, run_sk = run(twins, p, allowed=("fs",))
+    assert twins.mcp.listings == ["fs"]
+    # as SPEAR: the chat goes on without that server's tools, and the program's log says so
+    [body] = host.response_bodies()
+    assert "error" not in body and body["choices"][0]["message"]["content"]
+    chat = twins.pipe.store.load_spec(keys.chat_session_key(run_sk, 0))
+    assert isinstance(chat, SessionSpec) and chat.tools == ()
+    assert host.logs == [
         {
-            "error": {
-                "code": "mcp_error",
-                "message": "MCP server fs could not list its tools: ConnectionError",
-            }
+            "level": "warn",
+            "message": "MCP server fs could not list its tools: ConnectionError: "
+            "its tools are not offered",
         }
     ]

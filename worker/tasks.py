@@ -32,6 +32,7 @@ from worker.wiring import (
     add_step_context,
     celery_config,
     check_spans,
+    close_mcp,
     flush_spans,
     program_steps,
     runner,
@@ -71,6 +72,13 @@ def _flush_spans(**_: Any) -> None:
     """A stopping worker process sends the spans it holds (a prefork child, or the main
     process of a threads pool)."""
     flush_spans()
+
+
+@worker_process_shutdown.connect
+@worker_shutdown.connect
+def _close_mcp(**_: Any) -> None:
+    """A stopping worker process closes its MCP sessions: its stdio servers stop with it."""
+    close_mcp()
 
 
 @worker_ready.connect

@@ -44,7 +44,8 @@ class Wiring:
         self._lock = threading.Lock()
         self.programs = RedisProgramStore(self.store)
         fleet = settings.fleet.tool_defaults
-        self.mcp = McpTools(fleet.mcp_servers, fleet.timeout_ms)  # holds nothing until used
+        # one session per server, started on first use (after a fork: the child's own)
+        self.mcp = McpTools(fleet.mcp_servers, fleet.timeout_ms)
         self._tools = ToolRouter(self.runtime, self.mcp)  # WASM tools, or MCP servers' tools
         self.spans = span_sink(settings)
         self.runner = StepRunner(
@@ -162,6 +163,14 @@ def flush_spans() -> None:
     built = _wiring
     if built is not None and built[0] == os.getpid():
         built[1].spans.flush()
+
+
+def close_mcp() -> None:
+    """Close this process's MCP sessions, stopping its stdio servers (its worker is
+    stopping); builds nothing."""
+    built = _wiring
+    if built is not None and built[0] == os.getpid():
+        built[1].mcp.close()
 
 
 def program_steps(app: Celery) -> ProgramSteps:

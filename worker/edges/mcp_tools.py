@@ -1,43 +1,47 @@
 """MCP servers (Model Context Protocol) through the official `mcp` SDK: a server's tool list,
 and one tool call (the McpClient port).
 
-Every listing and every call is a session of its own, run in a fresh event loop (`anyio.run`)
-in the calling thread, so a worker of any pool (prefork, threads) calls it as it calls a WASM
-tool; the whole of it (starting the server, the handshake, the call) is bounded by the call's
-timeout. A stdio server is a process started for the listing or call and stopped with it (the
-SDK closes its stdin, then kills its process tree); its stderr is discarded, as it may echo
-arguments. A listing is kept LIST_TTL_S per process, so the sends of one program and the
-sessions of one batch share it.
+The sessions are pooled (worker/edges/mcp_pool.py): a worker process keeps one client session
+per server, started on first use, shared by its threads and started again when its server goes
+away; a thread waits for its listing or call, which runs on the pool's loop. Each is bounded by
+its timeout; a call past it is abandoned (the SDK tells the server to cancel it) and the
+session stays. A stdio server's stderr is discarded, as it may echo arguments. A server's
+listing is kept per process for its `list_ttl_s`, so the sends of one program and the sessions
+of one batch share it.
 
 SDK and transport exceptions are translated here, once: a listing that fails -> McpError; a
 call past its timeout -> ToolTimeoutError; a result flagged isError, or a server that fails
 -> ToolRuntimeError (`ran=False` when the call was never sent); an output over the cap ->
-ToolOutputTooLargeError. Tool arguments and outputs are never logged.
+ToolOutputTooLargeError. A program's call (`whole_result`) answers with the whole
+CallToolResult as SPEAR does, isError included. Tool arguments and outputs are never logged.
 """
 
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import json
 import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import httpx2
-from mcp import ClientSession, StdioServerParameters
+from mcp import StdioServerParameters
 from mcp.client.stdio import stdio_client
 from mcp.client.streamable_http import streamable_http_client
-from mcp.types import CallToolResult, PaginatedRequestParams, TextContent, Tool
+from mcp.shared.exceptions import MCPError
+from mcp.types import CONNECTION_CLOSED, CallToolResult, PaginatedRequestParams, TextContent, Tool
 
 from schemas.fleet import McpServerConfig
 from schemas.mcp import McpToolInfo
+from worker.edges.mcp_pool import McpPool
 from worker.errors import (
     McpError,
     ToolOutputTooLargeError,
@@ -48,9 +52,10 @@ from worker.session.ports import ToolCall
 
 log = logging.getLogger(__name__)
 
-LIST_TTL_S = 30.0
+T = TypeVar("T")
 MESSAGE_CHARS = 500  # of a tool's error text, in its tool message
 MAX_LISTED = 1000  # tools of one server (pages of its listing followed up to this)
+WAIT_GRACE_S = 5.0  # past a timeout, how long a thread waits for the loop to give up
 
 
 @dataclass
@@ -66,19 +71,35 @@ class McpTools:
         servers: Mapping[str, McpServerConfig],
         default_timeout_ms: int,
         environ: Mapping[str, str] | None = None,
-        list_ttl_s: float = LIST_TTL_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._servers = dict(servers)
         self._default_timeout_ms = default_timeout_ms
         self._environ = os.environ if environ is None else environ
-        self._list_ttl_s = list_ttl_s
         self._clock = clock
         self._lists: dict[str, tuple[float, tuple[McpToolInfo, ...]]] = {}
         self._lock = threading.Lock()
+        self.pool = McpPool(self._transport)
 
     def timeout_ms(self, server: McpServerConfig) -> int:
         return server.timeout_ms or self._default_timeout_ms
+
+    def close(self) -> None:
+        """Close the process's sessions (its stdio servers stop): the worker is stopping."""
+        self.pool.close()
+
+    def _transport(self, server: McpServerConfig) -> AbstractAsyncContextManager[Any]:
+        return _transport(server, self._environ, self.timeout_ms(server) / 1000)
+
+    def _wait(self, coroutine: Coroutine[Any, Any, T], timeout_s: float) -> T:
+        """Run `coroutine` (bounded by `timeout_s` itself) on the pool's loop and wait for it;
+        a loop that does not answer shortly after is given up on too."""
+        future = self.pool.submit(coroutine)
+        try:
+            return future.result(timeout_s + WAIT_GRACE_S)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise TimeoutError from None
 
     # listing -------------------------------------------------------------------------------
 
@@ -89,13 +110,13 @@ class McpTools:
         now = self._clock()
         with self._lock:
             cached = self._lists.get(server_id)
-            if cached is not None and now - cached[0] < self._list_ttl_s:
+            if cached is not None and now - cached[0] < server.list_ttl_s:
                 return cached[1]
         timeout_ms = self.timeout_ms(server)
         if budget_ms is not None:
             timeout_ms = max(1, min(timeout_ms, budget_ms))
         try:
-            listed = anyio.run(self._list, server, timeout_ms / 1000)
+            listed = self._wait(self._list(server, timeout_ms / 1000), timeout_ms / 1000)
         except Exception as exc:
             root = _root(exc)
             if isinstance(root, TimeoutError):
@@ -106,21 +127,30 @@ class McpTools:
                 f"MCP server {server_id} could not list its tools: {_reason(root)}"
             ) from None
         log.info("MCP server %s lists %d tools", server_id, len(listed))
-        with self._lock:
-            self._lists[server_id] = (now, listed)
+        if server.list_ttl_s > 0:
+            with self._lock:
+                self._lists[server_id] = (now, listed)
         return listed
 
     async def _list(self, server: McpServerConfig, timeout_s: float) -> tuple[McpToolInfo, ...]:
         with anyio.fail_after(timeout_s):
-            async with _session(server, self._environ, timeout_s) as session:
-                tools: list[Tool] = []
-                result = await session.list_tools()
+            client = await self._client(server)
+            tools: list[Tool] = []
+            result = await client.list_tools()
+            tools.extend(result.tools)
+            while result.next_cursor and len(tools) < MAX_LISTED:
+                page = PaginatedRequestParams(cursor=result.next_cursor)
+                result = await client.list_tools(params=page)
                 tools.extend(result.tools)
-                while result.next_cursor and len(tools) < MAX_LISTED:
-                    page = PaginatedRequestParams(cursor=result.next_cursor)
-                    result = await session.list_tools(params=page)
-                    tools.extend(result.tools)
         return tuple(_info(tool) for tool in tools[:MAX_LISTED])
+
+    async def _client(self, server: McpServerConfig) -> Any:
+        """The server's live client session (the pool's, or one started now)."""
+        session = await self.pool.session(server)
+        client = session.client
+        if client is None:  # its server went away between the two lines
+            raise ConnectionError("the MCP session ended")
+        return client
 
     # a call --------------------------------------------------------------------------------
 
@@ -132,10 +162,9 @@ class McpTools:
             raise ToolRuntimeError(f"{where} is not configured on this worker", ran=False)
         arguments = json.loads(call.arguments)  # canonical JSON of an object, validated
         sent = _Sent()
+        timeout_s = call.timeout_ms / 1000
         try:
-            result = anyio.run(
-                self._call, server, ref.tool, arguments, call.timeout_ms / 1000, sent
-            )
+            result = self._wait(self._call(server, ref.tool, arguments, timeout_s, sent), timeout_s)
         except Exception as exc:
             root = _root(exc)
             if isinstance(root, TimeoutError):
@@ -145,10 +174,13 @@ class McpTools:
             raise ToolRuntimeError(
                 f"MCP server {server.id}: {_reason(root)}", ran=sent.value
             ) from None
-        if result.is_error:
+        if ref.whole_result:
+            output = _compact(_whole(result))
+        elif result.is_error:
             text = _text(result) or "the MCP tool reported an error"
             raise ToolRuntimeError(text[:MESSAGE_CHARS], ran=True)
-        output = _output(result)
+        else:
+            output = _output(result)
         size = len(output.encode())
         if size > call.max_output_bytes:
             raise ToolOutputTooLargeError(
@@ -165,21 +197,10 @@ class McpTools:
         sent: _Sent,
     ) -> CallToolResult:
         with anyio.fail_after(timeout_s):
-            async with _session(server, self._environ, timeout_s) as session:
-                sent.value = True
-                return await session.call_tool(tool, arguments)
-
-
-@asynccontextmanager
-async def _session(
-    server: McpServerConfig, environ: Mapping[str, str], timeout_s: float
-) -> AsyncIterator[ClientSession]:
-    """An initialized client session on the server's transport."""
-    async with _transport(server, environ, timeout_s) as streams:
-        read, write = streams[0], streams[1]
-        async with ClientSession(read, write) as session:
-            await session.initialize()
-            yield session
+            client = await self._client(server)
+            sent.value = True
+            result: CallToolResult = await client.call_tool(tool, arguments)
+            return result
 
 
 def _transport(
@@ -248,6 +269,20 @@ def _output(result: CallToolResult) -> str:
     )
 
 
+def _whole(result: CallToolResult) -> dict[str, Any]:
+    """The result as SPEAR hands it to a program's chat: its content blocks, its structured
+    content when it has one, and whether it is an error."""
+    out: dict[str, Any] = {
+        "content": [
+            c.model_dump(mode="json", by_alias=True, exclude_none=True) for c in result.content
+        ]
+    }
+    if result.structured_content is not None:
+        out["structuredContent"] = result.structured_content
+    out["isError"] = bool(result.is_error)
+    return out
+
+
 def _compact(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
@@ -263,4 +298,6 @@ def _reason(exc: BaseException) -> str:
     """A failure's class and a short message: never arguments, which servers may echo."""
     if isinstance(exc, OSError) and exc.strerror:
         return f"{type(exc).__name__}: {exc.strerror}"
+    if isinstance(exc, MCPError) and exc.code == CONNECTION_CLOSED:
+        return "the connection closed"  # the server went away: the next call starts it again
     return type(exc).__name__

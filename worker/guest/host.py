@@ -32,7 +32,6 @@ from worker.errors import (
     DeadlineExceededError,
     GuestFault,
     InvalidRequestError,
-    McpError,
     RunAborted,
     SessionError,
     StoreError,
@@ -49,6 +48,8 @@ from worker.guest.shared import SharedCalls
 from worker.guest.user_streams import UserStreamCalls
 from worker.session.ports import Dispatcher
 from worker.session.tool_logs import LEVELS
+
+WARN = LEVELS.index("warn")
 
 log = logging.getLogger(__name__)
 ROLES = ("system", "user", "assistant", "tool")
@@ -277,10 +278,11 @@ class ProgramHost:
             )
             for tool in session.tools
         )
-        try:  # its MCP servers' tools, after its own (a name of its own wins)
-            offered = chat_mcp_tools(mcp_params, self.d.mcp, self._left_ms)
-        except McpError as exc:
-            return dump_body(exc.body())
+        # its MCP servers' tools, after its own (a name of its own wins); a server that
+        # cannot list them is skipped with a warn line, as SPEAR skips it
+        offered = chat_mcp_tools(
+            mcp_params, self.d.mcp, self._left_ms, lambda text: self._log_line(WARN, text)
+        )
         own = {t.name for t in tools}
         tools += tuple(t for t in offered if t.name not in own)
         return SessionSpec(

@@ -10,18 +10,20 @@ allows, and its chats offer their tools. Consumed here, never sent upstream.
 
 A value of the wrong shape is -EINVAL, as is any other `mcp.` key. At `cchat_send`, a session
 with `mcp.enabled` true offers the tools of its `mcp.server_ids` (listed then, filtered by the
-configuration's globs and then these lists) after its own; a server that cannot list them makes
-the response an `mcp_error` body.
+configuration's globs and then these lists) after its own; a server that cannot list them is
+skipped with a warn line in the program's log, as SPEAR skips it. A call of one answers with
+the whole CallToolResult, as SPEAR's does (`whole_result`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from schemas.fleet import ToolDefaults
 from schemas.spec_types import ToolSpec
+from worker.errors import McpError
 from worker.guest import abi
 from worker.session.mcp_offer import mcp_tools
 from worker.session.ports import McpClient
@@ -69,18 +71,31 @@ def set_mcp_param(params: dict[str, Any], key: str, value: Any, access: McpAcces
 
 
 def chat_mcp_tools(
-    consumed: dict[str, Any], access: McpAccess, budget_ms: Callable[[], int]
+    consumed: dict[str, Any],
+    access: McpAccess,
+    budget_ms: Callable[[], int],
+    warn: Callable[[str], None],
 ) -> tuple[ToolSpec, ...]:
-    """The MCP tools a chat offers, from its consumed `mcp.` params (raises McpError), each
-    listing within `budget_ms()` (what is left of the run)."""
+    """The MCP tools a chat offers, from its consumed `mcp.` params, each listing within
+    `budget_ms()` (what is left of the run); a server that cannot list is skipped and `warn`
+    says so (the program's log)."""
     if consumed.get(ENABLED) is not True:
         return ()
     servers = [s for s in consumed.get(SERVER_IDS) or () if s]
-    return mcp_tools(
+
+    def skip(exc: McpError) -> None:
+        warn(f"{exc.message}: its tools are not offered")
+
+    offered = mcp_tools(
         access.client,
         access.fleet,
         dict.fromkeys(servers),  # each once, in order
         consumed.get(TOOL_ALLOWLIST) or (),
         consumed.get(TOOL_DENYLIST) or (),
         budget_ms,
+        skip,
+    )
+    return tuple(
+        replace(t, mcp=replace(t.mcp, whole_result=True)) if t.mcp is not None else t
+        for t in offered
     )

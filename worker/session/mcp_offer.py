@@ -43,19 +43,27 @@ def mcp_tools(
     allowlist: Iterable[str] = (),
     denylist: Iterable[str] = (),
     budget_ms: Callable[[], int] | None = None,
+    skip: Callable[[McpError], None] | None = None,
 ) -> tuple[ToolSpec, ...]:
     """The tools `servers` offer, in their order (a name already offered is not offered twice).
-    Raises McpError when a server is not configured or cannot list its tools. `budget_ms`: the
-    time left for each listing (a program's run deadline)."""
+    Raises McpError when a server is not configured or cannot list its tools, unless `skip`
+    is given: then that server offers nothing and `skip` is told why (SPEAR's way). `budget_ms`:
+    the time left for each listing (a program's run deadline)."""
     allowlist, denylist = tuple(allowlist), tuple(denylist)
     out: dict[str, ToolSpec] = {}
     for server_id in servers:
-        server = fleet.mcp_servers.get(server_id)
-        if server is None:
-            raise McpError(f"MCP server {server_id!r} is not configured")
-        if client is None:
-            raise McpError("this worker calls no MCP server")
-        listed = client.list_tools(server_id, None if budget_ms is None else budget_ms())
+        try:
+            server = fleet.mcp_servers.get(server_id)
+            if server is None:
+                raise McpError(f"MCP server {server_id!r} is not configured")
+            if client is None:
+                raise McpError("this worker calls no MCP server")
+            listed = client.list_tools(server_id, None if budget_ms is None else budget_ms())
+        except McpError as exc:
+            if skip is None:
+                raise
+            skip(exc)
+            continue
         for tool in offered_tools(server, listed, allowlist, denylist):
             out.setdefault(tool.name, tool)
     return tuple(out.values())

@@ -19,7 +19,9 @@ Handler = Callable[[dict[str, Any]], str]
 @dataclass
 class MemoryMcp:
     """Servers by id: each tool's listing and its handler (arguments -> output text). Every
-    listing and call is recorded (`listings`, `calls`); a server in `down` cannot be listed."""
+    listing and call is recorded (`listings`, `calls`); a server in `down` cannot be listed.
+    A program's call (`whole_result`) answers as the edge does: a CallToolResult's JSON with the
+    text as its one content block, isError when the tool failed."""
 
     servers: dict[str, dict[str, tuple[McpToolInfo, Handler]]] = field(default_factory=dict)
     down: set[str] = field(default_factory=set)
@@ -38,6 +40,17 @@ class MemoryMcp:
         return tuple(info for info, _ in self.servers[server].values())
 
     def run(self, call: ToolCall) -> str:
+        assert call.mcp is not None
+        if not call.mcp.whole_result:
+            return self._run(call)
+        try:
+            text, failed = self._run(call), False
+        except ToolRuntimeError as exc:
+            text, failed = exc.message, True
+        content = [{"type": "text", "text": text}]
+        return json.dumps({"content": content, "isError": failed}, separators=(",", ":"))
+
+    def _run(self, call: ToolCall) -> str:
         assert call.mcp is not None
         tools = self.servers.get(call.mcp.server, {})
         if call.mcp.tool not in tools:
