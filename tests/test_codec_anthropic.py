@@ -520,8 +520,8 @@ def test_input_is_an_object() -> None:
         ("null", {}),
         ('"{\\"city\\":\\"Rome\\"}"', {"city": "Rome"}),  # double-encoded
         ('{"city": "Pa', {"city": "Pa"}),  # truncated: the cheap repair closes it
-        ("{not json", {}),  # never parsed: `{}`, the paired error result explains
-        ('["Paris"]', {}),
+        ("{not json", {"_raw_arguments": "{not json"}),  # never read: the text, in an object
+        ('["Paris"]', {"_raw_arguments": '["Paris"]'}),
         ({"city": "Oslo"}, {"city": "Oslo"}),  # already an object
     ]
     for arguments, expected in cases:

@@ -558,7 +558,12 @@ def test_module_entry_point_subprocess() -> None:
 Assembled = tuple[str | None, list[tuple[str | None, str, dict[str, Any]]]]
 ANTHROPIC_HEADERS = {"anthropic-version": "2023-06-01", "x-api-key": "x"}
 SCHEMA: dict[str, Any] = {"type": "object", "properties": {}}
-TOOL_NAMES = {"weather": ["get_weather"], "parallel": ["get_weather"], "two_rounds": ["calculate"]}
+TOOL_NAMES = {
+    "weather": ["get_weather"],
+    "parallel": ["get_weather"],
+    "two_rounds": ["calculate"],
+    "bad_args": ["get_weather"],
+}
 
 
 def sse_events(response: requests.Response) -> list[tuple[str | None, str]]:
@@ -856,7 +861,7 @@ def ids_of(calls: list[Any]) -> list[str | None]:
     return [c[0] for c in calls]
 
 
-def strip_ids(calls: list[Any]) -> list[tuple[str, dict[str, Any]]]:
+def strip_ids(calls: list[Any]) -> list[tuple[str, Any]]:
     return [(c[1], c[2]) for c in calls]
 
 
@@ -895,6 +900,51 @@ def test_two_rounds_on_every_wire(drivers: dict[str, Driver], protocol: str, str
     assert strip_ids(calls) == [("calculate", {"a": 5, "b": 10, "op": "mul"})]
     history = d.follow(history, raw, calls, [{"result": 50}])
     assert d.turn("two_rounds", history, stream)[0] == ("Result: 50", [])
+
+
+# where the API takes objects only: what refuses the turn as it came, and what the client sends
+OBJECT_ONLY = {
+    "gemini": ("parts", "functionCall", "args", "Invalid value at 'contents[1].parts[0]"
+               ".function_call.args' (type.googleapis.com/google.protobuf.Struct)"),
+    "anthropic": ("content", None, "input", "messages.1.content.0.tool_use.input: "
+                  "Input should be a valid dictionary"),
+}  # fmt: skip
+
+
+def _with_arguments(raw: dict[str, Any], protocol: str, value: Any) -> dict[str, Any]:
+    """The echoed assistant turn with its one call's arguments set to `value`."""
+    items, wrapper, key, _ = OBJECT_ONLY[protocol]
+    out = json.loads(json.dumps(raw))
+    item = out[items][0]
+    (item[wrapper] if wrapper else item)[key] = value
+    return out
+
+
+@pytest.mark.parametrize(("protocol", "stream"), WIRE_MODES, ids=WIRE_IDS)
+def test_bad_args_on_every_wire(drivers: dict[str, Driver], protocol: str, stream: bool) -> None:
+    """`bad_args` calls with arguments that are no object. Echoed as they came they are fine
+    where arguments are text (OpenAI, tags) and refused as the real API refuses them where
+    they must be an object (Gemini, Anthropic); there the object holding their text is taken."""
+    d = drivers[protocol]
+    history = d.start("Weather in Paris?")
+    (text, calls), raw = d.turn("bad_args", history, stream)
+    assert (text, strip_ids(calls)) == (None, [("get_weather", ["Paris"])])
+    error = {"error": {"code": "VALIDATION_ERROR", "message": "must be an object"}}
+    follow = d.follow(history, raw, calls, [error])
+    if protocol in OBJECT_ONLY:
+        response = d.post("bad_args", follow, stream)
+        assert response.status_code == 400, response.text
+        assert OBJECT_ONLY[protocol][3] in response.json()["error"]["message"]
+        kind = "INVALID_ARGUMENT" if protocol == "gemini" else "invalid_request_error"
+        assert kind in response.text
+        other = _with_arguments(raw, protocol, {"_raw_arguments": '["Paris","Rome"]'})
+        response = d.post("bad_args", d.follow(history, other, calls, [error]), stream)
+        assert response.status_code == 422, response.text  # not what it sent: loud
+        raw = _with_arguments(raw, protocol, {"_raw_arguments": '["Paris"]'})
+        follow = d.follow(history, raw, calls, [error])
+    (text, calls), _ = d.turn("bad_args", follow, stream)
+    assert calls == [] and str(text).startswith("Tool said: {")
+    assert json.loads(str(text).removeprefix("Tool said: ")) == error
 
 
 @pytest.mark.parametrize("protocol", list(DRIVERS))

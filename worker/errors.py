@@ -141,7 +141,7 @@ class ToolError(CchatqError):
 class ToolValidationError(ToolError):
     code = "VALIDATION_ERROR"
     raised_when = (
-        "the call's arguments are not JSON, break the tool's schema, were cut off by the "
+        "the call's arguments are no JSON object, break the tool's schema, were cut off by the "
         "token limit, or the schema itself cannot be checked"
     )
 

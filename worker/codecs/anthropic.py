@@ -19,9 +19,10 @@ from worker.codecs.anthropic_stream import (
     reverse_ids,
     wire_id,
 )
-from worker.codecs.openai_chat import NO_OUTPUT, content_text, decode_arguments, tool_result_text
+from worker.codecs.openai_chat import NO_OUTPUT, content_text, tool_result_text
 from worker.codecs.protocol import ChatRequest, WireRequest, own_replay
-from worker.errors import ProviderRequestError, ToolValidationError
+from worker.codecs.replay_arguments import arguments_text, replay_object
+from worker.errors import ProviderRequestError
 
 if TYPE_CHECKING:
     from worker.codecs.protocol import Codec
@@ -346,21 +347,14 @@ def _tool_use(call: Mapping[str, Any]) -> dict[str, Any]:
         "type": "tool_use",
         "id": wire_id(str(call.get("id") or "")),
         "name": str(fn.get("name") or ""),
-        "input": _input_object(fn.get("arguments")),
+        "input": replay_object(fn.get("arguments")),
     }
 
 
-def _input_object(arguments: Any) -> dict[str, Any]:
-    """Arguments -> the object `input` must be; ones that never parsed -> `{}` (their error
-    result says why)."""
-    if isinstance(arguments, Mapping):
-        return dict(arguments)
-    if isinstance(arguments, str):
-        try:
-            return decode_arguments(arguments)
-        except ToolValidationError:
-            return {}
-    return {}
+def _input_object(value: Any) -> dict[str, Any]:
+    """A kept block's `input` -> the object it must be. A string is the arguments text the
+    decoder kept (a stream cut inside its JSON); another value is JSON. See `replay_arguments`."""
+    return replay_object(value if isinstance(value, str | Mapping) else arguments_text(value))
 
 
 def _last_tool_turn_unsigned(turns: list[dict[str, Any]]) -> bool:

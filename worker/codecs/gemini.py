@@ -21,6 +21,8 @@ Decisions where the wire format leaves a choice:
   - Tool results (`functionResponse.response` must be an object): a JSON object is sent as
     that object (our error JSON stays `{"error": {...}}`); anything else as
     `{"content": <text>}`.
+  - Replayed calls (`functionCall.args` must be an object, in kept parts too): arguments that
+    are no object replay as `replay_arguments` says (`{"_raw_arguments": <text>}`).
   - Finish reasons: STOP/OTHER/unknown -> stop (tool_calls when calls are present: Gemini
     says STOP even then); MAX_TOKENS/CONTINUATION -> length (a call cut off by the token
     limit never runs); SAFETY, RECITATION, BLOCKLIST, PROHIBITED_CONTENT, SPII, LANGUAGE,
@@ -65,9 +67,10 @@ from worker.codecs.gemini_reply import (
 )
 from worker.codecs.gemini_schema import gemini_parameters
 from worker.codecs.gemini_stream import GeminiStreamAssembler
-from worker.codecs.openai_chat import content_text, decode_arguments, tool_result_text
+from worker.codecs.openai_chat import content_text, tool_result_text
 from worker.codecs.protocol import ChatRequest, WireRequest, own_replay
-from worker.errors import ProviderRequestError, ToolValidationError
+from worker.codecs.replay_arguments import arguments_text, replay_object
+from worker.errors import ProviderRequestError
 
 __all__ = [
     "PROTOCOL",
@@ -238,30 +241,31 @@ def _model_parts(message: dict[str, Any], names: dict[str, str]) -> list[dict[st
             names[call["id"]] = fn["name"]
     replay = own_replay(message, GEMINI)
     if isinstance(replay, list):
-        return copy.deepcopy(replay)  # verbatim, signatures untouched
+        return [_replayed_part(p) for p in replay]  # verbatim, signatures untouched
     parts: list[dict[str, Any]] = []
     text = content_text(message.get("content"))
     if text:
         parts.append({"text": text})
     for call in calls:
         fn = call.get("function") or {}
-        function_call: dict[str, Any] = {"name": fn.get("name"), "args": _args(fn.get("arguments"))}
+        function_call: dict[str, Any] = {
+            "name": fn.get("name"),
+            "args": replay_object(fn.get("arguments")),
+        }
         if _is_provider_id(call.get("id")):
             function_call["id"] = call["id"]
         parts.append({"functionCall": function_call})
     return parts
 
 
-def _args(arguments: Any) -> dict[str, Any]:
-    """Gemini wants `args` as an object; text that is no object replays as `{}`."""
-    if isinstance(arguments, dict):
-        return arguments
-    if not isinstance(arguments, str):
-        return {}
-    try:
-        return decode_arguments(arguments)
-    except ToolValidationError:
-        return {}
+def _replayed_part(part: Any) -> Any:
+    """A kept part as it came, but `functionCall.args` an object (a protobuf Struct: anything
+    else fails the whole request); see `replay_arguments`."""
+    out = copy.deepcopy(part)
+    call = out.get("functionCall") if isinstance(out, dict) else None
+    if isinstance(call, dict) and "args" in call and not isinstance(call["args"], dict):
+        call["args"] = replay_object(arguments_text(call["args"]))
+    return out
 
 
 def _is_provider_id(call_id: Any) -> bool:
