@@ -162,7 +162,7 @@ def test_a_program_echoes_the_lines_sent_with_cchatq_stream(
         input="hello\nworld, with spaces \u2713\n", env=env, capture_output=True, text=True,
         timeout=120,
     )  # fmt: skip
-    assert (streamed.returncode, streamed.stderr) == (0, "")
+    assert (streamed.returncode, streamed.stderr) == (0, f"run {spec_id} ended (ok, exit 0)\n")
     assert streamed.stdout == "hello\nworld, with spaces \u2713\n"
     record = next(iter(running.client.wait(sub, timeout_s=90)))[1]
     assert record["status"] == "ok" and record["exit_code"] == 0, record
