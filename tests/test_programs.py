@@ -365,6 +365,9 @@ def test_a_program_registering_a_dangling_ref_schema_runs_on_without_it(
     record = run_specs(running.client, [spec], tmp_path, timeout_s=60)[spec_id]
     assert record["status"] == "ok", record
     assert [r["choices"][0]["message"]["content"] for r in record["responses"]] == ["Echo: hi"]
+    assert record["logs"] == [
+        {"level": "warn", "message": "cchat_write_fn: parameters: a $ref that does not resolve"}
+    ]
     fds = running.client.redis.hgetall(keys.fds(str(running.client.session_key(spec_id))))
     assert json.loads(fds[b"1000"])["tools"] == []  # the session fd registered no tool
     chat_sk = running.client.session_key(f"{spec_id}#send0")
