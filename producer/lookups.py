@@ -14,6 +14,7 @@ from celery import Celery
 
 from producer.user_stream import RunEnded, UserStream
 from schemas import keys, task_names
+from schemas.partial import PartialRound
 from schemas.spec_types import ProgramSpec, Spec, spec_from_json
 
 QUEUED = b"queued"  # a session's state from submit until its first round
@@ -78,8 +79,8 @@ class SessionLookups:
         meta["cancel_requested"] = bool(cancelled)
         if finished and "outcome" in meta:  # written with the result: a late step's state
             meta["state"] = "cancelled" if meta["outcome"] == "cancelled" else "done"
-        if partial is not None:
-            meta["partial_text"] = partial.decode(errors="replace")  # the round being streamed
+        if partial is not None:  # the round being streamed: its text, thinking and tool calls
+            meta.update(PartialRound.decode(partial).status_fields())
         return meta
 
     def response(self, spec_id: str) -> bytes | None:

@@ -5,15 +5,18 @@ database 2."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from producer.fleet import Fleet
+from fixtures.demo_batch import on_backend
+from producer.fleet import Fleet, replay_backend_name
 from schemas import keys
 from tests.conftest import Running, _workers
 from tests.test_pipeline import submit_specs
@@ -21,6 +24,7 @@ from tests.test_pipeline import submit_specs
 pytestmark = pytest.mark.fleet
 
 REDIS_DB = 2
+CHUNK_DELAY_MS = 600  # a stream slow enough for `cchatq status` to catch it mid-round
 
 
 @pytest.fixture(scope="module")
@@ -82,3 +86,40 @@ def test_a_run_cancelled_while_streaming_ends_the_stream_with_exit_1(
         assert proc.wait(timeout=90) == 1
         assert proc.stdout.read() == ""
         assert proc.stderr.read() == f"run {spec_id} ended (error cancelled)\n"
+
+
+def test_status_shows_a_streamed_rounds_thinking_and_tool_call_arguments_mid_round(
+    fleet2: Running, tmp_path: Path, fresh_id: str
+) -> None:
+    prompt = f"Weather in Paris [[chunk_delay_ms:{CHUNK_DELAY_MS}]]"
+    spec = on_backend(
+        {"id": f"{fresh_id}/thinking", "model": "replay/weather",
+         "messages": [{"role": "user", "content": prompt}],
+         "tools": [{"module": "weather.wasm", "export": "get_weather", "name": "get_weather",
+                    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]},
+        replay_backend_name("anthropic", True) + "-thinking",
+        "anthropic",
+    )  # fmt: skip
+    sub = submit_specs(fleet2.client, [spec], tmp_path)
+    thinking: list[str] = []
+    calls: list[dict[str, str]] = []
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        shown = cli(fleet2, "status", spec["id"])
+        assert shown.returncode == 0, shown
+        status = json.loads(shown.stdout)
+        if status["finished"]:
+            break
+        thinking += [status["partial_thinking"]] if status.get("partial_thinking") else []
+        calls += status.get("partial_tool_calls", [])
+    record = next(iter(fleet2.client.wait(sub, timeout_s=90)))[1]
+    assert record["status"] == "ok", record
+    assert thinking or calls, "neither partial thinking nor a partial tool call was ever shown"
+    rounds = [m for m in record["transcript"] if m["role"] == "assistant"]
+    thoughts = [m["reasoning_content"] for m in rounds]
+    assert all(any(t.startswith(seen) for t in thoughts) for seen in thinking)
+    [call] = rounds[0]["tool_calls"]
+    arguments = call["function"]["arguments"]
+    assert all(c["name"] == "get_weather" for c in calls)
+    assert all(arguments.startswith(c["arguments"]) for c in calls)  # as far as it arrived
+    assert "partial_text" not in json.loads(cli(fleet2, "status", spec["id"]).stdout)
