@@ -32,7 +32,7 @@ def redis_url() -> str:
 # `cchatq`'s exit codes (README: Exit codes)
 EXIT_OK = 0  # every session ended ok
 EXIT_FAILED = 1  # every session ended, some with an error body
-EXIT_REJECTED = 2  # the input was rejected: nothing enqueued
+EXIT_REJECTED = 2  # the input was rejected: nothing enqueued (stream: the run had ended)
 EXIT_INTERRUPTED = 3  # Ctrl-C or --timeout-s: the sessions left keep running on the fleet
 EXIT_UNREACHABLE = 4  # Redis could not be reached (or REDIS_URL is not a Redis URL)
 

@@ -22,7 +22,7 @@ from producer.cli_common import (
 from producer.client import Client
 from producer.fleet import Fleet, replay_backend_name
 from producer.specfile import SpecFileError, file_problem, load_spec_file, load_spec_from_objects
-from producer.user_stream import pipe_lines
+from producer.user_stream import RunEnded, pipe_lines
 from schemas import task_names
 from schemas.spec_types import Spec, spec_from_json, spec_to_json
 
@@ -94,11 +94,16 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_stream(args: argparse.Namespace) -> int:
-    """Talk to a running program: stdin lines in, the lines it writes out (user stream N)."""
+    """Talk to a running program: stdin lines in, the lines it writes out (user stream N);
+    then how the run ended on stderr, and 0 if it ended ok, else 1. A run that already
+    ended is named with how it ended, and nothing is sent: EXIT_REJECTED."""
     client = connect(namespace=args.namespace, lookup_batch=args.batch)
     try:
         stream = client.stream(args.id, args.stream_id)
-        pipe_lines(stream, sys.stdin, sys.stdout)
+        ending = pipe_lines(stream, sys.stdin, sys.stdout)
+    except RunEnded as exc:
+        print(exc.args[0], file=sys.stderr)
+        return EXIT_REJECTED
     except LookupError as exc:
         print(exc.args[0], file=sys.stderr)
         return 1
@@ -106,7 +111,8 @@ def cmd_stream(args: argparse.Namespace) -> int:
         return EXIT_INTERRUPTED
     finally:
         client.close()
-    return 0
+    print(f"run {args.id} ended ({ending.how})", file=sys.stderr)
+    return 0 if ending.ok else 1
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

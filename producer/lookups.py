@@ -12,8 +12,9 @@ from typing import Any
 
 from celery import Celery
 
-from producer.user_stream import UserStream
+from producer.user_stream import RunEnded, UserStream
 from schemas import keys, task_names
+from schemas.partial import PartialRound
 from schemas.spec_types import ProgramSpec, Spec, spec_from_json
 
 QUEUED = b"queued"  # a session's state from submit until its first round
@@ -78,8 +79,8 @@ class SessionLookups:
         meta["cancel_requested"] = bool(cancelled)
         if finished and "outcome" in meta:  # written with the result: a late step's state
             meta["state"] = "cancelled" if meta["outcome"] == "cancelled" else "done"
-        if partial is not None:
-            meta["partial_text"] = partial.decode(errors="replace")  # the round being streamed
+        if partial is not None:  # the round being streamed: its text, thinking and tool calls
+            meta.update(PartialRound.decode(partial).status_fields())
         return meta
 
     def response(self, spec_id: str) -> bytes | None:
@@ -165,7 +166,8 @@ class SessionLookups:
     def stream(self, spec_id: str, stream_id: int = 1) -> UserStream:
         """Attach to user stream `stream_id` of a program run (SPEAR's user streams): what it
         `send`s the program reads with user_stream_read, what the program writes comes out of
-        `lines()`. LookupError if the id names no program run (or it expired)."""
+        `lines()`. LookupError if the id names no program run (or it expired), RunEnded if
+        the run already ended (nothing is sent to it then)."""
         sk = self.session_key(spec_id)
         spec = None if sk is None else self._stored_spec(sk)
         if sk is None or spec is None:
@@ -173,6 +175,9 @@ class SessionLookups:
         if not isinstance(spec, ProgramSpec):
             raise LookupError(f"not a program run: {spec_id}")
         stream = UserStream(self.redis, sk, stream_id, self.ttl_s)
+        ending = stream.ending()
+        if ending is not None:
+            raise RunEnded(spec_id, ending)
         stream.open()
         return stream
 

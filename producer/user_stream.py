@@ -7,14 +7,18 @@ writes afterwards still arrives). `cchatq stream ID` pipes stdin and stdout thro
 On Redis (schemas/keys.py): the user's events go to `cq:us:<run>:in`, and a wake entry to the
 run's done list so a program blocked in `spear_epoll_wait` sees them at once; the program's
 events are read from `cq:us:<run>:out`. Reading ends when the program closes its side of the
-stream or its run ends (its response fd is written).
+stream or its run ends (its response fd is written). A run that already ended takes no new
+input: `Client.stream` raises RunEnded, naming how it ended.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, TextIO
 
 from schemas import keys
@@ -30,6 +34,35 @@ from schemas.user_stream import (
 )
 
 READ_BLOCK_MS = 1000  # how long one read of the program's events blocks
+END_POLL_S = 0.2  # how often the end of a run whose program closed its side is looked for
+
+
+@dataclass(frozen=True)
+class RunEnding:
+    """How a program run ended, from its record: `ok` (ended ok, exit 0) and the words
+    (`ok, exit 0`, `error, exit 3`, `error guest_trap`, `error cancelled`)."""
+
+    ok: bool
+    how: str
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any] | None) -> RunEnding:
+        if record is None:  # the result expired with the run: its end is all that is known
+            return cls(False, "result expired")
+        status = str(record.get("status", "error"))
+        error = (record.get("body") or {}).get("error") or {}
+        how = status if not error.get("code") else f"{status} {error['code']}"
+        if record.get("exit_code") is not None:
+            how += f", exit {record['exit_code']}"
+        return cls(status == "ok", how)
+
+
+class RunEnded(Exception):
+    """The run ended before `Client.stream` attached: there is nothing to stream to."""
+
+    def __init__(self, run_id: str, ending: RunEnding) -> None:
+        super().__init__(f"run {run_id} ended ({ending.how}): nothing to stream to")
+        self.ending = ending
 
 
 class UserStream:
@@ -86,6 +119,19 @@ class UserStream:
 
     # from the program --------------------------------------------------------------------
 
+    def ending(self) -> RunEnding | None:
+        """How the run ended; None while it runs."""
+        response, record = self.redis.mget([keys.response(self.sk), keys.record(self.sk)])
+        if response is None:
+            return None
+        return RunEnding.from_record(None if record is None else json.loads(record))
+
+    def wait_ending(self, poll_s: float = END_POLL_S) -> RunEnding:
+        """How the run ended, once it has (Ctrl-C stops the wait; the run keeps going)."""
+        while (ending := self.ending()) is None:
+            time.sleep(poll_s)
+        return ending
+
     def frames(self, block_ms: int = READ_BLOCK_MS) -> Iterator[Frame]:
         """The frames the program writes on this stream, as they come, until it closes its
         side or its run ends."""
@@ -117,9 +163,10 @@ class UserStream:
                 yield frame.data.decode(errors="replace")
 
 
-def pipe_lines(stream: UserStream, stdin: TextIO, stdout: TextIO) -> None:
+def pipe_lines(stream: UserStream, stdin: TextIO, stdout: TextIO) -> RunEnding:
     """`cchatq stream`: each stdin line to the program (its input closed at stdin's end),
-    each line the program writes to stdout, until it closes its side or its run ends."""
+    each line the program writes to stdout, until it closes its side or its run ends; then
+    how the run ended (once the program closed its side, its run's end is waited for)."""
 
     def feed() -> None:
         try:
@@ -134,3 +181,4 @@ def pipe_lines(stream: UserStream, stdin: TextIO, stdout: TextIO) -> None:
     for line in stream.lines():
         stdout.write(line + "\n")
         stdout.flush()
+    return stream.wait_ending()

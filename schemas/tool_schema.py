@@ -27,8 +27,21 @@ def schema_problem(schema: Any) -> str | None:
     """Why `schema` cannot check a tool's arguments, or None when it can. Checked once per
     distinct schema (by its canonical JSON): a batch's lines mostly share their tools, and the
     check (jsonschema's metaschema walk) was three quarters of validating a spec file."""
+    problem = _problem_of(schema)
+    return None if problem is None else problem[0]
+
+
+def schema_problem_reason(schema: Any) -> str | None:
+    """`schema_problem` in a few words that quote nothing of the schema (no value, no path of
+    its property names): what a program's log line may say."""
+    problem = _problem_of(schema)
+    return None if problem is None else problem[1]
+
+
+def _problem_of(schema: Any) -> tuple[str, str] | None:
+    """(the problem, its reason without the schema's content), or None."""
     if not isinstance(schema, dict):
-        return "parameters must be a JSON object"
+        return "parameters must be a JSON object", "not a JSON object"
     try:
         canonical = json.dumps(schema, sort_keys=True, allow_nan=False)
     except (TypeError, ValueError):  # not JSON (in memory only): checked as it is, uncached
@@ -37,27 +50,31 @@ def schema_problem(schema: Any) -> str | None:
 
 
 @functools.lru_cache(maxsize=4096)
-def _cached_schema_problem(canonical: str) -> str | None:
+def _cached_schema_problem(canonical: str) -> tuple[str, str] | None:
     return _schema_problem(json.loads(canonical))
 
 
-def _schema_problem(schema: dict[str, Any]) -> str | None:
+def _schema_problem(schema: dict[str, Any]) -> tuple[str, str] | None:
     dialect = schema.get("$schema")
     if dialect is not None and not isinstance(dialect, str):  # validator_for would raise
         message = f"not a valid JSON Schema at $['$schema']: {dialect!r} is not of type 'string'"
-        return _capped(message)
+        return _capped(message), "not a valid JSON Schema: its $schema is not a string"
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     try:
         cls.check_schema(schema)
     except jsonschema.SchemaError as exc:
-        return _capped(f"not a valid JSON Schema at {exc.json_path}: {exc.message}")
+        # the metaschema's keyword that failed (`type`, `minimum`, ...) is the draft's, not the
+        # schema's; the depth says where without naming its properties
+        where = f"{len(exc.absolute_path)} level(s) deep" if exc.absolute_path else "at its root"
+        reason = f"not a valid JSON Schema: fails the metaschema's {exc.validator!r} check {where}"
+        return _capped(f"not a valid JSON Schema at {exc.json_path}: {exc.message}"), reason
     # jsonschema's own resolver, so a reference resolves here exactly when it will at call time
     root = cls(schema)._resolver
     for path, ref, resolver in _refs(schema, "$", root, root=True):
         try:
             resolver.lookup(ref)
         except referencing.exceptions.Unresolvable:
-            return _capped(f"unresolvable $ref {ref!r} at {path}")
+            return _capped(f"unresolvable $ref {ref!r} at {path}"), "a $ref that does not resolve"
     return None
 
 

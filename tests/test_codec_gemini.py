@@ -583,6 +583,8 @@ def test_stream_assembly_equals_the_unstreamed_reply(gt: ModuleType) -> None:
         Delta("reasoning", "two cities."),
         Delta("content", "Checking "),
         Delta("content", "both."),
+        Delta("tool_call", '{"city": "Paris"}', 0, "get_weather"),  # a call comes whole
+        Delta("tool_call", '{"city": "Paris"}', 1, "get_weather"),
     ]
     result = asm.result()
     assert result == CODEC.decode(merged(chunks), req(stream=True))

@@ -162,7 +162,7 @@ def test_a_program_echoes_the_lines_sent_with_cchatq_stream(
         input="hello\nworld, with spaces \u2713\n", env=env, capture_output=True, text=True,
         timeout=120,
     )  # fmt: skip
-    assert (streamed.returncode, streamed.stderr) == (0, "")
+    assert (streamed.returncode, streamed.stderr) == (0, f"run {spec_id} ended (ok, exit 0)\n")
     assert streamed.stdout == "hello\nworld, with spaces \u2713\n"
     record = next(iter(running.client.wait(sub, timeout_s=90)))[1]
     assert record["status"] == "ok" and record["exit_code"] == 0, record
@@ -365,6 +365,9 @@ def test_a_program_registering_a_dangling_ref_schema_runs_on_without_it(
     record = run_specs(running.client, [spec], tmp_path, timeout_s=60)[spec_id]
     assert record["status"] == "ok", record
     assert [r["choices"][0]["message"]["content"] for r in record["responses"]] == ["Echo: hi"]
+    assert record["logs"] == [
+        {"level": "warn", "message": "cchat_write_fn: parameters: a $ref that does not resolve"}
+    ]
     fds = running.client.redis.hgetall(keys.fds(str(running.client.session_key(spec_id))))
     assert json.loads(fds[b"1000"])["tools"] == []  # the session fd registered no tool
     chat_sk = running.client.session_key(f"{spec_id}#send0")

@@ -18,6 +18,7 @@ from schemas import keys
 from schemas.bodies import dump_body
 from schemas.fleet import McpServerConfig
 from schemas.mcp import McpToolInfo, offered_tools
+from schemas.partial import PartialRound
 from schemas.spec_types import (
     FunctionSpec,
     McpToolRef,
@@ -270,7 +271,7 @@ def test_a_result_is_written_once_and_announced(backend: Backend, sk: str) -> No
     assert store.has_result(sk)
     assert store.watcher_batches(sk) == ["batch-" + sk]
     assert store.meta(sk)["state"] == "done"
-    store.set_partial(sk, "half")
+    store.set_partial(sk, PartialRound("half"))
     store.set_partial(sk, None)
 
 

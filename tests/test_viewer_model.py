@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from producer.viewer.app import environment
 from producer.viewer.file_source import FileSource, ResultsFileError
 from producer.viewer.model import PAGE_ROWS, BatchRows, SessionRow
 from producer.viewer.progress import Member, run_row
@@ -18,6 +20,7 @@ from producer.viewer.source import SessionFacts
 from producer.viewer.thread import thread
 from producer.viewer.timeline import timeline
 from producer.viewer.views import NO_TRACE_FILE, session_view
+from schemas.partial import PartialCall
 from tests.viewer_data import (
     envelope,
     program_line,
@@ -318,6 +321,25 @@ def test_a_running_session_shows_its_spec_state_and_streamed_text() -> None:
         "tool calculate call_0_0 (no end yet)",
     ]
     assert view.has_trace and view.flower_search == "kwargs:session=s1"
+
+
+def test_a_running_session_shows_its_rounds_thinking_and_tool_calls_so_far() -> None:
+    calls = (PartialCall("get_weather", '{"city": "Pa'),)
+    facts = SessionFacts(
+        spec_id="s1", state="running", state_text="round 0", events=two_round_events()[:1],
+        partial_text="", partial_thinking="Weighing <b>", partial_tool_calls=calls,
+    )  # fmt: skip
+    view = session_view(facts)
+    assert (view.partial_thinking, view.partial_tool_calls) == ("Weighing <b>", calls)
+    assert json.loads(json.dumps(view.json()))["partial_tool_calls"] == [
+        {"name": "get_weather", "arguments": '{"city": "Pa'}
+    ]
+    html = environment().get_template("_session.html").render(view=view, live=True)
+    assert '<pre class="partial thinking" id="partial-thinking">Weighing &lt;b&gt;</pre>' in html
+    assert "<code>get_weather</code>" in html
+    assert '<pre class="partial" data-partial-call="0">{&#34;city&#34;: &#34;Pa</pre>' in html
+    ended = session_view(replace(facts, record=session_line("s1")))
+    assert (ended.partial_thinking, ended.partial_tool_calls) == (None, ())
 
 
 def test_the_round_that_ended_a_session_has_the_worker_its_last_event_names() -> None:

@@ -35,6 +35,7 @@ from producer.viewer.progress import Member, run_row
 from producer.viewer.rows import pending_row, record_row
 from producer.viewer.source import ChatFacts, SessionFacts
 from schemas import keys
+from schemas.partial import PartialRound
 from schemas.user_stream import DATA, StreamEvent, parse_frame
 
 RECENT_BATCHES = 30  # batches on the runs page
@@ -249,6 +250,7 @@ class FleetSource:
             return None
         spec = None if raw_spec is None else json.loads(raw_spec)
         program = (record or {}).get("kind") == "program" or "program" in (spec or {})
+        shown = None if partial is None else PartialRound.decode(partial)
         state = "done" if record is not None else meta.get("state", "gone")
         return SessionFacts(
             spec_id=spec_id,
@@ -260,7 +262,9 @@ class FleetSource:
             events=list(self.client.run_trace(sk)),
             submitted_ms=_digits(meta.get("submitted_ms")),
             finished_ms=_digits(meta.get("finished_ms")),
-            partial_text=_text(partial),
+            partial_text=None if shown is None else shown.text,
+            partial_thinking=None if shown is None else shown.thinking,
+            partial_tool_calls=() if shown is None else shown.tool_calls,
             spec=spec,
             program=program,
             chats=self._chats(spec_id) if program else (),

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from schemas.partial import PartialCall
+
 # a session's status as the viewer shows it
 QUEUED, RUNNING, OK, ERROR, GONE = "queued", "running", "ok", "error", "gone"
 STATUSES = (OK, ERROR, RUNNING, QUEUED)  # what the batch page filters on
@@ -266,6 +268,8 @@ class SessionView:
     timeline: tuple[TimelineStep, ...] = ()
     timeline_note: str = ""  # why the timeline is empty (no trace in a results file)
     partial_text: str | None = None  # the round being streamed, while it runs
+    partial_thinking: str | None = None
+    partial_tool_calls: tuple[PartialCall, ...] = ()
     flower_search: str | None = None
     flower_url: str | None = None
     has_trace: bool = False

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from producer.viewer.model import BatchRows, FrameView, RunRow
+from schemas.partial import PartialCall
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,8 @@ class SessionFacts:
     submitted_ms: int | None = None
     finished_ms: int | None = None
     partial_text: str | None = None  # the round being streamed
+    partial_thinking: str | None = None  # its thinking so far
+    partial_tool_calls: tuple[PartialCall, ...] = ()  # its tool calls' names and arguments so far
     spec: dict[str, Any] | None = None  # its stored spec while it runs (messages, model)
     program: bool = False
     chats: tuple[ChatFacts, ...] = ()

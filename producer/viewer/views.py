@@ -87,6 +87,8 @@ def session_view(facts: SessionFacts) -> SessionView:
         timeline=steps,
         timeline_note=note,
         partial_text=facts.partial_text if record is None else None,
+        partial_thinking=facts.partial_thinking if record is None else None,
+        partial_tool_calls=facts.partial_tool_calls if record is None else (),
         flower_search=facts.flower[0] if facts.flower else None,
         flower_url=facts.flower[1] if facts.flower else None,
         has_trace=facts.events is not None,

@@ -236,6 +236,7 @@ class AnthropicStreamAssembler:
         # keyed by the block index, not the tool ordinal: text may sit at 0, tools at 1 and 2
         self._blocks: dict[int, dict[str, Any]] = {}
         self._json: dict[int, list[str]] = {}  # partial_json fragments of tool blocks
+        self._call_of: dict[int, int] = {}  # a tool block's index -> its call number (Delta)
         self._done = False
 
     @property
@@ -259,8 +260,8 @@ class AnthropicStreamAssembler:
         if self._message is None:
             raise ProviderProtocolError(f"Anthropic stream sent {kind} before message_start")
         if kind == "content_block_start":
-            self._block_start(data)
-        elif kind == "content_block_delta":
+            return self._block_start(data)
+        if kind == "content_block_delta":
             return self._delta(data)
         elif kind == "content_block_stop":
             self._close(_index(data))
@@ -306,18 +307,22 @@ class AnthropicStreamAssembler:
             if isinstance(b, dict)
         }
         self._json = {}
+        self._call_of = {}
         usage = message.get("usage")
         message["usage"] = dict(usage) if isinstance(usage, Mapping) else {}
         self._message = message
 
-    def _block_start(self, data: Mapping[str, Any]) -> None:
+    def _block_start(self, data: Mapping[str, Any]) -> list[Delta]:
         index = _index(data)
         block = data.get("content_block")
         if not isinstance(block, Mapping):
             raise ProviderProtocolError(f"Anthropic content_block_start {index} has no block")
         self._blocks[index] = copy.deepcopy(dict(block))
-        if isinstance(block.get("input"), Mapping):
-            self._json[index] = []  # the `{}` of the start event is not a fragment
+        if not isinstance(block.get("input"), Mapping):
+            return []
+        self._json[index] = []  # the `{}` of the start event is not a fragment
+        self._call_of[index] = len(self._call_of)  # the round's calls, in the order they open
+        return [Delta("tool_call", "", self._call_of[index], str(block.get("name") or ""))]
 
     def _delta(self, data: Mapping[str, Any]) -> list[Delta]:
         index = _index(data)
@@ -337,7 +342,9 @@ class AnthropicStreamAssembler:
             block["thinking"] = str(block.get("thinking") or "") + text
             return [Delta("reasoning", text)] if text else []
         if kind == "input_json_delta" and index in self._json:
-            self._json[index].append(str(delta.get("partial_json") or ""))
+            piece = str(delta.get("partial_json") or "")
+            self._json[index].append(piece)
+            return [Delta("tool_call", piece, self._call_of[index])] if piece else []
         elif kind == "signature_delta" and btype == "thinking":
             block["signature"] = delta.get("signature")
         elif kind == "citations_delta" and btype == "text":

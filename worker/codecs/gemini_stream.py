@@ -29,6 +29,7 @@ class GeminiStreamAssembler:
         self._top: dict[str, Any] = {}  # responseId, modelVersion, usageMetadata, promptFeedback
         self._candidate: dict[str, Any] = {}  # finishReason, finishMessage, index
         self._blocked = False
+        self._calls = 0  # functionCall parts so far: the next call's number (Delta)
 
     def feed(self, event: SseEvent) -> list[Delta]:
         data = event.data.strip()
@@ -71,7 +72,12 @@ class GeminiStreamAssembler:
                 raise ProviderProtocolError("Gemini stream part is not an object")
             self._parts.append(copy.deepcopy(part))
             text = part.get("text")
-            if isinstance(text, str) and text and "functionCall" not in part:
+            call = part.get("functionCall")
+            if isinstance(call, dict):  # a call comes whole in one part: name and arguments
+                args = json.dumps(call.get("args") or {}, ensure_ascii=False)
+                deltas.append(Delta("tool_call", args, self._calls, str(call.get("name") or "")))
+                self._calls += 1
+            elif isinstance(text, str) and text and "functionCall" not in part:
                 thought = part.get("thought") is True
                 deltas.append(Delta("reasoning" if thought else "content", text))
         return deltas

@@ -55,22 +55,26 @@ class _Slot:
     name: str | None = None
     arguments: list[str] = field(default_factory=list)
 
-    def merge(self, fragment: dict[str, Any]) -> None:
+    def merge(self, fragment: dict[str, Any]) -> Delta | None:
+        """Take a fragment of the call; what it added to the name and arguments, if anything."""
         if isinstance(fragment.get("id"), str) and fragment["id"]:
             self.id = fragment["id"]
         if isinstance(fragment.get("type"), str) and fragment["type"]:
             self.type = fragment["type"]
         fn = fragment.get("function")
         if not isinstance(fn, dict):
-            return
-        name = fn.get("name")
+            return None
+        name, added = fn.get("name"), ""
         if isinstance(name, str) and name and name != self.name:
-            self.name = (self.name or "") + name  # a long name split in pieces
-        args = fn.get("arguments")
+            self.name, added = (self.name or "") + name, name  # a long name split in pieces
+        args, piece = fn.get("arguments"), ""
         if isinstance(args, str):
-            self.arguments.append(args)
+            piece = args
+            self.arguments.append(piece)
         elif isinstance(args, dict | list):  # a server that sends the whole object at once
-            self.arguments.append(json.dumps(args, separators=(",", ":")))
+            piece = json.dumps(args, separators=(",", ":"))
+            self.arguments.append(piece)
+        return Delta("tool_call", piece, self.seq, added) if added or piece else None
 
     def raw(self) -> dict[str, Any]:
         """The call as a non-streamed reply would have carried it (None: normalise decides)."""
@@ -171,12 +175,12 @@ class OpenAIStreamAssembler:
         if isinstance(calls, list):
             for fragment in calls:
                 if isinstance(fragment, dict):
-                    self._slot_for(fragment).merge(fragment)
+                    out.extend(_some(self._slot_for(fragment).merge(fragment)))
         elif calls is not None:
             raise ProviderProtocolError("stream delta tool_calls is not a list")
         if isinstance(delta.get("function_call"), dict):
             self._legacy = self._legacy or _Slot(seq=0, index=None)
-            self._legacy.merge({"function": delta["function_call"]})
+            out.extend(_some(self._legacy.merge({"function": delta["function_call"]})))
         return out
 
     def _slot_for(self, fragment: dict[str, Any]) -> _Slot:
@@ -260,3 +264,7 @@ def _status(code: Any) -> int | None:
     if isinstance(code, int) and 100 <= code <= 599:
         return code
     return None
+
+
+def _some(delta: Delta | None) -> list[Delta]:
+    return [] if delta is None else [delta]

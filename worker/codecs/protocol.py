@@ -65,10 +65,14 @@ class SseEvent:
 
 @dataclass(frozen=True)
 class Delta:
-    """Text to show while a round runs (`cchatq status`); never needed for the result."""
+    """Text to show while a round runs (`cchatq status`); never needed for the result. A
+    `tool_call` delta is a piece of the round's tool call number `call` (0, 1, ... in the
+    order the calls open): `name` as far as this piece gives it, `text` its argument text."""
 
-    kind: Literal["content", "reasoning", "restart"]  # restart: a retried call starts over
+    kind: Literal["content", "reasoning", "tool_call", "restart"]  # restart: a retry starts over
     text: str
+    call: int = 0
+    name: str = ""
 
 
 class StreamAssembler(Protocol):

@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from schemas import keys
+from schemas.partial import PartialRound
 from worker.edges.step_leases import translated
 from worker.session.ports import TraceWrite
 
@@ -52,8 +53,8 @@ class TraceWrites:
             client.expire(keys.TRACE, self.ttl_s)
 
     @translated
-    def set_partial(self, sk: str, text: str | None) -> None:
-        if text is None:
+    def set_partial(self, sk: str, partial: PartialRound | None) -> None:
+        if partial is None:
             self.client.delete(keys.partial(sk))
         else:
-            self.client.set(keys.partial(sk), text.encode(), ex=self.ttl_s)
+            self.client.set(keys.partial(sk), partial.encode(), ex=self.ttl_s)

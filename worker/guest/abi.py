@@ -1,6 +1,6 @@
 """The `spear` hostcall ABI as pure data and functions (docs/guest-abi.md): errno numbers, flags,
-commands, the write-with-len rule, SET_PARAM / tool JSON parsing, epoll records, the SPEAR
-tool-arena layout. No wasmtime here: the edge maps these onto guest memory."""
+commands, the write-with-len rule, SET_PARAM parsing (a tool's JSON: write_fn.py), epoll
+records, the SPEAR tool-arena layout. No wasmtime here: the edge maps these onto guest memory."""
 
 from __future__ import annotations
 
@@ -8,11 +8,6 @@ import json
 import struct
 from dataclasses import dataclass
 from typing import Any
-
-from marshmallow import ValidationError
-
-from schemas.policy_schema import ToolPolicySchema
-from schemas.spec_types import ToolPolicy, default_parameters
 
 # Linux errno numbers (not wasi-libc's)
 EPERM, ENOENT, EIO, EBADF, EAGAIN, ENOMEM, EACCES, EFAULT = 1, 2, 5, 9, 11, 12, 13, 14
@@ -66,35 +61,6 @@ def parse_set_param(raw: bytes) -> tuple[str, Any] | int:
     if obj is None or not isinstance(obj.get("key"), str) or not obj["key"]:
         return -EIO
     return obj["key"], obj.get("value")
-
-
-def parse_tool_json(raw: bytes) -> tuple[dict[str, Any], ToolPolicy] | int:
-    """An OpenAI tool (or a legacy bare function) -> the function object and the tool's
-    policy (a `policy` object beside `function`, as in a spec's tools), or -EINVAL."""
-    obj = _json_object(raw)
-    if obj is None:
-        return -EINVAL
-    try:
-        policy = ToolPolicy.from_json(ToolPolicySchema().load(obj.get("policy") or {}))
-    except ValidationError:
-        return -EINVAL
-    function = (
-        obj.get("function")
-        if obj.get("type", "function") == "function" and "function" in obj
-        else obj
-    )
-    if (
-        not isinstance(function, dict)
-        or not isinstance(function.get("name"), str)
-        or not function["name"]
-    ):
-        return -EINVAL
-    out: dict[str, Any] = {"name": function["name"]}
-    if isinstance(function.get("description"), str):
-        out["description"] = function["description"]
-    params = function.get("parameters")
-    out["parameters"] = params if isinstance(params, dict) else default_parameters()
-    return out, policy
 
 
 def parse_flag_change(raw: bytes) -> tuple[set[str], set[str]] | int:

@@ -26,7 +26,6 @@ from schemas import keys
 from schemas.bodies import dump_body
 from schemas.limits import LIMIT_ALIASES, LIMIT_BOUNDS, Limits
 from schemas.spec_types import Flags, FunctionSpec, Permissions, SessionSpec, ToolSpec
-from schemas.tool_schema import schema_problem
 from worker.errors import (
     CancelledError,
     DeadlineExceededError,
@@ -46,6 +45,7 @@ from worker.guest.mcp_params import McpAccess, chat_mcp_tools, is_mcp_param, set
 from worker.guest.ports import ProgramStore
 from worker.guest.shared import SharedCalls
 from worker.guest.user_streams import UserStreamCalls
+from worker.guest.write_fn import Rejected, parse_tool_json
 from worker.session.ports import Dispatcher
 from worker.session.tool_logs import LEVELS
 
@@ -141,6 +141,11 @@ class ProgramHost:
     def _log_line(self, level: int, text: str) -> None:
         self.logs.append({"level": LEVELS[level], "message": text})
 
+    def _reject(self, rejected: Rejected) -> int:
+        """-EINVAL, and a `warn` line in the run's logs saying which check failed."""
+        self.logs.append({"level": "warn", "message": rejected.log_line()})
+        return -abi.EINVAL
+
     # chat hostcalls ------------------------------------------------------------------------
 
     def cchat_create(self, mem: GuestMemory) -> int:
@@ -169,14 +174,13 @@ class ProgramHost:
         entry = self.fd_table.get(fd, abi.KIND_SESSION)
         if entry is None:
             return -abi.EBADF
-        parsed = abi.parse_tool_json(mem.read(ptr, length))
-        if isinstance(parsed, int):
-            return parsed
+        parsed = parse_tool_json(mem.read(ptr, length))
+        if isinstance(parsed, Rejected):
+            return self._reject(parsed)
         function, policy = parsed
-        if schema_problem(function["parameters"]) is not None:  # checked as at submit
-            return -abi.EINVAL
-        if not mem.is_tool_function(fn_offset, self.table_name):
-            return -abi.EINVAL
+        problem = mem.tool_function_problem(fn_offset, self.table_name)
+        if problem is not None:
+            return self._reject(Rejected(f"fn_offset {fn_offset}", problem))
         if all(t.function["name"] != function["name"] for t in entry.tools):  # the first wins
             entry.tools.append(RegisteredTool(fn_offset, function, policy))
             self.fd_table.persist(fd)

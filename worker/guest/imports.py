@@ -70,19 +70,22 @@ class GuestMemory:
                     out[name] = value
         return out
 
-    def is_tool_function(self, index: int, fallback_table: str | None = None) -> bool:
-        """Whether `index` names a function of the tool signature in the exported table
-        (`__indirect_function_table`, else `table`, else the first exported table)."""
+    def tool_function_problem(self, index: int, fallback_table: str | None = None) -> str | None:
+        """Why `index` names no function of the tool signature in the exported table
+        (`__indirect_function_table`, else `table`, else the first exported table), or None."""
         table = self._function_table(fallback_table)
-        if table is None or index < 0 or index >= table.size(self._caller):
-            return False
+        if table is None:
+            return "the module exports no function table"
+        size = table.size(self._caller)
+        if index < 0 or index >= size:
+            return f"outside the function table (size {size})"
         func = table.get(self._caller, index)  # type: ignore[arg-type]  # a Caller is a store here
         if not isinstance(func, wasmtime.Func):
-            return False
+            return "an empty slot of the function table"
         ty = func.type(self._caller)
-        return [str(p) for p in ty.params] == ["i32"] * 4 and [str(r) for r in ty.results] == [
-            "i32"
-        ]
+        if [str(p) for p in ty.params] != ["i32"] * 4 or [str(r) for r in ty.results] != ["i32"]:
+            return "not a function of the tool signature (i32, i32, i32, i32) -> i32"
+        return None
 
     def _function_table(self, fallback: str | None) -> wasmtime.Table | None:
         return function_table(self._caller.get, fallback)

@@ -2,7 +2,7 @@
 default; a model alias of the configuration routes a session that names none:
 schemas/model_routes.py), the account's rate control (worker.session.rate_control; the static
 limit of a backend with `adaptive: false`), the call through the CompletionProvider port, and
-the partial text of a streamed round for `cchatq status`. The round step and the summaries of
+the partial state of a streamed round for `cchatq status`. The round step and the summaries of
 long tool outputs call models only through here."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from schemas.model_routes import ModelAlias, ModelRoute, route_model
+from schemas.partial import PartialCall, PartialRound
 from worker.codecs.protocol import ChatRequest, Delta
 from worker.codecs.rate_headers import RateSignal
 from worker.config import BackendConfig
@@ -46,24 +47,42 @@ PARTIAL_EVERY_S = 0.25
 RETRY_AFTER_MIN_S = 0.01  # a 429 that names no wait: its round comes back at once, in line
 
 
-class PartialText:
-    """The text of a streamed round, published every PARTIAL_EVERY_S for `cchatq status`."""
+class PartialState:
+    """A streamed round so far (text, thinking, each tool call's name and argument text),
+    published at most every PARTIAL_EVERY_S for `cchatq status` and the session viewer."""
 
     def __init__(self, store: SessionStore, sk: str) -> None:
         self.store, self.sk = store, sk
         self.text: list[str] = []
+        self.thinking: list[str] = []
+        self.calls: list[tuple[list[str], list[str]]] = []  # (name pieces, argument pieces)
         self.last = 0.0
 
     def __call__(self, delta: Delta) -> None:
         if delta.kind == "restart":
             self.text.clear()
+            self.thinking.clear()
+            self.calls.clear()
             return
-        if delta.kind != "content":
+        if delta.kind == "content":
+            self.text.append(delta.text)
+        elif delta.kind == "reasoning":
+            self.thinking.append(delta.text)
+        elif delta.kind == "tool_call":
+            while len(self.calls) <= delta.call:
+                self.calls.append(([], []))
+            name, arguments = self.calls[delta.call]
+            name.append(delta.name)
+            arguments.append(delta.text)
+        else:
             return
-        self.text.append(delta.text)
         if time.monotonic() - self.last >= PARTIAL_EVERY_S:
             self.last = time.monotonic()
-            self.store.set_partial(self.sk, "".join(self.text))
+            self.store.set_partial(self.sk, self.state())
+
+    def state(self) -> PartialRound:
+        calls = tuple(PartialCall("".join(n), "".join(a)) for n, a in self.calls)
+        return PartialRound("".join(self.text), "".join(self.thinking), calls)
 
     def close(self) -> None:
         with contextlib.suppress(StoreError):
@@ -189,7 +208,7 @@ class ModelCaller:
     def _call(
         self, backend: BackendConfig, chat: ChatRequest, partial_of: str | None
     ) -> Completion:
-        partial = PartialText(self.store, partial_of) if partial_of and backend.stream else None
+        partial = PartialState(self.store, partial_of) if partial_of and backend.stream else None
         try:
             return self.provider_for(backend).complete(chat, partial)
         finally:

@@ -14,6 +14,7 @@ from schemas.fleet import ToolDefaults
 from schemas.keys import ChunkMember
 from schemas.limits import Limits
 from schemas.mcp import McpToolInfo
+from schemas.partial import PartialRound
 from schemas.spec_types import McpToolRef, ProgramSpec, SessionSpec, Spec, ToolSpec
 from worker.codecs.protocol import ChatRequest, Delta
 from worker.codecs.rate_headers import RateSignal
@@ -173,7 +174,7 @@ class SessionStore(Protocol):
         the ms its lease has left."""
         ...
 
-    def set_partial(self, sk: str, text: str | None) -> None: ...
+    def set_partial(self, sk: str, partial: PartialRound | None) -> None: ...
     def store_mcp_tools(self, sk: str, tools: tuple[ToolSpec, ...]) -> None:
         """Store the MCP tools a session offers, as its first round listed them (first writer
         wins); `load_spec` then returns the spec with them (spec_types.with_mcp_tools)."""

@@ -18,6 +18,7 @@ from typing import Any
 from schemas import keys
 from schemas.bodies import dump_body, outcome_code
 from schemas.keys import ChunkMember
+from schemas.partial import PartialRound
 from schemas.spec_types import (
     SessionSpec,
     Spec,
@@ -69,7 +70,7 @@ class MemoryStore(ProgramTwin):
     watchers: dict[str, set[str]] = field(default_factory=dict)
     done: dict[str, deque[str]] = field(default_factory=dict)
     chunks: dict[tuple[str, int], list[ChunkMember]] = field(default_factory=dict)
-    partials: dict[str, str] = field(default_factory=dict)
+    partials: dict[str, PartialRound] = field(default_factory=dict)
     deadletters: list[tuple[str, str]] = field(default_factory=list)
     forks: dict[str, bytes] = field(default_factory=dict)
     fd_mirror: dict[str, dict[int, bytes]] = field(default_factory=dict)
@@ -217,12 +218,12 @@ class MemoryStore(ProgramTwin):
             for made in write.events:  # a fleet event (no session): the fleet's, under ""
                 self.traces.setdefault(write.sk if made.session else "", []).append(made)
 
-    def set_partial(self, sk: str, text: str | None) -> None:
+    def set_partial(self, sk: str, partial: PartialRound | None) -> None:
         with self._cond:
-            if text is None:
+            if partial is None:
                 self.partials.pop(sk, None)
             else:
-                self.partials[sk] = text
+                self.partials[sk] = partial
 
     def lease_left_ms(self, step: str) -> int:
         return max(int((self.leases.get(step, 0.0) - time.monotonic()) * 1000), 0)
