@@ -7,15 +7,17 @@ from __future__ import annotations
 import json
 import sys
 import uuid
-from collections.abc import Generator, Iterator
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
 
 from producer.client import Client
 from producer.fleet import Fleet, replay_backends
+from schemas.task_names import ALL_QUEUES
 
 ROOT = Path(__file__).resolve().parent.parent
 GUESTS = ROOT / "fixtures" / "guests"
@@ -61,20 +63,29 @@ def base_fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
 
 
 def _workers(
-    base: Fleet, db: int, extra_env: dict[str, str] | None = None
+    base: Fleet,
+    db: int,
+    extra_env: dict[str, str] | None = None,
+    config: dict[str, Any] | None = None,
+    queues: Sequence[str] = ALL_QUEUES,
 ) -> Generator[Running, None, None]:
+    """Workers for `queues` on Redis database `db` of the base fleet, its Redis flushed first.
+    `config`: the configuration the workers and the client read, beside the base fleet's
+    replay backends (which it may add to, under `backends`)."""
     url = base.redis_url.rsplit("/", 1)[0] + f"/{db}"
-    fleet = Fleet(
-        redis_url=url,
-        replay_url=base.replay_url,
-        workdir=base.workdir / f"db{db}",
-        env=dict(base.env),
-    )
+    env = dict(base.env)
+    if config is not None:
+        backends = json.loads(base.env["CCHATQ_BACKENDS"])["backends"]
+        merged = {**config, "backends": {**backends, **config.get("backends", {})}}
+        env["CCHATQ_BACKENDS"] = json.dumps(merged)
+    fleet = Fleet(redis_url=url, replay_url=base.replay_url, workdir=base.workdir / f"db{db}",
+                  env=env)  # fmt: skip
     fleet.workdir.mkdir(exist_ok=True)
     client = Client(url, config=fleet.config())
     client.redis.flushdb()
     try:
-        fleet.start_workers(extra_env=extra_env)
+        for queue in queues:
+            fleet.start_worker(queue, extra_env=extra_env)
         yield Running(fleet=fleet, redis_url=url, client=client)
     finally:
         fleet.stop()

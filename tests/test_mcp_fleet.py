@@ -17,12 +17,11 @@ from typing import Any
 
 import pytest
 
-from producer.client import Client
 from producer.fleet import Fleet
 from producer.specfile import SpecFileError
 from schemas import keys
 from schemas.mcp import tool_name
-from tests.conftest import GUESTS, ROOT, Running
+from tests.conftest import GUESTS, ROOT, Running, _workers
 from tests.test_pipeline import run_specs
 
 pytestmark = pytest.mark.fleet
@@ -51,30 +50,15 @@ def mcp_fleet(base_fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -> It
         "cwd": str(ROOT),
         "env": {"CCHATQ_MCP_FIXTURE_LOG": str(ran_log)},
     }
-    config = {
-        "backends": json.loads(base_fleet.env["CCHATQ_BACKENDS"])["backends"],
+    config = {  # submit checks mcp_servers against it too
         "mcp_servers": {"fs": server, "fs_safe": {**server, "deny_tools": ["secret"]}},
         "tools": {
             "environments": {"dev": {"mcp_servers": ["fs", "fs_safe"]}, "sandbox": {}},
         },
     }
-    url = base_fleet.redis_url.rsplit("/", 1)[0] + f"/{REDIS_DB}"
-    fleet = Fleet(
-        redis_url=url,
-        replay_url=base_fleet.replay_url,
-        workdir=base_fleet.workdir / f"db{REDIS_DB}",
-        env={**base_fleet.env, "CCHATQ_BACKENDS": json.dumps(config)},
-    )
-    fleet.workdir.mkdir(exist_ok=True)
-    client = Client(url, config=fleet.config())  # submit checks mcp_servers against it
-    client.redis.flushdb()
-    try:
-        for queue in ("llm", "tools", "control", "programs"):
-            fleet.start_worker(queue)
-        yield McpFleet(Running(fleet=fleet, redis_url=url, client=client), ran_log)
-    finally:
-        fleet.stop()
-        client.close()
+    queues = ("llm", "tools", "control", "programs")
+    for running in _workers(base_fleet, REDIS_DB, config=config, queues=queues):
+        yield McpFleet(running, ran_log)
 
 
 def run_mcp_fs(mcp: McpFleet, tmp_path: Path, spec_id: str, environment: str) -> dict[str, Any]:

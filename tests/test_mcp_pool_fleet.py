@@ -21,7 +21,7 @@ import pytest
 from producer.client import Client
 from producer.fleet import Fleet
 from schemas.mcp import tool_name
-from tests.conftest import ROOT
+from tests.conftest import ROOT, _workers
 from tests.test_pipeline import assert_tool_messages_paired, submit_specs, wait_for
 
 pytestmark = pytest.mark.fleet
@@ -60,27 +60,13 @@ def pool_fleet(
         "env": {"CCHATQ_MCP_FIXTURE_LOG": str(ran_log)},
     }
     config = {
-        "backends": json.loads(base_fleet.env["CCHATQ_BACKENDS"])["backends"],
         "mcp_servers": {"fs": server},
         "tools": {"environments": {"dev": {"mcp_servers": ["fs"]}}},
     }
-    url = base_fleet.redis_url.rsplit("/", 1)[0] + f"/{REDIS_DB}"
-    fleet = Fleet(
-        redis_url=url,
-        replay_url=base_fleet.replay_url,
-        workdir=base_fleet.workdir / f"db{REDIS_DB}",
-        env={**base_fleet.env, "CCHATQ_BACKENDS": json.dumps(config)},
-    )
-    fleet.workdir.mkdir(exist_ok=True)
-    client = Client(url, config=fleet.config())
-    client.redis.flushdb()
-    try:
-        for queue in ("llm", "tools", "control"):
-            fleet.start_worker(queue)
-        yield client, ran_log
-    finally:
-        fleet.stop()
-        client.close()
+    for running in _workers(
+        base_fleet, REDIS_DB, config=config, queues=("llm", "tools", "control")
+    ):
+        yield running.client, ran_log
 
 
 def nap_spec(spec_id: str) -> dict[str, Any]:

@@ -14,9 +14,8 @@ from typing import Any
 
 import pytest
 
-from producer.client import Client
 from producer.fleet import Fleet
-from tests.conftest import GUESTS, Running
+from tests.conftest import GUESTS, Running, _workers
 from tests.test_pipeline import run_specs
 
 pytestmark = pytest.mark.fleet
@@ -27,30 +26,13 @@ UPSTREAM = {"backend": "replay-openai", "model": "replay/plain"}
 
 @pytest.fixture(scope="module")
 def aliased(base_fleet: Fleet) -> Iterator[Running]:
+    # submit checks the alias's backend against the same configuration (the default
+    # backend's key is unset here: only aliased or explicit specs pass)
     config = {
-        "backends": json.loads(base_fleet.env["CCHATQ_BACKENDS"])["backends"],
         "default_backend": "openai",
         "models": {"gpt-4o-mini": {**UPSTREAM, "params": {"temperature": 0}}},
     }
-    url = base_fleet.redis_url.rsplit("/", 1)[0] + f"/{REDIS_DB}"
-    fleet = Fleet(
-        redis_url=url,
-        replay_url=base_fleet.replay_url,
-        workdir=base_fleet.workdir / f"db{REDIS_DB}",
-        env={**base_fleet.env, "CCHATQ_BACKENDS": json.dumps(config)},
-    )
-    fleet.workdir.mkdir(exist_ok=True)
-    # submit checks the alias's backend against the same configuration (the default
-    # backend's key is unset here: only aliased or explicit specs pass)
-    client = Client(url, config=fleet.config())
-    client.redis.flushdb()
-    try:
-        for queue in ("llm", "control", "programs"):
-            fleet.start_worker(queue)
-        yield Running(fleet=fleet, redis_url=url, client=client)
-    finally:
-        fleet.stop()
-        client.close()
+    yield from _workers(base_fleet, REDIS_DB, config=config, queues=("llm", "control", "programs"))
 
 
 def chat(spec_id: str, text: str, **extra: Any) -> dict[str, Any]:
