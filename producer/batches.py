@@ -85,6 +85,17 @@ def iso_utc(epoch_ms: int | float) -> str:
 
 
 @dataclass(frozen=True)
+class MemberState:
+    """What a batch member's run says of itself: its meta's state, outcome and end, and
+    whether a cancel was asked for it; all empty when its run is gone."""
+
+    state: str | None = None
+    outcome: str | None = None
+    finished_ms: int | None = None
+    cancel_requested: bool = False
+
+
+@dataclass(frozen=True)
 class FailedSession:
     """A session of a batch that ended with an error body: what `batch retry` chooses from."""
 
@@ -132,20 +143,17 @@ class Batches:
         states: Counter[str] = Counter()
         outcomes: Counter[str] = Counter()
         cancelling, last_ms = 0, None
-        ends = self._ends(members)
-        for member, (state, outcome), (finished_ms, cancel) in zip(
-            members, self._states(members), ends, strict=True
-        ):
-            if member.claim is None or state is None:
+        for looked in self._states(members):
+            if looked.state is None:
                 states["gone"] += 1
-            elif outcome is not None:
+            elif looked.outcome is not None:
                 states["done"] += 1
-                outcomes[outcome] += 1
-                if finished_ms is not None:
-                    last_ms = max(last_ms or 0, finished_ms)
+                outcomes[looked.outcome] += 1
+                if looked.finished_ms is not None:
+                    last_ms = max(last_ms or 0, looked.finished_ms)
             else:
-                states["queued" if state == "queued" else "running"] += 1
-                cancelling += cancel
+                states["queued" if looked.state == "queued" else "running"] += 1
+                cancelling += looked.cancel_requested
         return BatchSummary(
             batch, int(submitted or 0), len(members), dict(states), dict(outcomes),
             cancelling, last_ms,
@@ -166,9 +174,9 @@ class Batches:
         body's message (what `cchatq batch retry` selects by)."""
         members = self.members(batch)
         failed = [
-            (m.spec_id, m.claim.sk, outcome)
-            for m, (_, outcome) in zip(members, self._states(members), strict=True)
-            if m.claim is not None and outcome is not None and outcome != OK
+            (m.spec_id, m.claim.sk, looked.outcome)
+            for m, looked in zip(members, self._states(members), strict=True)
+            if m.claim is not None and looked.outcome is not None and looked.outcome != OK
         ]
         out: list[FailedSession] = []
         for start in range(0, len(failed), PIPELINE_SIZE):
@@ -187,45 +195,35 @@ class Batches:
 
     def cancel(self, batch: str) -> int:
         """Ask every session of the batch that has not finished to stop: how many."""
-        summary_states = self._states(members := self.members(batch))
+        members = self.members(batch)
         running = [
             m.claim.sk
-            for m, (state, outcome) in zip(members, summary_states, strict=True)
-            if m.claim is not None and state is not None and outcome is None
+            for m, looked in zip(members, self._states(members), strict=True)
+            if m.claim is not None and looked.state is not None and looked.outcome is None
         ]
         return sum(self.client.cancel_run(sk) for sk in running)
 
-    def _ends(self, members: list[BatchMember]) -> list[tuple[int | None, bool]]:
-        """Each member's (finished_ms, cancel requested); (None, False) when its run is gone."""
+    def _states(self, members: list[BatchMember]) -> list[MemberState]:
+        """Each member's state, its meta and cancel flag read in one pipeline (an empty
+        MemberState when its run is gone)."""
         pipe = self.redis.pipeline(transaction=False)
         for member in members:
             if member.claim is not None:
-                pipe.hget(keys.meta(member.claim.sk), "finished_ms")
+                pipe.hmget(keys.meta(member.claim.sk), "state", "outcome", "finished_ms")
                 pipe.exists(keys.cancel(member.claim.sk))
         found = iter(pipe.execute())
-        ends: list[tuple[int | None, bool]] = []
+        states: list[MemberState] = []
         for member in members:
             if member.claim is None:
-                ends.append((None, False))
+                states.append(MemberState())
                 continue
-            finished, cancel = next(found), next(found)
-            ends.append((int(finished) if finished is not None else None, bool(cancel)))
-        return ends
-
-    def _states(self, members: list[BatchMember]) -> list[tuple[str | None, str | None]]:
-        """Each member's (state, outcome) from its meta; (None, None) when its run is gone."""
-        pipe = self.redis.pipeline(transaction=False)
-        for member in members:
-            if member.claim is not None:
-                pipe.hmget(keys.meta(member.claim.sk), "state", "outcome")
-        found = iter(pipe.execute())
-        states: list[tuple[str | None, str | None]] = []
-        for member in members:
-            state, outcome = next(found) if member.claim is not None else (None, None)
+            (state, outcome, finished), cancel = next(found), next(found)
             states.append(
-                (
+                MemberState(
                     None if state is None else state.decode(),
                     None if outcome is None else outcome.decode(),
+                    None if finished is None else int(finished),
+                    bool(cancel),
                 )
             )
         return states
