@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -79,6 +79,23 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def proc_stat(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields after `pid (comm)`: state, ppid, pgrp, ...; None when gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def proc_stats() -> Iterator[tuple[int, list[str]]]:
+    """Every live process's pid and proc_stat fields (those gone meanwhile left out)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        pid = int(stat.parent.name)
+        fields = proc_stat(pid)
+        if fields is not None:
+            yield pid, fields
 
 
 def redis_answers(url: str) -> bool:
@@ -298,15 +315,11 @@ class Fleet:
 
     def pool_children(self, proc: subprocess.Popen[bytes]) -> list[int]:
         """The pids of a worker's child processes (a prefork pool's), read from /proc."""
-        children = []
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                continue  # gone meanwhile
-            if int(fields[1]) == proc.pid:  # fields after "pid (comm)": state, ppid, ...
-                children.append(int(stat.parent.name))
-        return sorted(children)
+        return sorted(
+            pid
+            for pid, fields in proc_stats()
+            if int(fields[1]) == proc.pid  # fields: state, ppid, pgrp, ...
+        )
 
     # lifecycle -----------------------------------------------------------------------------
 

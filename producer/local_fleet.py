@@ -25,7 +25,15 @@ from typing import Any
 import redis
 import requests
 
-from producer.fleet import CONFIG_VARIABLES, Fleet, free_port, redis_answers, replay_backends
+from producer.fleet import (
+    CONFIG_VARIABLES,
+    Fleet,
+    free_port,
+    proc_stat,
+    proc_stats,
+    redis_answers,
+    replay_backends,
+)
 from producer.fleet_status import read_fleet_status
 from schemas.config import read_config
 
@@ -102,41 +110,28 @@ def fleet_dir(given: str | None, environ: Mapping[str, str] = os.environ) -> Pat
 # processes, known by pid and start time ----------------------------------------------------
 
 
-def _stat(pid: int) -> list[str] | None:
-    """/proc/PID/stat's fields after `pid (comm)`: state, ppid, pgrp, ...; None when gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
 def start_ticks(pid: int) -> int:
-    fields = _stat(pid)
+    fields = proc_stat(pid)
     return int(fields[19]) if fields else -1  # field 22 of the whole line: starttime
 
 
 def is_running(process: Started) -> bool:
     """Whether the recorded process still runs: the same pid with the same start time (not a
     pid reused since), and not a zombie."""
-    fields = _stat(process.pid)
+    fields = proc_stat(process.pid)
     return fields is not None and fields[0] != "Z" and int(fields[19]) == process.start_ticks
 
 
 def group_members(pgid: int) -> list[int]:
     """The live processes of a process group, read from /proc."""
-    members = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        fields = _stat(int(stat.parent.name))
-        if fields is not None and fields[0] != "Z" and int(fields[2]) == pgid:
-            members.append(int(stat.parent.name))
-    return members
+    return [pid for pid, fields in proc_stats() if fields[0] != "Z" and int(fields[2]) == pgid]
 
 
 def our_group(process: Started) -> list[int]:
     """The live processes of the group a recorded process leads: none when its pid now names
     another program. With the leader gone, its group's members are its children (the kernel
     gives no new process a pid still in use as a group id)."""
-    fields = _stat(process.pid)
+    fields = proc_stat(process.pid)
     if fields is not None and int(fields[19]) != process.start_ticks:
         return []
     return group_members(process.pid)

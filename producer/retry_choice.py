@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from producer.batches import FailedSession
+from producer.cli_common import plural
 from schemas.bodies import SESSION_ERROR_CODES
 
 # Codes whose session fails the same way when run again with the same spec: skipped unless
@@ -44,10 +45,9 @@ class RetryChoice:
             f"{n} {code}: {DETERMINISTIC.get(code, 'would fail the same way')}"
             for code, n in sorted(self.skipped.items())
         )
-        noun = "session" if total == 1 else "sessions"
         return (
-            f"batch {batch}: {total} failed {noun} skipped, they would fail again the same way"
-            f" ({parts}); --include-4xx or --codes CODE runs them too"
+            f"batch {batch}: {plural(total, 'failed session')} skipped, they would fail again"
+            f" the same way ({parts}); --include-4xx or --codes CODE runs them too"
         )
 
 
