@@ -56,11 +56,10 @@ class ResultWrites:
         # the winner's, and a later writer (a cancel's finish racing the round that ended
         # the session) changes nothing. The watchers are read with the write: a batch that
         # starts watching later finds the response.
-        done = {"state": "done", "finished_ms": int(time.time() * 1000)}
         code, batches = self._write_once(
             keys=[keys.record(sk), keys.response(sk), keys.meta(sk), keys.ACTIVE,
                   keys.watchers(sk)],
-            args=[dump_body(record), body, self.ttl_s, done["finished_ms"],
+            args=[dump_body(record), body, self.ttl_s, int(time.time() * 1000),
                   outcome_code(record.get("body")), ender, sk],
         )  # fmt: skip
         if not code:
