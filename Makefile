@@ -10,7 +10,7 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 # twins); worker subprocesses of the fleet tests are not measured.
 COVERAGE_FLOOR := 85
 
-.PHONY: install demo test test-fast check lint types contracts cover bench bench-otel bench-rate chaos guests \
+.PHONY: install demo test test-fast check lint types contracts cover bench bench-otel bench-rate chaos soak guests \
 	redis-server chromium screenshots
 
 $(PY):
@@ -78,6 +78,12 @@ bench-otel: install
 # One scenario or more: make chaos SCENARIOS="kill faults"
 chaos: install
 	$(PY) -m bench.chaos $(SCENARIOS)
+
+# A steady mixed load for an hour with a worker SIGKILLed every minute (not part of test):
+# worker memory, file descriptors and Redis memory sampled, their slopes per hour printed, and
+# every batch checked. A 10-minute run: make soak SOAK_ARGS="--minutes 10 --ttl-s 240 --settle-s 120"
+soak: install
+	$(PY) -m bench.soak $(SOAK_ARGS)
 
 # The adaptive rate controller against a provider's rate limit (not part of test): per protocol,
 # 3,600 one-call sessions at 20 requests/s, the limit halved then restored, a worker joining.
