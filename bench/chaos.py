@@ -18,9 +18,11 @@ scenario on a private fleet of its own (Redis, replay server, one worker per que
 One row per run: sessions finished of those submitted, how many ended step_failed, with another
 error body, with a duplicated tool message (a tool message twice for one call id, more tool
 messages or executed calls than calls, or a call's tool.call.finished trace event twice), hung
-(not finished by the deadline), and the wall time. Under the table: what each run saw (kills,
-Redis downtime, faults), its dead letters and the commonest warnings of the fleet's logs,
-whose directory is kept.
+(not finished by the deadline), the wall time, and the run's history verdict (bench/history.py:
+nothing lost, nothing unexpected, no session ended twice, no tool call id answered twice; its
+line under the table counts the model calls beyond one a round and the usage checked). Under
+the table: what each run saw (kills, Redis downtime, faults), its dead letters and the
+commonest warnings of the fleet's logs, whose directory is kept.
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ from bench.chaos_report import (
     remove_dumps,
     tally,
 )
+from bench.history import print_verdicts
+from bench.history_read import check_run, mark_run
 from fixtures.demo_batch import CITIES, WEATHER, weather_json
 from producer.client import Client
 from producer.fleet import Fleet
@@ -125,12 +129,16 @@ def start_fleet(
     return fleet, client
 
 
-def wait_in_process(client: Client, sub: Submission, deadline_s: float) -> float:
-    """Wait for a batch as a producer does (nudging when it stalls); the wall time."""
+def wait_in_process(
+    client: Client, sub: Submission, deadline_s: float, delivered: list[str] | None = None
+) -> float:
+    """Wait for a batch as a producer does (nudging when it stalls); the wall time. The id
+    of each result handed out is added to `delivered`."""
     started = time.perf_counter()
     try:
-        for _ in client.wait(sub, timeout_s=deadline_s, poll_s=0.05):
-            pass
+        for _, record in client.wait(sub, timeout_s=deadline_s, poll_s=0.05):
+            if delivered is not None:
+                delivered.append(str(record.get("id")))
     except TimeoutError:
         pass
     return time.perf_counter() - started
@@ -178,10 +186,14 @@ def spawn_producer(fleet: Fleet, spec_file: Path, out: Path, timeout_s: float) -
 
 
 def results_written(out: Path) -> tuple[int, Counter[str]]:
-    if not out.exists():
-        return 0, Counter()
-    lines = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+    lines = result_lines(out)
     return len(lines), Counter(str(line.get("status")) for line in lines)
+
+
+def result_lines(out: Path) -> list[dict[str, Any]]:
+    if not out.exists():
+        return []
+    return [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
 
 
 # --- (a) kill -------------------------------------------------------------------------------
@@ -239,20 +251,23 @@ def scenario_kill(root: Path, n: int, deadline_s: float, seed: int) -> list[Row]
     fleet, client = start_fleet(root / "kill")
     with fleet:
         base_objects = weather_objects(f"base-{uuid.uuid4().hex[:6]}", n)
+        mark, delivered = mark_run(fleet.replay_url), list[str]()
         sub = client.enqueue(load_spec_from_objects(base_objects))
-        base_wall = wait_in_process(client, sub, deadline_s)
+        base_wall = wait_in_process(client, sub, deadline_s, delivered)
         base = tally(client.redis, "kill: baseline, no kill", sub.order, expected(base_objects))
         base.wall_s = base_wall
+        base.verdict = check_run(base.scenario, client, base_objects, mark, delivered)
         base.goal = "-"
 
         objects = weather_objects(f"kill-{uuid.uuid4().hex[:6]}", n)
         specs = load_spec_from_objects(objects)
         waiter_client = Client(fleet.redis_url)
         walls: list[float] = []
+        mark, delivered = mark_run(fleet.replay_url), list[str]()
         sub = waiter_client.enqueue(specs)
         killer = Killer(fleet, client.redis, seed)
         waiter = threading.Thread(
-            target=lambda: walls.append(wait_in_process(waiter_client, sub, deadline_s)),
+            target=lambda: walls.append(wait_in_process(waiter_client, sub, deadline_s, delivered)),
             daemon=True,
         )
         waiter.start()
@@ -264,6 +279,7 @@ def scenario_kill(root: Path, n: int, deadline_s: float, seed: int) -> list[Row]
         waiter.join(timeout=30)
         row = tally(client.redis, "kill: SIGKILL every 2 s", sub.order, expected(objects))
         row.wall_s = walls[0] if walls else deadline_s
+        row.verdict = check_run(row.scenario, client, objects, mark, delivered)
         ratio = row.wall_s / base_wall
         row.notes.insert(
             0, f"kills: {sum(killer.kills.values())} ({dict(sorted(killer.kills.items()))})"
@@ -282,7 +298,7 @@ def scenario_kill(root: Path, n: int, deadline_s: float, seed: int) -> list[Row]
 
 
 def _problems(row: Row) -> list[str]:
-    problems = []
+    problems = [] if row.verdict is None or row.verdict.valid else ["history invalid"]
     if row.finished < row.expected:
         problems.append(f"{row.expected - row.finished} not finished")
     if row.step_failed:
@@ -320,6 +336,7 @@ def scenario_redis(root: Path, n: int, deadline_s: float, seed: int) -> list[Row
             timeout_s = deadline_s if aof else min(deadline_s, 60.0)
             started = time.monotonic()
             deadline = started + timeout_s
+            mark = mark_run(fleet.replay_url)
             producer = spawn_producer(fleet, spec_file, out, timeout_s)
             mid = wait_records(client, ids, n // 3, deadline)
             before = finished_count(client.redis, session_keys(client, ids))
@@ -336,6 +353,8 @@ def scenario_redis(root: Path, n: int, deadline_s: float, seed: int) -> list[Row
             row = tally(reader.redis, f"redis-restart: {variant}", sks, expected(objects))
             row.wall_s = max(fleet_s, producer_s)
             written, statuses = results_written(out)
+            delivered = [str(r["id"]) for r in result_lines(out)]
+            row.verdict = check_run(row.scenario, reader, objects, mark, delivered)
             row.notes.insert(
                 0,
                 f"restarted {'mid-batch' if mid else 'late'} with {before}/{n} finished; down "
@@ -390,12 +409,14 @@ def scenario_faults(root: Path, n: int, deadline_s: float, seed: int) -> list[Ro
         root_url = fleet.replay_url.removesuffix("/v1")
         requests.post(f"{root_url}/reset", timeout=5).raise_for_status()  # not the warm-up's
         objects = weather_objects(f"faults-{uuid.uuid4().hex[:6]}", n)
+        mark, delivered = mark_run(fleet.replay_url), list[str]()
         sub = client.enqueue(load_spec_from_objects(objects))
-        wall = wait_in_process(client, sub, deadline_s)
+        wall = wait_in_process(client, sub, deadline_s, delivered)
         row = tally(
             client.redis, "faults: 10% 429 (Retry-After 1 s), 5% 500", sub.order, expected(objects)
         )
         row.wall_s = wall
+        row.verdict = check_run(row.scenario, client, objects, mark, delivered)
         faults = requests.get(f"{root_url}/faults", timeout=5).json()
         stats = requests.get(f"{root_url}/stats", timeout=5).json()
         gap = faults["min_gap_after_429_s"]
@@ -433,6 +454,7 @@ def scenario_producer_kill(root: Path, n: int, deadline_s: float, seed: int) -> 
         ids = [o["id"] for o in objects]
         spec_file = write_spec_file(workdir / "sessions.jsonl", objects)
         started = time.monotonic()
+        mark = mark_run(fleet.replay_url)
         producer = spawn_producer(fleet, spec_file, workdir / "results.jsonl", deadline_s)
         mid = wait_records(client, ids, max(n // 10, 1), started + deadline_s)
         before = finished_count(client.redis, session_keys(client, ids))
@@ -444,6 +466,8 @@ def scenario_producer_kill(root: Path, n: int, deadline_s: float, seed: int) -> 
         sks = session_keys(reader, ids)
         row = tally(reader.redis, "producer-kill: cchatq submit SIGKILLed", sks, expected(objects))
         row.wall_s = wall
+        written = [str(r["id"]) for r in result_lines(workdir / "results.jsonl")]
+        row.verdict = check_run(row.scenario, reader, objects, mark, written)
         row.notes.insert(
             0,
             (
@@ -507,6 +531,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print_table(new)
     print("\n== all runs")
     print_table(rows, notes=False)
+    print("\n== histories")
+    print_verdicts([r.verdict for r in rows if r.verdict is not None])
     met = all(r.goal in ("met", "-") or r.goal.startswith("- ") for r in rows)
     return 0 if met else 1
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import redis
 
+from bench.history import Verdict
 from schemas import keys
 
 MGET = 1000
@@ -37,6 +38,7 @@ class Row:
     wall_s: float = 0.0
     goal: str = ""  # "met", "NOT MET (...)", or "-" (informational)
     notes: list[str] = field(default_factory=list)
+    verdict: Verdict | None = None  # the run judged as a whole history (bench/history.py)
 
 
 def _records(r: Any, sks: Sequence[str]) -> list[dict[str, Any] | None]:
@@ -263,6 +265,7 @@ HEADER = (
     "dup tool msgs",
     "hung",
     "wall s",
+    "history",
     "goal",
 )
 
@@ -277,6 +280,7 @@ def cells(row: Row) -> tuple[str, ...]:
         str(row.duplicates),
         str(row.hung),
         f"{row.wall_s:.1f}",
+        "-" if row.verdict is None else row.verdict.word,
         row.goal,
     )
 
@@ -288,6 +292,8 @@ def print_table(rows: list[Row], notes: bool = True) -> None:
         print("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=False)) + "  " + line[-1])
     for row in rows if notes else []:
         print(f"\n{row.scenario}:")
+        if row.verdict is not None:
+            print(f"  {row.verdict.line()}")
         for note in row.notes:
             print(f"  {note}")
     sys.stdout.flush()
