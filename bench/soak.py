@@ -27,7 +27,8 @@ from pathlib import Path
 
 import redis
 
-from bench.chaos import Killer, expected, weather_objects
+from bench.chaos_fleet import expected, weather_objects
+from bench.chaos_kill import Killer
 from bench.chaos_report import Row, print_table, remove_dumps, tally
 from producer.client import Client
 from producer.fleet import Fleet, proc_stats, replay_backend_name

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from bench.chaos import weather_objects
+from bench.chaos_fleet import weather_objects
 from bench.history import Verdict
 from bench.history_read import check_run, mark_run
 from producer.fleet import Fleet
