@@ -39,7 +39,8 @@ from urllib3.exceptions import (
 from urllib3.exceptions import TimeoutError as Urllib3Timeout
 
 from schemas.protocols import declared
-from worker.codecs.openai_chat import is_empty_reply
+from worker.codecs.error_text import json_or_none, upstream_message
+from worker.codecs.openai_chat import add_usage, is_empty_reply, with_spent
 from worker.codecs.protocol import ChatRequest, Codec, Delta, WireRequest
 from worker.codecs.rate_headers import RateSignal, precise_retry_s, read_rate_signal
 from worker.codecs.retry import RetryPolicy, backoff_s, parse_retry_after_s, should_retry_status
@@ -56,7 +57,6 @@ from worker.errors import (
 
 log = logging.getLogger(__name__)
 
-_MAX_ERROR_CHARS = 300
 _MIN_READ_TIMEOUT_S = 0.1
 _USER_AGENT = "cchatq/0.1"
 
@@ -146,9 +146,9 @@ class HttpProvider:
             if isinstance(outcome, dict):
                 if not is_empty_reply(outcome):
                     latency_ms = int((time.monotonic() - start) * 1000)
-                    completion = _with_spent(outcome, spent)
+                    completion = with_spent(outcome, spent)
                     return CompletionResult(completion, attempts, latency_ms, signal)
-                _add_usage(spent, outcome.get("usage"))
+                add_usage(spent, outcome.get("usage"))
                 # One retry for an empty reply, with no backoff (it is not a load signal).
                 if (
                     empty_retried
@@ -264,10 +264,10 @@ class HttpProvider:
                 return self._codec.decode(_json_body(resp), request)
             except ProviderRetryableError as exc:  # e.g. Gemini MALFORMED_FUNCTION_CALL
                 return exc
-        message = f"HTTP {status}: {_upstream_message(resp)}"
+        message = f"HTTP {status}: {upstream_message(resp.data, resp.reason)}"
         if not should_retry_status(status, resp.headers):
             raise ProviderRequestError(message, status)
-        now, payload = time.time(), _json_or_none(resp)
+        now, payload = time.time(), json_or_none(resp.data)
         retry_after = parse_retry_after_s(resp.headers, now)
         # a whole-second Retry-After is rounded up: the reset headers or the body say it exactly
         precise = precise_retry_s(resp.headers, payload, now, retry_after)
@@ -313,21 +313,6 @@ class HttpProvider:
             return exc
 
 
-def _add_usage(total: dict[str, int], usage: Any) -> None:
-    for key, value in (usage or {}).items():
-        if isinstance(value, int) and not isinstance(value, bool):
-            total[key] = total.get(key, 0) + value
-
-
-def _with_spent(completion: dict[str, Any], spent: dict[str, int]) -> dict[str, Any]:
-    """The reply with the usage of discarded attempts added: they were billed too."""
-    if not spent:
-        return completion
-    usage = dict(completion.get("usage") or {})
-    _add_usage(usage, spent)
-    return {**completion, "usage": usage}
-
-
 def _pool_for(base_url: str, max_connections: int) -> urllib3.PoolManager:
     """Connections to one backend, through the environment's proxy for it (HTTPS_PROXY,
     NO_PROXY...) and verified against REQUESTS_CA_BUNDLE / CURL_CA_BUNDLE or certifi's
@@ -357,37 +342,3 @@ def _json_body(resp: urllib3.BaseHTTPResponse) -> Any:
         raise ProviderProtocolError(
             f"HTTP {resp.status} body is not JSON ({len(resp.data)} bytes)"
         ) from None
-
-
-def _json_or_none(resp: urllib3.BaseHTTPResponse) -> Any:
-    try:
-        return json.loads(resp.data)
-    except (ValueError, UnicodeDecodeError):
-        return None
-
-
-def _upstream_message(resp: urllib3.BaseHTTPResponse) -> str:
-    """The provider's own error text, as OpenAI/Anthropic/vLLM/FastAPI shape it, capped."""
-    text = ""
-    try:
-        payload = json.loads(resp.data)
-    except (ValueError, UnicodeDecodeError):
-        text = resp.data.decode("utf-8", errors="replace")
-    else:
-        text = _message_in(payload)
-    text = " ".join(text.split()) or (resp.reason or "no error message")
-    return text[:_MAX_ERROR_CHARS]
-
-
-def _message_in(payload: Any) -> str:
-    if isinstance(payload, str):
-        return payload
-    if isinstance(payload, dict):
-        for key in ("error", "message", "detail", "msg"):
-            if key in payload:
-                found = _message_in(payload[key])
-                if found:
-                    return found
-    if isinstance(payload, list) and payload:
-        return _message_in(payload[0])  # FastAPI 422 detail lists, Gemini error arrays
-    return json.dumps(payload)[:_MAX_ERROR_CHARS] if payload not in (None, "", {}, []) else ""
