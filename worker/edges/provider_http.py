@@ -20,7 +20,7 @@ import random
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlencode, urlsplit
@@ -47,7 +47,6 @@ from worker.codecs.retry import RetryPolicy, backoff_s, parse_retry_after_s, sho
 from worker.codecs.sse import SseParser, looks_like_sse
 from worker.config import BackendConfig
 from worker.errors import (
-    ProviderError,
     ProviderProtocolError,
     ProviderRateLimitedError,
     ProviderRequestError,
@@ -219,7 +218,8 @@ class HttpProvider:
             # only an adaptive backend's rate controller reads what the headers say
             signal = read_rate_signal(resp.headers, time.time()) if backend.adaptive else None
             try:
-                return self._reply(resp, request, body, attempt, start, on_delta, signal), signal
+                reply = self._reply(resp, request, body, attempt, start, read_s, on_delta, signal)
+                return reply, signal
             finally:
                 if request.stream:  # a stream left unread must not go back to the pool
                     resp.close()
@@ -244,6 +244,7 @@ class HttpProvider:
         body: bytes,
         attempt: int,
         start: float,
+        read_s: float,
         on_delta: DeltaSink | None,
         signal: RateSignal | None,
     ) -> dict[str, Any] | ProviderRetryableError:
@@ -258,7 +259,7 @@ class HttpProvider:
             " (stream)" if streaming else f" got {len(resp.data)} bytes",
         )  # fmt: skip
         if streaming:
-            return self._stream(resp, request, start, on_delta)
+            return self._stream(resp, request, start, read_s, on_delta)
         if 200 <= status < 300:
             try:
                 return self._codec.decode(_json_body(resp), request)
@@ -285,32 +286,86 @@ class HttpProvider:
         resp: urllib3.BaseHTTPResponse,
         request: ChatRequest,
         start: float,
+        read_s: float,
         on_delta: DeltaSink | None,
     ) -> dict[str, Any] | ProviderRetryableError:
+        """The reply of an SSE stream. One that gives no content for stream_idle_timeout_s is
+        abandoned as retryable: keepalives (comments, `ping` events, empty deltas) can keep
+        its socket reading forever, so the idle time is checked on every chunk."""
         parser, assembler = SseParser(), self._codec.assembler(request)
+        name, idle_s = self._backend.name, self._backend.stream_idle_timeout_s
+        idle = _IdleWatch(idle_s, read_s, resp)
+        stalled = f"stream from backend {name} sent no content for {idle_s:g} s"
         try:
-            for chunk in resp.stream(None):
+            for chunk in _arrivals(resp):
                 for event in parser.feed(chunk):
                     deltas = assembler.feed(event)
                     if on_delta is not None:
                         for delta in deltas:
                             on_delta(delta)
+                if idle.stalled(assembler.progress):
+                    if assembler.finished:
+                        break  # the whole reply came, then only keepalives: it is the reply
+                    return ProviderRetryableError(stalled)
                 if time.monotonic() - start > self._total_s(request):
-                    name = self._backend.name
                     return ProviderRetryableError(f"stream from backend {name} passed its deadline")
             for event in parser.close():
                 assembler.feed(event)
+        except ReadTimeoutError:
+            if not assembler.finished:
+                if idle.waiting_for_content:
+                    return ProviderRetryableError(stalled)
+                raise  # silent for read_timeout_s: a read timeout
         except ProviderRetryableError as exc:
-            return exc
-        except ProviderError:
-            raise
+            return exc  # other ProviderErrors (a request fault in the stream) end the call
         if not assembler.finished:
             # a stream that ends early is truncated; its calls never run
-            return ProviderRetryableError(f"stream from backend {self._backend.name} ended early")
+            return ProviderRetryableError(f"stream from backend {name} ended early")
         try:
             return assembler.result()
         except ProviderRetryableError as exc:
             return exc
+
+
+class _IdleWatch:
+    """The time since a stream last gave content. The socket never waits past the idle time
+    left, so a stream that goes quiet or sends only pings ends at its idle timeout, not at
+    the next ping after it."""
+
+    def __init__(self, idle_s: float, read_s: float, resp: urllib3.BaseHTTPResponse) -> None:
+        self._idle_s, self._read_s = idle_s, read_s
+        self._sock = getattr(resp.connection, "sock", None)  # None: checked per chunk only
+        self._progress, self._since = 0, time.monotonic()  # the headers began the stream
+        self.waiting_for_content = False  # the socket's wait is the idle time left
+        self._wait_s = -1.0  # the socket's timeout as last set (a syscall: only on a change)
+        self._bound_wait(self._since)
+
+    def stalled(self, progress: int) -> bool:
+        now = time.monotonic()
+        if progress != self._progress:
+            self._progress, self._since = progress, now
+        elif now - self._since >= self._idle_s:
+            return True
+        self._bound_wait(now)
+        return False
+
+    def _bound_wait(self, now: float) -> None:
+        left = self._idle_s - (now - self._since)
+        self.waiting_for_content = left < self._read_s
+        wait_s = max(min(left, self._read_s), _MIN_READ_TIMEOUT_S)
+        if self._sock is not None and wait_s != self._wait_s:
+            self._sock.settimeout(wait_s)
+            self._wait_s = wait_s
+
+
+def _arrivals(resp: urllib3.BaseHTTPResponse) -> Iterator[bytes]:
+    """A stream's bytes as they arrive: each HTTP chunk, or each read of a body that is not
+    chunked (`stream(None)` would read that one to its end before giving anything)."""
+    if resp.chunked:
+        yield from resp.stream(None)
+        return
+    while data := resp.read1():
+        yield data
 
 
 def _pool_for(base_url: str, max_connections: int) -> urllib3.PoolManager:
