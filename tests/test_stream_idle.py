@@ -1,19 +1,25 @@
 """A model stream that stops giving content is abandoned at the backend's stream_idle_timeout_s
-and retried, though keepalives keep arriving: the stream assemblers' notion of content, and
-HttpProvider on a stream that is not chunked."""
+and retried, though keepalives keep arriving: HttpProvider against the replay server over real
+HTTP (`[[stall_ms:N]]`), every protocol; the stream assemblers' notion of content; and a
+stream that is not chunked."""
 
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
 
+from fixtures.replay.scenarios import conversation_key
+from fixtures.replay.server import ReplayServer
 from schemas.config import ConfigError, parse_config
+from schemas.protocols import PROTOCOLS, declared
 from worker.codecs.anthropic_stream import AnthropicStreamAssembler
 from worker.codecs.gemini_stream import GeminiStreamAssembler
 from worker.codecs.openai_stream import OpenAIStreamAssembler
@@ -27,11 +33,109 @@ from worker.errors import ProviderRetryableError
 IDLE_S = 0.8
 PING_MS = 100  # keepalives far more often than the idle timeout: they must not count
 STALL_MS = 5000  # far past the idle timeout: only abandoning the stream ends it in time
+WIRE_NAMES = {"openai": "openai", "anthropic": "anthropic", "gemini": "gemini",
+              "openai-text-tags": "tags"}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def replay() -> Iterator[ReplayServer]:
+    with ReplayServer() as server:
+        yield server
+
+
+def provider(replay: ReplayServer, protocol: str, **cfg: Any) -> HttpProvider:
+    url = replay.root + declared(protocol).replay_path
+    backend = BackendConfig(
+        name=f"idle-{protocol}", protocol=protocol, base_url=url, stream=True, adaptive=False,
+        **{"stream_idle_timeout_s": IDLE_S, **cfg},
+    )  # fmt: skip
+    return HttpProvider(backend, codec_for(protocol))
+
+
+def ask(
+    http: HttpProvider, protocol: str, text: str, deltas: list[Delta] | None = None
+) -> CompletionResult:
+    model = declared(protocol).replay_model_for("plain")
+    request = ChatRequest(model, [{"role": "user", "content": text}], stream=True, max_tokens=64)
+    try:
+        return http.complete(request, None if deltas is None else deltas.append)
+    finally:
+        http.close()
 
 
 def content(result: CompletionResult) -> str:
     text: str = result.completion["choices"][0]["message"]["content"]
     return text
+
+
+def stall_of(replay: ReplayServer, protocol: str, text: str) -> dict[str, Any]:
+    """The replay server's record of this conversation's stalled first round, once the stalled
+    handler has seen how its stream ended."""
+    turn = conversation_key(WIRE_NAMES[protocol], "plain", text) + ":0"
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        found = [s for s in replay.stalls()["stalls"] if s["turn"] == turn]
+        if found and found[0]["ended"] != "stalling":
+            return found[0]
+        time.sleep(0.02)
+    raise AssertionError(f"no ended stall for {turn}: {replay.stalls()}")
+
+
+@pytest.mark.parametrize("protocol", list(PROTOCOLS))
+def test_a_stream_that_stalls_after_some_content_is_abandoned_and_retried(
+    replay: ReplayServer, protocol: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    text = f"Stall {protocol} [[stall_ms:{STALL_MS}]] [[ping_ms:{PING_MS}]]"
+    deltas: list[Delta] = []
+    with caplog.at_level(logging.WARNING, logger="worker.edges.provider_http"):
+        result = ask(provider(replay, protocol), protocol, text, deltas)
+    assert (result.attempts, content(result)) == (2, f"Echo: Stall {protocol}")
+    # what the stalled attempt showed was voided, then the retry showed the whole answer
+    kinds = [d.kind for d in deltas]
+    assert kinds.count("restart") == 1 and kinds[0] == "content", kinds
+    shown = "".join(d.text for d in deltas[kinds.index("restart") + 1 :])
+    assert shown == f"Echo: Stall {protocol}"
+    assert f"stream from backend idle-{protocol} sent no content for {IDLE_S:g} s" in caplog.text
+    stall = stall_of(replay, protocol, text)
+    # the client closed the stalled connection (it was not kept for another call), the
+    # round was asked twice, and keepalives kept coming until it gave up
+    assert stall["ended"] == "client hung up" and stall["requests"] == 2, stall
+    assert stall["content_events"] > 0 and stall["pings"] >= 3, stall
+    assert stall["ended_after_s"] >= IDLE_S, stall  # not before the idle timeout
+
+
+@pytest.mark.parametrize("protocol", ["openai", "anthropic"])
+def test_a_stream_of_keepalives_with_no_content_at_all_is_abandoned_and_retried(
+    replay: ReplayServer, protocol: str
+) -> None:
+    text = f"Only pings {protocol} [[stall_ms:{STALL_MS}]] [[ping_ms:{PING_MS}]] [[stall_after:0]]"
+    result = ask(provider(replay, protocol), protocol, text)
+    assert (result.attempts, content(result)) == (2, f"Echo: Only pings {protocol}")
+    stall = stall_of(replay, protocol, text)
+    assert (stall["content_events"], stall["requests"]) == (0, 2), stall
+    assert stall["ended"] == "client hung up" and stall["pings"] >= 3, stall
+
+
+def test_a_silent_stream_is_still_bounded_by_the_read_timeout(
+    replay: ReplayServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No byte at all (not even a keepalive) for read_timeout_s, shorter than the idle timeout:
+    the read timeout ends the attempt."""
+    text = f"Silent [[stall_ms:{STALL_MS}]] [[ping_ms:{STALL_MS}]] [[stall_after:0]]"
+    http = provider(replay, "openai", stream_idle_timeout_s=30.0, read_timeout_s=0.5)
+    with caplog.at_level(logging.WARNING, logger="worker.edges.provider_http"):
+        result = ask(http, "openai", text)
+    assert (result.attempts, content(result)) == (2, "Echo: Silent")
+    assert "read timeout calling backend idle-openai" in caplog.text
+    assert "sent no content" not in caplog.text
+
+
+@pytest.mark.parametrize("protocol", ["openai", "anthropic"])
+def test_a_slow_but_steady_stream_is_not_abandoned(replay: ReplayServer, protocol: str) -> None:
+    """Content every 0.4 s: the whole stream takes longer than the idle timeout, no gap does."""
+    text = f"Slow and steady {protocol} [[chunk_delay_ms:400]]"
+    result = ask(provider(replay, protocol, stream_idle_timeout_s=1.5), protocol, text)
+    assert (result.attempts, content(result)) == (1, f"Echo: Slow and steady {protocol}")
 
 
 def test_the_idle_timeout_is_a_positive_number_of_seconds_sixty_by_default() -> None:
@@ -197,3 +301,49 @@ def test_the_unchunked_server_really_sends_no_length_and_no_chunks() -> None:
     head = raw.split(b"\r\n\r\n", 1)[0].lower()
     assert b"content-length" not in head and b"transfer-encoding" not in head
     assert raw.endswith(b"data: [DONE]\n\n")
+
+
+# --- the replay server's stall itself ------------------------------------------------------------
+
+
+def raw_stream(replay: ReplayServer, text: str) -> tuple[bytes, bool]:
+    """POST a streamed chat completion on a connection of its own; the body as far as it came,
+    and whether it ended properly (its last chunk) rather than being cut off."""
+    body = json.dumps({"model": "replay/plain", "stream": True,
+                       "messages": [{"role": "user", "content": text}]}).encode()  # fmt: skip
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: replay\r\nContent-Type: "
+            f"application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()  # fmt: skip
+    with socket.create_connection(("127.0.0.1", replay.port), timeout=10) as sock:
+        sock.sendall(head + body)
+        raw = b""
+        while not raw.endswith(b"\r\n0\r\n\r\n") and (chunk := sock.recv(65536)):
+            raw += chunk
+    return raw, raw.endswith(b"\r\n0\r\n\r\n")
+
+
+def test_the_replay_server_stalls_a_rounds_first_stream_then_cuts_it_and_answers_the_retry(
+    replay: ReplayServer,
+) -> None:
+    text = "Cut [[stall_ms:400]] [[ping_ms:100]] [[stall_after:2]]"
+    first, ended = raw_stream(replay, text)
+    assert not ended  # closed with no last chunk: a stream cut off
+    events = [e for e in first.split(b"\r\n") if e.startswith((b"data:", b":"))]
+    assert [e.startswith(b"data:") for e in events[:2]] == [True, True]  # role, some content
+    assert b'"content":"Ech"' in events[1] and set(events[2:]) == {b": ping\n\n"}
+    again, ended = raw_stream(replay, text)
+    assert ended and b"data: [DONE]" in again and b": ping" not in again
+    turn = conversation_key("openai", "plain", text) + ":0"
+    [stall] = [s for s in replay.stalls()["stalls"] if s["turn"] == turn]
+    assert (stall["ended"], stall["pings"], stall["requests"]) == ("time up", len(events) - 2, 2)
+
+
+def test_an_answer_that_is_not_streamed_never_stalls(replay: ReplayServer) -> None:
+    before = replay.stalls()["stalls"]
+    http = provider(replay, "openai")
+    request = ChatRequest("replay/plain", [{"role": "user", "content": "JSON [[stall_ms:5000]]"}])
+    try:
+        result = http.complete(request)
+    finally:
+        http.close()
+    assert (result.attempts, content(result)) == (1, "Echo: JSON")
+    assert replay.stalls()["stalls"] == before
