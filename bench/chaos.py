@@ -14,6 +14,8 @@ scenario on a private fleet of its own (Redis, replay server, one worker per que
                  (Retry-After 1 s) and 5% 500; it times each retry after a 429.
   producer-kill  300 sessions submitted by `cchatq submit`, SIGKILLed while it waits; the fleet
                  finishes them with no producer, and a new Client reads them.
+  stall          10 streamed sessions whose stream stalls after some content, keepalives every
+                 15 s (bench/chaos_stall.py): each abandoned by 75 s, retried, and ok.
 
 One row per run: sessions finished of those submitted, how many ended step_failed, with another
 error body, with a duplicated tool message (a tool message twice for one call id, more tool
@@ -55,6 +57,7 @@ from bench.chaos_report import (
     remove_dumps,
     tally,
 )
+from bench.chaos_stall import scenario_stall
 from fixtures.demo_batch import CITIES, WEATHER, weather_json
 from producer.client import Client
 from producer.fleet import Fleet
@@ -64,7 +67,7 @@ from schemas import keys
 from schemas.spec_types import Spec
 
 GUESTS = Path(fixtures.__file__).parent / "guests"
-SCENARIOS = ("kill", "redis-restart", "faults", "producer-kill")
+SCENARIOS = ("kill", "redis-restart", "faults", "producer-kill", "stall")
 KILL_EVERY_S = 2.0
 REDIS_DOWN_S = 0.5
 RETRY_AFTER_S = 1
@@ -467,8 +470,10 @@ RUNS: dict[str, Callable[[Path, int, float, int], list[Row]]] = {
     "redis-restart": scenario_redis,
     "faults": scenario_faults,
     "producer-kill": scenario_producer_kill,
+    "stall": scenario_stall,
 }
-DEFAULT_SESSIONS = {"kill": 1000, "redis-restart": 300, "faults": 300, "producer-kill": 300}
+DEFAULT_SESSIONS = {"kill": 1000, "redis-restart": 300, "faults": 300, "producer-kill": 300,
+                    "stall": 10}  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -481,7 +486,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "scenarios", nargs="*", metavar="scenario", help=f"of {', '.join(SCENARIOS)} (default: all)"
     )
     parser.add_argument(
-        "--sessions", type=int, help="sessions per run (default: 1000 for kill, 300 for the others)"
+        "--sessions",
+        type=int,
+        help="sessions per run (default: 1000 for kill, 10 for stall, 300 for the others)",
     )
     parser.add_argument(
         "--deadline-s",
