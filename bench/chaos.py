@@ -14,6 +14,8 @@ scenario on a private fleet of its own (Redis, replay server, one worker per que
                  (Retry-After 1 s) and 5% 500; it times each retry after a 429.
   producer-kill  300 sessions submitted by `cchatq submit`, SIGKILLed while it waits; the fleet
                  finishes them with no producer, and a new Client reads them.
+  stall          10 streamed sessions whose stream stalls after some content, keepalives every
+                 15 s (bench/chaos_stall.py): each abandoned by 75 s, retried, and ok.
 
 One row per run: sessions finished of those submitted, how many ended step_failed, with another
 error body, with a duplicated tool message (a tool message twice for one call id, more tool
@@ -38,20 +40,20 @@ from bench.chaos_faults import scenario_faults
 from bench.chaos_kill import scenario_kill
 from bench.chaos_report import Row, print_table
 from bench.chaos_restarts import scenario_producer_kill, scenario_redis
+from bench.chaos_stall import scenario_stall
 from bench.history import print_verdicts
 
-SCENARIOS = ("kill", "redis-restart", "faults", "producer-kill")
+Scenario = Callable[[Path, int, float, int], list[Row]]  # (root, sessions, deadline_s, seed)
 
-
-# --- the table ------------------------------------------------------------------------------
-
-RUNS: dict[str, Callable[[Path, int, float, int], list[Row]]] = {
-    "kill": scenario_kill,
-    "redis-restart": scenario_redis,
-    "faults": scenario_faults,
-    "producer-kill": scenario_producer_kill,
+# each scenario: what runs it, and its sessions when --sessions does not say
+RUNS: dict[str, tuple[Scenario, int]] = {
+    "kill": (scenario_kill, 1000),
+    "redis-restart": (scenario_redis, 300),
+    "faults": (scenario_faults, 300),
+    "producer-kill": (scenario_producer_kill, 300),
+    "stall": (scenario_stall, 10),
 }
-DEFAULT_SESSIONS = {"kill": 1000, "redis-restart": 300, "faults": 300, "producer-kill": 300}
+SCENARIOS = tuple(RUNS)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -64,7 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "scenarios", nargs="*", metavar="scenario", help=f"of {', '.join(SCENARIOS)} (default: all)"
     )
     parser.add_argument(
-        "--sessions", type=int, help="sessions per run (default: 1000 for kill, 300 for the others)"
+        "--sessions", type=int, help="sessions per run (default: each scenario's own, 10 to 1000)"
     )
     parser.add_argument(
         "--deadline-s",
@@ -82,9 +84,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"fleet logs under {root}", flush=True)
     rows: list[Row] = []
     for name in chosen:
-        n = args.sessions or DEFAULT_SESSIONS[name]
+        run, default_sessions = RUNS[name]
+        n = args.sessions or default_sessions
         started = time.monotonic()
-        new = RUNS[name](root, n, args.deadline_s, args.seed)
+        new = run(root, n, args.deadline_s, args.seed)
         rows.extend(new)
         print(f"\n== {name} ({time.monotonic() - started:.0f} s)", flush=True)
         print_table(new)

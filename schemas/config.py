@@ -80,6 +80,7 @@ class BackendConfig:
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 60.0
     total_timeout_s: float = 120.0
+    stream_idle_timeout_s: float = 60.0  # a stream with no content this long (pings aside): retried
     max_attempts: int = 4
     backoff_base_s: float = 0.5
     backoff_max_s: float = 8.0
@@ -184,6 +185,7 @@ class _BackendSchema(Schema):
     connect_timeout_s = _Seconds()
     read_timeout_s = _Seconds()
     total_timeout_s = _Seconds()
+    stream_idle_timeout_s = _Seconds()
     max_attempts = _StrictInt(validate=_positive())
     backoff_base_s = _Seconds()
     backoff_max_s = _Seconds()

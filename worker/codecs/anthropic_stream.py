@@ -238,10 +238,15 @@ class AnthropicStreamAssembler:
         self._json: dict[int, list[str]] = {}  # partial_json fragments of tool blocks
         self._call_of: dict[int, int] = {}  # a tool block's index -> its call number (Delta)
         self._done = False
+        self._progress = 0
 
     @property
     def finished(self) -> bool:
         return self._done
+
+    @property
+    def progress(self) -> int:
+        return self._progress
 
     def feed(self, event: SseEvent) -> list[Delta]:
         if self._done:
@@ -254,15 +259,19 @@ class AnthropicStreamAssembler:
             raise _stream_error(data.get("error"))
         if kind == "message_start":
             self._start(data.get("message"))
+            self._progress += 1
             return []
         if kind not in _KNOWN_EVENTS or kind == "message":
             return []  # ping, and event types newer than this codec
         if self._message is None:
             raise ProviderProtocolError(f"Anthropic stream sent {kind} before message_start")
+        if kind == "content_block_delta":
+            deltas = self._delta(data)
+            self._progress += bool(deltas)  # an empty text delta gives nothing new
+            return deltas
+        self._progress += 1
         if kind == "content_block_start":
             return self._block_start(data)
-        if kind == "content_block_delta":
-            return self._delta(data)
         elif kind == "content_block_stop":
             self._close(_index(data))
         elif kind == "message_delta":
@@ -347,8 +356,10 @@ class AnthropicStreamAssembler:
             return [Delta("tool_call", piece, self._call_of[index])] if piece else []
         elif kind == "signature_delta" and btype == "thinking":
             block["signature"] = delta.get("signature")
+            self._progress += 1
         elif kind == "citations_delta" and btype == "text":
             block["citations"] = [*(block.get("citations") or []), delta.get("citation")]
+            self._progress += 1
         return []  # other deltas (future types) are ignored, never a crash
 
     def _close(self, index: int) -> None:

@@ -30,6 +30,12 @@ class GeminiStreamAssembler:
         self._candidate: dict[str, Any] = {}  # finishReason, finishMessage, index
         self._blocked = False
         self._calls = 0  # functionCall parts so far: the next call's number (Delta)
+        self._progress = 0
+        self._filled = 0  # parts with something in them (not an empty text)
+
+    @property
+    def progress(self) -> int:
+        return self._progress
 
     def feed(self, event: SseEvent) -> list[Delta]:
         data = event.data.strip()
@@ -39,9 +45,11 @@ class GeminiStreamAssembler:
             chunk = json.loads(data)
         except ValueError:
             raise ProviderProtocolError("Gemini stream event is not JSON") from None
+        before = (self._filled, self.finished)
         deltas: list[Delta] = []
         for item in chunk if isinstance(chunk, list) else [chunk]:
             deltas.extend(self._feed_chunk(item))
+        self._progress += bool(deltas) or (self._filled, self.finished) != before
         return deltas
 
     def _feed_chunk(self, chunk: Any) -> list[Delta]:
@@ -71,6 +79,7 @@ class GeminiStreamAssembler:
             if not isinstance(part, dict):
                 raise ProviderProtocolError("Gemini stream part is not an object")
             self._parts.append(copy.deepcopy(part))
+            self._filled += part != {"text": ""}
             text = part.get("text")
             call = part.get("functionCall")
             if isinstance(call, dict):  # a call comes whole in one part: name and arguments

@@ -281,6 +281,21 @@ def is_empty_reply(completion: Mapping[str, Any]) -> bool:
     return content is None or not content.strip()
 
 
+def add_usage(total: dict[str, int], usage: Any) -> None:
+    for key, value in (usage or {}).items():
+        if isinstance(value, int) and not isinstance(value, bool):
+            total[key] = total.get(key, 0) + value
+
+
+def with_spent(completion: dict[str, Any], spent: dict[str, int]) -> dict[str, Any]:
+    """The reply with the usage of discarded attempts added: they were billed too."""
+    if not spent:
+        return completion
+    usage = dict(completion.get("usage") or {})
+    add_usage(usage, spent)
+    return {**completion, "usage": usage}
+
+
 def is_truncated(completion: Mapping[str, Any]) -> bool:
     """A call cut off by the token limit (finish_reason length) never runs: decode_arguments
     would 'repair' it into arguments the model never wrote."""

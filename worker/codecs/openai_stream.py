@@ -100,10 +100,15 @@ class OpenAIStreamAssembler:
         self._usage: Any = None
         self._usage_final = False  # the usage came from the `choices: []` chunk
         self._done = False
+        self._progress = 0
 
     @property
     def finished(self) -> bool:
         return self._done
+
+    @property
+    def progress(self) -> int:
+        return self._progress
 
     def feed(self, event: SseEvent) -> list[Delta]:
         if self._done:
@@ -111,6 +116,7 @@ class OpenAIStreamAssembler:
         data = event.data.strip()
         if data == DONE:
             self._done = True
+            self._progress += 1
             return []
         if not data or event.event == "ping":
             return []
@@ -128,7 +134,11 @@ class OpenAIStreamAssembler:
             raise stream_error(chunk["error"])  # an error object in a 200 stream
         if event.event == "error":
             raise stream_error(chunk)
-        return self._chunk(chunk)
+        before = (self._finish_reason, self._usage)
+        deltas = self._chunk(chunk)
+        # a chunk with an empty delta (some servers' keepalive) gives nothing new
+        self._progress += bool(deltas) or (self._finish_reason, self._usage) != before
+        return deltas
 
     def _chunk(self, chunk: dict[str, Any]) -> list[Delta]:
         for key in _TOP_LEVEL:

@@ -85,6 +85,13 @@ class StreamAssembler(Protocol):
         """The protocol's terminator was seen ([DONE], message_stop; Gemini: end of body)."""
         ...
 
+    @property
+    def progress(self) -> int:
+        """How many events so far gave the reply something new (text, a piece of a call, a
+        finish, usage, a terminator). An event that leaves it where it was (a `ping`, an empty
+        delta) is a keepalive: the stream's idle timeout does not count it as content."""
+        ...
+
     def result(self) -> dict[str, Any]:
         """The canonical chat.completion. Raises ProviderProtocolError when the stream was
         truncated (no terminator or no finish reason): a truncated call is never executed."""

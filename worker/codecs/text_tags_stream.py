@@ -33,6 +33,10 @@ class TextTagAssembler:
     def finished(self) -> bool:
         return self._inner.finished
 
+    @property
+    def progress(self) -> int:
+        return self._inner.progress  # text inside a tag is held back, but it is content
+
     def feed(self, event: SseEvent) -> list[Delta]:
         out: list[Delta] = []
         for delta in self._inner.feed(event):

@@ -20,7 +20,7 @@ import random
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlencode, urlsplit
@@ -39,14 +39,14 @@ from urllib3.exceptions import (
 from urllib3.exceptions import TimeoutError as Urllib3Timeout
 
 from schemas.protocols import declared
-from worker.codecs.openai_chat import is_empty_reply
+from worker.codecs.error_text import json_or_none, upstream_message
+from worker.codecs.openai_chat import add_usage, is_empty_reply, with_spent
 from worker.codecs.protocol import ChatRequest, Codec, Delta, WireRequest
 from worker.codecs.rate_headers import RateSignal, precise_retry_s, read_rate_signal
 from worker.codecs.retry import RetryPolicy, backoff_s, parse_retry_after_s, should_retry_status
 from worker.codecs.sse import SseParser, looks_like_sse
 from worker.config import BackendConfig
 from worker.errors import (
-    ProviderError,
     ProviderProtocolError,
     ProviderRateLimitedError,
     ProviderRequestError,
@@ -56,7 +56,6 @@ from worker.errors import (
 
 log = logging.getLogger(__name__)
 
-_MAX_ERROR_CHARS = 300
 _MIN_READ_TIMEOUT_S = 0.1
 _USER_AGENT = "cchatq/0.1"
 
@@ -146,9 +145,9 @@ class HttpProvider:
             if isinstance(outcome, dict):
                 if not is_empty_reply(outcome):
                     latency_ms = int((time.monotonic() - start) * 1000)
-                    completion = _with_spent(outcome, spent)
+                    completion = with_spent(outcome, spent)
                     return CompletionResult(completion, attempts, latency_ms, signal)
-                _add_usage(spent, outcome.get("usage"))
+                add_usage(spent, outcome.get("usage"))
                 # One retry for an empty reply, with no backoff (it is not a load signal).
                 if (
                     empty_retried
@@ -219,7 +218,8 @@ class HttpProvider:
             # only an adaptive backend's rate controller reads what the headers say
             signal = read_rate_signal(resp.headers, time.time()) if backend.adaptive else None
             try:
-                return self._reply(resp, request, body, attempt, start, on_delta, signal), signal
+                reply = self._reply(resp, request, body, attempt, start, read_s, on_delta, signal)
+                return reply, signal
             finally:
                 if request.stream:  # a stream left unread must not go back to the pool
                     resp.close()
@@ -244,6 +244,7 @@ class HttpProvider:
         body: bytes,
         attempt: int,
         start: float,
+        read_s: float,
         on_delta: DeltaSink | None,
         signal: RateSignal | None,
     ) -> dict[str, Any] | ProviderRetryableError:
@@ -258,16 +259,16 @@ class HttpProvider:
             " (stream)" if streaming else f" got {len(resp.data)} bytes",
         )  # fmt: skip
         if streaming:
-            return self._stream(resp, request, start, on_delta)
+            return self._stream(resp, request, start, read_s, on_delta)
         if 200 <= status < 300:
             try:
                 return self._codec.decode(_json_body(resp), request)
             except ProviderRetryableError as exc:  # e.g. Gemini MALFORMED_FUNCTION_CALL
                 return exc
-        message = f"HTTP {status}: {_upstream_message(resp)}"
+        message = f"HTTP {status}: {upstream_message(resp.data, resp.reason)}"
         if not should_retry_status(status, resp.headers):
             raise ProviderRequestError(message, status)
-        now, payload = time.time(), _json_or_none(resp)
+        now, payload = time.time(), json_or_none(resp.data)
         retry_after = parse_retry_after_s(resp.headers, now)
         # a whole-second Retry-After is rounded up: the reset headers or the body say it exactly
         precise = precise_retry_s(resp.headers, payload, now, retry_after)
@@ -285,47 +286,86 @@ class HttpProvider:
         resp: urllib3.BaseHTTPResponse,
         request: ChatRequest,
         start: float,
+        read_s: float,
         on_delta: DeltaSink | None,
     ) -> dict[str, Any] | ProviderRetryableError:
+        """The reply of an SSE stream. One that gives no content for stream_idle_timeout_s is
+        abandoned as retryable: keepalives (comments, `ping` events, empty deltas) can keep
+        its socket reading forever, so the idle time is checked on every chunk."""
         parser, assembler = SseParser(), self._codec.assembler(request)
+        name, idle_s = self._backend.name, self._backend.stream_idle_timeout_s
+        idle = _IdleWatch(idle_s, read_s, resp)
+        stalled = f"stream from backend {name} sent no content for {idle_s:g} s"
         try:
-            for chunk in resp.stream(None):
+            for chunk in _arrivals(resp):
                 for event in parser.feed(chunk):
                     deltas = assembler.feed(event)
                     if on_delta is not None:
                         for delta in deltas:
                             on_delta(delta)
+                if idle.stalled(assembler.progress):
+                    if assembler.finished:
+                        break  # the whole reply came, then only keepalives: it is the reply
+                    return ProviderRetryableError(stalled)
                 if time.monotonic() - start > self._total_s(request):
-                    name = self._backend.name
                     return ProviderRetryableError(f"stream from backend {name} passed its deadline")
             for event in parser.close():
                 assembler.feed(event)
+        except ReadTimeoutError:
+            if not assembler.finished:
+                if idle.waiting_for_content:
+                    return ProviderRetryableError(stalled)
+                raise  # silent for read_timeout_s: a read timeout
         except ProviderRetryableError as exc:
-            return exc
-        except ProviderError:
-            raise
+            return exc  # other ProviderErrors (a request fault in the stream) end the call
         if not assembler.finished:
             # a stream that ends early is truncated; its calls never run
-            return ProviderRetryableError(f"stream from backend {self._backend.name} ended early")
+            return ProviderRetryableError(f"stream from backend {name} ended early")
         try:
             return assembler.result()
         except ProviderRetryableError as exc:
             return exc
 
 
-def _add_usage(total: dict[str, int], usage: Any) -> None:
-    for key, value in (usage or {}).items():
-        if isinstance(value, int) and not isinstance(value, bool):
-            total[key] = total.get(key, 0) + value
+class _IdleWatch:
+    """The time since a stream last gave content. The socket never waits past the idle time
+    left, so a stream that goes quiet or sends only pings ends at its idle timeout, not at
+    the next ping after it."""
+
+    def __init__(self, idle_s: float, read_s: float, resp: urllib3.BaseHTTPResponse) -> None:
+        self._idle_s, self._read_s = idle_s, read_s
+        self._sock = getattr(resp.connection, "sock", None)  # None: checked per chunk only
+        self._progress, self._since = 0, time.monotonic()  # the headers began the stream
+        self.waiting_for_content = False  # the socket's wait is the idle time left
+        self._wait_s = -1.0  # the socket's timeout as last set (a syscall: only on a change)
+        self._bound_wait(self._since)
+
+    def stalled(self, progress: int) -> bool:
+        now = time.monotonic()
+        if progress != self._progress:
+            self._progress, self._since = progress, now
+        elif now - self._since >= self._idle_s:
+            return True
+        self._bound_wait(now)
+        return False
+
+    def _bound_wait(self, now: float) -> None:
+        left = self._idle_s - (now - self._since)
+        self.waiting_for_content = left < self._read_s
+        wait_s = max(min(left, self._read_s), _MIN_READ_TIMEOUT_S)
+        if self._sock is not None and wait_s != self._wait_s:
+            self._sock.settimeout(wait_s)
+            self._wait_s = wait_s
 
 
-def _with_spent(completion: dict[str, Any], spent: dict[str, int]) -> dict[str, Any]:
-    """The reply with the usage of discarded attempts added: they were billed too."""
-    if not spent:
-        return completion
-    usage = dict(completion.get("usage") or {})
-    _add_usage(usage, spent)
-    return {**completion, "usage": usage}
+def _arrivals(resp: urllib3.BaseHTTPResponse) -> Iterator[bytes]:
+    """A stream's bytes as they arrive: each HTTP chunk, or each read of a body that is not
+    chunked (`stream(None)` would read that one to its end before giving anything)."""
+    if resp.chunked:
+        yield from resp.stream(None)
+        return
+    while data := resp.read1():
+        yield data
 
 
 def _pool_for(base_url: str, max_connections: int) -> urllib3.PoolManager:
@@ -357,37 +397,3 @@ def _json_body(resp: urllib3.BaseHTTPResponse) -> Any:
         raise ProviderProtocolError(
             f"HTTP {resp.status} body is not JSON ({len(resp.data)} bytes)"
         ) from None
-
-
-def _json_or_none(resp: urllib3.BaseHTTPResponse) -> Any:
-    try:
-        return json.loads(resp.data)
-    except (ValueError, UnicodeDecodeError):
-        return None
-
-
-def _upstream_message(resp: urllib3.BaseHTTPResponse) -> str:
-    """The provider's own error text, as OpenAI/Anthropic/vLLM/FastAPI shape it, capped."""
-    text = ""
-    try:
-        payload = json.loads(resp.data)
-    except (ValueError, UnicodeDecodeError):
-        text = resp.data.decode("utf-8", errors="replace")
-    else:
-        text = _message_in(payload)
-    text = " ".join(text.split()) or (resp.reason or "no error message")
-    return text[:_MAX_ERROR_CHARS]
-
-
-def _message_in(payload: Any) -> str:
-    if isinstance(payload, str):
-        return payload
-    if isinstance(payload, dict):
-        for key in ("error", "message", "detail", "msg"):
-            if key in payload:
-                found = _message_in(payload[key])
-                if found:
-                    return found
-    if isinstance(payload, list) and payload:
-        return _message_in(payload[0])  # FastAPI 422 detail lists, Gemini error arrays
-    return json.dumps(payload)[:_MAX_ERROR_CHARS] if payload not in (None, "", {}, []) else ""
