@@ -202,9 +202,10 @@ class StepGuard:
         write where the dispatcher shares the store's Redis. In that order, so a redelivery
         that finds the marker knows its continuation was sent."""
         trace = None
-        if outbox.events:  # a session's last events set its stream's TTL
+        if outbox.events:  # a session's first round and its last events set its stream's TTL
             ends = any(e.event == "session.finished" for e in outbox.events)
-            trace = TraceWrite(sk, tuple(outbox.events), expire=ends)
+            opens = step == keys.round_step(sk, 0)
+            trace = TraceWrite(sk, tuple(outbox.events), expire=ends or opens)
         commit = Commit(sk, step, trace, dict(outbox.outcomes), tuple(outbox.notify))
         self._write_commit(step, sk, outbox, commit)
         if self.spans.on and outbox.events:  # once committed: a step that failed made none
