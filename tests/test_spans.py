@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -29,6 +30,7 @@ from worker.session.spans import (
     trace_id,
 )
 from worker.session.trace import TraceEvent
+from worker.session.twins.failing import FailingStore
 
 BACKENDS = {
     "replay": BackendConfig("replay", "openai", "http://127.0.0.1:8011/v1"),
@@ -353,6 +355,23 @@ def test_a_sessions_steps_make_its_spans_as_they_commit() -> None:
     assert spans["execute_tool get_weather"].attributes["cchatq.batch.id"] == "b"
     assert not any(CONTENT_KEYS & set(s.attributes) for s in sink.spans)
     assert CANARY not in repr(sink.spans)
+
+
+def test_a_session_ended_by_a_dead_lettered_finish_step_spans_from_its_submit() -> None:
+    """The finish step fails every try (here: what the ending reads), so its poison writes the
+    end bare: its invoke_agent span still runs from the session's submit, not from its end."""
+    p = pipeline([reply("hello")], store=lambda m: FailingStore(m, ending_inputs=99))
+    sink = Recorded()
+    p.runner = replace(p.runner, spans=sink)
+    submit(p, pipeline_spec())
+    submitted_ms = int(time.time() * 1000) - 5_000  # five seconds ago
+    p.store.meta_of[SK]["submitted_ms"] = str(submitted_ms)
+    p.drain()
+    assert p.body()["error"]["code"] == "step_failed"
+    (agent,) = [s for s in sink.spans if s.name == "invoke_agent cchatq"]
+    assert agent.error == "step_failed"
+    assert submitted_ms <= agent.start_ms <= submitted_ms + 1_000  # the ms the clock moved
+    assert agent.end_ms - agent.start_ms >= 5_000
 
 
 def test_captured_content_reaches_spans_and_never_the_trace_stream() -> None:

@@ -263,7 +263,11 @@ class StepGuard:
                 if not self.store.write_result(sk, dump_body(failed.body()), record, None, step):
                     continue  # another step ended the session, and said so
                 with contextlib.suppress(StoreError):  # its end, which sets its trace's TTL
-                    ended = event("session.finished", spec_id, error=StepFailedError.code)
+                    latency_ms = self._since_submitted_ms(sk)
+                    ended = event(
+                        "session.finished", spec_id, latency_ms=latency_ms,
+                        error=StepFailedError.code,
+                    )  # fmt: skip
                     self.trace_now(sk, ended, expire=True)
                     if self.spans.on:
                         self._export_spans(step, sk, [ended])
@@ -272,6 +276,15 @@ class StepGuard:
         self.store.end_step(step)
         log.warning("step %s dead-lettered: %s", step, reason.split(":", 1)[0][:100])
         raise StepDeadLettered(f"step {step} dead-lettered")
+
+    def _since_submitted_ms(self, sk: str) -> int | None:
+        """How long ago the session was submitted, from its meta (what failed may be the
+        ending's own reads): its end's latency, and its invoke_agent span's start."""
+        try:
+            submitted = int(self.store.meta(sk).get("submitted_ms") or 0)
+        except (StoreError, ValueError):
+            return None
+        return int(time.time() * 1000) - submitted if submitted > 0 else None
 
     def _spec_id(self, sk: str) -> str:
         try:
