@@ -18,7 +18,13 @@ from schemas.spec_types import McpToolRef, ProgramDef, ProgramSpec, spec_from_js
 from tests.test_steps import SK, pipeline, reply, submit
 from tests.test_steps import spec as pipeline_spec
 from tests.test_trace import CANARY, flaky_weather, mixed_model
-from worker.config import BackendConfig, Settings, load_settings, span_exporters
+from worker.config import (
+    SPAN_SCHEDULE_DELAY_MS,
+    BackendConfig,
+    Settings,
+    load_settings,
+    span_exporters,
+)
 from worker.session.ports import NoSpans
 from worker.session.spans import (
     SpanSession,
@@ -427,6 +433,30 @@ def test_the_service_name_and_content_come_from_the_standard_variables() -> None
     settings = load_settings(on)
     assert (settings.span_service, settings.span_content) == ("evals", True)
     assert not load_settings({}).span_content
+
+
+def test_a_workers_spans_wait_a_second_unless_otel_bsp_schedule_delay_says() -> None:
+    """What the batch processor holds is lost with a SIGKILLed worker: a worker holds spans
+    for SPAN_SCHEDULE_DELAY_MS (1 s), not the SDK's 5 s, unless the standard variable says."""
+    assert load_settings({}).span_delay_ms == SPAN_SCHEDULE_DELAY_MS == 1_000
+    assert load_settings({"OTEL_BSP_SCHEDULE_DELAY": "200"}).span_delay_ms is None  # the SDK's
+
+
+def test_the_sdk_edge_sends_spans_after_its_delay_without_a_flush(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from worker.edges.otel_spans import OtelSpans
+
+    sink = OtelSpans(("console",), "svc", delay_ms=100)
+    (chat,) = step_spans(chat_session(), "sk1.r0", [model_finished()], BACKENDS)
+    sink.export([chat])
+    seen = ""
+    deadline = time.monotonic() + 4  # under the SDK's own 5 s: the delay given is the one used
+    while chat.name not in seen and time.monotonic() < deadline:
+        time.sleep(0.05)
+        seen += capsys.readouterr().out
+    sink.flush()
+    assert chat.name in seen
 
 
 def test_with_spans_off_the_sdk_edge_is_never_imported() -> None:
