@@ -44,6 +44,12 @@ RUN_LIMIT_BOUNDS: dict[str, tuple[int, int]] = {
     "max_output_bytes": (1 << 20, 16 << 20),
 }
 
+# a program run's `logs` (its own `log` lines, its refused cchat_write_fn's and its chats' tool
+# lines): at most these many lines and bytes of text a run; later lines are only counted, and
+# one last line says how many
+RUN_LOG_MAX_LINES = 1_000
+RUN_LOG_MAX_BYTES = 256 << 10
+
 
 def _as_dict(values: Any) -> dict[str, Any]:
     return {f.name: getattr(values, f.name) for f in fields(values)}

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jsonschema
@@ -157,14 +158,55 @@ def _additional_properties(validator: Any, extra: Any, instance: Any, schema: An
             )
 
 
+# A schema's $refs may loop (`{"$ref": "#"}`: every reference resolves, so it passes the check
+# above) or recurse with arguments nested deep: jsonschema then recurses until Python's own
+# limit, where whatever else runs at that depth (a finalizer, a signal handler, a logging
+# call) fails too, by chance. A reference followed this close to the limit stops the
+# validation instead, always at the same depth, with SchemaTooDeep.
+REF_HEADROOM_FRAMES = 200
+_REF_KEYWORDS = ("$ref", "$dynamicRef", "$recursiveRef")
+
+
+class SchemaTooDeep(Exception):
+    """A validation whose $refs recursed too deep to go on: a schema that refers back to
+    itself without descending into the arguments, or arguments nested too deep for it."""
+
+
+def _near_the_limit() -> bool:
+    try:
+        sys._getframe(sys.getrecursionlimit() - REF_HEADROOM_FRAMES)
+    except ValueError:  # fewer frames than that on this thread's stack
+        return False
+    return True
+
+
+def _guarded(follow: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
+    """A reference keyword that is followed only while the stack has room."""
+
+    def checked(validator: Any, ref: Any, instance: Any, schema: Any) -> Iterator[Any]:
+        if _near_the_limit():
+            raise SchemaTooDeep(
+                "its $ref recursion runs too deep to check (a $ref that refers back to "
+                "itself without descending into the arguments, or arguments nested too deep)"
+            )
+        yield from follow(validator, ref, instance, schema)
+
+    return checked
+
+
 def _bounded(cls: Any) -> Any:
-    """`cls` with its regex keywords bounded in time (the others are jsonschema's own)."""
+    """`cls` with its regex keywords bounded in time and its references in depth (the others
+    are jsonschema's own)."""
+    refs = {
+        name: _guarded(cls.VALIDATORS[name]) for name in _REF_KEYWORDS if name in cls.VALIDATORS
+    }
     return jsonschema.validators.extend(
         cls,
         validators={
             "pattern": _pattern,
             "patternProperties": _pattern_properties,
             "additionalProperties": _additional_properties,
+            **refs,
         },
     )
 

@@ -496,7 +496,9 @@ def test_a_schema_failing_only_at_call_time_is_a_validation_error_to_the_model(
     assert said == {
         "error": {
             "code": "VALIDATION_ERROR",
-            "message": "the tool's parameters schema cannot be checked: RecursionError",
+            "message": "the tool's parameters schema cannot be checked: its $ref recursion runs "
+            "too deep to check (a $ref that refers back to itself without descending into the "
+            "arguments, or arguments nested too deep)",
         }
     }
     assert record["metrics"]["tool_calls"] == 1 and record["metrics"]["tool_failures"] == 1

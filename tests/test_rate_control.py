@@ -222,6 +222,21 @@ def test_the_slots_of_a_worker_that_died_come_back_when_their_lease_runs_out(
     assert client.zcard(keys.rate_slots(KEY.id)) == 1
 
 
+def test_the_slots_of_a_controller_whose_calls_all_ended_are_made_again_with_a_ttl(
+    control: RedisRateControl, client: redis.Redis, clock: Clock
+) -> None:
+    """The last call to end empties the slots (Redis drops an empty set); the next call makes
+    them again, with their TTL, even when nothing else of the controller changes: a worker
+    killed while it held that slot must not leave a set that lives forever."""
+    first = control.acquire(KEY, "r0", 0, BACKEND)
+    assert isinstance(first, Slot)
+    control.report(first, ok(), BACKEND)
+    assert not client.exists(keys.rate_slots(KEY.id))
+    clock.ms += 100
+    assert isinstance(control.acquire(KEY, "r1", 0, BACKEND), Slot)
+    assert client.ttl(keys.rate_slots(KEY.id)) > 0
+
+
 def test_near_the_pace_429s_came_at_growth_probes_then_speeds_up_past_it(
     control: RedisRateControl, client: redis.Redis, clock: Clock
 ) -> None:

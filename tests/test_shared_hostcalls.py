@@ -13,6 +13,7 @@ from pathlib import Path
 
 import wasmtime
 
+from schemas.limits import RUN_LOG_MAX_BYTES, RUN_LOG_MAX_LINES
 from tests.wat_program import OOB, Dump, Program
 from worker.guest.fork import ToolModeHost
 from worker.guest.host import ChatDefaults, ProgramHost
@@ -46,14 +47,15 @@ class _Source:
         return 1 << 40  # the epoch never moves here: the host's deadline is what ends a run
 
 
-def _compiled(p: Program) -> tuple[wasmtime.Engine, wasmtime.Module]:
+def _compiled(p: Program | str) -> tuple[wasmtime.Engine, wasmtime.Module]:
     config = wasmtime.Config()
     config.epoch_interruption = True
     engine = wasmtime.Engine(config)
-    return engine, wasmtime.Module(engine, bytes(wasmtime.wat2wasm(p.wat())))
+    wat = p if isinstance(p, str) else p.wat()
+    return engine, wasmtime.Module(engine, bytes(wasmtime.wat2wasm(wat)))
 
 
-def as_program(p: Program, deadline_s: float = 30.0) -> Ran:
+def as_program(p: Program | str, deadline_s: float = 30.0) -> Ran:
     engine, module = _compiled(p)
     store = MemoryStore()
     defaults = ChatDefaults(
@@ -148,6 +150,41 @@ def test_each_shared_hostcall_answers_the_same_in_a_program_and_in_a_tool() -> N
     assert program is not None and tool is not None
     assert [program.result(c) for c in logs] == [tool.result(c) for c in logs]
     assert abs(program.result(before_ms) - tool.result(before_ms)) < 5000
+
+
+# a program that logs "x" %d times (more calls than a wat_program.Program holds)
+LOG_LOOP = """(module
+  (import "spear" "log" (func $log (param i32 i32 i32) (result i32)))
+  (memory (export "memory") 1)
+  (data (i32.const 1024) "x")
+  (func (export "_start") (local $n i32)
+    (local.set $n (i32.const %d))
+    (loop $again
+      (drop (call $log (i32.const 2) (i32.const 1024) (i32.const 1)))
+      (local.set $n (i32.sub (local.get $n) (i32.const 1)))
+      (br_if $again (local.get $n)))))"""
+
+
+def test_a_programs_log_keeps_its_bound_of_lines_and_says_how_many_it_dropped() -> None:
+    """A program's `log` lines are bounded per run (the record keeps them, in Redis): past
+    RUN_LOG_MAX_LINES lines they are only counted, and one last `warn` line says how many."""
+    ran = as_program(LOG_LOOP % (RUN_LOG_MAX_LINES + 5))
+    assert ran.error_code is None
+    assert ran.logs[:-1] == [("info", "x")] * RUN_LOG_MAX_LINES
+    level, note = ran.logs[-1]
+    assert level == "warn" and note.startswith("5 more line(s) of this run dropped")
+
+
+def test_a_programs_log_keeps_its_bound_of_bytes() -> None:
+    p = Program()
+    big, small = p.data("a" * 16_384), p.data("b")
+    fitting = RUN_LOG_MAX_BYTES // 16_384
+    for _ in range(fitting + 1):
+        p.call("log", 2, big.ptr, big.len)
+    p.call("log", 2, small.ptr, small.len)  # no room left, however short
+    ran = as_program(p)
+    assert ran.logs[:-1] == [("info", "a" * 16_384)] * fitting
+    assert ran.logs[-1][1].startswith("2 more line(s) of this run dropped")
 
 
 def test_a_sleep_stops_at_the_deadline_in_both_modes() -> None:

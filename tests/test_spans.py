@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -17,7 +18,13 @@ from schemas.spec_types import McpToolRef, ProgramDef, ProgramSpec, spec_from_js
 from tests.test_steps import SK, pipeline, reply, submit
 from tests.test_steps import spec as pipeline_spec
 from tests.test_trace import CANARY, flaky_weather, mixed_model
-from worker.config import BackendConfig, Settings, load_settings, span_exporters
+from worker.config import (
+    SPAN_SCHEDULE_DELAY_MS,
+    BackendConfig,
+    Settings,
+    load_settings,
+    span_exporters,
+)
 from worker.session.ports import NoSpans
 from worker.session.spans import (
     SpanSession,
@@ -29,6 +36,7 @@ from worker.session.spans import (
     trace_id,
 )
 from worker.session.trace import TraceEvent
+from worker.session.twins.failing import FailingStore
 
 BACKENDS = {
     "replay": BackendConfig("replay", "openai", "http://127.0.0.1:8011/v1"),
@@ -355,6 +363,23 @@ def test_a_sessions_steps_make_its_spans_as_they_commit() -> None:
     assert CANARY not in repr(sink.spans)
 
 
+def test_a_session_ended_by_a_dead_lettered_finish_step_spans_from_its_submit() -> None:
+    """The finish step fails every try (here: what the ending reads), so its poison writes the
+    end bare: its invoke_agent span still runs from the session's submit, not from its end."""
+    p = pipeline([reply("hello")], store=lambda m: FailingStore(m, ending_inputs=99))
+    sink = Recorded()
+    p.runner = replace(p.runner, spans=sink)
+    submit(p, pipeline_spec())
+    submitted_ms = int(time.time() * 1000) - 5_000  # five seconds ago
+    p.store.meta_of[SK]["submitted_ms"] = str(submitted_ms)
+    p.drain()
+    assert p.body()["error"]["code"] == "step_failed"
+    (agent,) = [s for s in sink.spans if s.name == "invoke_agent cchatq"]
+    assert agent.error == "step_failed"
+    assert submitted_ms <= agent.start_ms <= submitted_ms + 1_000  # the ms the clock moved
+    assert agent.end_ms - agent.start_ms >= 5_000
+
+
 def test_captured_content_reaches_spans_and_never_the_trace_stream() -> None:
     sink, p = run_with_spans(content=True)
     spans = by_name(sink.spans)
@@ -408,6 +433,30 @@ def test_the_service_name_and_content_come_from_the_standard_variables() -> None
     settings = load_settings(on)
     assert (settings.span_service, settings.span_content) == ("evals", True)
     assert not load_settings({}).span_content
+
+
+def test_a_workers_spans_wait_a_second_unless_otel_bsp_schedule_delay_says() -> None:
+    """What the batch processor holds is lost with a SIGKILLed worker: a worker holds spans
+    for SPAN_SCHEDULE_DELAY_MS (1 s), not the SDK's 5 s, unless the standard variable says."""
+    assert load_settings({}).span_delay_ms == SPAN_SCHEDULE_DELAY_MS == 1_000
+    assert load_settings({"OTEL_BSP_SCHEDULE_DELAY": "200"}).span_delay_ms is None  # the SDK's
+
+
+def test_the_sdk_edge_sends_spans_after_its_delay_without_a_flush(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from worker.edges.otel_spans import OtelSpans
+
+    sink = OtelSpans(("console",), "svc", delay_ms=100)
+    (chat,) = step_spans(chat_session(), "sk1.r0", [model_finished()], BACKENDS)
+    sink.export([chat])
+    seen = ""
+    deadline = time.monotonic() + 4  # under the SDK's own 5 s: the delay given is the one used
+    while chat.name not in seen and time.monotonic() < deadline:
+        time.sleep(0.05)
+        seen += capsys.readouterr().out
+    sink.flush()
+    assert chat.name in seen
 
 
 def test_with_spans_off_the_sdk_edge_is_never_imported() -> None:

@@ -192,6 +192,7 @@ def test_load_session_reads_rounds_up_to_the_one_asked(backend: Backend, sk: str
 
 
 def test_a_step_lease_is_held_once_and_its_tries_counted(backend: Backend, sk: str) -> None:
+    backend.submit(sk, spec(sk), "")
     store, step = backend.store, keys.round_step(sk, 0)
     first = store.begin_step(step, 60_000, {"state": "round 0"}, sk)
     assert (first.published, first.leased, first.tries, first.cancelled) == (
@@ -214,6 +215,20 @@ def test_a_step_lease_is_held_once_and_its_tries_counted(backend: Backend, sk: s
     assert store.begin_step(step, 60_000, None, sk).published
     assert store.lease_left_ms(step) == 0
     assert store.meta(sk)["state"] == "round 0"
+
+
+def test_a_late_step_of_a_lost_session_does_not_make_its_meta_again(
+    backend: Backend, sk: str
+) -> None:
+    """A step records its state in its session's meta only while the meta is there: one of a
+    session whose keys expired (or were lost with Redis's data) would make a meta with no TTL,
+    and a producer would take the lost session for a live one."""
+    store = backend.store
+    store.begin_step(keys.round_step(sk, 1), 60_000, {"state": "round 1"}, sk)
+    assert store.meta(sk) == {}
+    backend.submit(sk, spec(sk), "")
+    store.begin_step(keys.round_step(sk, 2), 60_000, {"state": "round 2"}, sk)
+    assert store.meta(sk)["state"] == "round 2"
 
 
 def test_tries_count_every_delivery_when_the_broker_vouches_for_the_first(

@@ -424,6 +424,59 @@ def test_spec_session_tool_gets_the_tool_mode_spear_imports(
     ]
 
 
+# the tool ABI's own imports (module cchatq): output, one char a call, chr(64 - rc)
+CCHATQ_PROBE_WAT = f"""
+(module
+  (import "cchatq" "attempt" (func $attempt (result i32)))
+  (import "cchatq" "progress" (func $progress (param i32 i32 i32) (result i32)))
+  (memory (export "memory") 1)
+  (data (i32.const 64) "halfway")
+  (func $put (param $out i32) (param $k i32) (param $rc i32)
+    (i32.store8 (i32.add (local.get $out) (local.get $k)) (i32.sub (i32.const 64) (local.get $rc))))
+  (func (export "t") {SIG}
+    (call $put (local.get $out) (i32.const 0) (call $attempt))
+    (call $put (local.get $out) (i32.const 1)
+      (call $progress (i32.const 50) (i32.const 64) (i32.const 7)))
+    (call $put (local.get $out) (i32.const 2)  ;; a message outside the memory
+      (call $progress (i32.const 60) (i32.const 0x7fff0000) (i32.const 4)))
+    (call $put (local.get $out) (i32.const 3)  ;; one at the top of the address space
+      (call $progress (i32.const 60) (i32.const -16) (i32.const 32)))
+    (call $put (local.get $out) (i32.const 4)
+      (call $progress (i32.const 101) (i32.const 64) (i32.const 7)))
+    (call $put (local.get $out) (i32.const 5)
+      (call $progress (i32.const 70) (i32.const 64) (i32.const -1)))
+    (i32.store (local.get $lenp) (i32.const 6))
+    (i32.const 0))
+)
+"""
+
+
+class Heard:
+    """A background call's watcher that keeps what it hears."""
+
+    def __init__(self) -> None:
+        self.reports: list[tuple[int, str]] = []
+
+    def progress(self, percent: int, message: str) -> None:
+        self.reports.append((percent, message))
+
+    def check(self) -> None:
+        pass
+
+
+def test_the_tool_abis_own_hostcalls_return_efault_for_a_bad_pointer(
+    runtime: WasmToolRuntime, modules: Modules
+) -> None:
+    """`cchatq.progress` given a message outside the guest's memory returns -EFAULT, as every
+    hostcall does (docs/guest-abi.md), and never traps the call; a percent outside 0..100 or
+    a negative length is -EINVAL. Only the good report reaches the watcher."""
+    sha = modules.add(CCHATQ_PROBE_WAT)
+    heard = Heard()
+    out = runtime.run(ToolCall(sha, "t", None, None, b"{}", attempt=2, watcher=heard))
+    assert out == "".join(chr(64 - rc) for rc in (2, 0, -14, -14, -22, -22))  # ">@NNVV"
+    assert heard.reports == [(50, "halfway")]
+
+
 def test_sha_mismatch(runtime: WasmToolRuntime, modules: Modules, tools: str) -> None:
     modules.blobs[tools] = bytes(wat2wasm(REACTOR_WAT))
     with pytest.raises(GuestError, match="do not match sha256"):

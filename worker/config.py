@@ -24,8 +24,11 @@ OpenTelemetry spans (README "OpenTelemetry traces"), off unless asked for:
     OTEL_SERVICE_NAME         the spans' service.name (default cchatq-worker)
     OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT
                               true: spans carry messages, tool arguments and results
+    OTEL_BSP_SCHEDULE_DELAY   how long the batch processor holds spans before it sends them
+                              (default here 1000 ms, not the SDK's 5000: what a SIGKILLed
+                              worker held is lost)
 The exporter and the batch processor read the rest of OTEL_* themselves (endpoint, headers,
-OTEL_BSP_SCHEDULE_DELAY, ...).
+OTEL_BSP_SCHEDULE_DELAY when set, ...).
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ from schemas.config import BackendConfig, FleetConfig, read_config
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_SERVICE_NAME = "cchatq-worker"
+# a worker's spans wait this long in the batch processor (the SDK's default is 5000 ms): a
+# worker that is SIGKILLed loses what it holds, so it holds a second's worth at most
+SPAN_SCHEDULE_DELAY_MS = 1_000
 SPAN_EXPORTERS = ("otlp", "console")
 __all__ = ["BackendConfig", "FleetConfig", "Settings", "load_settings"]
 
@@ -65,6 +71,8 @@ class Settings:
     span_exporters: tuple[str, ...] = ()
     span_service: str = DEFAULT_SERVICE_NAME
     span_content: bool = False
+    # the batch processor's schedule delay; None: OTEL_BSP_SCHEDULE_DELAY says, read by the SDK
+    span_delay_ms: int | None = SPAN_SCHEDULE_DELAY_MS
 
 
 def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
@@ -95,6 +103,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         span_exporters=span_exporters(env),
         span_service=env.get("OTEL_SERVICE_NAME") or DEFAULT_SERVICE_NAME,
         span_content=_true(env.get("OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT")),
+        span_delay_ms=None if env.get("OTEL_BSP_SCHEDULE_DELAY") else SPAN_SCHEDULE_DELAY_MS,
     )
 
 

@@ -143,7 +143,7 @@ def span_sink(settings: Settings) -> SpanSink:
         from worker.edges.otel_spans import OtelSpans
     except ImportError:  # said once at the worker's start (check_spans)
         return NoSpans()
-    return OtelSpans(settings.span_exporters, settings.span_service)
+    return OtelSpans(settings.span_exporters, settings.span_service, settings.span_delay_ms)
 
 
 def check_spans(settings: Settings) -> None:

@@ -2,7 +2,9 @@
 worker.session.spans builds them (ids, parents and times of their own, derived from the
 session) become SDK ReadableSpans, handed to a BatchSpanProcessor per exporter: OTLP/HTTP
 (`otlp`) or stdout (`console`). The exporter and the processor read the standard OTEL_*
-variables themselves (endpoint, headers, timeout, OTEL_BSP_*). Imported only when spans are on.
+variables themselves (endpoint, headers, timeout, OTEL_BSP_*), but for the schedule delay,
+which the worker's settings give unless OTEL_BSP_SCHEDULE_DELAY does. Imported only when spans
+are on.
 """
 
 from __future__ import annotations
@@ -44,10 +46,15 @@ class OtelSpans:
 
     on = True
 
-    def __init__(self, exporters: Sequence[str], service: str) -> None:
+    def __init__(self, exporters: Sequence[str], service: str, delay_ms: int | None = None) -> None:
+        """`delay_ms`: how long a span waits in its batch processor before it is sent (None:
+        OTEL_BSP_SCHEDULE_DELAY, read by the SDK): what a SIGKILLed worker held is lost."""
         self.resource = Resource.create({"service.name": service})
         self.scope = InstrumentationScope("cchatq", _version(), SCHEMA_URL)
-        self.processors = [BatchSpanProcessor(_exporter(name)) for name in exporters]
+        self.processors = [
+            BatchSpanProcessor(_exporter(name), schedule_delay_millis=delay_ms)
+            for name in exporters
+        ]
 
     def export(self, spans: Sequence[SpanValue]) -> None:
         for value in spans:

@@ -161,6 +161,9 @@ end
 
 if win_ok and pace_ok and tok_ok then
   redis.call('ZADD', KEYS[2], now + lease, slot)
+  -- none in flight: the slots were made again (Redis drops an empty set), and save() renews
+  -- their TTL only now and then
+  if inflight == 0 then redis.call('PEXPIRE', KEYS[2], ttl * 1000) end
   if p > 0 then s.tat = math.max(s.tat, now - TAU) + 1000 / p end
   if tp > 0 then s.ttat = math.max(s.ttat, now - TAU) + est * 1000 / tp end
   if ticket then redis.call('ZREM', KEYS[3], waiter) end

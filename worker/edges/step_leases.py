@@ -49,6 +49,13 @@ return renewed
 """
 
 
+# uncounts a deferred delivery's try, only while its counter is there (EVAL: it rides a
+# pipeline, and survives a Redis that lost its scripts)
+DECR_IF_THERE = """
+if redis.call('exists', KEYS[1]) == 1 then return redis.call('decr', KEYS[1]) end
+return 0
+"""
+
 # takes over a lease whose holder is gone, if it is still that holder's (compare and set)
 TAKE_OVER = """
 if redis.call('get', KEYS[1]) == ARGV[1] then
@@ -132,8 +139,8 @@ class StepLeases:
         making progress until the delivery comes back (the reconciler leaves it be)."""
         pipe = self.client.pipeline(transaction=False)
         pipe.delete(keys.step_state(step))
-        if stored:
-            pipe.decr(keys.tries(step))
+        if stored:  # a DECR of a counter that expired would make one with no TTL
+            pipe.eval(DECR_IF_THERE, 1, keys.tries(step))
         else:  # a first try counted without a write: the next delivery counts from none
             pipe.set(keys.tries(step), 0, ex=self.ttl_s)
         if sk:

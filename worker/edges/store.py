@@ -46,6 +46,15 @@ SPEC_CACHE_SIZE = 4096
 GUESSED_CALLS = 4  # outcome keys read with the replies, per round
 POOL_WAIT_S = 30  # longest wait for a free connection before the step fails (and is retried)
 
+# A step's state in its session's meta, written only while the meta is there: a late step of a
+# session whose keys expired or were lost with Redis's data must not make a meta with no TTL
+# (a producer takes a missing meta for a lost session, and submits it again). EVAL, not
+# EVALSHA: it rides the step's pipeline, and a Redis that lost its data lost its scripts too.
+HSET_IF_THERE = """
+if redis.call('exists', KEYS[1]) == 1 then return redis.call('hset', KEYS[1], unpack(ARGV)) end
+return 0
+"""
+
 
 def _loads(raw: bytes | None) -> Any:
     return None if raw is None else json.loads(raw)
@@ -288,7 +297,8 @@ class RedisStore(StepLeases, TraceWrites, ResultWrites, FleetQueries):
         if sk:
             pipe.mget([*read_keys, *spec_keys, keys.cancel(sk)])
         if sk and meta:  # a round or a program run starting
-            pipe.hset(keys.meta(sk), mapping=dict(meta))
+            fields = [str(x) for pair in meta.items() for x in pair]
+            pipe.eval(HSET_IF_THERE, 1, keys.meta(sk), *fields)
             if self._progress_due(sk):  # a sign of progress for the reconciler
                 pipe.zadd(keys.ACTIVE, {sk: int(time.time() * 1000)}, xx=True)
         replies = pipe.execute()

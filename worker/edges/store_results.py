@@ -12,13 +12,16 @@ from schemas.bodies import dump_body, outcome_code
 from worker.edges.step_leases import translated
 
 # The response and the record set once (NX), and with them the end in the meta: the state,
-# when, the outcome and the step that ended it (`ended_by`). Returns {outcome, watchers} to
-# the writer, and to a later delivery of the step that wrote them; {'', {}} to anyone else.
+# when, the outcome and the step that ended it (`ended_by`), the meta living as long as they
+# do (a session whose meta expired or was lost gets one with a TTL, never one without).
+# Returns {outcome, watchers} to the writer, and to a later delivery of the step that wrote
+# them; {'', {}} to anyone else.
 WRITE_ONCE = """
 if redis.call('set', KEYS[2], ARGV[2], 'NX', 'EX', ARGV[3]) then
   redis.call('set', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[3])
   redis.call('hset', KEYS[3], 'state', 'done', 'finished_ms', ARGV[4], 'outcome', ARGV[5],
              'ended_by', ARGV[6])
+  redis.call('expire', KEYS[3], ARGV[3])
   redis.call('zrem', KEYS[4], ARGV[7])
   return {ARGV[5], redis.call('smembers', KEYS[5])}
 end

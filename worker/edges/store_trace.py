@@ -31,8 +31,11 @@ class TraceWrites:
         """A step's trace events appended by `client` (this store's, or a pipeline on it): one
         entry to the session's stream and one to the fleet's, both capped (approximately:
         cheap trimming). An event of no session (a fleet event: for the metrics) goes to the
-        fleet's stream only. The session's stream gets its TTL at the session's first and last
-        writes; the fleet's at the last (it lives while sessions come and go)."""
+        fleet's stream only. The session's stream is made, with its TTL, only by the writes
+        that set it (its first round's and its last); any other adds to it only while it is
+        there (NOMKSTREAM), so a late step of a session whose keys expired or were lost makes
+        no stream without a TTL. The fleet's gets its TTL with them (it lives while sessions
+        come and go)."""
         every = [event.to_json() for event in write.events]
         fleet = json.dumps(every, separators=(",", ":"))
         own = [e for e, event in zip(every, write.events, strict=True) if event.session]
@@ -43,13 +46,14 @@ class TraceWrites:
                 {keys.TRACE_FIELD: entry},
                 maxlen=TRACE_SESSION_MAXLEN,
                 approximate=True,
+                nomkstream=not write.expire,
             )
         client.xadd(
             keys.TRACE, {keys.TRACE_FIELD: fleet}, maxlen=TRACE_FLEET_MAXLEN, approximate=True
         )
         if write.expire and own:
             client.expire(keys.trace(write.sk), self.ttl_s)
-        if write.expire and any(e.event == "session.finished" for e in write.events):
+        if write.expire:
             client.expire(keys.TRACE, self.ttl_s)
 
     @translated

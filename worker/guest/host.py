@@ -43,6 +43,7 @@ from worker.guest.hostcalls import Handler, Part, dispatch_table
 from worker.guest.imports import GuestMemory
 from worker.guest.mcp_params import McpAccess, chat_mcp_tools, is_mcp_param, set_mcp_param
 from worker.guest.ports import ProgramStore
+from worker.guest.run_log import RunLog
 from worker.guest.shared import SharedCalls
 from worker.guest.user_streams import UserStreamCalls
 from worker.guest.write_fn import Rejected, parse_tool_json
@@ -83,8 +84,8 @@ class ProgramHost:
         self.store = store
         self.dispatch = dispatch
         # the run's log, as its record shows it: its own lines and its chats' tool lines
-        self.logs: list[dict[str, Any]] = []
-        self.fd_table = FdTable(store, defaults.run_sk, self.logs.extend)
+        self.run_log = RunLog()
+        self.fd_table = FdTable(store, defaults.run_sk, self.run_log.extend)
         self.fds = self.fd_table.entries
         self.sends = 0
         self.responses: list[int] = []  # response fds in send order
@@ -138,12 +139,17 @@ class ProgramHost:
         self._check_time()
         self._check_cancel()
 
+    @property
+    def logs(self) -> list[dict[str, Any]]:
+        """The run's log lines (bounded: RunLog), as its record shows them."""
+        return self.run_log.entries()
+
     def _log_line(self, level: int, text: str) -> None:
-        self.logs.append({"level": LEVELS[level], "message": text})
+        self.run_log.add({"level": LEVELS[level], "message": text})
 
     def _reject(self, rejected: Rejected) -> int:
         """-EINVAL, and a `warn` line in the run's logs saying which check failed."""
-        self.logs.append({"level": "warn", "message": rejected.log_line()})
+        self.run_log.add({"level": "warn", "message": rejected.log_line()})
         return -abi.EINVAL
 
     # chat hostcalls ------------------------------------------------------------------------

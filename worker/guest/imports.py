@@ -144,10 +144,7 @@ def define_tool_imports(linker: wasmtime.Linker, module: wasmtime.Module, host: 
             raise GuestError(f"unknown import cchatq::{name}")
         ty = _checked_type(declared, imp.type)
 
-        def call(caller: wasmtime.Caller, *args: int, _key: str = declared.key) -> Any:
-            return host.hostcall(_key, GuestMemory(caller), args)
-
-        linker.define_func("cchatq", name, ty, call, access_caller=True)
+        linker.define_func("cchatq", name, ty, _served(declared.key, host), access_caller=True)
 
 
 def _adapter(name: str, ty: wasmtime.FuncType, host: SpearHost) -> Callable[..., Any]:
@@ -157,10 +154,16 @@ def _adapter(name: str, ty: wasmtime.FuncType, host: SpearHost) -> Callable[...,
             raise GuestError(f"unknown import spear::{name}")
         return _enosys(ty)
     _checked_type(declared, ty)
+    return _served(name, host)
+
+
+def _served(key: str, host: SpearHost) -> Callable[..., Any]:
+    """An import served by `host` under `key`: a pointer outside the guest's memory is the
+    call's -EFAULT (docs/guest-abi.md), never a trap, in every module a guest imports from."""
 
     def call(caller: wasmtime.Caller, *args: int) -> int | None:
         try:
-            return host.hostcall(name, GuestMemory(caller), args)
+            return host.hostcall(key, GuestMemory(caller), args)
         except GuestFault:
             return -EFAULT
 

@@ -298,6 +298,8 @@ def _schema_problem(decoded: dict[str, Any], parameters: dict[str, Any] | None) 
     schema = parameters or {"type": "object"}
     try:
         error = jsonschema.exceptions.best_match(tool_schema.validator(schema).iter_errors(decoded))
+    except tool_schema.SchemaTooDeep as exc:  # its $refs loop, or recurse with deep arguments
+        return f"the tool's parameters schema cannot be checked: {exc}"[:500]
     except Exception as exc:  # a schema that passed the submit check but still cannot validate
         return f"the tool's parameters schema cannot be checked: {type(exc).__name__}"[:500]
     if error is None:

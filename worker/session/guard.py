@@ -202,9 +202,10 @@ class StepGuard:
         write where the dispatcher shares the store's Redis. In that order, so a redelivery
         that finds the marker knows its continuation was sent."""
         trace = None
-        if outbox.events:  # a session's last events set its stream's TTL
+        if outbox.events:  # a session's first round and its last events set its stream's TTL
             ends = any(e.event == "session.finished" for e in outbox.events)
-            trace = TraceWrite(sk, tuple(outbox.events), expire=ends)
+            opens = step == keys.round_step(sk, 0)
+            trace = TraceWrite(sk, tuple(outbox.events), expire=ends or opens)
         commit = Commit(sk, step, trace, dict(outbox.outcomes), tuple(outbox.notify))
         self._write_commit(step, sk, outbox, commit)
         if self.spans.on and outbox.events:  # once committed: a step that failed made none
@@ -262,7 +263,11 @@ class StepGuard:
                 if not self.store.write_result(sk, dump_body(failed.body()), record, None, step):
                     continue  # another step ended the session, and said so
                 with contextlib.suppress(StoreError):  # its end, which sets its trace's TTL
-                    ended = event("session.finished", spec_id, error=StepFailedError.code)
+                    latency_ms = self._since_submitted_ms(sk)
+                    ended = event(
+                        "session.finished", spec_id, latency_ms=latency_ms,
+                        error=StepFailedError.code,
+                    )  # fmt: skip
                     self.trace_now(sk, ended, expire=True)
                     if self.spans.on:
                         self._export_spans(step, sk, [ended])
@@ -271,6 +276,15 @@ class StepGuard:
         self.store.end_step(step)
         log.warning("step %s dead-lettered: %s", step, reason.split(":", 1)[0][:100])
         raise StepDeadLettered(f"step {step} dead-lettered")
+
+    def _since_submitted_ms(self, sk: str) -> int | None:
+        """How long ago the session was submitted, from its meta (what failed may be the
+        ending's own reads): its end's latency, and its invoke_agent span's start."""
+        try:
+            submitted = int(self.store.meta(sk).get("submitted_ms") or 0)
+        except (StoreError, ValueError):
+            return None
+        return int(time.time() * 1000) - submitted if submitted > 0 else None
 
     def _spec_id(self, sk: str) -> str:
         try:

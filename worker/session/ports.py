@@ -232,8 +232,8 @@ def spec_of(store: SessionStore, sk: str, kind: type[SpecT]) -> SpecT:
 
 @dataclass(frozen=True)
 class TraceWrite:
-    """Trace events of one session, to append to its stream and the fleet's; `expire` sets
-    the session stream's TTL (the first and the last write of a session)."""
+    """Trace events of one session, to append to its stream and the fleet's; `expire`: the
+    first or last write of a session, which makes its stream with its TTL (others only add)."""
 
     sk: str
     events: tuple[TraceEvent, ...]

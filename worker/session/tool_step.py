@@ -12,6 +12,7 @@ round waits for it without holding a worker slot.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,8 +40,9 @@ from worker.session.summaries import summarized
 from worker.session.tool_policy import ToolCaller
 from worker.session.trace import Arrival, event, tool_call_ended, tool_logs_kept
 
+log = logging.getLogger(__name__)
 PROGRESS_EVERY_S = 0.5  # task.progress events of one call, at most this often
-CANCEL_CHECK_S = 1.0  # a background call reads its session's cancel flag at most this often
+CANCEL_CHECK_S = 1.0  # a background call looks whether its session goes on at most this often
 
 
 @dataclass(frozen=True)
@@ -66,10 +68,10 @@ class ToolStep:
     background: bool = False
 
     def run(self, first: bool | None = None, arrival: Arrival | None = None) -> str | None:
-        sk, round_no, index = self.sk, self.round_no, self.index
-        step = (keys.background_step if self.background else keys.tool_step)(sk, round_no, index)
-        reads = ToolReads(round_no, index)
-        return self.ctx.guard.run(step, sk, self._body, reads=reads, first=first, arrival=arrival)
+        reads = ToolReads(self.round_no, self.index)
+        return self.ctx.guard.run(
+            self.step_id(), self.sk, self._body, reads=reads, first=first, arrival=arrival
+        )
 
     def _body(self, start: StepStart, outbox: Outbox) -> None:
         ctx, round_no, index = self.ctx, self.round_no, self.index
@@ -82,6 +84,8 @@ class ToolStep:
         if run is None:
             raise InternalError(f"call {index} of round {round_no} is not a tool run")
         policy = run.tool.policy
+        if self.background and self._ended():
+            return  # its session ended before the call could start: it never runs
         if self.background and policy.background_mode == "async":
             self._run_task(spec, run, outbox)  # its call was answered "submitted" long ago
             return
@@ -94,7 +98,10 @@ class ToolStep:
                     return  # the round waits: the background step stores the outcome
                 outcome = self._submitted(run)
             else:
-                outcome = summarized(ctx.models, spec, run, self._call(spec, run, outbox))
+                called = self._call(spec, run, outbox)
+                if self.background and self._ended():
+                    return  # nothing waits for it any more (nor for its summary)
+                outcome = summarized(ctx.models, spec, run, called)
         window = max_parallel(spec.limits, ctx.fleet)
         answered = ToolAnswered(round_no, index, outcome, stored.calls, window)
         ctx.applier.apply(self.sk, answered, outbox)
@@ -118,7 +125,10 @@ class ToolStep:
         if state.get("status") in ("completed", "failed"):
             return  # a redelivery after the work was done
         store.update_task(self.sk, task_id, {"status": "running"})
-        outcome = summarized(self.ctx.models, spec, run, self._call(spec, run, outbox))
+        called = self._call(spec, run, outbox)
+        if self._ended():
+            return  # no one can ask for it any more
+        outcome = summarized(self.ctx.models, spec, run, called)
         status = "completed" if outcome.ok else "failed"
         store.update_task(
             self.sk, task_id, {"status": status, "outcome": _compact(outcome.to_json())}
@@ -140,6 +150,21 @@ class ToolStep:
         elif "percent" in state:
             answer.update(percent=int(state["percent"]), message=state.get("message", ""))
         return ToolOutcome(ok=True, output=_compact(answer))  # ran no tool: not counted
+
+    def _ended(self) -> bool:
+        """Whether a background call's session has ended (its response is written: it was
+        cancelled, passed the fleet's deadline, or answered without waiting for an async
+        task). Then its call's result is dropped: nothing waits for it, and nothing of the
+        session is written again but the call's events (how it stopped), to a trace stream
+        that is there (TraceWrites)."""
+        if not self.ctx.store.has_result(self.sk):
+            return False
+        log.info("step %s: its session ended, the call's result is dropped", self.step_id())
+        return True
+
+    def step_id(self) -> str:
+        step = keys.background_step if self.background else keys.tool_step
+        return step(self.sk, self.round_no, self.index)
 
     def _hand_over(self, spec: SessionSpec, run: ToolRun, outbox: Outbox) -> None:
         outbox.background(self.sk, self.round_no, self.index)
@@ -188,8 +213,9 @@ def _compact(value: Any) -> str:
 class BackgroundWatch:
     """A background call's CallWatcher. Its progress is kept as it comes (at most once every
     PROGRESS_EVERY_S, and always the 100%): a task.progress event, and for an async task what
-    task_status answers. Its session's cancel flag is read at most once every CANCEL_CHECK_S,
-    at the tool's reports and while it sleeps: a cancel stops the call (NOT_RUN)."""
+    task_status answers. Whether its session goes on (its cancel flag, then its response) is
+    read at most once every CANCEL_CHECK_S, at the tool's reports and while it sleeps: a
+    cancel, or a session that ended, stops the call (NOT_RUN)."""
 
     def __init__(self, step: ToolStep, spec: SessionSpec, run: ToolRun) -> None:
         self.step, self.spec, self.run = step, spec, run
@@ -215,5 +241,8 @@ class BackgroundWatch:
         if now - self.checked < CANCEL_CHECK_S:
             return
         self.checked = now
-        if self.step.ctx.store.is_cancelled(self.step.sk):
+        store, sk = self.step.ctx.store, self.step.sk
+        if store.is_cancelled(sk):
             raise ToolNotRunError("the session was cancelled while this call ran", ran=True)
+        if store.has_result(sk):  # its deadline passed, or it ended without its async task
+            raise ToolNotRunError("the session ended while this call ran", ran=True)

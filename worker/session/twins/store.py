@@ -185,8 +185,8 @@ class MemoryStore(ProgramTwin):
                 self.leases[step] = now + lease_ms / 1000
             if (leased and not published) or step not in self.tries:  # it runs the step
                 self.tries[step] = self.tries.get(step, 0) + 1
-            if sk and meta:
-                self.meta_of.setdefault(sk, {}).update({k: str(v) for k, v in meta.items()})
+            if sk and meta and sk in self.meta_of:  # a lost session's meta is not made again
+                self.meta_of[sk].update({k: str(v) for k, v in meta.items()})
             cancelled = bool(sk) and sk in self.cancelled
         start = StepStart(published, leased, self.tries[step], cancelled)
         if isinstance(reads, RoundReads):
@@ -216,7 +216,10 @@ class MemoryStore(ProgramTwin):
     def trace(self, write: TraceWrite) -> None:
         with self._cond:
             for made in write.events:  # a fleet event (no session): the fleet's, under ""
-                self.traces.setdefault(write.sk if made.session else "", []).append(made)
+                stream = write.sk if made.session else ""
+                if stream and stream not in self.traces and not write.expire:
+                    continue  # as on Redis: only a write that sets its TTL makes the stream
+                self.traces.setdefault(stream, []).append(made)
 
     def set_partial(self, sk: str, partial: PartialRound | None) -> None:
         with self._cond:

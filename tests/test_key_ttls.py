@@ -1,0 +1,85 @@
+"""Every key cchatq writes has a TTL (docs/architecture.md section 4), also the keys of a session
+whose keys expired or were lost with Redis's data when a late step, a cancel's finish or a
+background call still writes to it: such a writer changes keys that are there, or makes them
+with their TTL, never a key that lives forever. On the private Redis (fleet marker)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from producer.fleet import Fleet
+from schemas import keys
+from schemas.bodies import dump_body
+from schemas.partial import PartialRound
+from worker.edges.store import RedisStore
+from worker.session.ports import TraceWrite
+from worker.session.trace import event
+
+pytestmark = pytest.mark.fleet  # the private Redis
+
+REDIS_DB = 15
+TTL_S = 600
+
+
+@pytest.fixture
+def client(base_fleet: Fleet) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(base_fleet.redis_url.rsplit("/", 1)[0] + f"/{REDIS_DB}")
+    client.flushdb()
+    yield client
+    client.flushdb()
+    client.close()
+
+
+def _without_ttl(client: redis.Redis, sk: str) -> list[str]:
+    """The keys of session `sk` with no TTL (the fleet's trace stream gets its own TTL with
+    the next session's first round or end)."""
+    return sorted(k.decode() for k in client.scan_iter(f"*{sk}*") if client.ttl(k) == -1)
+
+
+def test_the_late_writers_of_a_lost_session_leave_no_key_without_a_ttl(
+    client: redis.Redis,
+) -> None:
+    """A session none of whose keys are left: a round starting (its state for the meta), a
+    rate-limited round giving its try back, a background call's progress and a tool step's
+    trace events, a dead-lettered finish writing its end, its partial text, its async task."""
+    store = RedisStore(client, ttl_s=TTL_S)
+    sk = uuid.uuid4().hex[:12]
+    step = keys.round_step(sk, 1)
+    start = store.begin_step(step, 60_000, {"state": "round 1"}, sk, first=False)
+    client.delete(keys.tries(step))  # expired while the round waited for its model call
+    store.defer_step(step, sk, start.tries_stored, 1_000)
+    store.trace(TraceWrite(sk, (event("task.progress", "x", percent=50),)))
+    store.set_partial(sk, PartialRound("half"))
+    store.update_task(sk, "task-0-0", {"status": "running"})
+    body = {"error": {"code": "step_failed", "message": "m"}}
+    store.dead_letter(keys.finish_step(sk), sk, body, "why")
+    assert store.write_result(sk, dump_body(body), {"id": sk}, [], keys.finish_step(sk))
+    assert _without_ttl(client, sk) == []
+    assert not client.exists(keys.trace(sk))  # events of a stream that is gone are dropped
+    assert client.hget(keys.meta(sk), "state") == b"done"  # its end, as long as its response
+
+
+def test_a_step_of_a_live_session_keeps_its_meta_and_its_ttl(client: redis.Redis) -> None:
+    store = RedisStore(client, ttl_s=TTL_S)
+    sk = uuid.uuid4().hex[:12]
+    client.hset(keys.meta(sk), mapping={"id": "x", "state": "queued"})
+    client.expire(keys.meta(sk), TTL_S)
+    store.begin_step(keys.round_step(sk, 0), 60_000, {"state": "round 0"}, sk)
+    assert client.hget(keys.meta(sk), "state") == b"round 0"
+    assert 0 < client.ttl(keys.meta(sk)) <= TTL_S
+
+
+def test_a_sessions_trace_stream_is_made_with_its_ttl_by_its_first_round(
+    client: redis.Redis,
+) -> None:
+    """Round 0's events make the stream, with its TTL; a later step's add to it."""
+    store = RedisStore(client, ttl_s=TTL_S)
+    sk = uuid.uuid4().hex[:12]
+    store.trace(TraceWrite(sk, (event("session.started", "x"),), expire=True))
+    store.trace(TraceWrite(sk, (event("tool.call.started", "x"),)))
+    assert client.xlen(keys.trace(sk)) == 2
+    assert 0 < client.ttl(keys.trace(sk)) <= TTL_S
