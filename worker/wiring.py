@@ -12,6 +12,7 @@ from typing import Any
 from celery import Celery
 from celery._state import get_current_task
 
+from schemas.redis_memory import eviction_refused, eviction_warning
 from worker.codecs.registry import codec_for
 from worker.config import BackendConfig, Settings, load_settings
 from worker.edges import broker
@@ -23,6 +24,7 @@ from worker.edges.rate_limit import RedisRateLimiter
 from worker.edges.store import RedisStore
 from worker.edges.store_programs import RedisProgramStore
 from worker.edges.wasm_runtime import WasmToolRuntime
+from worker.errors import StoreError
 from worker.guest.step import ProgramSteps
 from worker.session.mcp_offer import ToolRouter
 from worker.session.ports import NoSpans, SpanSink
@@ -196,6 +198,39 @@ def add_step_context(handlers: list[logging.Handler]) -> None:
     for handler in handlers:
         handler.addFilter(StepContext())
         handler.setFormatter(logging.Formatter(STEP_LOG_FORMAT))
+
+
+class EvictingRedis(Exception):
+    """The worker's Redis may evict cchatq's keys: the worker does not start (the one line)."""
+
+
+def check_redis_memory(settings: Settings) -> None:
+    """At a worker's start: a Redis whose maxmemory-policy may evict cchatq's keys (any but
+    noeviction, under a maxmemory) is refused with EvictingRedis, unless
+    CCHATQ_ALLOW_EVICTION says to run on it: then one loud warning. A Redis that cannot be
+    asked now is the broker connection's business (Celery retries it)."""
+    store = RedisStore.from_url(settings.redis_url, settings.result_ttl_s, max_connections=2)
+    try:
+        memory = store.memory()
+    except StoreError as exc:
+        log.warning("Redis's memory policy not checked: %s", exc.code)
+        return
+    finally:
+        store.client.close()
+    where = redacted(settings.redis_url)
+    if memory.evicts and not settings.allow_eviction:
+        raise EvictingRedis(eviction_refused(memory, where, "cchatq worker"))
+    if memory.evicts:
+        log.warning(eviction_warning(memory, where))
+
+
+def redacted(url: str) -> str:
+    """A Redis URL without its password, as logs show it."""
+    head, at, where = url.rpartition("@")
+    if not at:
+        return url
+    scheme, _, user = head.partition("://")
+    return f"{scheme}://{user.partition(':')[0]}:***@{where}"
 
 
 def start_reconciler(app: Celery) -> threading.Thread:

@@ -202,7 +202,11 @@ class ModelCaller:
         if not isinstance(permit, Permit):
             raise RateLimited(permit, backend.name)
         reply = dict(self._call(backend, chat, partial_of).completion)
-        self.rate_limiter.settle(permit, int((reply.get("usage") or {}).get("total_tokens", 0)))
+        used = int((reply.get("usage") or {}).get("total_tokens", 0))
+        try:  # a settle Redis refused keeps the estimate until the window passes, never
+            self.rate_limiter.settle(permit, used)  # costs the call's reply (a call again)
+        except StoreError as exc:
+            log.warning("rate limit %s: usage not settled: %s", backend.name, exc.code)
         return reply
 
     def _call(
