@@ -24,11 +24,12 @@ from worker.edges.rate_limit import RedisRateLimiter
 from worker.edges.store import RedisStore
 from worker.edges.store_programs import RedisProgramStore
 from worker.edges.wasm_runtime import WasmToolRuntime
-from worker.errors import StoreError
+from worker.errors import StoreError, StoreUnavailableError
 from worker.guest.step import ProgramSteps
 from worker.session.mcp_offer import ToolRouter
 from worker.session.ports import NoSpans, SpanSink
 from worker.session.reconciler import Reconciler
+from worker.session.refusals import RefusalNotice
 from worker.session.steps import StepRunner
 
 
@@ -246,12 +247,18 @@ def start_reconciler(app: Celery) -> threading.Thread:
             quiet_ms=settings.stall_after_ms,
             deadline_ms=settings.session_deadline_ms,
         )
+        refused = RefusalNotice("reconciler", log)
         while True:
             time.sleep(settings.reconcile_every_s)
             try:
                 reconciler.turn()
+            except StoreUnavailableError as exc:  # said once, not every turn
+                refused.refused(exc.reason)
+                continue
             except Exception as exc:  # Redis away: the next turn tries again
                 log.warning("reconciler turn failed: %s", type(exc).__name__)
+                continue
+            refused.accepted()
 
     thread = threading.Thread(target=loop, name="cchatq-reconciler", daemon=True)
     thread.start()
