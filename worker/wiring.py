@@ -12,7 +12,7 @@ from typing import Any
 from celery import Celery
 from celery._state import get_current_task
 
-from schemas.redis_memory import eviction_refused, eviction_warning
+from schemas.redis_memory import eviction_refused, eviction_warning, redacted_url
 from worker.codecs.registry import codec_for
 from worker.config import BackendConfig, Settings, load_settings
 from worker.edges import broker
@@ -218,20 +218,11 @@ def check_redis_memory(settings: Settings) -> None:
         return
     finally:
         store.client.close()
-    where = redacted(settings.redis_url)
+    where = redacted_url(settings.redis_url)
     if memory.evicts and not settings.allow_eviction:
         raise EvictingRedis(eviction_refused(memory, where, "cchatq worker"))
     if memory.evicts:
         log.warning(eviction_warning(memory, where))
-
-
-def redacted(url: str) -> str:
-    """A Redis URL without its password, as logs show it."""
-    head, at, where = url.rpartition("@")
-    if not at:
-        return url
-    scheme, _, user = head.partition("://")
-    return f"{scheme}://{user.partition(':')[0]}:***@{where}"
 
 
 def start_reconciler(app: Celery) -> threading.Thread:
