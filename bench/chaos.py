@@ -14,6 +14,8 @@ scenario on a private fleet of its own (Redis, replay server, one worker per que
                  (Retry-After 1 s) and 5% 500; it times each retry after a 429.
   producer-kill  300 sessions submitted by `cchatq submit`, SIGKILLed while it waits; the fleet
                  finishes them with no producer, and a new Client reads them.
+  redis-full     a Redis at maxmemory 24mb (noeviction), 3,000 sessions of 2 KB prompts
+  aof-full       the AOF's disk full for 20 s mid-batch (bench/chaos_redis_full.py)
 
 One row per run: sessions finished of those submitted, how many ended step_failed, with another
 error body, with a duplicated tool message (a tool message twice for one call id, more tool
@@ -45,6 +47,7 @@ import redis
 import requests
 
 import fixtures
+from bench.chaos_redis_full import scenario_aof_full, scenario_redis_full
 from bench.chaos_report import (
     Row,
     crash_summary,
@@ -64,7 +67,7 @@ from schemas import keys
 from schemas.spec_types import Spec
 
 GUESTS = Path(fixtures.__file__).parent / "guests"
-SCENARIOS = ("kill", "redis-restart", "faults", "producer-kill")
+SCENARIOS = ("kill", "redis-restart", "faults", "producer-kill", "redis-full", "aof-full")
 KILL_EVERY_S = 2.0
 REDIS_DOWN_S = 0.5
 RETRY_AFTER_S = 1
@@ -467,8 +470,11 @@ RUNS: dict[str, Callable[[Path, int, float, int], list[Row]]] = {
     "redis-restart": scenario_redis,
     "faults": scenario_faults,
     "producer-kill": scenario_producer_kill,
+    "redis-full": scenario_redis_full,  # bench/chaos_redis_full.py
+    "aof-full": scenario_aof_full,
 }
-DEFAULT_SESSIONS = {"kill": 1000, "redis-restart": 300, "faults": 300, "producer-kill": 300}
+DEFAULT_SESSIONS = {"kill": 1000, "redis-restart": 300, "faults": 300, "producer-kill": 300,
+                    "redis-full": 3000, "aof-full": 300}  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:
