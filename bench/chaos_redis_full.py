@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -261,16 +262,14 @@ def tmpfs(path: Path, size: str) -> Iterator[Path]:
 def fill(path: Path) -> Path:
     """A file that takes every free byte of `path`'s file system."""
     filler = path / "filler"
-    with open(filler, "wb") as f:
-        block = b"\0" * (1 << 20)
-        with contextlib.suppress(OSError):
-            while True:
-                f.write(block)
-                f.flush()
-        with contextlib.suppress(OSError):
-            while True:  # the last bytes, less than a block
-                f.write(b"\0" * 4096)
-                f.flush()
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        for size in (1 << 20, 4096, 1):  # big blocks, then the last bytes
+            with contextlib.suppress(OSError):
+                while os.write(fd, b"\0" * size):
+                    pass
+    finally:
+        os.close(fd)
     return filler
 
 

@@ -6,6 +6,7 @@ is refused (schemas/redis_memory.py). Without a maxmemory nothing more is checke
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,6 +119,9 @@ def fitting(memory: RedisMemory, costs: list[int], pipeline_bytes: int = 0) -> i
     return len(costs)
 
 
+MISCONF = re.compile(r"(?:^|caused error: )MISCONF\b")
+
+
 def refused_write(exc: redis.RedisError) -> bool:
     """Redis refused a write for now: OOM (full under noeviction), MISCONF (it cannot persist),
     READONLY (a replica), LOADING."""
@@ -126,6 +130,6 @@ def refused_write(exc: redis.RedisError) -> bool:
         word = "OOM"
     elif isinstance(exc, redis.exceptions.ReadOnlyError):
         word = "READONLY"
-    elif isinstance(exc, redis.ResponseError) and str(exc).startswith("MISCONF"):
-        word = "MISCONF"
+    elif isinstance(exc, redis.ResponseError) and MISCONF.search(str(exc)):
+        word = "MISCONF"  # at its start, or after redis-py's "... of pipeline caused error: "
     return bool(word)

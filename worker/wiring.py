@@ -11,6 +11,7 @@ from typing import Any
 
 from celery import Celery
 from celery._state import get_current_task
+from celery.exceptions import Reject
 
 from schemas.redis_memory import eviction_refused, eviction_warning, redacted_url
 from worker.codecs.registry import codec_for
@@ -21,6 +22,7 @@ from worker.edges.mcp_tools import McpTools
 from worker.edges.provider_http import HttpProvider
 from worker.edges.rate_control import RedisRateControl
 from worker.edges.rate_limit import RedisRateLimiter
+from worker.edges.redis_errors import REFUSED_TEXT
 from worker.edges.store import RedisStore
 from worker.edges.store_programs import RedisProgramStore
 from worker.edges.wasm_runtime import WasmToolRuntime
@@ -199,6 +201,19 @@ def add_step_context(handlers: list[logging.Handler]) -> None:
     for handler in handlers:
         handler.addFilter(StepContext())
         handler.setFormatter(logging.Formatter(STEP_LOG_FORMAT))
+    logging.getLogger("celery.app.trace").addFilter(RefusedRejectLine())
+
+
+class RefusedRejectLine(logging.Filter):
+    """A step handed back to its queue because Redis refuses writes (tasks._retry's Reject)
+    is one warning line, Celery's own ("Task ... reject requeue=True: MISCONF ..."): not a
+    traceback, which Celery adds to every Reject."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, Reject) and REFUSED_TEXT.search(str(exc.reason)):
+            record.exc_info, record.exc_text = None, None
+        return True
 
 
 class EvictingRedis(Exception):

@@ -10,6 +10,8 @@ client pointed at the new master, the load done), so they are waited out, never 
 
 from __future__ import annotations
 
+import re
+
 import redis
 
 from worker.errors import StoreError, StoreUnavailableError
@@ -18,6 +20,14 @@ REFUSED_BY_CLASS: tuple[tuple[type[redis.RedisError], str], ...] = (
     (redis.exceptions.OutOfMemoryError, "OOM"),
     (redis.exceptions.ReadOnlyError, "READONLY"),
     (redis.exceptions.BusyLoadingError, "LOADING"),
+)
+# Redis's word opens its error; redis-py prefixes an error in a pipeline with the command
+# ("Command # 1 (SET ...) of pipeline caused error: MISCONF ...")
+REFUSED_WORD = re.compile(r"(?:^|caused error: )(OOM|MISCONF|READONLY|LOADING)\b")
+# the same in any text (an error another library wrapped, whose word redis-py had stripped)
+REFUSED_TEXT = re.compile(
+    r"\b(OOM|MISCONF|READONLY|LOADING)\b|used memory > 'maxmemory'|read only replica"
+    r"|loading the dataset"
 )
 
 
@@ -28,9 +38,9 @@ def refusal(exc: BaseException) -> str | None:
         if isinstance(exc, cls):
             return reason
     if isinstance(exc, redis.exceptions.ResponseError):
-        word = str(exc).lstrip().split(" ", 1)[0]
-        if word in StoreUnavailableError.REASONS:
-            return word
+        said = REFUSED_WORD.search(str(exc))
+        if said is not None:
+            return said.group(1)
     return None
 
 
