@@ -66,8 +66,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     client = id_client(args)
     if args.id is None:  # the fleet: tasks queued and running per queue, workers, sessions
         fleet = read_fleet_status(client.redis)
-        for warning in fleet.warnings:  # loud: on stderr too, not only in the JSON
-            print(warning, file=sys.stderr)
+        sys.stderr.write("".join(f"{w}\n" for w in fleet.warnings))  # loud: not only in JSON
         print(json.dumps(fleet.to_json(), indent=2))
         return 0
     status = client.status(args.id)
