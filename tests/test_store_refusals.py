@@ -14,6 +14,7 @@ from tests.test_engine import WEATHER_FN
 from tests.test_steps import SK, WEATHER_SCRIPT, Pipeline, pipeline, spec, submit
 from worker.edges.redis_errors import refusal, store_error
 from worker.errors import StoreError, StoreUnavailableError
+from worker.session.refusals import STOPPING
 from worker.session.twins.failing import RefusingStore
 from worker.session.twins.store import MemoryStore
 
@@ -120,3 +121,17 @@ def test_redis_refusals_are_translated_once_into_store_unavailable(
     assert isinstance(translated, StoreUnavailableError) == (reason is not None)
     if isinstance(translated, StoreUnavailableError):
         assert translated.reason == reason
+
+
+def test_a_stopping_worker_hands_a_refused_step_back_at_once() -> None:
+    """A warm shutdown does not wait out the refusal: the step goes back uncounted."""
+    p = refusing("store_tool_outcomes", 1)
+    STOPPING.set()
+    try:
+        p.drain()
+    finally:
+        STOPPING.clear()
+    assert_ended_ok(p)
+    assert p.paused == []  # type: ignore[attr-defined]
+    assert p.queue.retries == 1
+    assert p.store.tries[keys.tool_step(SK, 0, 0)] == 1

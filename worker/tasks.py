@@ -21,12 +21,14 @@ from celery.signals import (
     worker_process_shutdown,
     worker_ready,
     worker_shutdown,
+    worker_shutting_down,
 )
 
 from schemas import task_names
 from schemas.limits import BACKGROUND_TIMEOUT_CAP_MS
 from worker.config import load_settings
 from worker.errors import RetryLater
+from worker.session.refusals import STOPPING
 from worker.session.steps import StepRunner
 from worker.session.trace import Arrival, now_ms
 from worker.wiring import (
@@ -80,6 +82,13 @@ def _check_redis_memory(**_: Any) -> None:
         log.critical("%s", exc)
         logging.shutdown()
         os._exit(EX_CONFIG)  # Celery would log SystemExit from a signal handler with a trace
+
+
+@worker_shutting_down.connect
+def _stop_waiting(**_: Any) -> None:
+    """Steps waiting for a Redis that refuses writes are handed back now, not at the end of
+    their wait: a warm shutdown finishes its running tasks first."""
+    STOPPING.set()
 
 
 @worker_process_shutdown.connect

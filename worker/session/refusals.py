@@ -51,6 +51,10 @@ class RefusalNotice:
 
 # the steps' notice: one line for all the steps of a process, however many wait
 STEPS = RefusalNotice("steps")
+# set when the worker is stopping: a step waiting for Redis stops waiting and is handed back
+# (its message stays held in Redis if even that is refused), so a warm shutdown is not held
+# up by a refusal for the whole wait
+STOPPING = threading.Event()
 FIRST_PAUSE_S = 0.5
 LONGEST_PAUSE_S = 4.0  # progress resumes within this of Redis taking writes again
 
@@ -70,7 +74,7 @@ class Patience:
     def wait(self, exc: StoreUnavailableError) -> bool:
         """Pause before trying again (True), or False once the budget is spent."""
         STEPS.refused(exc.reason)
-        if self.left_s <= 0:
+        if self.left_s <= 0 or STOPPING.is_set():
             return False
         pause_s = min(self._pause_s, self.left_s)
         self.sleep(pause_s)
