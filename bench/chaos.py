@@ -16,6 +16,8 @@ scenario on a private fleet of its own (Redis, replay server, one worker per que
                  finishes them with no producer, and a new Client reads them.
   stall          10 streamed sessions whose stream stalls after some content, keepalives every
                  15 s (bench/chaos_stall.py): each abandoned by 75 s, retried, and ok.
+  redis-full     a Redis at maxmemory 24mb (noeviction), 3,000 sessions of 2 KB prompts
+  aof-full       the AOF's disk full for 20 s mid-batch (bench/chaos_redis_full.py)
 
 One row per run: sessions finished of those submitted, how many ended step_failed, with another
 error body, with a duplicated tool message (a tool message twice for one call id, more tool
@@ -38,6 +40,7 @@ from pathlib import Path
 
 from bench.chaos_faults import scenario_faults
 from bench.chaos_kill import scenario_kill
+from bench.chaos_redis_full import scenario_aof_full, scenario_redis_full
 from bench.chaos_report import Row, print_table
 from bench.chaos_restarts import scenario_producer_kill, scenario_redis
 from bench.chaos_stall import scenario_stall
@@ -52,6 +55,8 @@ RUNS: dict[str, tuple[Scenario, int]] = {
     "faults": (scenario_faults, 300),
     "producer-kill": (scenario_producer_kill, 300),
     "stall": (scenario_stall, 10),
+    "redis-full": (scenario_redis_full, 3000),
+    "aof-full": (scenario_aof_full, 300),
 }
 SCENARIOS = tuple(RUNS)
 

@@ -13,8 +13,6 @@ from collections.abc import Sequence
 from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
-import redis
-
 from producer.batch import result_line
 from producer.batches import iso_utc
 from producer.cli_batch import add_batch_parser
@@ -23,13 +21,12 @@ from producer.cli_common import (
     EXIT_OK,
     EXIT_REJECTED,
     EXIT_UNREACHABLE,
-    RedisUnreachable,
     connect,
     flower_curl,
     flower_links,
+    infrastructure_line,
     reach_redis,
     redis_url,
-    unreachable_message,
 )
 from producer.cli_fleet import add_fleet_parsers
 from producer.cli_programs import cmd_demo, cmd_run, cmd_stream
@@ -68,7 +65,9 @@ def id_client(args: argparse.Namespace) -> Client:
 def cmd_status(args: argparse.Namespace) -> int:
     client = id_client(args)
     if args.id is None:  # the fleet: tasks queued and running per queue, workers, sessions
-        print(json.dumps(read_fleet_status(client.redis).to_json(), indent=2))
+        fleet = read_fleet_status(client.redis)
+        sys.stderr.write("".join(f"{w}\n" for w in fleet.warnings))  # loud: not only in JSON
+        print(json.dumps(fleet.to_json(), indent=2))
         return 0
     status = client.status(args.id)
     if status is None:
@@ -418,10 +417,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--include goes with --format openai")
     try:
         return int(args.fn(args))
-    except RedisUnreachable as exc:  # the first contact failed (producer/cli_common.py)
-        print(exc, file=sys.stderr)
-    except (redis.ConnectionError, redis.TimeoutError) as exc:  # lost later, past the retries
-        print(unreachable_message(redis_url(), exc), file=sys.stderr)
+    except Exception as exc:  # Redis unreachable, full, refusing writes: one line, exit 4
+        line = infrastructure_line(exc)
+        if line is None:
+            raise
+        print(line, file=sys.stderr)
     return EXIT_UNREACHABLE
 
 

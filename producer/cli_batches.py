@@ -96,6 +96,8 @@ def run_batch(
     started = time.monotonic()
     files = files or result_files("cchatq", out)
     sub: Submission = client.enqueue(specs, rerun=rerun, namespace=namespace)
+    if sub.warning:
+        stream.write(sub.warning + "\n")
     warn_unserved(client, specs, stream)
 
     reused = len(sub.order) - len(sub.new)
@@ -158,6 +160,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     try:
         if args.no_wait:
             sub = client.enqueue([s.spec for s in loaded], rerun=args.rerun, namespace=namespace)
+            if sub.warning:
+                print(sub.warning, file=sys.stderr)
             print(f"batch {sub.batch}: {plural(len(sub.new), 'session')} enqueued")
             warn_unserved(client, [s.spec for s in loaded])
             return EXIT_OK

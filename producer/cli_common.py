@@ -8,11 +8,13 @@ import shlex
 import socket
 import sys
 from typing import TYPE_CHECKING
-from urllib.parse import urlencode, urlsplit, urlunsplit
+from urllib.parse import urlencode, urlsplit
 
 import redis
 
+from producer.redis_room import EvictingRedisError, RedisFullError, refused_write
 from schemas.config import ConfigError, FleetConfig, read_config
+from schemas.redis_memory import redacted_url
 
 if TYPE_CHECKING:
     from producer.client import Client
@@ -34,7 +36,9 @@ EXIT_OK = 0  # every session ended ok
 EXIT_FAILED = 1  # every session ended, some with an error body
 EXIT_REJECTED = 2  # the input was rejected: nothing enqueued (stream: the run had ended)
 EXIT_INTERRUPTED = 3  # Ctrl-C or --timeout-s: the sessions left keep running on the fleet
-EXIT_UNREACHABLE = 4  # Redis could not be reached (or REDIS_URL is not a Redis URL)
+# Redis could not be reached (or REDIS_URL is not a Redis URL), has no room for the sessions,
+# refuses writes, or may evict cchatq's keys: the infrastructure, not the input
+EXIT_UNREACHABLE = 4
 
 
 class RedisUnreachable(Exception):
@@ -43,11 +47,7 @@ class RedisUnreachable(Exception):
 
 def redacted(url: str) -> str:
     """A Redis URL without its password: what messages and pages show."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    where = parts.netloc.rpartition("@")[2]  # host:port as written (a bad port is shown)
-    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{where}"))
+    return redacted_url(url)
 
 
 def unreachable_message(url: str, exc: BaseException) -> str:
@@ -62,6 +62,28 @@ def unreachable_message(url: str, exc: BaseException) -> str:
     elif isinstance(exc, redis.exceptions.InvalidResponse):
         hint = "point REDIS_URL at a Redis server"
     return f"cchatq: cannot reach Redis at {shown} ({reason}): {hint}"
+
+
+def refused_message(url: str, exc: BaseException) -> str:
+    """One line: Redis answers but refuses writes (full, failing to persist, a replica)."""
+    text = str(exc).strip().split("\n")[0][:200]
+    return (
+        f"cchatq: Redis at {redacted(url)} refuses writes ({text}): free memory or raise"
+        " maxmemory, free its disk, or point REDIS_URL at the master, then run the command again"
+    )
+
+
+def infrastructure_line(exc: BaseException) -> str | None:
+    """The one line a command ends with (exit EXIT_UNREACHABLE) when Redis is the trouble:
+    unreachable, no room for the sessions, refusing writes, or a policy that may evict its
+    keys; None for any other error."""
+    if isinstance(exc, RedisUnreachable | RedisFullError | EvictingRedisError):
+        return str(exc)
+    if isinstance(exc, redis.ConnectionError | redis.TimeoutError):  # lost past the retries
+        return unreachable_message(redis_url(), exc)
+    if isinstance(exc, redis.RedisError) and refused_write(exc):
+        return refused_message(redis_url(), exc)
+    return None
 
 
 def check_redis_url(url: str) -> None:

@@ -18,6 +18,7 @@ from producer.batch import Batch
 from producer.submitting import Rerun
 from producer.waiting import Waiting
 from schemas.config import FleetConfig, read_config
+from schemas.redis_memory import redacted_url
 from schemas.spec_types import Spec
 
 DEFAULT_TTL_S = 86_400
@@ -44,6 +45,7 @@ class Client(Waiting):
         id looked up is the run that batch ran."""
         # Any: redis-py annotates replies as bytes | str; this client never decodes (bytes).
         self.redis: Any = redis.Redis.from_url(redis_url, client_name=CLIENT_NAME, **reconnecting())
+        self.shown_url = redacted_url(redis_url)  # as messages show it
         self.ttl_s = ttl_s
         self.config = config if config is not None else read_config()
         self.namespace = namespace or self.config.namespace

@@ -12,6 +12,7 @@ from typing import Any
 
 from schemas import keys
 from schemas.rate_state import ControllerStatus, controller_status
+from schemas.redis_memory import RedisMemory, eviction_warning, redacted_url
 from schemas.spec_types import ProgramSpec, Spec
 from schemas.task_names import (
     ALL_QUEUES,
@@ -33,6 +34,9 @@ class FleetStatus:
     dead_letters: int  # steps dead-lettered (those the stream keeps)
     # each backend/account/model's rate controller: window, pace, in flight, 429s, last change
     rate_controllers: list[ControllerStatus] = field(default_factory=list)
+    # Redis's memory: its maxmemory (0: none), what it uses, its maxmemory-policy
+    redis_memory: dict[str, int | str] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)  # e.g. a policy that may evict our keys
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -72,7 +76,29 @@ def read_fleet_status(client: Any) -> FleetStatus:
         active_sessions=int(active),
         dead_letters=int(replies[-1]) if has_dead else 0,
         rate_controllers=read_rate_controllers(client),
+        **_memory(client),
     )
+
+
+def _memory(client: Any) -> dict[str, Any]:
+    """Redis's memory, and the warning an evicting maxmemory-policy earns (the workers run on
+    it only with CCHATQ_ALLOW_EVICTION=1)."""
+    memory = RedisMemory.from_info(client.info("memory"))
+    where = redacted_url(_url_of(client))
+    return {
+        "redis_memory": {
+            "maxmemory_bytes": memory.maxmemory_bytes,
+            "used_bytes": memory.used_bytes,
+            "policy": memory.policy,
+        },
+        "warnings": [eviction_warning(memory, where)] if memory.evicts else [],
+    }
+
+
+def _url_of(client: Any) -> str:
+    kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", {})
+    host, port, db = kwargs.get("host", "?"), kwargs.get("port", "?"), kwargs.get("db", 0)
+    return f"redis://{host}:{port}/{db}" if "path" not in kwargs else f"unix://{kwargs['path']}"
 
 
 def read_rate_controllers(client: Any) -> list[ControllerStatus]:

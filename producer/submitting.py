@@ -4,7 +4,9 @@ Client (producer/client.py). Key layout: `schemas/keys.py`."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
@@ -12,8 +14,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import redis
+
 from producer.backend_check import backend_check
 from producer.lookups import SessionLookups
+from producer.redis_room import (
+    JOINED_BYTES,
+    RedisFullError,
+    check_policy,
+    fitting,
+    read_memory,
+    refused_write,
+    session_bytes,
+)
 from producer.specfile import load_spec_from_objects
 from schemas import keys, task_names
 from schemas.bodies import dump_body
@@ -50,6 +63,7 @@ class Submission:
     specs: dict[str, Spec] = field(default_factory=dict)  # sk -> spec: to run again if lost
     runs: dict[str, keys.Claim] = field(default_factory=dict)  # sk -> its run (the claim)
     chunks: int = 0  # start tasks sent for this batch (a resubmission numbers on from here)
+    warning: str = ""  # said before it runs: Redis may evict its keys (allowed by the operator)
 
 
 class SpecConflictError(Exception):
@@ -68,9 +82,17 @@ class ModuleExpiredError(Exception):
         self.shas = shas
 
 
+# a session's claim, taken back when Redis refused the writes of the part it was claimed in
+_UNCLAIM = """
+if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end
+return 0
+"""
+
+
 class Submitting(SessionLookups):
     config: FleetConfig  # the Client's: the backends specs are checked against
     namespace: str  # the Client's: where ids are claimed unless a submit names another
+    shown_url: str  # the Client's Redis, as messages show it (no password)
 
     def _validate(
         self, specs: Iterable[Mapping[str, Any] | Spec], check_keys: bool, base_dir: Path | None
@@ -130,6 +152,8 @@ class Submitting(SessionLookups):
         batch = batch or uuid.uuid4().hex[:12]
         scope = keys.batch_scope(batch) if namespace == BATCH_SCOPE else namespace
         scope = scope or self.namespace
+        memory = read_memory(self.redis)
+        warning = check_policy(memory, self.shown_url, dict(os.environ)) or ""
         shas = self.upload_modules(specs)
         bodies = [dump_body(spec_to_json(stored(spec, shas))) for spec in specs]
         contents = [keys.content_digest(body) for body in bodies]
@@ -142,7 +166,48 @@ class Submitting(SessionLookups):
             ]
             if conflicts:
                 raise SpecConflictError(conflicts)
+        total = len(specs)
+        pipeline_bytes = 2 * sum(len(b) for b in bodies[:PIPELINE_SIZE])
+        room = fitting(memory, _costs(specs, bodies, contents, held, rerun), pipeline_bytes)
+        short = RedisFullError(self.shown_url, memory, room, total) if room < total else None
+        if room == 0 and short is not None:
+            raise short
+        specs, bodies, contents, held = specs[:room], bodies[:room], contents[:room], held[:room]
         sub = Submission(batch=batch, namespace=scope, order=[], ids={}, chunks=first_chunk)
+        sub.warning = warning
+        try:
+            self._write_sessions(sub, specs, bodies, contents, held, rerun, scope)
+        except redis.RedisError as exc:
+            if not refused_write(exc):
+                raise
+            short = RedisFullError(
+                self.shown_url, read_memory(self.redis), len(sub.order), total, midway=True
+            )
+            if not sub.order:
+                raise short from None
+        try:
+            self._admit(sub, within)
+        except redis.RedisError as exc:  # its sessions are in the fleet's reconciler's sight:
+            if short is None or not refused_write(exc):  # it starts them once Redis takes
+                raise  # writes again
+        if short is not None:
+            short.submission = sub
+            raise short
+        return sub
+
+    def _write_sessions(
+        self,
+        sub: Submission,
+        specs: Sequence[Spec],
+        bodies: Sequence[bytes],
+        contents: Sequence[str],
+        held: Sequence[keys.Claim | None],
+        rerun: Rerun,
+        scope: str,
+    ) -> None:
+        """Claim each id and write its session's keys, PIPELINE_SIZE sessions a round trip.
+        A part whose keys Redis refuses (one MULTI/EXEC: all of them) gives its new claims
+        back and ends the loop with a RedisError: the parts before it are in `sub`."""
         now_ms = int(time.time() * 1000)
         for start in range(0, len(specs), PIPELINE_SIZE):
             end = start + PIPELINE_SIZE
@@ -176,41 +241,57 @@ class Submitting(SessionLookups):
                     runs.append((claim, True))
                 else:
                     runs.append((keys.Claim.decode(found), False))
-            pipe = self.redis.pipeline(transaction=False)
-            for (spec, body, _), (run, won) in zip(part, runs, strict=True):
-                sk = run.sk
-                sub.order.append(sk)
-                sub.ids[sk] = spec.id
-                sub.specs[sk] = spec
-                sub.runs[sk] = run
-                if isinstance(spec, ProgramSpec):
-                    sub.programs.add(sk)
-                pipe.sadd(keys.watchers(sk), sub.batch)
-                pipe.expire(keys.watchers(sk), self.ttl_s)
-                if won:
-                    sub.new.add(sk)
-                    stored_form = keys.with_submitted(body, now_ms, sub.batch)
-                    pipe.set(keys.spec(sk), stored_form, ex=self.ttl_s)
-                    meta = {
-                        "id": spec.id,
-                        "batch": sub.batch,
-                        "submitted_ms": now_ms,
-                        "state": "queued",
-                    }
-                    pipe.hset(keys.meta(sk), mapping=meta)
-                    pipe.expire(keys.meta(sk), self.ttl_s)
-                    pipe.zadd(keys.ACTIVE, {sk: now_ms})  # the fleet's reconciler watches it
-                else:
-                    pipe.exists(keys.response(sk))
-            results = iter(pipe.execute())
-            for run, won in runs:
-                next(results), next(results)
-                if won:
-                    next(results), next(results), next(results), next(results)
-                elif next(results):
-                    sub.done.add(run.sk)
-        self._admit(sub, within)
-        return sub
+            try:
+                self._write_part(sub, part, runs, now_ms)
+            except redis.RedisError:
+                unclaim = self.redis.register_script(_UNCLAIM)
+                for (spec, _, _), (run, won) in zip(part, runs, strict=True):
+                    if won:  # under OOM a DEL is still taken (it frees memory)
+                        with contextlib.suppress(redis.RedisError):
+                            unclaim(keys=[keys.id_claim(scope, spec.id)], args=[run.encode()])
+                raise
+
+    def _write_part(
+        self,
+        sub: Submission,
+        part: list[tuple[Spec, bytes, keys.Claim | None]],
+        runs: list[tuple[keys.Claim, bool]],
+        now_ms: int,
+    ) -> None:
+        pipe = self.redis.pipeline(transaction=True)
+        for (spec, body, _), (run, won) in zip(part, runs, strict=True):
+            sk = run.sk
+            pipe.sadd(keys.watchers(sk), sub.batch)
+            pipe.expire(keys.watchers(sk), self.ttl_s)
+            if won:
+                stored_form = keys.with_submitted(body, now_ms, sub.batch)
+                pipe.set(keys.spec(sk), stored_form, ex=self.ttl_s)
+                meta = {
+                    "id": spec.id,
+                    "batch": sub.batch,
+                    "submitted_ms": now_ms,
+                    "state": "queued",
+                }
+                pipe.hset(keys.meta(sk), mapping=meta)
+                pipe.expire(keys.meta(sk), self.ttl_s)
+                pipe.zadd(keys.ACTIVE, {sk: now_ms})  # the fleet's reconciler watches it
+            else:
+                pipe.exists(keys.response(sk))
+        results = iter(pipe.execute())
+        for (spec, _, _), (run, won) in zip(part, runs, strict=True):
+            sk = run.sk
+            sub.order.append(sk)
+            sub.ids[sk] = spec.id
+            sub.specs[sk] = spec
+            sub.runs[sk] = run
+            if isinstance(spec, ProgramSpec):
+                sub.programs.add(sk)
+            next(results), next(results)
+            if won:
+                sub.new.add(sk)
+                next(results), next(results), next(results), next(results)
+            elif next(results):
+                sub.done.add(sk)
 
     def claims(
         self, spec_ids: Sequence[str], namespace: str | None = None
@@ -267,3 +348,22 @@ class Submitting(SessionLookups):
         pipe.zadd(keys.BATCHES, {sub.batch: int(time.time() * 1000)})
         pipe.expire(keys.BATCHES, self.ttl_s)
         pipe.execute()
+
+
+def _costs(
+    specs: Sequence[Spec],
+    bodies: Sequence[bytes],
+    contents: Sequence[str],
+    held: Sequence[keys.Claim | None],
+    rerun: Rerun,
+) -> list[int]:
+    """What each session needs in Redis until it ends (producer/redis_room.py); one that
+    joins a run already there, only its watcher entry."""
+    costs = []
+    for spec, body, content, claim in zip(specs, bodies, contents, held, strict=True):
+        joins = claim is not None and (
+            rerun == "none" or (rerun == "changed" and claim.content == content)
+        )
+        tools = not isinstance(spec, SessionSpec) or bool(spec.tools or spec.mcp_servers)
+        costs.append(JOINED_BYTES if joins else session_bytes(len(body), tools))
+    return costs

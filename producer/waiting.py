@@ -12,6 +12,7 @@ from typing import Any
 import redis
 
 from producer.lookups import QUEUED
+from producer.redis_room import refused_write
 from producer.submitting import Submission, Submitting
 from schemas import keys, task_names
 
@@ -48,25 +49,37 @@ class Waiting(Submitting):
         seen: dict[str, tuple[bytes | None, float]] = {}
         started = progress = time.monotonic()
         check_at = progress + stall_s / 2
+        refused_since: float | None = None
         while pending:
-            if time.monotonic() >= check_at:
-                # a session whose entry in the done list was lost (popped in a reply that a
-                # dropped connection never delivered, or by a Redis restart) is found here
-                ready.extend(self._finished(pending))
-                self._rerun_lost(sub, pending)
-                moved, stalled = self._stalled(pending, seen, stall_s, started)
-                if moved:
-                    progress = time.monotonic()
-                elif stalled and time.monotonic() - progress >= stall_s:
-                    self.nudge(stalled[:NUDGE_MAX])
-                    progress = time.monotonic()
-                check_at = time.monotonic() + stall_s / 2
-            if not ready:
-                item = self.redis.blpop([done_key], timeout=poll_s)
-                if item is not None:
-                    ready.append(item[1].decode())
-                    more = self.redis.lpop(done_key, 1000) or []
-                    ready.extend(m.decode() for m in more)
+            try:
+                if time.monotonic() >= check_at:
+                    # a session whose entry in the done list was lost (popped in a reply that
+                    # a dropped connection never delivered, or by a Redis restart) is found here
+                    ready.extend(self._finished(pending))
+                    self._rerun_lost(sub, pending)
+                    moved, stalled = self._stalled(pending, seen, stall_s, started)
+                    if moved:
+                        progress = time.monotonic()
+                    elif stalled and time.monotonic() - progress >= stall_s:
+                        self.nudge(stalled[:NUDGE_MAX])
+                        progress = time.monotonic()
+                    check_at = time.monotonic() + stall_s / 2
+                if not ready:
+                    item = self.redis.blpop([done_key], timeout=poll_s)
+                    if item is not None:
+                        ready.append(item[1].decode())
+                        more = self.redis.lpop(done_key, 1000) or []
+                        ready.extend(m.decode() for m in more)
+                refused_since = None
+            except redis.RedisError as exc:
+                # Redis refuses writes for now (BLPOP pops: refused when it cannot persist or
+                # is a replica): the fleet waits it out too; the wait goes on, said once
+                if not refused_write(exc):
+                    raise
+                if refused_since is None:
+                    refused_since = time.monotonic()
+                    log.warning("Redis refuses writes (%s): waiting", str(exc)[:120])
+                time.sleep(poll_s)
             fresh = [sk for sk in dict.fromkeys(ready) if sk in pending]
             ready = []
             if fresh:

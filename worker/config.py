@@ -15,6 +15,11 @@ Environment variables:
     CCHATQ_STALL_AFTER_S      a session with no progress this long is nudged (30)
     CCHATQ_SESSION_DEADLINE_S a session with no progress this long after its submit ends with
                               deadline_exceeded (default: half CCHATQ_RESULT_TTL_S, 43200)
+    CCHATQ_STORE_WAIT_S       how long a step waits in its worker for a Redis that refuses
+                              writes (full, failing to persist, a replica, loading) before it
+                              is handed back to the queue; no try is spent (default 180)
+    CCHATQ_ALLOW_EVICTION     1: start on a Redis whose maxmemory-policy may evict cchatq's
+                              keys (refused otherwise), with a loud warning
 
 OpenTelemetry spans (README "OpenTelemetry traces"), off unless asked for:
     OTEL_TRACES_EXPORTER      otlp and/or console (comma-separated): spans on; none: off
@@ -39,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from schemas.config import BackendConfig, FleetConfig, read_config
+from schemas.redis_memory import allow_eviction
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_SERVICE_NAME = "cchatq-worker"
@@ -73,6 +79,10 @@ class Settings:
     span_content: bool = False
     # the batch processor's schedule delay; None: OTEL_BSP_SCHEDULE_DELAY says, read by the SDK
     span_delay_ms: int | None = SPAN_SCHEDULE_DELAY_MS
+    # a Redis refusing writes is waited out in the worker this long per delivery (guard.py);
+    # under the prefork pool's hard time limit (the visibility timeout less 10 s)
+    store_wait_s: float = 180.0
+    allow_eviction: bool = False  # run on a Redis that may evict cchatq's keys
 
 
 def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
@@ -104,6 +114,8 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         span_service=env.get("OTEL_SERVICE_NAME") or DEFAULT_SERVICE_NAME,
         span_content=_true(env.get("OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT")),
         span_delay_ms=None if env.get("OTEL_BSP_SCHEDULE_DELAY") else SPAN_SCHEDULE_DELAY_MS,
+        store_wait_s=float(env.get("CCHATQ_STORE_WAIT_S", "180")),
+        allow_eviction=allow_eviction(env),
     )
 
 

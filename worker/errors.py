@@ -31,7 +31,9 @@ CchatqError                      root; `code` is the error-body code
 ├── GuestError                   guest_error
 │   └── GuestTrapError           guest_trap
 ├── StoreError                   store_error (never in a body: the step is retried)
-│   └── SpecMissingError         a session's spec expired or was never submitted
+│   ├── SpecMissingError         a session's spec expired or was never submitted
+│   └── StoreUnavailableError    Redis refuses writes for now (full, failing to persist, a
+│                                replica, loading): waited out, no try spent
 └── StepControl                  not failures: how a step or a guest run changes course
     ├── RetryLater               run this delivery again later (Celery's retry)
     ├── StepDeadLettered         the step failed for good: its task ends as a FAILURE
@@ -267,6 +269,20 @@ class StoreError(CchatqError):
 
 class SpecMissingError(StoreError):
     """A session's spec is not in the store (expired, or never submitted)."""
+
+
+class StoreUnavailableError(StoreError):
+    """Redis refuses writes for now, through no fault of the step: `reason` is Redis's own
+    word for it: OOM (used memory over maxmemory, noeviction), MISCONF (it cannot persist: a
+    full disk for its AOF or RDB), READONLY (a replica, after a failover), LOADING (a restart
+    reading its data). A step that meets it waits in its worker and runs again, no try spent
+    (worker/session/guard.py); loops (the reconciler, lease and slot keepers) try again."""
+
+    REASONS = ("OOM", "MISCONF", "READONLY", "LOADING")
+
+    def __init__(self, reason: str, message: str = "") -> None:
+        super().__init__(message or f"Redis refuses writes: {reason}")
+        self.reason = reason
 
 
 # Control flow -------------------------------------------------------------------------------

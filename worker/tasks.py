@@ -9,6 +9,7 @@ live in Redis response fds.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from celery import Celery, Task
@@ -20,17 +21,21 @@ from celery.signals import (
     worker_process_shutdown,
     worker_ready,
     worker_shutdown,
+    worker_shutting_down,
 )
 
 from schemas import task_names
 from schemas.limits import BACKGROUND_TIMEOUT_CAP_MS
 from worker.config import load_settings
 from worker.errors import RetryLater
+from worker.session.refusals import STOPPING
 from worker.session.steps import StepRunner
 from worker.session.trace import Arrival, now_ms
 from worker.wiring import (
+    EvictingRedis,
     add_step_context,
     celery_config,
+    check_redis_memory,
     check_spans,
     close_mcp,
     flush_spans,
@@ -41,6 +46,7 @@ from worker.wiring import (
 )
 
 log = logging.getLogger(__name__)
+EX_CONFIG = 78  # sysexits: the worker's configuration (its Redis) is wrong
 
 app = Celery("cchatq")
 app.conf.update(celery_config(load_settings()))
@@ -64,6 +70,25 @@ def _log_steps(logger: Any = None, **_: Any) -> None:
 def _check_spans(**_: Any) -> None:
     """Spans asked for without the otel extra: said once, as the worker starts."""
     check_spans(load_settings())
+
+
+@worker_init.connect
+def _check_redis_memory(**_: Any) -> None:
+    """A Redis that may evict cchatq's keys stops the worker before it takes any task, in
+    one line (EX_CONFIG), unless CCHATQ_ALLOW_EVICTION: then one loud warning."""
+    try:
+        check_redis_memory(load_settings())
+    except EvictingRedis as exc:
+        log.critical("%s", exc)
+        logging.shutdown()
+        os._exit(EX_CONFIG)  # Celery would log SystemExit from a signal handler with a trace
+
+
+@worker_shutting_down.connect
+def _stop_waiting(**_: Any) -> None:
+    """Steps waiting for a Redis that refuses writes are handed back now, not at the end of
+    their wait: a warm shutdown finishes its running tasks first."""
+    STOPPING.set()
 
 
 @worker_process_shutdown.connect

@@ -11,7 +11,9 @@ from typing import Any
 
 from celery import Celery
 from celery._state import get_current_task
+from celery.exceptions import Reject
 
+from schemas.redis_memory import eviction_refused, eviction_warning, redacted_url
 from worker.codecs.registry import codec_for
 from worker.config import BackendConfig, Settings, load_settings
 from worker.edges import broker
@@ -20,13 +22,16 @@ from worker.edges.mcp_tools import McpTools
 from worker.edges.provider_http import HttpProvider
 from worker.edges.rate_control import RedisRateControl
 from worker.edges.rate_limit import RedisRateLimiter
+from worker.edges.redis_errors import REFUSED_TEXT
 from worker.edges.store import RedisStore
 from worker.edges.store_programs import RedisProgramStore
 from worker.edges.wasm_runtime import WasmToolRuntime
+from worker.errors import StoreError, StoreUnavailableError
 from worker.guest.step import ProgramSteps
 from worker.session.mcp_offer import ToolRouter
 from worker.session.ports import NoSpans, SpanSink
 from worker.session.reconciler import Reconciler
+from worker.session.refusals import RefusalNotice
 from worker.session.steps import StepRunner
 
 
@@ -196,6 +201,43 @@ def add_step_context(handlers: list[logging.Handler]) -> None:
     for handler in handlers:
         handler.addFilter(StepContext())
         handler.setFormatter(logging.Formatter(STEP_LOG_FORMAT))
+    logging.getLogger("celery.app.trace").addFilter(RefusedRejectLine())
+
+
+class RefusedRejectLine(logging.Filter):
+    """A step handed back to its queue because Redis refuses writes (tasks._retry's Reject)
+    is one warning line, Celery's own ("Task ... reject requeue=True: MISCONF ..."): not a
+    traceback, which Celery adds to every Reject."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, Reject) and REFUSED_TEXT.search(str(exc.reason)):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+class EvictingRedis(Exception):
+    """The worker's Redis may evict cchatq's keys: the worker does not start (the one line)."""
+
+
+def check_redis_memory(settings: Settings) -> None:
+    """At a worker's start: a Redis whose maxmemory-policy may evict cchatq's keys (any but
+    noeviction, under a maxmemory) is refused with EvictingRedis, unless
+    CCHATQ_ALLOW_EVICTION says to run on it: then one loud warning. A Redis that cannot be
+    asked now is the broker connection's business (Celery retries it)."""
+    store = RedisStore.from_url(settings.redis_url, settings.result_ttl_s, max_connections=2)
+    try:
+        memory = store.memory()
+    except StoreError as exc:
+        log.warning("Redis's memory policy not checked: %s", exc.code)
+        return
+    finally:
+        store.client.close()
+    where = redacted_url(settings.redis_url)
+    if memory.evicts and not settings.allow_eviction:
+        raise EvictingRedis(eviction_refused(memory, where, "cchatq worker"))
+    if memory.evicts:
+        log.warning(eviction_warning(memory, where))
 
 
 def start_reconciler(app: Celery) -> threading.Thread:
@@ -211,12 +253,18 @@ def start_reconciler(app: Celery) -> threading.Thread:
             quiet_ms=settings.stall_after_ms,
             deadline_ms=settings.session_deadline_ms,
         )
+        refused = RefusalNotice("reconciler", log)
         while True:
             time.sleep(settings.reconcile_every_s)
             try:
                 reconciler.turn()
+            except StoreUnavailableError as exc:  # said once, not every turn
+                refused.refused(exc.reason)
+                continue
             except Exception as exc:  # Redis away: the next turn tries again
                 log.warning("reconciler turn failed: %s", type(exc).__name__)
+                continue
+            refused.accepted()
 
     thread = threading.Thread(target=loop, name="cchatq-reconciler", daemon=True)
     thread.start()

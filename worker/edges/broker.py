@@ -20,6 +20,13 @@
   worker's steps waited minutes; and a slow step that outlived it ran twice while its worker
   was still alive.
 
+A Redis that refuses writes (redis_errors.refusal: OOM, MISCONF, READONLY, LOADING) stops
+nothing: the take (BLMOVE, BRPOP) backs off and tries again, an ack, a hold or a give-back it
+refuses waits in this process and is written on the next beats (a message meanwhile stays
+held in Redis, so a sweeper can still hand it out again), a sweep waits, and a consumer that
+could not beat lately sweeps no one (their heartbeats ran out for the same refusal). One
+warning line says so, and one when writes are taken again; Celery sees no error.
+
 The consumer loop calls `restore_visible` on a timer (`unacked_restore_interval`): that call
 beats and sweeps. A pool that runs tasks on the loop's own thread (`solo`) cannot beat while a
 task runs, so a step longer than `consumer_dead_after_s` would be handed out again (its lease
@@ -32,7 +39,7 @@ import json
 import logging
 import uuid
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from queue import Empty
 from time import monotonic
@@ -43,6 +50,17 @@ from kombu.transport import virtual
 
 from schemas import keys
 from worker.edges import liveness
+from worker.edges.broker_pending import (
+    PENDING_FORGETS,
+    PENDING_HOLDS,
+    PENDING_LOCK,
+    PENDING_RESTORES,
+    REFUSED,
+    TAKE_PAUSES_S,
+    give_back_all,
+    refused,
+    write_pending,
+)
 
 log = logging.getLogger(__name__)
 
@@ -96,45 +114,105 @@ class QoS(kombu_redis.QoS):
             return
         delivery = message.delivery_info
         entry = json.dumps([message._raw, delivery["exchange"], delivery["routing_key"]])
-        with self.channel.conn_or_acquire() as client:
-            self.register(client)
-            client.hset(unacked_key(self.consumer), delivery_tag, entry)
+        try:
+            with self.channel.conn_or_acquire() as client:
+                self.register(client)
+                client.hset(unacked_key(self.consumer), delivery_tag, entry)
+        except Exception as exc:
+            # BRPOP took it (it needs no memory) but its hold was refused: it runs, and its
+            # hold is written on the next beats (until then only this process has it)
+            if not refused(exc):
+                raise
+            with PENDING_LOCK:
+                PENDING_HOLDS[delivery_tag] = (unacked_key(self.consumer), entry)
         virtual.QoS.append(self, message, delivery_tag)
 
     def ack(self, delivery_tag: str) -> None:
-        with self.channel.conn_or_acquire() as client:
-            self.forget(client, delivery_tag)
+        self._forget_now(delivery_tag)
         virtual.QoS.ack(self, delivery_tag)
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
         if requeue:
-            self.channel._restore(self._delivered[delivery_tag], leftmost=True)
+            message = self._delivered[delivery_tag]
+            try:
+                self.channel._restore(message, leftmost=True)
+            except Exception as exc:
+                if not refused(exc):
+                    raise
+                # still held in Redis (the give-back is one transaction): given back on the
+                # next beats, or by a sweeper if this consumer stops
+                with PENDING_LOCK:
+                    PENDING_RESTORES[delivery_tag] = (self.channel, message)
         else:
-            with self.channel.conn_or_acquire() as client:
-                self.forget(client, delivery_tag)
+            self._forget_now(delivery_tag)
         virtual.QoS.ack(self, delivery_tag)
+
+    def _forget_now(self, delivery_tag: str) -> None:
+        with PENDING_LOCK:  # a hold never written needs no forgetting
+            if PENDING_HOLDS.pop(delivery_tag, None) is not None:
+                return
+        forget = self.forgetting(delivery_tag)
+        try:
+            with self.channel.conn_or_acquire() as client:
+                forget(client)
+        except Exception as exc:
+            if not refused(exc):
+                raise
+            with PENDING_LOCK:  # the step is done: a sweep meanwhile only runs it again
+                PENDING_FORGETS.append(forget)
+
+    def forgetting(self, delivery_tag: str) -> Callable[[Any], None]:
+        """What drops a message from what this consumer holds, issued on a client or a
+        pipeline: an LREM of the bytes BLMOVE moved, or an HDEL of the hash's entry."""
+        moved = _MOVED.pop(delivery_tag, None)
+        if moved is not None:
+            taken, raw = moved
+            return lambda client: client.lrem(taken, 1, raw)
+        held = unacked_key(self.consumer)
+        return lambda client: client.hdel(held, delivery_tag)
 
     def forget(self, client: Any, delivery_tag: str) -> None:
         """Drop a message from what this consumer holds (`client` may be a pipeline)."""
-        moved = _MOVED.pop(delivery_tag, None)
-        if moved is not None:
-            client.lrem(moved[0], 1, moved[1])
-        else:
-            client.hdel(unacked_key(self.consumer), delivery_tag)
+        self.forgetting(delivery_tag)(client)
 
     def restore_unacked(self, client: Any = None) -> Any:
-        """At shutdown: every message taken and not acked goes back, via Channel._restore."""
-        return virtual.QoS.restore_unacked(self)
+        """At shutdown: every message taken and not acked goes back (Channel._restore). A
+        Redis that refuses writes is tried for SHUTDOWN_RESTORE_S; what it still refuses is
+        left held in Redis, where a sweeper hands it out again once this consumer's heartbeat
+        runs out, so no emergency dump is written for it. Only a message whose hold Redis
+        never took (BRPOP, then a refused HSET) is in this process alone: kombu dumps those
+        (its "UNABLE TO RESTORE" line, and a file in the temporary directory)."""
+        self._flush()
+        with PENDING_LOCK:
+            again = [m for c, m in PENDING_RESTORES.values() if c is self.channel]
+        queue = [*again, *self._delivered.values()]
+        self._delivered.clear()
+        return give_back_all(self.channel._restore, queue, set(self._dirty), self.consumer)
 
     def restore_visible(self, start: int = 0, num: int = 10, interval: int = 10) -> None:
-        """The consumer loop's timer: beat for this process's consumers, then give back the
-        messages of every consumer that stopped beating."""
+        """The consumer loop's timer: beat for this process's consumers, write what Redis
+        refused before, then give back the messages of every consumer that stopped beating."""
+        try:
+            self._beat_and_sweep()
+        except Exception as exc:
+            if not refused(exc):
+                raise
+            self.channel.refused_beat_at = monotonic()
+
+    def _beat_and_sweep(self) -> None:
         live = {qos.consumer: qos.queues() for qos in list(_LIVE)}
         with self.channel.conn_or_acquire() as client:
             pipe = client.pipeline(transaction=False)
             _beat(pipe, live, self.channel.consumer_dead_after_s)
             pipe.smembers(CONSUMERS_KEY)
             known = {c.decode() for c in pipe.execute()[-1]} - set(live)
+            REFUSED.accepted()
+            write_pending(client)
+            # heartbeats that ran out while this consumer could not beat either ran out for
+            # the same refusal, not a death: sweep once this one has beaten that long again
+            refused_at = self.channel.refused_beat_at
+            if refused_at and monotonic() - refused_at < self.channel.consumer_dead_after_s:
+                return
             if not known:
                 return
             others = sorted(known)
@@ -196,6 +274,9 @@ class Channel(kombu_redis.Channel):
     QoS = QoS
     _shared_client: Any = None
     consumer_dead_after_s = 15
+    refused_beat_at = 0.0  # when Redis last refused this consumer's beat (monotonic)
+    _take_after = 0.0  # the take waits until then (monotonic): Redis refused it
+    _take_pauses = 0  # refusals in a row, for the backoff
     from_transport_options = (  # type: ignore[assignment]
         *kombu_redis.Channel.from_transport_options,
         "consumer_dead_after_s",
@@ -216,14 +297,20 @@ class Channel(kombu_redis.Channel):
         """One queue: BLMOVE its next message into this consumer's list. Several: kombu's
         BRPOP over them all. Priorities are not used by cchatq (every message is on the
         queue's own list), so BLMOVE watches that list only."""
+        if monotonic() < self._take_after:  # Redis refused the take: the next tick asks
+            return
         if len(self.active_queues) != 1:
             self._moving_from = None
             super()._brpop_start(timeout)
             return
-        (queue,) = self._queue_cycle.consume(1)
         qos: QoS = self.qos
-        with self.conn_or_acquire() as client:  # not the blocking connection's client
-            qos.register(client)
+        try:
+            with self.conn_or_acquire() as client:  # not the blocking connection's client
+                qos.register(client)
+        except Exception as exc:
+            self._take_refused(exc)
+            return
+        (queue,) = self._queue_cycle.consume(1)
         self._in_poll = self.client.connection
         self._brpop_sent_at = monotonic()  # type: ignore[assignment]
         self._moving_from = queue
@@ -232,7 +319,25 @@ class Channel(kombu_redis.Channel):
             timeout if timeout is not None else self.brpop_timeout,
         )  # fmt: skip
 
+    def _take_refused(self, exc: BaseException) -> None:
+        """Redis refused the take (BLMOVE needs memory; under MISCONF or on a replica, BRPOP
+        too): wait, with backoff, instead of Celery's "Unrecoverable error"."""
+        if not refused(exc):
+            raise exc
+        pause_s = TAKE_PAUSES_S[min(self._take_pauses, len(TAKE_PAUSES_S) - 1)]
+        self._take_pauses += 1
+        self._take_after = monotonic() + pause_s
+
     def _brpop_read(self, **options: Any) -> bool:
+        try:
+            taken = self._take_read(**options)
+        except Exception as exc:
+            self._take_refused(exc)
+            raise Empty() from None
+        self._take_pauses = 0
+        return taken
+
+    def _take_read(self, **options: Any) -> bool:
         queue = self._moving_from
         if queue is None:
             return bool(super()._brpop_read(**options))
@@ -257,13 +362,21 @@ class Channel(kombu_redis.Channel):
         between the two delivers it twice, never loses it)."""
         delivery = message.delivery_info
         qos: QoS = self.qos
+        tag = message.delivery_tag
+        moved = _MOVED.get(tag)
         with self.conn_or_acquire() as client:
-            pipe = client.pipeline(transaction=False)
+            # one MULTI/EXEC: a Redis that refuses the LPUSH (it needs memory) refuses the
+            # LREM with it, so the message stays held, never lost
+            pipe = client.pipeline(transaction=True)
             self._do_restore_message(
                 message._raw, delivery["exchange"], delivery["routing_key"], pipe, leftmost
             )
-            qos.forget(pipe, message.delivery_tag)
+            if moved is not None:
+                pipe.lrem(moved[0], 1, moved[1])
+            else:
+                pipe.hdel(unacked_key(qos.consumer), tag)
             pipe.execute()
+        _MOVED.pop(tag, None)  # forgotten once given back
 
     def close(self) -> None:
         qos = self._qos  # only if this channel ever consumed

@@ -26,6 +26,7 @@ from celery import Celery
 from celery.utils.nodenames import anon_nodename
 
 from schemas import keys, task_names
+from worker.edges.step_leases import translated
 from worker.edges.store import RedisStore
 from worker.session.ports import Commit, NextStep, StepPublisher
 
@@ -119,10 +120,14 @@ class CeleryDispatcher(StepPublisher):
 
     writes_commits = True
 
+    @translated
     def publish(self, steps: Sequence[NextStep], commit: Commit | None = None) -> None:
+        """The steps' messages with the commit, in one MULTI/EXEC: a Redis that refuses
+        writes (full, failing to persist, a replica) refuses the whole commit, so a step that
+        runs it again never finds half of it applied (its outcomes without its marker)."""
         current = self.app.current_worker_task
         parent = current.request if current is not None else None
-        pipe = self.store.client.pipeline(transaction=False)
+        pipe = self.store.client.pipeline(transaction=True)
         sent_ms = time.time_ns() // 1_000_000
         if commit is not None and commit.outcomes:  # before the steps that read them
             self.store.add_outcomes(pipe, commit.sk, commit.outcomes)

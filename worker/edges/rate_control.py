@@ -28,7 +28,7 @@ from schemas import keys
 from worker.codecs.rate_headers import RateSignal
 from worker.config import BackendConfig
 from worker.edges.rate_control_lua import ACQUIRE, RENEW, REPORT
-from worker.errors import StoreError
+from worker.edges.redis_errors import refusal, store_error
 from worker.session.rate_control import (
     CallReport,
     Change,
@@ -37,6 +37,7 @@ from worker.session.rate_control import (
     Wait,
     backend_ceilings,
 )
+from worker.session.refusals import RefusalNotice
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,7 @@ class RedisRateControl:
         self._tokens_paced: set[str] = set()  # controllers whose calls need a token estimate
         self._quiet = 0  # calls that had nothing to teach but their latency
         self._full_every = full_every
+        self._refused = RefusalNotice("slot leases", log)
 
     def _now(self) -> str:
         return "" if self._clock_ms is None else repr(float(self._clock_ms()))
@@ -85,7 +87,7 @@ class RedisRateControl:
                       self.lease_ms, rps, tps, ROOM_MS, TTL_S],
             )  # fmt: skip
         except redis.RedisError as exc:
-            raise StoreError(f"rate control: {type(exc).__name__}") from exc
+            raise store_error(exc, "rate control") from exc
         kind = _text(answer[0])
         _log_change(key, answer[-1])
         if kind == "ok":
@@ -105,7 +107,7 @@ class RedisRateControl:
                 try:
                     self.client.zrem(keys.rate_slots(slot.key.id), slot.member)
                 except redis.RedisError as exc:
-                    raise StoreError(f"rate control: {type(exc).__name__}") from exc
+                    raise store_error(exc, "rate control") from exc
                 return None
         rps, tps = backend_ceilings(backend)
         try:
@@ -118,7 +120,7 @@ class RedisRateControl:
                       _said(said.tokens_left), _said_ms(said.tokens_reset_s)],
             )  # fmt: skip
         except redis.RedisError as exc:
-            raise StoreError(f"rate control: {type(exc).__name__}") from exc
+            raise store_error(exc, "rate control") from exc
         if int(answer[1]):
             self._tokens_paced.add(slot.key.id)
         else:
@@ -160,7 +162,11 @@ class RedisRateControl:
                 self._renew(keys=[k for _, k in held], args=[self.lease_ms, *[m for m, _ in held]])
             )
         except redis.RedisError as exc:  # the next turn tries again, within the lease
-            log.warning("slot leases not renewed: %s", type(exc).__name__)
+            reason = refusal(exc)
+            if reason is not None:  # said once, not every turn
+                self._refused.refused(reason)
+            else:
+                log.warning("slot leases not renewed: %s", type(exc).__name__)
             return 0
 
 

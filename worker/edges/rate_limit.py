@@ -17,7 +17,7 @@ import redis
 
 from schemas import keys
 from worker.config import BackendConfig
-from worker.errors import StoreError
+from worker.edges.redis_errors import store_error
 from worker.session.ports import Permit
 
 # KEYS: requests zset (member -> time), tokens hash (member -> tokens), tokens total
@@ -95,7 +95,7 @@ class RedisRateLimiter:
                 ],
             )
         except redis.RedisError as exc:
-            raise StoreError(f"rate limit: {type(exc).__name__}") from exc
+            raise store_error(exc, "rate limit") from exc
         text = answer.decode() if isinstance(answer, bytes) else str(answer)
         return Permit(backend.name, member) if text == "ok" else max(float(text), 0.05)
 
@@ -109,4 +109,4 @@ class RedisRateLimiter:
                 args=[permit.member, max(used_tokens, 0)],
             )
         except redis.RedisError as exc:
-            raise StoreError(f"rate limit: {type(exc).__name__}") from exc
+            raise store_error(exc, "rate limit") from exc

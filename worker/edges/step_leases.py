@@ -17,8 +17,9 @@ import redis
 
 from schemas import keys
 from worker.edges import liveness
-from worker.errors import StoreError
+from worker.edges.redis_errors import refusal, store_error
 from worker.session.ports import STEP_LEASE_MS
+from worker.session.refusals import RefusalNotice
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -30,8 +31,8 @@ def translated(fn: Callable[P, T]) -> Callable[P, T]:
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
         try:
             return fn(*args, **kwargs)
-        except redis.RedisError as exc:
-            raise StoreError(f"redis: {type(exc).__name__}: {exc}") from exc
+        except redis.RedisError as exc:  # a refusal: StoreUnavailableError (redis_errors.py)
+            raise store_error(exc) from exc
 
     return wrapper
 
@@ -78,6 +79,9 @@ class LeaseKeeper:
         self._lock = threading.Lock()
         self._pid = 0
         self._renew = client.register_script(_RENEW)
+        # under OOM the renewal still runs (PEXPIRE needs no memory); refused otherwise (a
+        # MISCONF, a replica), a lease may run out: a step's outputs are first writer wins
+        self._refused = RefusalNotice("lease renewal", log)
 
     @contextmanager
     def hold(self, key: str, token: str) -> Iterator[None]:
@@ -103,7 +107,13 @@ class LeaseKeeper:
             try:
                 self._renew(keys=list(held), args=[self.lease_ms, *held.values()])
             except redis.RedisError as exc:  # the next round tries again; a lost lease is
-                log.warning("lease renewal failed: %s", type(exc).__name__)  # taken over
+                reason = refusal(exc)  # taken over
+                if reason is not None:
+                    self._refused.refused(reason)
+                else:
+                    log.warning("lease renewal failed: %s", type(exc).__name__)
+                continue
+            self._refused.accepted()
 
 
 class StepLeases:

@@ -32,6 +32,7 @@ from worker.codecs.reply import Reply
 from worker.edges import liveness
 from worker.edges.step_leases import TAKE_OVER, LeaseKeeper, StepLeases, translated
 from worker.edges.store_fleet import FleetQueries
+from worker.edges.store_reads import GUESSED_CALLS, parsed_tool_inputs, round_keys, tool_keys
 from worker.edges.store_results import WRITE_ONCE, ResultWrites
 from worker.edges.store_trace import TraceWrites
 from worker.errors import SpecMissingError, StoreError
@@ -43,7 +44,6 @@ from worker.session.state import Round, Session
 
 log = logging.getLogger(__name__)
 SPEC_CACHE_SIZE = 4096
-GUESSED_CALLS = 4  # outcome keys read with the replies, per round
 POOL_WAIT_S = 30  # longest wait for a free connection before the step fails (and is retried)
 
 # A step's state in its session's meta, written only while the meta is there: a late step of a
@@ -58,25 +58,6 @@ return 0
 
 def _loads(raw: bytes | None) -> Any:
     return None if raw is None else json.loads(raw)
-
-
-def _round_keys(sk: str, last: int) -> list[str]:
-    """Rounds 0..last: their replies, then their first GUESSED_CALLS calls' outcomes."""
-    return [keys.model_out(sk, r) for r in range(last + 1)] + [
-        keys.tool_out(sk, r, i) for r in range(last + 1) for i in range(GUESSED_CALLS)
-    ]
-
-
-def _tool_keys(sk: str, round_no: int, index: int) -> list[str]:
-    return [keys.model_out(sk, round_no), keys.tool_out(sk, round_no, index)]
-
-
-def _tool_inputs(raw: list[bytes | None]) -> ToolInputs:
-    stored, outcome = raw
-    return (
-        None if stored is None else decode_round(stored),
-        None if outcome is None else ToolOutcome.from_json(json.loads(outcome)),
-    )
 
 
 class RedisStore(StepLeases, TraceWrites, ResultWrites, FleetQueries):
@@ -161,7 +142,7 @@ class RedisStore(StepLeases, TraceWrites, ResultWrites, FleetQueries):
         GUESSED_CALLS calls; only a round with more calls needs a second read."""
         spec = self._chat_spec(sk)
         last = spec.limits.max_iterations - 1 if upto_round is None else upto_round
-        raw = self.client.mget(_round_keys(sk, last))
+        raw = self.client.mget(round_keys(sk, last))
         return self._session_from(sk, spec, backend, last, raw)
 
     def _progress_due(self, sk: str) -> bool:
@@ -216,7 +197,7 @@ class RedisStore(StepLeases, TraceWrites, ResultWrites, FleetQueries):
     def tool_inputs(self, sk: str, round_no: int, index: int) -> ToolInputs:
         """A tool step's round (reply and planned runs) and its own stored outcome, in one
         round trip."""
-        return _tool_inputs(self.client.mget(_tool_keys(sk, round_no, index)))
+        return parsed_tool_inputs(self.client.mget(tool_keys(sk, round_no, index)))
 
     # writing outputs (first writer wins) ---------------------------------------------------
 
@@ -275,7 +256,8 @@ class RedisStore(StepLeases, TraceWrites, ResultWrites, FleetQueries):
         """Everything one delivery of a step needs to know before it works, and what its
         body reads (`reads`, with its spec when this process has not read it yet), in one
         round trip that also records the session's state for `cchatq status`."""
-        # No MULTI: each command is atomic on its own, and the lease is one SET ... NX GET
+        # One MULTI/EXEC: a Redis that refuses writes (OOM, MISCONF, a replica) refuses all of
+        # them, never the lease without the try count. The lease is one SET ... NX GET
         # (Redis >= 7.0) whose old value says published ("done"), leased elsewhere, or free.
         # The try counter: a first delivery the broker vouches for (`first`, the usual case)
         # is try 1 and writes nothing; any other starts it as SET 1 NX EX GET and INCRs it
@@ -283,19 +265,41 @@ class RedisStore(StepLeases, TraceWrites, ResultWrites, FleetQueries):
         # The cancel flag is read in the MGET of what the body reads: no command of its own.
         read_keys: list[str] = []
         if isinstance(reads, RoundReads):
-            read_keys = _round_keys(sk, reads.round_no)
+            read_keys = round_keys(sk, reads.round_no)
         elif isinstance(reads, ToolReads):
-            read_keys = _tool_keys(sk, reads.round_no, reads.index)
+            read_keys = tool_keys(sk, reads.round_no, reads.index)
         spec_keys: list[str] = []
         if sk and reads is not None and sk not in self._specs:
             spec_keys = [keys.spec(sk), keys.mcp_tools(sk)]
-        pipe = self.client.pipeline(transaction=False)
+        pipe = self.client.pipeline(transaction=True)
         token = liveness.new_token(uuid.uuid4().hex)
+        try:
+            wanted = [*read_keys, *spec_keys]
+            begun = self._begin(step, lease_ms, meta, sk, first, pipe, token, wanted)
+        except Exception:
+            # its lease, if it was taken before the INCR failed, is this process's and no
+            # delivery's: the next try takes it over at once (liveness)
+            liveness.retire(token)
+            raise
+        return self._with_reads(sk, reads, begun, read_keys, spec_keys)
+
+    def _begin(
+        self,
+        step: str,
+        lease_ms: int,
+        meta: dict[str, str | int] | None,
+        sk: str,
+        first: bool | None,
+        pipe: Any,
+        token: str,
+        wanted: list[str],
+    ) -> tuple[StepStart, list[bytes | None]]:
+        """The lease, the try count and the `wanted` keys (with the cancel flag last)."""
         pipe.set(keys.step_state(step), keys.step_lease(token), nx=True, px=lease_ms, get=True)
         if first is not True:
             pipe.set(keys.tries(step), 1, nx=True, ex=self.ttl_s, get=True)
         if sk:
-            pipe.mget([*read_keys, *spec_keys, keys.cancel(sk)])
+            pipe.mget([*wanted, keys.cancel(sk)])
         if sk and meta:  # a round or a program run starting
             fields = [str(x) for pair in meta.items() for x in pair]
             pipe.eval(HSET_IF_THERE, 1, keys.meta(sk), *fields)
@@ -321,6 +325,19 @@ class RedisStore(StepLeases, TraceWrites, ResultWrites, FleetQueries):
             before == keys.STEP_DONE, before is None, tries, read[-1] is not None,
             lease=token if before is None else "", tries_stored=first is not True,
         )  # fmt: skip
+        return start, read
+
+    def _with_reads(
+        self,
+        sk: str,
+        reads: RoundReads | ToolReads | None,
+        begun: tuple[StepStart, list[bytes | None]],
+        read_keys: list[str],
+        spec_keys: list[str],
+    ) -> StepStart:
+        """The StepStart with what its body asked to read, parsed (what cannot be, the body
+        reads again under the guard)."""
+        start, read = begun
         values = read[: len(read_keys)]
         try:
             if spec_keys:  # a missing spec fails in the body, where it counts as a try
@@ -331,7 +348,7 @@ class RedisStore(StepLeases, TraceWrites, ResultWrites, FleetQueries):
                 session = self._session_from(sk, spec, reads.backend, reads.round_no, values)
                 return replace(start, session=session)
             if isinstance(reads, ToolReads):
-                return replace(start, tool_inputs=_tool_inputs(values))
+                return replace(start, tool_inputs=parsed_tool_inputs(values))
         except Exception:  # what cannot be read here, the body reads again under the guard
             return start
         return start

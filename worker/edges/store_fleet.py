@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from schemas import keys
+from schemas.redis_memory import RedisMemory
 from worker.edges.step_leases import translated
 from worker.errors import StoreError
 
@@ -18,6 +19,11 @@ class FleetQueries:
 
     client: Any
     ttl_s: int
+
+    @translated
+    def memory(self) -> RedisMemory:
+        """Redis's memory limit, use and eviction policy (INFO: allowed where CONFIG is not)."""
+        return RedisMemory.from_info(self.client.info("memory"))
 
     # the reconciler ------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import NoReturn
 
 from schemas import keys
@@ -24,6 +25,7 @@ from worker.errors import (
     StepFailedError,
     StepsInFlight,
     StoreError,
+    StoreUnavailableError,
 )
 from worker.session.ending import bare_record
 from worker.session.outcomes import ToolOutcome
@@ -40,12 +42,14 @@ from worker.session.ports import (
     ToolReads,
     TraceWrite,
 )
+from worker.session.refusals import STEPS, Patience
 from worker.session.spans import SpanSession, step_spans
 from worker.session.trace import Arrival, TraceEvent, event, rate_limit_waited, step_timed
 
 log = logging.getLogger(__name__)
 
 GUARD_RETRY_S = 1.0
+REFUSED_RETRY_S = 5.0  # a step handed back after waiting out its budget for Redis
 
 
 class StepGuard:
@@ -60,6 +64,7 @@ class StepGuard:
         self.dispatch = dispatch
         self.settings = settings
         self.spans: SpanSink = spans or NoSpans()
+        self.sleep: Callable[[float], None] = time.sleep  # the waits for a refusing Redis
 
     def run(
         self,
@@ -82,11 +87,27 @@ class StepGuard:
         trip, and handed to `body` in its StepStart. `first`: whether this is the first
         delivery of its message, when the broker says (its try is then counted with no
         write). `arrival`: which worker runs it and how long its message waited (stamped on
-        its trace events)."""
+        its trace events).
+
+        A Redis that refuses writes (StoreUnavailableError: full, failing to persist, a
+        replica, loading) spends no try: the delivery waits in its worker, with backoff, and
+        runs again (its body, or only its commit when the body had done its work), for
+        settings.store_wait_s at most; then it is handed back to its queue, still uncounted.
+        In-process, because handing it back needs the broker, which refuses it too."""
+        patience = Patience(self.settings.store_wait_s, self.sleep)
         try:
-            return self._run(
-                step, sk, body, stop_if_cancelled, targets, reads, first, arrival, dict(meta)
-            )
+            while True:
+                try:
+                    outcome = self._run(
+                        step, sk, body, stop_if_cancelled, targets, reads, first, arrival,
+                        dict(meta), patience,
+                    )  # fmt: skip
+                except StoreUnavailableError as exc:  # its start, a cancel, a dead-letter
+                    if not patience.wait(exc):
+                        self._hand_back(step, exc, patience)
+                    continue
+                STEPS.accepted()
+                return outcome
         except (RetryLater, StepDeadLettered):
             raise
         except Exception as exc:
@@ -104,16 +125,27 @@ class StepGuard:
         first: bool | None,
         arrival: Arrival | None,
         meta: dict[str, str | int],
+        patience: Patience,
     ) -> str | None:
         sessions = targets or (lambda: [sk])
-        start = self.store.begin_step(step, STEP_LEASE_MS, meta, sk, reads, first)
+        counted = patience.counted
+        # started again after a refusal: this delivery's try is counted already (first=True
+        # writes no count), and its own lease, released, is taken over at once
+        start = self.store.begin_step(
+            step, STEP_LEASE_MS, meta, sk, reads, True if counted else first
+        )
+        if counted is not None:
+            start = replace(start, tries=counted[0], tries_stored=counted[1])
         if start.published:
             return None
         if not start.leased:
             raise RetryLater(self.store.lease_left_ms(step) / 1000 + 0.05, f"step {step} is leased")
+        patience.counted = (start.tries, start.tries_stored)
         # renewed while this worker lives, and known to this process as held until it ends
         with self.store.hold(step, start.lease):
-            return self._leased(step, sk, body, start, stop_if_cancelled, sessions, arrival)
+            return self._leased(
+                step, sk, body, start, stop_if_cancelled, sessions, arrival, patience
+            )
 
     def _leased(
         self,
@@ -124,6 +156,7 @@ class StepGuard:
         stop_if_cancelled: bool,
         sessions: Callable[[], list[str]],
         arrival: Arrival | None,
+        patience: Patience,
     ) -> str | None:
         if start.cancelled and stop_if_cancelled and not self._ended_by(step, sk, start):
             # cancellation is checked at every step boundary; finish writes the cancelled body
@@ -133,8 +166,7 @@ class StepGuard:
             return None
         if start.tries > self.settings.max_step_attempts:
             self.poison(step, sessions(), f"delivered {start.tries} times")
-        outbox = Outbox(step)
-        self._body(step, sk, body, start, outbox, sessions, arrival)
+        outbox = self._body(step, sk, body, start, sessions, arrival, patience)
         if log.isEnabledFor(logging.INFO):  # one line per step that ran: ids and counts only
             published = [s.kind for s in outbox.steps]
             log.info("step %s done: try %d, published %s", step, start.tries, published)
@@ -146,17 +178,86 @@ class StepGuard:
         sk: str,
         body: Callable[[StepStart, Outbox], None],
         start: StepStart,
+        sessions: Callable[[], list[str]],
+        arrival: Arrival | None,
+        patience: Patience,
+    ) -> Outbox:
+        """Run the body and commit what it decided: a body whose writes Redis refused runs
+        again, reading afresh (its stored outputs are first writer wins, so it finds what it
+        wrote); a refused commit (one transaction: nothing of it applied) is written again."""
+        started = time.monotonic()
+        while True:
+            outbox = Outbox(step)
+            try:
+                to_commit = self._attempt(step, sk, body, start, outbox, sessions, arrival, started)
+            except StoreUnavailableError as exc:
+                if not patience.wait(exc):
+                    self._hand_back(step, exc, patience, sk, start)
+                start = replace(start, session=None, tool_inputs=None)
+                continue
+            if not to_commit:
+                return outbox
+            while True:
+                try:
+                    self.commit(step, sk, outbox)
+                    return outbox
+                except StoreUnavailableError as exc:
+                    if not patience.wait(exc):
+                        self._hand_back(step, exc, patience, sk, start)
+                except Exception as exc:  # a commit that fails fails the step: retried
+                    self._failed(step, start, sessions, exc)
+
+    def _hand_back(
+        self,
+        step: str,
+        exc: StoreUnavailableError,
+        patience: Patience,
+        sk: str = "",
+        start: StepStart | None = None,
+    ) -> NoReturn:
+        """Redis refused writes for the whole of the delivery's wait: back to its queue, its
+        try given back (when Redis takes that write: under MISCONF or READONLY it cannot, and
+        the redelivery counts one)."""
+        if start is not None:
+            with contextlib.suppress(StoreError):
+                self.store.defer_step(step, sk, start.tries_stored, int(REFUSED_RETRY_S * 1000))
+        waited_s = self.settings.store_wait_s - patience.left_s
+        log.warning(
+            "step %s: Redis refused writes (%s) for %.0f s: handed back to its queue",
+            step, exc.reason, waited_s,
+        )  # fmt: skip
+        raise RetryLater(REFUSED_RETRY_S, f"Redis refuses writes: {exc.reason}") from None
+
+    def _failed(
+        self, step: str, start: StepStart, sessions: Callable[[], list[str]], exc: Exception
+    ) -> NoReturn:
+        """A failure of the step's own: a try spent; past its attempts, dead-lettered."""
+        self._release_quietly(step)
+        if start.tries >= self.settings.max_step_attempts:
+            self.poison(step, sessions(), f"{type(exc).__name__}: {exc}")
+        log.warning("step %s failed (try %d): %s", step, start.tries, type(exc).__name__)
+        raise RetryLater(min(0.2 * 2**start.tries, 10.0), f"{type(exc).__name__}: {exc}") from exc
+
+    def _attempt(
+        self,
+        step: str,
+        sk: str,
+        body: Callable[[StepStart, Outbox], None],
+        start: StepStart,
         outbox: Outbox,
         sessions: Callable[[], list[str]],
         arrival: Arrival | None,
-    ) -> None:
-        started = time.monotonic()
+        started: float,
+    ) -> bool:
+        """One run of the body: whether it has a commit to write. A StoreUnavailableError
+        goes to the caller, which waits."""
         try:
             body(start, outbox)
             if self.settings.trace:  # its kind, duration, delivery... ride its last event
                 step_timed(outbox.events, step, started, start.tries, arrival)
-            # a commit that fails (its tool outcomes are part of it) fails the step: retried
-            self.commit(step, sk, outbox)
+            return True
+        except StoreUnavailableError:
+            raise
         except RateLimited as exc:
             # waiting for the backend's rate limit is not a failure: no try is spent, and the
             # task gives its worker slot back until there may be room
@@ -178,15 +279,9 @@ class StepGuard:
             # nothing to run and no one to tell; a producer that still waits submits it again
             self._release_quietly(step)
             log.warning("step %s: its session is gone, step dropped", step)
-            return
+            return False
         except Exception as exc:
-            self._release_quietly(step)
-            if start.tries >= self.settings.max_step_attempts:
-                self.poison(step, sessions(), f"{type(exc).__name__}: {exc}")
-            log.warning("step %s failed (try %d): %s", step, start.tries, type(exc).__name__)
-            raise RetryLater(
-                min(0.2 * 2**start.tries, 10.0), f"{type(exc).__name__}: {exc}"
-            ) from exc
+            self._failed(step, start, sessions, exc)
 
     def _ended_by(self, step: str, sk: str, start: StepStart) -> bool:
         """Whether this step wrote its session's ending in a delivery whose commit was never

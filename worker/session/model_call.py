@@ -21,7 +21,13 @@ from schemas.partial import PartialCall, PartialRound
 from worker.codecs.protocol import ChatRequest, Delta
 from worker.codecs.rate_headers import RateSignal
 from worker.config import BackendConfig
-from worker.errors import ProviderError, ProviderRateLimitedError, RateLimited, StoreError
+from worker.errors import (
+    ProviderError,
+    ProviderRateLimitedError,
+    RateLimited,
+    StoreError,
+    StoreUnavailableError,
+)
 from worker.session.engine import CallModel
 from worker.session.ports import (
     Completion,
@@ -39,6 +45,7 @@ from worker.session.rate_control import (
     Wait,
     account_of,
 )
+from worker.session.refusals import STEPS
 from worker.session.state import Session
 
 log = logging.getLogger(__name__)
@@ -189,6 +196,8 @@ class ModelCaller:
         (its slot's lease runs out on its own)."""
         try:
             self.control.report(slot, report, backend)
+        except StoreUnavailableError as exc:  # said once for the process, not once a call
+            STEPS.refused(exc.reason)
         except StoreError as exc:
             log.warning("rate control %s: report lost: %s", slot.key.id, exc.code)
 
@@ -202,7 +211,13 @@ class ModelCaller:
         if not isinstance(permit, Permit):
             raise RateLimited(permit, backend.name)
         reply = dict(self._call(backend, chat, partial_of).completion)
-        self.rate_limiter.settle(permit, int((reply.get("usage") or {}).get("total_tokens", 0)))
+        used = int((reply.get("usage") or {}).get("total_tokens", 0))
+        try:  # a settle Redis refused keeps the estimate until the window passes, never
+            self.rate_limiter.settle(permit, used)  # costs the call's reply (a call again)
+        except StoreUnavailableError as exc:
+            STEPS.refused(exc.reason)
+        except StoreError as exc:
+            log.warning("rate limit %s: usage not settled: %s", backend.name, exc.code)
         return reply
 
     def _call(
