@@ -11,7 +11,7 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 COVERAGE_FLOOR := 85
 
 .PHONY: install demo test test-fast check lint types contracts cover bench bench-otel bench-rate chaos soak guests \
-	redis-server chromium screenshots
+	redis-server faketime chromium screenshots
 
 $(PY):
 	$(PYTHON) -m venv $(VENV) || { \
@@ -29,6 +29,13 @@ redis-server:
 	  echo "installing redis-server (apt)"; \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) >/dev/null; }
 
+# libfaketime: the clock-skew fleet test and chaos scenario start workers whose wall clock is
+# off (fixtures/clock_skew.py preloads Debian's library; the test is skipped without it).
+faketime:
+	@ls /usr/lib/*/faketime/libfaketimeMT.so.1 >/dev/null 2>&1 || { \
+	  echo "installing libfaketime (apt)"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libfaketime) >/dev/null; }
+
 # chromium: the browser the viewer's browser tests (Playwright) drive headless, Debian's own
 # build at /usr/bin/chromium; Playwright's downloaded browsers are never used (`playwright
 # install` is not run), so the tests need no network beyond the package mirrors.
@@ -37,7 +44,7 @@ chromium:
 	  echo "installing chromium (apt)"; \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null; }
 
-install: $(STAMP) redis-server chromium
+install: $(STAMP) redis-server faketime chromium
 
 demo: install
 	$(PY) -m producer.cli demo

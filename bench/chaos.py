@@ -18,6 +18,8 @@ scenario on a private fleet of its own (Redis, replay server, one worker per que
                  15 s (bench/chaos_stall.py): each abandoned by 75 s, retried, and ok.
   redis-full     a Redis at maxmemory 24mb (noeviction), 3,000 sessions of 2 KB prompts
   aof-full       the AOF's disk full for 20 s mid-batch (bench/chaos_redis_full.py)
+  clock-skew     500 sessions on two hosts whose wall clocks are 2 minutes ahead and behind
+                 (libfaketime): no session ended early, no extra model call.
 
 One row per run: sessions finished of those submitted, how many ended step_failed, with another
 error body, with a duplicated tool message (a tool message twice for one call id, more tool
@@ -38,6 +40,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from bench.chaos_clock import scenario_clock_skew
 from bench.chaos_faults import scenario_faults
 from bench.chaos_kill import scenario_kill
 from bench.chaos_redis_full import scenario_aof_full, scenario_redis_full
@@ -57,6 +60,7 @@ RUNS: dict[str, tuple[Scenario, int]] = {
     "stall": (scenario_stall, 10),
     "redis-full": (scenario_redis_full, 3000),
     "aof-full": (scenario_aof_full, 300),
+    "clock-skew": (scenario_clock_skew, 500),
 }
 SCENARIOS = tuple(RUNS)
 

@@ -18,6 +18,7 @@ from producer.batch import Batch
 from producer.submitting import Rerun
 from producer.waiting import Waiting
 from schemas.config import FleetConfig, read_config
+from schemas.fleet_clock import FleetClock, server_ms
 from schemas.redis_memory import redacted_url
 from schemas.spec_types import Spec
 
@@ -46,6 +47,9 @@ class Client(Waiting):
         # Any: redis-py annotates replies as bytes | str; this client never decodes (bytes).
         self.redis: Any = redis.Redis.from_url(redis_url, client_name=CLIENT_NAME, **reconnecting())
         self.shown_url = redacted_url(redis_url)  # as messages show it
+        # Redis's clock: when a session was submitted is compared by the fleet's reconciler
+        # on it, whatever this host's wall clock says
+        self.clock = FleetClock(lambda: server_ms(self.redis.time()))
         self.ttl_s = ttl_s
         self.config = config if config is not None else read_config()
         self.namespace = namespace or self.config.namespace

@@ -6,7 +6,6 @@ Client (producer/client.py)."""
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -14,6 +13,7 @@ from celery import Celery
 
 from producer.user_stream import RunEnded, UserStream
 from schemas import keys, task_names
+from schemas.fleet_clock import FleetClock
 from schemas.partial import PartialRound
 from schemas.spec_types import ProgramSpec, Spec, spec_from_json
 
@@ -22,6 +22,7 @@ QUEUED = b"queued"  # a session's state from submit until its first round
 
 class SessionLookups:
     redis: Any  # the Client's: redis-py, replies as bytes
+    clock: FleetClock  # the Client's: Redis's clock (what a task's sent stamp is on)
     celery: Celery
     ttl_s: int
     namespace: str  # where an id is looked up (its claim) unless `lookup_batch` names a batch
@@ -159,7 +160,7 @@ class SessionLookups:
             args=[sk],
             task_id=keys.finish_step(sk),
             queue=task_names.ROUTES[task_names.FINISH],
-            headers={task_names.SENT_HEADER: int(time.time() * 1000)},
+            headers={task_names.SENT_HEADER: self.clock.now_ms()},
         )
         return True
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -208,7 +207,7 @@ class Submitting(SessionLookups):
         """Claim each id and write its session's keys, PIPELINE_SIZE sessions a round trip.
         A part whose keys Redis refuses (one MULTI/EXEC: all of them) gives its new claims
         back and ends the loop with a RedisError: the parts before it are in `sub`."""
-        now_ms = int(time.time() * 1000)
+        now_ms = self.clock.now_ms()  # Redis's: the reconciler reckons the session's age on it
         for start in range(0, len(specs), PIPELINE_SIZE):
             end = start + PIPELINE_SIZE
             part = list(zip(specs[start:end], bodies[start:end], held[start:end], strict=True))
@@ -329,7 +328,7 @@ class Submitting(SessionLookups):
                 args=[sub.batch, n],
                 task_id=keys.start_step(sub.batch, n),
                 queue=task_names.ROUTES[task_names.START],
-                headers={task_names.SENT_HEADER: int(time.time() * 1000)},
+                headers={task_names.SENT_HEADER: self.clock.now_ms()},
             )
 
     def _admit_names(self, sub: Submission) -> None:
@@ -345,7 +344,7 @@ class Submitting(SessionLookups):
         pipe.set(keys.batch_namespace(sub.batch), sub.namespace, ex=self.ttl_s)
         for key in (keys.batch_ids(sub.batch), keys.batch_runs(sub.batch)):
             pipe.expire(key, self.ttl_s)
-        pipe.zadd(keys.BATCHES, {sub.batch: int(time.time() * 1000)})
+        pipe.zadd(keys.BATCHES, {sub.batch: self.clock.now_ms()})
         pipe.expire(keys.BATCHES, self.ttl_s)
         pipe.execute()
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import sys
 import uuid
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,10 +68,12 @@ def _workers(
     extra_env: dict[str, str] | None = None,
     config: dict[str, Any] | None = None,
     queues: Sequence[str] = ALL_QUEUES,
+    env_of: Mapping[str, dict[str, str]] | None = None,
 ) -> Generator[Running, None, None]:
     """Workers for `queues` on Redis database `db` of the base fleet, its Redis flushed first.
     `config`: the configuration the workers and the client read, beside the base fleet's
-    replay backends (which it may add to, under `backends`)."""
+    replay backends (which it may add to, under `backends`). `env_of`: more environment for
+    the worker of one queue (beside `extra_env`, which all get)."""
     url = base.redis_url.rsplit("/", 1)[0] + f"/{db}"
     env = dict(base.env)
     if config is not None:
@@ -85,7 +87,9 @@ def _workers(
     client.redis.flushdb()
     try:
         for queue in queues:
-            fleet.start_worker(queue, extra_env=extra_env)
+            fleet.start_worker(
+                queue, extra_env={**(extra_env or {}), **(env_of or {}).get(queue, {})}
+            )
         yield Running(fleet=fleet, redis_url=url, client=client)
     finally:
         fleet.stop()

@@ -380,6 +380,9 @@ class ReconcileTwin:
     def submitted_ms(self, sks: list[str]) -> list[int | None]:
         return [self.submitted.get(sk) for sk in sks]
 
+    def now_ms(self) -> int:
+        return self.store.clock()
+
 
 def test_the_reconciler_recovers_a_lost_message_with_no_producer() -> None:
     from worker.session.reconciler import Reconciler

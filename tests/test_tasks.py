@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from celery.exceptions import Reject, Retry
 
+import worker.tasks
 from schemas import task_names
+from schemas.fleet_clock import FleetClock, wall_ms
 from worker.errors import RetryLater
-from worker.session.trace import now_ms
-from worker.tasks import _retry
+from worker.tasks import FleetRequest, _retry
+
+AHEAD_MS = 120_000  # Redis's clock ahead of this host's in these tests
+
+
+def redis_ahead() -> FleetClock:
+    """Redis's clock as a host 2 minutes behind it reads it (the offset it measures)."""
+    return FleetClock(lambda: wall_ms() + AHEAD_MS)
 
 
 class _Task:
@@ -21,30 +30,57 @@ class _Task:
     def __init__(self, broker_up: bool) -> None:
         self.broker_up = broker_up
         self.request = SimpleNamespace(id="abc.r0", kwargsrepr="{'session': 'eval/1'}")
-        self.countdowns: list[float] = []
+        self.etas: list[datetime] = []
         self.headers: list[dict[str, Any]] = []
         self.kwargsreprs: list[str | None] = []
 
-    def retry(self, countdown: float, headers: dict[str, Any], kwargsrepr: str | None) -> Any:
-        self.countdowns.append(countdown)
+    def retry(self, eta: datetime, headers: dict[str, Any], kwargsrepr: str | None) -> Any:
+        self.etas.append(eta)
         self.headers.append(headers)
         self.kwargsreprs.append(kwargsrepr)
         if not self.broker_up:
             raise Reject(ConnectionError("broker down"), requeue=False)
-        raise Retry(when=countdown)
+        raise Retry(when=eta)
 
 
-def test_a_retry_is_published_with_its_countdown() -> None:
+def test_a_retry_falls_due_on_redis_clock() -> None:
+    """Its due time is stamped on Redis's clock (here 2 minutes ahead of this host's), not
+    the host's: the worker that takes it reads it on its own (FleetRequest)."""
     task = _Task(broker_up=True)
-    before = now_ms()
+    before = wall_ms() + AHEAD_MS
     with pytest.raises(Retry):
-        _retry(task, RetryLater(1.5, "step is leased"))
-    assert task.countdowns == [1.5]
+        _retry(task, RetryLater(1.5, "step is leased"), redis_ahead())
+    after = wall_ms() + AHEAD_MS
+    (eta,) = task.etas
+    assert before + 1500 - 1 <= eta.timestamp() * 1000 <= after + 1500 + 1
     # the retry's wait on its queue counts from when it falls due, not from when it was put off
     (headers,) = task.headers
-    assert before + 1500 <= headers[task_names.SENT_HEADER] <= now_ms() + 1500
+    assert headers[task_names.SENT_HEADER] == round(eta.timestamp() * 1000)
     # and it shows its session's spec id as the delivery did (Celery's own: its empty kwargs)
     assert task.kwargsreprs == ["{'session': 'eval/1'}"]
+
+
+def test_a_retry_falls_due_on_the_host_that_takes_it_as_on_the_one_that_sent_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A retry sent from a host whose clock is 2 minutes ahead of Redis's, taken by this one,
+    2 minutes behind it: Celery's timer (which compares the eta to the local wall clock) is
+    handed the eta on the taker's clock, due in 1.5 s there too, not in 4 minutes."""
+    task = _Task(broker_up=True)
+    sender = FleetClock(lambda: wall_ms() + AHEAD_MS, wall=lambda: wall_ms() + 2 * AHEAD_MS)
+    with pytest.raises(Retry):
+        _retry(task, RetryLater(1.5, "rate limited"), sender)
+    (stamped,) = task.etas
+    taker = redis_ahead()
+    monkeypatch.setattr(worker.tasks, "fleet_clock", lambda _app: taker)
+    request = FleetRequest.__new__(FleetRequest)  # a delivery of that message, on this host
+    request._eta = stamped
+    local_eta = request.eta
+    assert local_eta is not None
+    due_s = (local_eta - datetime.now(UTC)).total_seconds()
+    assert 1.0 < due_s <= 1.5
+    request._eta = None
+    assert request.eta is None
 
 
 def test_a_retry_the_broker_cannot_take_gives_the_delivery_back() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from celery import Celery, Task
@@ -23,14 +24,16 @@ from celery.signals import (
     worker_shutdown,
     worker_shutting_down,
 )
+from celery.worker.request import Request
 
 from schemas import task_names
+from schemas.fleet_clock import FleetClock
 from schemas.limits import BACKGROUND_TIMEOUT_CAP_MS
 from worker.config import load_settings
 from worker.errors import RetryLater
 from worker.session.refusals import STOPPING
 from worker.session.steps import StepRunner
-from worker.session.trace import Arrival, now_ms
+from worker.session.trace import Arrival
 from worker.wiring import (
     EvictingRedis,
     add_step_context,
@@ -38,6 +41,7 @@ from worker.wiring import (
     check_redis_memory,
     check_spans,
     close_mcp,
+    fleet_clock,
     flush_spans,
     program_steps,
     runner,
@@ -114,10 +118,23 @@ def _start_reconciler(sender: Any = None, **_: Any) -> None:
         start_reconciler(app)
 
 
+class FleetRequest(Request):  # type: ignore[misc]
+    """A delivery whose due time (a retry's eta) was stamped on Redis's clock (`_retry`), read
+    here on this host's wall clock, which Celery's timer holds it against: a step retried on a
+    host whose clock is ahead is not held back minutes on one whose clock is behind."""
+
+    @property
+    def eta(self) -> datetime | None:
+        stamped: datetime | None = self._eta
+        if stamped is None:
+            return None
+        return stamped - timedelta(milliseconds=fleet_clock(app).offset_ms())
+
+
 # Unbounded here: a step's deliveries are counted in Redis (StepRunner) and a step that keeps
 # failing is dead-lettered there, with its session ended. Celery's own cap (3) would instead
 # drop the task and leave the session waiting forever.
-STEP_OPTIONS = {"bind": True, "max_retries": None}
+STEP_OPTIONS = {"bind": True, "max_retries": None, "Request": FleetRequest}
 
 
 def _run(task: Task, call: Any) -> dict[str, str] | None:
@@ -143,21 +160,24 @@ def _arrival(task: Task) -> Arrival:
     it was sent, or fell due (SENT_HEADER; None when its sender did not stamp it)."""
     request = task.request
     sent = getattr(request, task_names.SENT_HEADER, None)
-    waited = max(0, now_ms() - sent) if isinstance(sent, int) else None
+    waited = max(0, fleet_clock(app).now_ms() - sent) if isinstance(sent, int) else None
     return Arrival(worker=request.hostname or "", queue_ms=waited)
 
 
-def _retry(task: Task, later: RetryLater) -> None:
+def _retry(task: Task, later: RetryLater, clock: FleetClock | None = None) -> None:
     """Run this delivery again in `countdown_s`. Celery publishes the retry as a new message
     and, when that fails (the broker is down), rejects this one with requeue=False: the step
     would be gone. Here the delivery is given back instead; if even that cannot reach the
     broker, the message stays among this consumer's taken ones, which a sweeper hands out
-    again once the consumer stops beating, and the reconciler covers the rest."""
-    due = {task_names.SENT_HEADER: now_ms() + round(later.countdown_s * 1000)}
+    again once the consumer stops beating, and the reconciler covers the rest. When it falls
+    due is on Redis's clock (FleetRequest reads it on the host that takes it)."""
+    due_ms = (clock or fleet_clock(app)).now_ms() + round(later.countdown_s * 1000)
+    eta = datetime.fromtimestamp(due_ms / 1000, tz=UTC)
     # the retry shows what the delivery showed (its session's spec id), not the empty kwargs
     shown = getattr(task.request, "kwargsrepr", None) or None
+    due = {task_names.SENT_HEADER: due_ms}
     try:  # its wait on the queue counts from when it falls due, not from this delivery
-        raise task.retry(countdown=later.countdown_s, headers=due, kwargsrepr=shown) from None
+        raise task.retry(eta=eta, headers=due, kwargsrepr=shown) from None
     except Reject as rejected:
         log.warning("step %s: retry not published, given back", task.request.id)
         raise Reject(rejected.reason, requeue=True) from None

@@ -13,6 +13,7 @@ from celery import Celery
 from celery._state import get_current_task
 from celery.exceptions import Reject
 
+from schemas.fleet_clock import FleetClock
 from schemas.redis_memory import eviction_refused, eviction_warning, redacted_url
 from worker.codecs.registry import codec_for
 from worker.config import BackendConfig, Settings, load_settings
@@ -131,6 +132,12 @@ def _current(app: Celery) -> Wiring:
 
 def runner(app: Celery) -> StepRunner:
     return _current(app).runner
+
+
+def fleet_clock(app: Celery) -> FleetClock:
+    """Redis's clock as this process reads it (its store's): what a step's message says of
+    when it was sent or falls due is stamped and compared on it."""
+    return _current(app).store.clock
 
 
 SPANS_MISSING = (

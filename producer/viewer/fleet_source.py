@@ -164,7 +164,9 @@ class FleetSource:
     ) -> tuple[RunRow, list[MetaState]]:
         members = self._batch_members(batch) if members is None else members
         states = self._states([m.claim.sk if m.claim else None for m in members])
-        row = run_row("batch", batch, batch, submitted_ms, self._members(states), _now_ms())
+        row = run_row(
+            "batch", batch, batch, submitted_ms, self._members(states), self.client.clock.now_ms()
+        )
         return self._keep(row), states
 
     # ViewSource ----------------------------------------------------------------------------
@@ -193,7 +195,7 @@ class FleetSource:
             batch,
             submitted_ms or 0,
             members,
-            _now_ms(),
+            self.client.clock.now_ms(),  # Redis's: what submits and ends are stamped on
             finished=outcome is not None or state is None,
         )
         return self._keep(row)
@@ -339,7 +341,3 @@ class FleetSource:
 
     def close(self) -> None:
         self.client.close()
-
-
-def _now_ms() -> int:
-    return time.time_ns() // 1_000_000

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import base64
 import json
-import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -128,7 +127,7 @@ class CeleryDispatcher(StepPublisher):
         current = self.app.current_worker_task
         parent = current.request if current is not None else None
         pipe = self.store.client.pipeline(transaction=True)
-        sent_ms = time.time_ns() // 1_000_000
+        sent_ms = self.store.clock.now_ms()  # Redis's clock: its receiver's host may differ
         if commit is not None and commit.outcomes:  # before the steps that read them
             self.store.add_outcomes(pipe, commit.sk, commit.outcomes)
         for step in steps:

@@ -16,6 +16,7 @@ from typing import Any, ParamSpec, TypeVar
 import redis
 
 from schemas import keys
+from schemas.fleet_clock import FleetClock
 from worker.edges import liveness
 from worker.edges.redis_errors import refusal, store_error
 from worker.session.ports import STEP_LEASE_MS
@@ -121,6 +122,7 @@ class StepLeases:
 
     client: Any
     ttl_s: int
+    clock: FleetClock
     _keeper: LeaseKeeper
     _take_over: Any
 
@@ -154,7 +156,7 @@ class StepLeases:
         else:  # a first try counted without a write: the next delivery counts from none
             pipe.set(keys.tries(step), 0, ex=self.ttl_s)
         if sk:
-            pipe.zadd(keys.ACTIVE, {sk: int(time.time() * 1000) + wait_ms}, xx=True)
+            pipe.zadd(keys.ACTIVE, {sk: self.clock.now_ms() + wait_ms}, xx=True)
         pipe.execute()
 
     @translated

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -18,6 +17,7 @@ import redis
 
 from schemas import keys
 from schemas.bodies import dump_body
+from schemas.fleet_clock import FleetClock, server_ms
 from schemas.spec_types import (
     SessionSpec,
     Spec,
@@ -72,6 +72,9 @@ class RedisStore(StepLeases, TraceWrites, ResultWrites, FleetQueries):
         self._specs: dict[str, Spec] = {}
         self._submitted: dict[str, int] = {}  # sk -> when its producer submitted it (ms)
         self._batches: dict[str, str] = {}  # sk -> the batch it was submitted in
+        # Redis's clock: what this process stamps for others to compare (marks of progress,
+        # when a session ended) is on it, whatever this host's wall clock says
+        self.clock = FleetClock(lambda: server_ms(self.client.time()))
         self._keeper = LeaseKeeper(self.client)
         self._take_over = self.client.register_script(TAKE_OVER)
         self._write_once = self.client.register_script(WRITE_ONCE)
@@ -151,8 +154,8 @@ class RedisStore(StepLeases, TraceWrites, ResultWrites, FleetQueries):
         that has not read its spec yet (which says when; the next steps mark it)."""
         if sk not in self._specs:
             return False
-        submitted = self._submitted.get(sk)
-        return submitted is None or time.time() * 1000 - submitted >= self.progress_after_ms
+        submitted = self._submitted.get(sk)  # on Redis's clock, as the producer read it
+        return submitted is None or self.clock.now_ms() - submitted >= self.progress_after_ms
 
     def _chat_spec(self, sk: str) -> SessionSpec:
         spec = self.load_spec(sk)
@@ -304,7 +307,7 @@ class RedisStore(StepLeases, TraceWrites, ResultWrites, FleetQueries):
             fields = [str(x) for pair in meta.items() for x in pair]
             pipe.eval(HSET_IF_THERE, 1, keys.meta(sk), *fields)
             if self._progress_due(sk):  # a sign of progress for the reconciler
-                pipe.zadd(keys.ACTIVE, {sk: int(time.time() * 1000)}, xx=True)
+                pipe.zadd(keys.ACTIVE, {sk: self.clock.now_ms()}, xx=True)
         replies = pipe.execute()
         before = replies.pop(0)
         counted = None if first is True else replies.pop(0)
@@ -378,6 +381,7 @@ class RedisStore(StepLeases, TraceWrites, ResultWrites, FleetQueries):
             None if failed is None else dict(failed),
             bool(cancelled),
             submitted if submitted is not None else int(rest[0] or 0),
+            self.clock.now_ms(),
         )
 
     @translated

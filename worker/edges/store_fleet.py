@@ -1,14 +1,15 @@
 """What the fleet asks of Redis beside a session's steps, a part of RedisStore: the reconciler's
-queries (its turn, the sessions showing no progress, when they were submitted), background
-tasks' state, the bookkeeping of calls waiting under max_parallel, and modules' bytes."""
+queries (its turn, the sessions showing no progress, when they were submitted, now on Redis's
+clock), background tasks' state, the bookkeeping of calls waiting under max_parallel, and
+modules' bytes."""
 
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
 from schemas import keys
+from schemas.fleet_clock import FleetClock
 from schemas.redis_memory import RedisMemory
 from worker.edges.step_leases import translated
 from worker.errors import StoreError
@@ -19,6 +20,7 @@ class FleetQueries:
 
     client: Any
     ttl_s: int
+    clock: FleetClock
 
     @translated
     def memory(self) -> RedisMemory:
@@ -26,6 +28,10 @@ class FleetQueries:
         return RedisMemory.from_info(self.client.info("memory"))
 
     # the reconciler ------------------------------------------------------------------------
+
+    def now_ms(self) -> int:
+        """Now on Redis's clock (the one every mark of progress and submit is stamped on)."""
+        return self.clock.now_ms()
 
     @translated
     def take_reconciler_turn(self, hold_ms: int) -> bool:
@@ -36,7 +42,7 @@ class FleetQueries:
     def stalled(self, quiet_ms: int, most: int) -> list[str]:
         """Unfinished sessions with no sign of progress for `quiet_ms`, oldest first; each is
         marked as just seen, so the next turns look at others first."""
-        now = int(time.time() * 1000)
+        now = self.clock.now_ms()
         found = [
             sk.decode() for sk in self.client.zrangebyscore(keys.ACTIVE, 0, now - quiet_ms, 0, most)
         ]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from typing import Any
 
 import redis
@@ -35,7 +34,7 @@ class RedisProgramStore:
         """Store a chat's spec and watch it from the run's batch. False if it already exists
         (a redelivered program replaying its chats): then it is not started again. Its id
         names this chat (`cchatq status '<run id>#send<n>'`, found through its run's claim)."""
-        now_ms = int(time.time() * 1000)
+        now_ms = self.store.clock.now_ms()  # Redis's clock, as a producer's submit
         body = keys.with_submitted(dump_body(spec_to_json(spec)), now_ms, batch)
         pipe = self.client.pipeline(transaction=True)
         pipe.set(keys.spec(sk), body, nx=True, ex=self.ttl_s)

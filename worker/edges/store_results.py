@@ -3,12 +3,12 @@ once, and the batches waiting for the session told that it finished."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 from typing import Any
 
 from schemas import keys
 from schemas.bodies import dump_body, outcome_code
+from schemas.fleet_clock import FleetClock
 from worker.edges.step_leases import translated
 
 # The response and the record set once (NX), and with them the end in the meta: the state,
@@ -33,10 +33,12 @@ return {'', {}}
 
 
 class ResultWrites:
-    """A part of RedisStore (which sets `client`, `ttl_s` and `_write_once`: WRITE_ONCE)."""
+    """A part of RedisStore (which sets `client`, `ttl_s`, `clock` and `_write_once`:
+    WRITE_ONCE)."""
 
     client: Any
     ttl_s: int
+    clock: FleetClock
     _write_once: Any
 
     @translated
@@ -62,7 +64,7 @@ class ResultWrites:
         code, batches = self._write_once(
             keys=[keys.record(sk), keys.response(sk), keys.meta(sk), keys.ACTIVE,
                   keys.watchers(sk)],
-            args=[dump_body(record), body, self.ttl_s, int(time.time() * 1000),
+            args=[dump_body(record), body, self.ttl_s, self.clock.now_ms(),
                   outcome_code(record.get("body")), ender, sk],
         )  # fmt: skip
         if not code:

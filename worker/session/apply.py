@@ -4,7 +4,6 @@ the round, tool, finish, nudge and program steps hand theirs here."""
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass
 
 from schemas.bodies import OK, dump_body
@@ -92,7 +91,7 @@ class Applier:
         after the round's own events, when this step is the one that ended it."""
         session = decision.session
         inputs = self.store.ending_inputs(sk)
-        latency_ms = int(time.time() * 1000) - inputs.submitted_ms
+        latency_ms = inputs.latency_ms
         closing = ending(session, decision.step, inputs.failure, inputs.cancelled, latency_ms)
         code = self._write(sk, closing, send)
         if code is not None:
@@ -114,7 +113,7 @@ class Applier:
             return
         if latency_ms is None:  # a program run's: from when it was submitted, when known
             with contextlib.suppress(StoreError):
-                latency_ms = int(time.time() * 1000) - self.store.ending_inputs(sk).submitted_ms
+                latency_ms = self.store.ending_inputs(sk).latency_ms
         send.events.append(
             event(
                 "session.finished",

@@ -379,7 +379,7 @@ class StepGuard:
             submitted = int(self.store.meta(sk).get("submitted_ms") or 0)
         except (StoreError, ValueError):
             return None
-        return int(time.time() * 1000) - submitted if submitted > 0 else None
+        return self.store.now_ms() - submitted if submitted > 0 else None
 
     def _spec_id(self, sk: str) -> str:
         try:

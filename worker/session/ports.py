@@ -197,6 +197,10 @@ class SessionStore(Protocol):
 
     def dead_letter(self, step: str, sk: str, body: dict[str, Any], reason: str) -> None: ...
     def meta(self, sk: str) -> dict[str, str]: ...
+    def now_ms(self) -> int:
+        """Now on the clock submits are stamped on (Redis's, in the Redis store)."""
+        ...
+
     def has_result(self, sk: str) -> bool: ...
     def write_result(
         self,
@@ -256,11 +260,17 @@ class Commit:
 @dataclass(frozen=True)
 class EndingInputs:
     """What the ending rules read: the failure a dead-lettered step recorded, the cancel flag,
-    and when the session was submitted."""
+    and when the session was submitted, with now: both on the store's clock (Redis's), so a
+    session's latency does not depend on the hosts' clocks of its producer and its last step."""
 
     failure: dict[str, Any] | None
     cancelled: bool
     submitted_ms: int
+    now_ms: int
+
+    @property
+    def latency_ms(self) -> int:
+        return self.now_ms - self.submitted_ms
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,9 @@
 step is published again from stored state, unless a step of it is leased (running) or already
 published. It covers `--no-wait` batches, producers that died, and messages a broker lost.
 A stalled session older than the fleet's deadline is not nudged but ended, deadline_exceeded
-(its finish step writes the body), so none outlives its keys without one.
+(its finish step writes the body), so none outlives its keys without one. Both ages are on
+the store's clock (Redis's), the one every mark and submit is stamped on: a worker or a
+producer whose host clock is off never makes a live session look stalled or overdue.
 
 Each pass it runs is one reconciler.pass trace event (the fleet's stream only: one XADD a pass,
 fleet-wide) with the sessions it nudged and forgot, for the metrics.
@@ -13,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -40,6 +41,10 @@ class ReconcileStore(Protocol):
         """When each session was submitted (None: unknown)."""
         ...
 
+    def now_ms(self) -> int:
+        """Now on the clock marks and submits are stamped on (Redis's)."""
+        ...
+
 
 @dataclass
 class Reconciler:
@@ -55,7 +60,7 @@ class Reconciler:
             return 0
         nudged = forgotten = overdue = 0
         stalled = self.store.stalled(self.quiet_ms, MOST_PER_TURN)
-        now_ms = int(time.time() * 1000)
+        now_ms = self.store.now_ms()
         submitted = self.store.submitted_ms(stalled) if stalled else []
         for sk, since_ms in zip(stalled, submitted, strict=True):
             try:

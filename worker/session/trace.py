@@ -95,6 +95,9 @@ class Arrival:
 
 
 def now_ms() -> int:
+    """An event's time (`ts_ms`): this host's wall clock. Shown only (the viewer's timeline,
+    the metrics' durations within a step): nothing is decided on it, so it needs no round trip
+    to Redis's clock; events from hosts whose clocks disagree may show out of order."""
     return time.time_ns() // 1_000_000
 
 

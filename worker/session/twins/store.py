@@ -75,6 +75,8 @@ class MemoryStore(ProgramTwin):
     forks: dict[str, bytes] = field(default_factory=dict)
     fd_mirror: dict[str, dict[int, bytes]] = field(default_factory=dict)
     mcp_listed: dict[str, bytes] = field(default_factory=dict)  # sk -> its MCP tools' JSON
+    # the store's clock (ms): Redis's TIME in the Redis store, which every process stamps by
+    clock: Callable[[], int] = field(default=lambda: time.time_ns() // 1_000_000)
     # Called by a blocking wait that finds nothing (a program waiting on its chats): runs the
     # queued steps in the same thread, so one-threaded tests need no workers.
     pump: Callable[[], None] | None = None
@@ -87,7 +89,7 @@ class MemoryStore(ProgramTwin):
             if sk in self.specs:
                 return False
             self.specs[sk] = json.loads(dump_body(spec_to_json(spec)))
-            self.meta_of.setdefault(sk, {})["submitted_ms"] = str(int(time.time() * 1000))
+            self.meta_of.setdefault(sk, {})["submitted_ms"] = str(self.clock())
             self.meta_of[sk].update(id=spec.id, batch=batch)
             if batch:
                 self.watchers.setdefault(sk, set()).add(batch)
@@ -283,7 +285,8 @@ class MemoryStore(ProgramTwin):
 
     def ending_inputs(self, sk: str) -> EndingInputs:
         submitted = self.meta_of.get(sk, {}).get("submitted_ms", "0")
-        return EndingInputs(self.failure(sk), self.is_cancelled(sk), int(submitted or 0))
+        ended = (self.failure(sk), self.is_cancelled(sk))
+        return EndingInputs(*ended, int(submitted or 0), self.clock())
 
     def dead_letter(self, step: str, sk: str, body: dict[str, Any], reason: str) -> None:
         with self._cond:
@@ -292,6 +295,9 @@ class MemoryStore(ProgramTwin):
 
     def meta(self, sk: str) -> dict[str, str]:
         return dict(self.meta_of.get(sk, {}))
+
+    def now_ms(self) -> int:
+        return self.clock()
 
     def has_result(self, sk: str) -> bool:
         return sk in self.responses
@@ -313,7 +319,7 @@ class MemoryStore(ProgramTwin):
                 self.responses[sk] = bytes(body)
                 self.records.setdefault(sk, dump_body(record))
                 outcome = outcome_code(record.get("body"))
-                meta.update(state="done", finished_ms=str(int(time.time() * 1000)))
+                meta.update(state="done", finished_ms=str(self.clock()))
                 meta.update(outcome=outcome, ended_by=ender)
             batches = list(self.watchers.get(sk, ()))
         if notify_later is not None:
