@@ -24,11 +24,13 @@ from producer.cli_common import (
     EXIT_REJECTED,
     EXIT_UNREACHABLE,
     RedisUnreachable,
+    check_redis_url,
     connect,
     flower_curl,
     flower_links,
     reach_redis,
     redis_url,
+    redis_where,
     unreachable_message,
 )
 from producer.cli_fleet import add_fleet_parsers
@@ -68,7 +70,9 @@ def id_client(args: argparse.Namespace) -> Client:
 def cmd_status(args: argparse.Namespace) -> int:
     client = id_client(args)
     if args.id is None:  # the fleet: tasks queued and running per queue, workers, sessions
-        print(json.dumps(read_fleet_status(client.redis).to_json(), indent=2))
+        shown = read_fleet_status(client.redis).to_json()
+        shown["redis"] = redis_where(redis_url(), client.redis)
+        print(json.dumps(shown, indent=2))
         return 0
     status = client.status(args.id)
     if status is None:
@@ -147,7 +151,13 @@ def cmd_config(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return EXIT_REJECTED
+    try:
+        check_redis_url(redis_url())
+    except RedisUnreachable as exc:  # its form only: config check never connects
+        print(exc, file=sys.stderr)
+        return EXIT_REJECTED
     print(f"configuration: {config.source}; default backend: {config.default_backend}")
+    print(f"redis: {redis_where(redis_url())}")
     for name, backend in sorted(config.backends.items()):
         key = "no key"
         if backend.api_key_env:

@@ -15,9 +15,11 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from producer.batch import Batch
+from producer.redis_connect import redis_client
 from producer.submitting import Rerun
 from producer.waiting import Waiting
 from schemas.config import FleetConfig, read_config
+from schemas.redis_url import kombu_broker
 from schemas.spec_types import Spec
 
 DEFAULT_TTL_S = 86_400
@@ -43,14 +45,16 @@ class Client(Waiting):
         spec ids are claimed and looked up (default: the configuration's); `lookup_batch`: an
         id looked up is the run that batch ran."""
         # Any: redis-py annotates replies as bytes | str; this client never decodes (bytes).
-        self.redis: Any = redis.Redis.from_url(redis_url, client_name=CLIENT_NAME, **reconnecting())
+        self.redis: Any = redis_client(redis_url, client_name=CLIENT_NAME, **reconnecting())
         self.ttl_s = ttl_s
         self.config = config if config is not None else read_config()
         self.namespace = namespace or self.config.namespace
         self.lookup_batch = lookup_batch
-        self.celery = Celery("cchatq-producer", broker=redis_url)
+        broker, transport_options = kombu_broker(redis_url)  # a Sentinel's: kombu's form
+        self.celery = Celery("cchatq-producer", broker=broker)
         first_s, longest_s = RECONNECT_BACKOFF_S
         self.celery.conf.update(
+            broker_transport_options=transport_options,
             task_serializer="json",
             accept_content=["json"],
             task_ignore_result=True,
