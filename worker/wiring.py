@@ -12,6 +12,7 @@ from typing import Any
 from celery import Celery
 from celery._state import get_current_task
 
+from schemas.redis_url import kombu_broker
 from worker.codecs.registry import codec_for
 from worker.config import BackendConfig, Settings, load_settings
 from worker.edges import broker
@@ -98,6 +99,7 @@ class _LazySource:
 
 
 POOL_HEADROOM = 8
+SENTINEL_HEALTH_CHECK_S = 5
 BROKER_BEAT_S = 2  # a consumer's heartbeat, well inside consumer_dead_after_s
 # The worker's concurrency (`-c`), recorded by the celeryd_init signal (worker.tasks) before
 # any task runs; the Redis pool is sized to it.
@@ -227,9 +229,15 @@ def celery_config(settings: Settings) -> dict[str, Any]:
     """Reliability settings of docs/architecture.md section 4."""
     from schemas.task_names import ROUTES
 
+    # a sentinel:// URL: kombu's form of it, its master's name, and our channel on Sentinel
+    url, sentinel = kombu_broker(settings.redis_url)
+    transport = broker.SENTINEL_TRANSPORT if sentinel else broker.TRANSPORT
+    sentinel_options: dict[str, Any] = dict(sentinel)
+    if sentinel:  # a take from a paused master is dropped after brpop_timeout + this
+        sentinel_options["health_check_interval"] = SENTINEL_HEALTH_CHECK_S
     return {
-        "broker_url": settings.redis_url,
-        "broker_transport": broker.TRANSPORT,  # kombu's Redis transport, one client a channel
+        "broker_url": url,
+        "broker_transport": transport,  # kombu's Redis transport, one client a channel
         "broker_connection_retry_on_startup": True,
         "broker_transport_options": {
             "visibility_timeout": settings.visibility_timeout_s,
@@ -238,6 +246,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
             "unacked_restore_interval": BROKER_BEAT_S,
             "unacked_restore_throttle": 1,
             "consumer_dead_after_s": max(settings.consumer_dead_after_s, 2 * BROKER_BEAT_S + 1),
+            **sentinel_options,
         },
         "task_serializer": "json",
         "accept_content": ["json"],

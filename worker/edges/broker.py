@@ -43,6 +43,7 @@ from kombu.transport import virtual
 
 from schemas import keys
 from worker.edges import liveness
+from worker.edges.redis_pool import FollowingConnection
 
 log = logging.getLogger(__name__)
 
@@ -276,4 +277,21 @@ class Transport(kombu_redis.Transport):
     Channel = Channel
 
 
+class SentinelChannel(Channel, kombu_redis.SentinelChannel):
+    """The same channel on the master a Redis Sentinel names: kombu's SentinelChannel gives it
+    its connection pool (each connection asks the sentinels; one whose server answers READONLY
+    is dropped as a connection error, and the consumer reconnects to the promoted replica)."""
+
+    from_transport_options = (  # type: ignore[assignment]
+        *kombu_redis.SentinelChannel.from_transport_options,
+        "consumer_dead_after_s",
+    )
+    connection_class = FollowingConnection
+
+
+class SentinelTransport(kombu_redis.SentinelTransport):
+    Channel = SentinelChannel
+
+
 TRANSPORT = f"{__name__}:Transport"
+SENTINEL_TRANSPORT = f"{__name__}:SentinelTransport"
