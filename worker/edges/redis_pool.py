@@ -13,6 +13,8 @@ longer: its blocking reads wait one second at most).
 
 from __future__ import annotations
 
+from typing import Any
+
 import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
@@ -46,6 +48,18 @@ class FollowingConnection(SentinelManagedConnection):
         super().connect_check_health(
             check_health=check_health, retry_socket_connect=retry_socket_connect
         )
+
+    def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        """NOREPLICAS (a master with min-replicas-to-write that lost its replicas: most often
+        one cut off or paused while the sentinels promoted another) is taken as READONLY is:
+        the connection is dropped and the sentinels asked again."""
+        try:
+            return super().read_response(*args, **kwargs)
+        except redis.ResponseError as exc:
+            if not str(exc).startswith("NOREPLICAS") or not self.connection_pool.is_master:
+                raise
+            self.disconnect()
+            raise redis.ConnectionError("the master has no replica in reach") from exc
 
 
 class BlockingSentinelPool(SentinelConnectionPool, redis.BlockingConnectionPool):
