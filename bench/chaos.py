@@ -14,6 +14,8 @@ scenario on a private fleet of its own (Redis, replay server, one worker per que
                  (Retry-After 1 s) and 5% 500; it times each retry after a 429.
   producer-kill  300 sessions submitted by `cchatq submit`, SIGKILLed while it waits; the fleet
                  finishes them with no producer, and a new Client reads them.
+  failover       300 sessions on a sentinel:// fleet whose primary is SIGKILLed mid-batch, then
+                 paused until its replica is promoted (bench/chaos_failover.py).
 
 One row per run: sessions finished of those submitted, how many ended step_failed, with another
 error body, with a duplicated tool message (a tool message twice for one call id, more tool
@@ -64,7 +66,7 @@ from schemas import keys
 from schemas.spec_types import Spec
 
 GUESTS = Path(fixtures.__file__).parent / "guests"
-SCENARIOS = ("kill", "redis-restart", "faults", "producer-kill")
+SCENARIOS = ("kill", "redis-restart", "faults", "producer-kill", "failover")
 KILL_EVERY_S = 2.0
 REDIS_DOWN_S = 0.5
 RETRY_AFTER_S = 1
@@ -460,6 +462,12 @@ def scenario_producer_kill(root: Path, n: int, deadline_s: float, seed: int) -> 
     return [row]
 
 
+def scenario_failover(root: Path, n: int, deadline_s: float, seed: int) -> list[Row]:
+    from bench.chaos_failover import scenario  # it imports this module's session helpers
+
+    return scenario(root, n, deadline_s, seed)
+
+
 # --- the table ------------------------------------------------------------------------------
 
 RUNS: dict[str, Callable[[Path, int, float, int], list[Row]]] = {
@@ -467,8 +475,15 @@ RUNS: dict[str, Callable[[Path, int, float, int], list[Row]]] = {
     "redis-restart": scenario_redis,
     "faults": scenario_faults,
     "producer-kill": scenario_producer_kill,
+    "failover": scenario_failover,
 }
-DEFAULT_SESSIONS = {"kill": 1000, "redis-restart": 300, "faults": 300, "producer-kill": 300}
+DEFAULT_SESSIONS = {
+    "kill": 1000,
+    "redis-restart": 300,
+    "faults": 300,
+    "producer-kill": 300,
+    "failover": 300,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
