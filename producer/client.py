@@ -19,7 +19,7 @@ from producer.redis_connect import redis_client
 from producer.submitting import Rerun
 from producer.waiting import Waiting
 from schemas.config import FleetConfig, read_config
-from schemas.redis_url import kombu_broker
+from schemas.redis_url import is_sentinel, kombu_broker
 from schemas.spec_types import Spec
 
 DEFAULT_TTL_S = 86_400
@@ -50,6 +50,8 @@ class Client(Waiting):
         self.config = config if config is not None else read_config()
         self.namespace = namespace or self.config.namespace
         self.lookup_batch = lookup_batch
+        if is_sentinel(redis_url):  # a submit returns once a replica holds it
+            self.replicas_to_wait = 1
         broker, transport_options = kombu_broker(redis_url)  # a Sentinel's: kombu's form
         self.celery = Celery("cchatq-producer", broker=broker)
         first_s, longest_s = RECONNECT_BACKOFF_S

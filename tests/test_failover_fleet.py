@@ -131,6 +131,8 @@ def test_the_primary_killed_mid_batch_loses_no_session(
     objects: list[dict[str, Any]] = weather_objects(f"fo-{uuid.uuid4().hex[:6]}", SESSIONS, 300)
     ids = [o["id"] for o in objects]
     sub = client.enqueue(load_spec_from_objects(objects))
+    with redis.Redis(HOST, sentinels.master_port()) as master:  # it returned once a replica
+        assert master.info("commandstats")["cmdstat_wait"]["calls"] == 1  # held the batch
     assert wait_records(client, ids, 5, time.monotonic() + 60), "the batch did not start"
     old = sentinels.kill_master()
     promoted = sentinels.wait_promoted(old)
