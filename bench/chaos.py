@@ -18,6 +18,8 @@ scenario on a private fleet of its own (Redis, replay server, one worker per que
                  15 s (bench/chaos_stall.py): each abandoned by 75 s, retried, and ok.
   redis-full     a Redis at maxmemory 24mb (noeviction), 3,000 sessions of 2 KB prompts
   aof-full       the AOF's disk full for 20 s mid-batch (bench/chaos_redis_full.py)
+  failover       300 sessions on a sentinel:// fleet whose primary is SIGKILLed mid-batch, then
+                 paused until its replica is promoted (bench/chaos_failover.py).
   clock-skew     500 sessions on two hosts whose wall clocks are 2 minutes ahead and behind
                  (libfaketime): no session ended early, no extra model call.
 
@@ -41,6 +43,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from bench.chaos_clock import scenario_clock_skew
+from bench.chaos_failover import scenario_failover
 from bench.chaos_faults import scenario_faults
 from bench.chaos_kill import scenario_kill
 from bench.chaos_redis_full import scenario_aof_full, scenario_redis_full
@@ -60,6 +63,7 @@ RUNS: dict[str, tuple[Scenario, int]] = {
     "stall": (scenario_stall, 10),
     "redis-full": (scenario_redis_full, 3000),
     "aof-full": (scenario_aof_full, 300),
+    "failover": (scenario_failover, 300),
     "clock-skew": (scenario_clock_skew, 500),
 }
 SCENARIOS = tuple(RUNS)

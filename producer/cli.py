@@ -21,12 +21,15 @@ from producer.cli_common import (
     EXIT_OK,
     EXIT_REJECTED,
     EXIT_UNREACHABLE,
+    RedisUnreachable,
+    check_redis_url,
     connect,
     flower_curl,
     flower_links,
     infrastructure_line,
     reach_redis,
     redis_url,
+    redis_where,
 )
 from producer.cli_fleet import add_fleet_parsers
 from producer.cli_programs import cmd_demo, cmd_run, cmd_stream
@@ -67,7 +70,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.id is None:  # the fleet: tasks queued and running per queue, workers, sessions
         fleet = read_fleet_status(client.redis)
         sys.stderr.write("".join(f"{w}\n" for w in fleet.warnings))  # loud: not only in JSON
-        print(json.dumps(fleet.to_json(), indent=2))
+        shown = fleet.to_json()
+        shown["redis"] = redis_where(redis_url(), client.redis)
+        print(json.dumps(shown, indent=2))
         return 0
     status = client.status(args.id)
     if status is None:
@@ -146,7 +151,13 @@ def cmd_config(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return EXIT_REJECTED
+    try:
+        check_redis_url(redis_url())
+    except RedisUnreachable as exc:  # its form only: config check never connects
+        print(exc, file=sys.stderr)
+        return EXIT_REJECTED
     print(f"configuration: {config.source}; default backend: {config.default_backend}")
+    print(f"redis: {redis_where(redis_url())}")
     for name, backend in sorted(config.backends.items()):
         key = "no key"
         if backend.api_key_env:

@@ -7,21 +7,23 @@ import os
 import shlex
 import socket
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode, urlsplit
 
 import redis
+from redis.sentinel import MasterNotFoundError
 
+from producer.redis_connect import redis_client
 from producer.redis_room import EvictingRedisError, RedisFullError, refused_write
+from schemas import redis_url as urls
 from schemas.config import ConfigError, FleetConfig, read_config
-from schemas.redis_memory import redacted_url
 
 if TYPE_CHECKING:
     from producer.client import Client
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_FLOWER_URL = "http://127.0.0.1:5555"  # CCHATQ_FLOWER_URL: where session links point
-REDIS_SCHEMES = ("redis", "rediss", "unix")
+REDIS_SCHEMES = urls.REDIS_SCHEMES
 # The first contact with Redis: a command that cannot reach it says so within a few seconds,
 # instead of riding out RECONNECT_S of retries meant for a restart mid-batch.
 PROBE_TIMEOUT_S = 2.0
@@ -47,7 +49,7 @@ class RedisUnreachable(Exception):
 
 def redacted(url: str) -> str:
     """A Redis URL without its password: what messages and pages show."""
-    return redacted_url(url)
+    return urls.redacted(url)
 
 
 def unreachable_message(url: str, exc: BaseException) -> str:
@@ -55,7 +57,10 @@ def unreachable_message(url: str, exc: BaseException) -> str:
     shown = redacted(url)
     local = 'or a whole local fleet with `eval "$(cchatq up)"`'
     reason, hint = _reason(exc), f"start one ({_start_hint(url)}), {local}, or set REDIS_URL"
-    if isinstance(exc.__context__, socket.gaierror):
+    if isinstance(exc, MasterNotFoundError):
+        reason = _no_master(url, exc)
+        hint = "check the sentinels' addresses and the master name in REDIS_URL"
+    elif isinstance(exc.__context__, socket.gaierror):
         reason, hint = f"unknown host: {reason}", "check the host name in REDIS_URL"
     elif isinstance(exc, redis.AuthenticationError | redis.ResponseError):
         hint = "check the user and password in REDIS_URL"
@@ -87,13 +92,35 @@ def infrastructure_line(exc: BaseException) -> str | None:
 
 
 def check_redis_url(url: str) -> None:
-    """A RedisUnreachable naming the URL and the accepted schemes unless it is a Redis URL."""
-    scheme = urlsplit(url).scheme
+    """A RedisUnreachable naming the URL and the accepted schemes unless it is a Redis URL,
+    or what is wrong with a sentinel:// one."""
+    scheme = url.partition("://")[0].lower() if "://" in url else ""
     if scheme not in REDIS_SCHEMES:
         accepted = ", ".join(f"{s}://" for s in REDIS_SCHEMES)
         raise RedisUnreachable(
             f"cchatq: REDIS_URL {redacted(url)!r} is not a Redis URL (accepted schemes: {accepted})"
         )
+    try:
+        urls.check_redis_url(url)
+    except urls.RedisUrlError as exc:
+        raise RedisUnreachable(f"cchatq: REDIS_URL {redacted(url)!r} is not valid: {exc}") from None
+
+
+def redis_where(url: str, client: Any = None) -> str:
+    """Where REDIS_URL points, as `config check` and `status` say it (never its password); a
+    Sentinel's master where `client`'s sentinels say it is now."""
+    sentinel = urls.check_redis_url(url)
+    if sentinel is None:
+        return redacted(url)
+    count = plural(len(sentinel.sentinels), "sentinel")
+    where = f"{sentinel.redacted()} (master {sentinel.master_name!r} named by {count})"
+    if client is not None:
+        try:
+            host, port = client.connection_pool.get_master_address()
+        except redis.RedisError as exc:
+            return f"{where}, no master now: {type(exc).__name__}"
+        where = f"{where}, now at {host}:{port}"
+    return where
 
 
 def reach_redis(url: str) -> None:
@@ -102,9 +129,7 @@ def reach_redis(url: str) -> None:
     check_redis_url(url)
     timeout_s = PROBE_TIMEOUT_S
     try:
-        probe = redis.Redis.from_url(
-            url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s
-        )
+        probe = redis_client(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
     except ValueError as exc:
         raise RedisUnreachable(f"cchatq: REDIS_URL {redacted(url)!r} is not valid: {exc}") from None
     try:
@@ -147,7 +172,19 @@ def _reason(exc: BaseException) -> str:
     return str(exc).strip().rstrip(".") or type(exc).__name__
 
 
+def _no_master(url: str, exc: MasterNotFoundError) -> str:
+    """Why no master was found: no sentinel answered, or those that did name none by the URL's
+    master name (or only one they think down)."""
+    sentinel = urls.parse_sentinel_url(url)
+    failed = str(exc).count(")> - ")  # redis-py lists each sentinel it could not ask so
+    if failed >= len(sentinel.sentinels):
+        return f"none of its {plural(len(sentinel.sentinels), 'sentinel')} answered"
+    return f"no sentinel names a live master {sentinel.master_name!r}"
+
+
 def _start_hint(url: str) -> str:
+    if urls.is_sentinel(url):
+        return "the master its sentinels name, or wait for their failover"
     parts = urlsplit(url)
     if parts.scheme == "unix":
         return f"redis-server --unixsocket {parts.path}"

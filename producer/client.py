@@ -15,11 +15,12 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from producer.batch import Batch
+from producer.redis_connect import redis_client
 from producer.submitting import Rerun
 from producer.waiting import Waiting
 from schemas.config import FleetConfig, read_config
 from schemas.fleet_clock import FleetClock, server_ms
-from schemas.redis_memory import redacted_url
+from schemas.redis_url import is_sentinel, kombu_broker, redacted
 from schemas.spec_types import Spec
 
 DEFAULT_TTL_S = 86_400
@@ -45,8 +46,8 @@ class Client(Waiting):
         spec ids are claimed and looked up (default: the configuration's); `lookup_batch`: an
         id looked up is the run that batch ran."""
         # Any: redis-py annotates replies as bytes | str; this client never decodes (bytes).
-        self.redis: Any = redis.Redis.from_url(redis_url, client_name=CLIENT_NAME, **reconnecting())
-        self.shown_url = redacted_url(redis_url)  # as messages show it
+        self.redis: Any = redis_client(redis_url, client_name=CLIENT_NAME, **reconnecting())
+        self.shown_url = redacted(redis_url)  # as messages show it
         # Redis's clock: when a session was submitted is compared by the fleet's reconciler
         # on it, whatever this host's wall clock says
         self.clock = FleetClock(lambda: server_ms(self.redis.time()))
@@ -54,9 +55,13 @@ class Client(Waiting):
         self.config = config if config is not None else read_config()
         self.namespace = namespace or self.config.namespace
         self.lookup_batch = lookup_batch
-        self.celery = Celery("cchatq-producer", broker=redis_url)
+        if is_sentinel(redis_url):  # a submit returns once a replica holds it
+            self.replicas_to_wait = 1
+        broker, transport_options = kombu_broker(redis_url)  # a Sentinel's: kombu's form
+        self.celery = Celery("cchatq-producer", broker=broker)
         first_s, longest_s = RECONNECT_BACKOFF_S
         self.celery.conf.update(
+            broker_transport_options=transport_options,
             task_serializer="json",
             accept_content=["json"],
             task_ignore_result=True,

@@ -30,6 +30,7 @@ from pathlib import Path
 import redis
 
 from producer.fleet_status import read_fleet_status
+from producer.redis_connect import redis_client
 from schemas import task_names
 from schemas.config import FleetConfig, read_config
 from schemas.protocols import PROTOCOLS
@@ -100,9 +101,9 @@ def proc_stats() -> Iterator[tuple[int, list[str]]]:
 
 def redis_answers(url: str) -> bool:
     try:
-        client = redis.Redis.from_url(url, socket_connect_timeout=0.5)
+        client = redis_client(url, socket_connect_timeout=0.5)
         return bool(client.ping())
-    except redis.RedisError:
+    except (redis.RedisError, ValueError):  # ValueError: not a Redis URL
         return False
 
 
@@ -285,7 +286,7 @@ class Fleet:
         registers once it has booted), so that a batch submitted next is not warned about.
         `already`: consumers per queue there were before ours started (a shared Redis), each
         queue waits for one more. A worker of ours that exits meanwhile fails it at once."""
-        client = redis.Redis.from_url(self.redis_url)
+        client = redis_client(self.redis_url)
         deadline = time.monotonic() + timeout_s
         before = already or {}
         try:

@@ -12,7 +12,8 @@ from typing import Any
 
 from schemas import keys
 from schemas.rate_state import ControllerStatus, controller_status
-from schemas.redis_memory import RedisMemory, eviction_warning, redacted_url
+from schemas.redis_memory import RedisMemory, eviction_warning
+from schemas.redis_url import redacted
 from schemas.spec_types import ProgramSpec, Spec
 from schemas.task_names import (
     ALL_QUEUES,
@@ -84,7 +85,7 @@ def _memory(client: Any) -> dict[str, Any]:
     """Redis's memory, and the warning an evicting maxmemory-policy earns (the workers run on
     it only with CCHATQ_ALLOW_EVICTION=1)."""
     memory = RedisMemory.from_info(client.info("memory"))
-    where = redacted_url(_url_of(client))
+    where = redacted(_url_of(client))
     return {
         "redis_memory": {
             "maxmemory_bytes": memory.maxmemory_bytes,

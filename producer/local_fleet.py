@@ -22,7 +22,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import redis
 import requests
 
 from producer.fleet import (
@@ -35,7 +34,9 @@ from producer.fleet import (
     replay_backends,
 )
 from producer.fleet_status import read_fleet_status
+from producer.redis_connect import redis_client
 from schemas.config import read_config
+from schemas.redis_url import redacted
 
 DEFAULT_DIR = ".cchatq-fleet"  # in the current directory; CCHATQ_FLEET_DIR overrides it
 RECORD = "fleet.json"
@@ -180,7 +181,7 @@ def start_fleet(folder: Path, options: UpOptions, environ: Mapping[str, str]) ->
     record says why, and UpFailed names the log to read."""
     external = environ.get("REDIS_URL", "")
     if external and not redis_answers(external):
-        raise UpFailed(f"REDIS_URL={external} does not answer")
+        raise UpFailed(f"REDIS_URL={redacted(external)} does not answer")
     real_backends = any(environ.get(v) for v in CONFIG_VARIABLES)
     if real_backends:
         read_config(environ)  # a wrong configuration is named before anything starts
@@ -223,7 +224,7 @@ def _start(
         _record(fleet, record)
     already = None
     if external:  # workers of others may serve the queues already: ours are one more each
-        with redis.Redis.from_url(external) as client:
+        with redis_client(external) as client:
             already = read_fleet_status(client).consumers_by_queue
     fleet.start_workers()
     _record(fleet, record)

@@ -27,6 +27,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from producer.fleet_status import FleetStatus, read_fleet_status
+from producer.redis_connect import redis_client
 from schemas import keys
 
 log = logging.getLogger(__name__)
@@ -178,7 +179,7 @@ class Exporter:
     """The gauges and counters on one registry, the stream followed in a thread."""
 
     def __init__(self, redis_url: str) -> None:
-        self.client = redis.Redis.from_url(redis_url)
+        self.client = redis_client(redis_url)
         self.registry = CollectorRegistry()
         self.registry.register(FleetGauges(self.client))
         self.counters = TraceCounters(self.registry)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
@@ -46,7 +47,10 @@ Rerun = Literal["none", "changed", "all"]
 RERUN_MODES: tuple[Rerun, ...] = ("none", "changed", "all")
 BATCH_SCOPE = "@batch"  # enqueue's namespace for ids scoped to the batch (keys.batch_scope)
 
+log = logging.getLogger(__name__)
 CHUNK_SIZE = 256  # sessions admitted by one start task
+# On a Sentinel-managed Redis a submit returns once a replica holds it, or after this long
+REPLICA_WAIT_MS = 2000
 PIPELINE_SIZE = 1000  # sessions per Redis round trip at submit
 
 
@@ -92,6 +96,10 @@ class Submitting(SessionLookups):
     config: FleetConfig  # the Client's: the backends specs are checked against
     namespace: str  # the Client's: where ids are claimed unless a submit names another
     shown_url: str  # the Client's Redis, as messages show it (no password)
+    # replicas that must hold a submission before enqueue returns (1 on a sentinel:// URL):
+    # replication is asynchronous, and a session whose keys a failover lost is beyond the
+    # reconciler's reach (its place in the reconciler's index went with them)
+    replicas_to_wait = 0
 
     def _validate(
         self, specs: Iterable[Mapping[str, Any] | Spec], check_keys: bool, base_dir: Path | None
@@ -330,6 +338,25 @@ class Submitting(SessionLookups):
                 queue=task_names.ROUTES[task_names.START],
                 headers={task_names.SENT_HEADER: self.clock.now_ms()},
             )
+        self._replicated(sub)
+
+    def _replicated(self, sub: Submission) -> None:
+        """Wait until `replicas_to_wait` replicas hold what this submission wrote: a write on
+        this connection after the start messages were sent, then WAIT for it (replication is
+        in order, so a replica that has it has everything before). If none confirms within
+        REPLICA_WAIT_MS, say so: a failover now could lose the batch (submitting it again is
+        safe: an id already submitted joins its run)."""
+        if not self.replicas_to_wait:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.set(keys.batch_namespace(sub.batch), sub.namespace, ex=self.ttl_s)
+        pipe.wait(self.replicas_to_wait, REPLICA_WAIT_MS)
+        acked = pipe.execute()[-1]
+        if acked < self.replicas_to_wait:
+            log.warning(
+                "batch %s: no replica confirmed its submission within %d ms; a failover "
+                "now could lose it (submitting it again is safe)", sub.batch, REPLICA_WAIT_MS
+            )  # fmt: skip
 
     def _admit_names(self, sub: Submission) -> None:
         """The batch's ids, their runs and its namespace, in input order, and the batch among

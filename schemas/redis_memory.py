@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 ALLOW_EVICTION_ENV = "CCHATQ_ALLOW_EVICTION"  # "1": run on an evicting Redis, loudly
 NO_EVICTION = "noeviction"
@@ -80,12 +79,3 @@ def eviction_warning(memory: RedisMemory, where: str) -> str:
         f" {mb(memory.maxmemory_bytes)}): it may evict cchatq's keys and sessions may be lost"
         f" ({ALLOW_EVICTION_ENV}=1 lets the fleet run on it; `{FIX}` is the fix)"
     )
-
-
-def redacted_url(url: str) -> str:
-    """A Redis URL without its password: what messages, logs and pages show."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    where = parts.netloc.rpartition("@")[2]  # host:port as written (a bad port is shown)
-    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{where}"))

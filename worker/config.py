@@ -43,8 +43,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from schemas.config import BackendConfig, FleetConfig, read_config
+from schemas.config import BackendConfig, ConfigError, FleetConfig, read_config
 from schemas.redis_memory import allow_eviction
+from schemas.redis_url import RedisUrlError, check_redis_url
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_SERVICE_NAME = "cchatq-worker"
@@ -90,7 +91,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     return Settings(
         # a ConfigError stops the worker at start, naming each problem
         fleet=read_config(env),
-        redis_url=env.get("REDIS_URL", DEFAULT_REDIS_URL),
+        redis_url=redis_url(env),
         visibility_timeout_s=int(env.get("CCHATQ_VISIBILITY_TIMEOUT_S", "300")),
         consumer_dead_after_s=int(env.get("CCHATQ_CONSUMER_DEAD_AFTER_S", "15")),
         result_ttl_s=int(env.get("CCHATQ_RESULT_TTL_S", "86400")),
@@ -117,6 +118,16 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         store_wait_s=float(env.get("CCHATQ_STORE_WAIT_S", "180")),
         allow_eviction=allow_eviction(env),
     )
+
+
+def redis_url(env: Mapping[str, str]) -> str:
+    """REDIS_URL, checked: a ConfigError (one line, no password) stops the worker at start."""
+    url = env.get("REDIS_URL", DEFAULT_REDIS_URL)
+    try:
+        check_redis_url(url)
+    except RedisUrlError as exc:
+        raise ConfigError("REDIS_URL", [("", str(exc))]) from None
+    return url
 
 
 def span_exporters(env: Mapping[str, str]) -> tuple[str, ...]:

@@ -14,10 +14,11 @@ from celery._state import get_current_task
 from celery.exceptions import Reject
 
 from schemas.fleet_clock import FleetClock
-from schemas.redis_memory import eviction_refused, eviction_warning, redacted_url
+from schemas.redis_memory import eviction_refused, eviction_warning
+from schemas.redis_url import kombu_broker, redacted
 from worker.codecs.registry import codec_for
 from worker.config import BackendConfig, Settings, load_settings
-from worker.edges import broker
+from worker.edges import broker, broker_sentinel
 from worker.edges.dispatch import CeleryDispatcher
 from worker.edges.mcp_tools import McpTools
 from worker.edges.provider_http import HttpProvider
@@ -104,6 +105,7 @@ class _LazySource:
 
 
 POOL_HEADROOM = 8
+SENTINEL_HEALTH_CHECK_S = 5
 BROKER_BEAT_S = 2  # a consumer's heartbeat, well inside consumer_dead_after_s
 # The worker's concurrency (`-c`), recorded by the celeryd_init signal (worker.tasks) before
 # any task runs; the Redis pool is sized to it.
@@ -240,7 +242,7 @@ def check_redis_memory(settings: Settings) -> None:
         return
     finally:
         store.client.close()
-    where = redacted_url(settings.redis_url)
+    where = redacted(settings.redis_url)
     if memory.evicts and not settings.allow_eviction:
         raise EvictingRedis(eviction_refused(memory, where, "cchatq worker"))
     if memory.evicts:
@@ -282,9 +284,15 @@ def celery_config(settings: Settings) -> dict[str, Any]:
     """Reliability settings of docs/architecture.md section 4."""
     from schemas.task_names import ROUTES
 
+    # a sentinel:// URL: kombu's form of it, its master's name, and our channel on Sentinel
+    url, sentinel = kombu_broker(settings.redis_url)
+    transport = broker_sentinel.SENTINEL_TRANSPORT if sentinel else broker.TRANSPORT
+    sentinel_options: dict[str, Any] = dict(sentinel)
+    if sentinel:  # a take from a paused master is dropped after brpop_timeout + this
+        sentinel_options["health_check_interval"] = SENTINEL_HEALTH_CHECK_S
     return {
-        "broker_url": settings.redis_url,
-        "broker_transport": broker.TRANSPORT,  # kombu's Redis transport, one client a channel
+        "broker_url": url,
+        "broker_transport": transport,  # kombu's Redis transport, one client a channel
         "broker_connection_retry_on_startup": True,
         "broker_transport_options": {
             "visibility_timeout": settings.visibility_timeout_s,
@@ -293,6 +301,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
             "unacked_restore_interval": BROKER_BEAT_S,
             "unacked_restore_throttle": 1,
             "consumer_dead_after_s": max(settings.consumer_dead_after_s, 2 * BROKER_BEAT_S + 1),
+            **sentinel_options,
         },
         "task_serializer": "json",
         "accept_content": ["json"],

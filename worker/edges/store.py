@@ -30,6 +30,7 @@ from schemas.spec_types import (
 )
 from worker.codecs.reply import Reply
 from worker.edges import liveness
+from worker.edges.redis_pool import connection_pool
 from worker.edges.step_leases import TAKE_OVER, LeaseKeeper, StepLeases, translated
 from worker.edges.store_fleet import FleetQueries
 from worker.edges.store_reads import GUESSED_CALLS, parsed_tool_inputs, round_keys, tool_keys
@@ -85,10 +86,9 @@ class RedisStore(StepLeases, TraceWrites, ResultWrites, FleetQueries):
     ) -> RedisStore:
         """A client whose pool holds `max_connections` (size it to the worker's concurrency):
         a thread finding none free waits for one instead of failing (redis-py's default
-        pool raises MaxConnectionsError past 100)."""
-        pool = redis.BlockingConnectionPool.from_url(
-            url, max_connections=max_connections, timeout=POOL_WAIT_S, health_check_interval=30
-        )
+        pool raises MaxConnectionsError past 100). A `sentinel://` URL's pool follows the
+        master its sentinels name (edges/redis_pool.py)."""
+        pool = connection_pool(url, max_connections, POOL_WAIT_S)
         return cls(redis.Redis(connection_pool=pool), ttl_s, progress_after_ms)
 
     # reading a session ---------------------------------------------------------------------

@@ -1,0 +1,98 @@
+# mypy: disable-error-code="no-untyped-call"
+"""The state store's connection pool, from REDIS_URL (schemas/redis_url.py): a thread that finds
+no connection free waits for one (a BlockingConnectionPool sized to the worker's concurrency),
+whether the URL names one server or the master a Redis Sentinel names.
+
+On Sentinel, every new connection asks the sentinels where the master is, and a connection whose
+server answers READONLY (a failover demoted it) is dropped as a ConnectionError (redis-py's
+SentinelManagedConnection). Such errors, and timeouts, are tried again on a fresh connection for
+about FAILOVER_RIDE_S, so a step rides out a promotion instead of failing and spending a try; a
+paused primary's commands time out after SOCKET_TIMEOUT_S (no command of the worker blocks
+longer: its blocking reads wait one second at most).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+from redis.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
+
+from schemas.redis_url import SOCKET_TIMEOUT_S, SentinelUrl, is_sentinel, parse_sentinel_url
+
+SENTINEL_TIMEOUT_S = 1.0  # a sentinel that does not answer this fast: the next one is asked
+FAILOVER_RIDE_S = 30.0
+BACKOFF_S = (0.05, 1.0)  # first and longest pause between two tries
+
+
+class FollowingConnection(SentinelManagedConnection):
+    """A connection to the master that asks the sentinels where it is each time it opens a
+    socket. redis-py's asks only when the pool hands it out: a command retried on the same
+    connection reconnected to the address it had, the dead master's, for as long as its
+    retries lasted (redis/redis-py#3874)."""
+
+    _addressed = False  # connect_to set the address the sentinels just gave
+
+    def connect_to(self, address: tuple[str, int]) -> None:
+        self._addressed = True
+        super().connect_to(address)
+
+    def connect_check_health(
+        self, check_health: bool = True, retry_socket_connect: bool = True
+    ) -> None:
+        if self._sock is None and self.connection_pool.is_master and not self._addressed:
+            self.host, self.port = self.connection_pool.get_master_address()
+        self._addressed = False
+        super().connect_check_health(
+            check_health=check_health, retry_socket_connect=retry_socket_connect
+        )
+
+    def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        """NOREPLICAS (a master with min-replicas-to-write that lost its replicas: most often
+        one cut off or paused while the sentinels promoted another) is taken as READONLY is:
+        the connection is dropped and the sentinels asked again."""
+        try:
+            return super().read_response(*args, **kwargs)
+        except redis.ResponseError as exc:
+            if not str(exc).startswith("NOREPLICAS") or not self.connection_pool.is_master:
+                raise
+            self.disconnect()
+            raise redis.ConnectionError("the master has no replica in reach") from exc
+
+
+class BlockingSentinelPool(SentinelConnectionPool, redis.BlockingConnectionPool):
+    """redis-py's Sentinel pool with the blocking pool's wait for a free connection (its
+    LIFO queue of at most `max_connections`): the Sentinel pool's master discovery and
+    `owns_connection` (connections to a demoted master are not given back) over it."""
+
+
+def connection_pool(url: str, max_connections: int, wait_s: float) -> redis.ConnectionPool:
+    """A pool of at most `max_connections`; a thread waits up to `wait_s` for a free one."""
+    if not is_sentinel(url):
+        return redis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=wait_s, health_check_interval=30
+        )
+    return sentinel_pool(parse_sentinel_url(url), max_connections, wait_s)
+
+
+def sentinel_pool(url: SentinelUrl, max_connections: int, wait_s: float) -> BlockingSentinelPool:
+    asking = {"socket_connect_timeout": SENTINEL_TIMEOUT_S, "socket_timeout": SENTINEL_TIMEOUT_S}
+    manager = Sentinel(list(url.sentinels), sentinel_kwargs=asking)
+    first_s, longest_s = BACKOFF_S
+    return BlockingSentinelPool(
+        url.master_name,
+        manager,
+        connection_class=FollowingConnection,
+        max_connections=max_connections,
+        timeout=wait_s,
+        health_check_interval=30,
+        db=url.db,
+        username=url.username,
+        password=url.password,
+        socket_timeout=SOCKET_TIMEOUT_S,
+        socket_connect_timeout=SOCKET_TIMEOUT_S,
+        retry=Retry(ExponentialBackoff(cap=longest_s, base=first_s), int(FAILOVER_RIDE_S)),
+        retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+    )
