@@ -17,12 +17,14 @@ from redis.retry import Retry
 from producer.batch import Batch
 from producer.submitting import Rerun
 from producer.waiting import Waiting
+from schemas import redis_links
 from schemas.config import FleetConfig, read_config
 from schemas.spec_types import Spec
 
 DEFAULT_TTL_S = 86_400
 # A restart of Redis (or a failover) is ridden out: each command, pipeline or publish is tried
-# again on a connection error for about this long before the error reaches the caller.
+# again on a connection error for about this long before the error reaches the caller (longer
+# through a partition, where each try also spends its connect or socket timeout).
 RECONNECT_S = 60.0
 CLIENT_NAME = "cchatq-producer"  # its connections in Redis's CLIENT LIST
 RECONNECT_BACKOFF_S = (0.05, 1.0)  # first and longest pause between two tries
@@ -43,7 +45,9 @@ class Client(Waiting):
         spec ids are claimed and looked up (default: the configuration's); `lookup_batch`: an
         id looked up is the run that batch ran."""
         # Any: redis-py annotates replies as bytes | str; this client never decodes (bytes).
-        self.redis: Any = redis.Redis.from_url(redis_url, client_name=CLIENT_NAME, **reconnecting())
+        self.redis: Any = redis.Redis.from_url(
+            redis_url, client_name=CLIENT_NAME, **reconnecting(), **redis_links.client_options()
+        )
         self.ttl_s = ttl_s
         self.config = config if config is not None else read_config()
         self.namespace = namespace or self.config.namespace
@@ -51,6 +55,7 @@ class Client(Waiting):
         self.celery = Celery("cchatq-producer", broker=redis_url)
         first_s, longest_s = RECONNECT_BACKOFF_S
         self.celery.conf.update(
+            broker_transport_options=redis_links.broker_options(),
             task_serializer="json",
             accept_content=["json"],
             task_ignore_result=True,

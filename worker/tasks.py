@@ -29,6 +29,7 @@ from worker.errors import RetryLater
 from worker.session.steps import StepRunner
 from worker.session.trace import Arrival, now_ms
 from worker.wiring import (
+    BROKER_AMQP,
     add_step_context,
     celery_config,
     check_spans,
@@ -42,7 +43,7 @@ from worker.wiring import (
 
 log = logging.getLogger(__name__)
 
-app = Celery("cchatq")
+app = Celery("cchatq", amqp=BROKER_AMQP)
 app.conf.update(celery_config(load_settings()))
 
 

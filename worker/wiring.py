@@ -12,6 +12,7 @@ from typing import Any
 from celery import Celery
 from celery._state import get_current_task
 
+from schemas import redis_links
 from worker.codecs.registry import codec_for
 from worker.config import BackendConfig, Settings, load_settings
 from worker.edges import broker
@@ -198,6 +199,10 @@ def add_step_context(handlers: list[logging.Handler]) -> None:
         handler.setFormatter(logging.Formatter(STEP_LOG_FORMAT))
 
 
+# Celery's messaging class with the broker's reconnect pace: Celery(amqp=BROKER_AMQP)
+BROKER_AMQP = broker.AMQP
+
+
 def start_reconciler(app: Celery) -> threading.Thread:
     """The reconciler's loop, in a control worker (one of them reconciles at a time)."""
     settings = load_settings()
@@ -231,7 +236,12 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "broker_url": settings.redis_url,
         "broker_transport": broker.TRANSPORT,  # kombu's Redis transport, one client a channel
         "broker_connection_retry_on_startup": True,
+        # a lost broker is tried again every few seconds (broker.Connection): as many tries
+        # as cover about as long as kombu's default 100 growing ones did
+        "broker_connection_max_retries": redis_links.broker_max_retries(),
         "broker_transport_options": {
+            # timeouts, keepalive and health checks: a silently cut link errors in seconds
+            **redis_links.broker_options(),
             "visibility_timeout": settings.visibility_timeout_s,
             # the consumer loop's timer: each tick beats for the worker's consumers and gives
             # back the messages of consumers that stopped beating (edges/broker.py)

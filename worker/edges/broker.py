@@ -20,6 +20,12 @@
   worker's steps waited minutes; and a slow step that outlived it ran twice while its worker
   was still alive.
 
+A worker that lost its broker connection tries again at a steady few seconds' pace
+(`Connection`, through Celery's `AMQP` class), not kombu's growing 2, 4 ... 30 s, and its
+connections carry the timeouts and keepalive of schemas/redis_links.py (wiring's transport
+options): a silently cut link errors within seconds and the worker serves again within
+seconds of the network's return.
+
 The consumer loop calls `restore_visible` on a timer (`unacked_restore_interval`): that call
 beats and sweeps. A pool that runs tasks on the loop's own thread (`solo`) cannot beat while a
 task runs, so a step longer than `consumer_dead_after_s` would be handed out again (its lease
@@ -38,10 +44,12 @@ from queue import Empty
 from time import monotonic
 from typing import Any
 
+from celery.app.amqp import AMQP as CeleryAMQP
+from kombu.connection import Connection as KombuConnection
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 
-from schemas import keys
+from schemas import keys, redis_links
 from worker.edges import liveness
 
 log = logging.getLogger(__name__)
@@ -274,6 +282,34 @@ class Channel(kombu_redis.Channel):
 
 class Transport(kombu_redis.Transport):
     Channel = Channel
+
+
+class Connection(KombuConnection):
+    """kombu's connection, retrying a lost broker at redis_links' pace: Celery's consumer
+    calls ensure_connection without intervals, and kombu's own (2 s, then 2 s more each try,
+    up to 30 s) left a worker idle up to 30 s after a partition healed. A try during a
+    partition costs its connect timeout too, so tries come every few seconds."""
+
+    def ensure_connection(
+        self,
+        errback: Any = None,
+        max_retries: int | None = None,
+        interval_start: float = redis_links.BROKER_RETRY_FIRST_S,
+        interval_step: float = redis_links.BROKER_RETRY_S,
+        interval_max: float = redis_links.BROKER_RETRY_S,
+        **kwargs: Any,
+    ) -> Connection:
+        super().ensure_connection(
+            errback, max_retries, interval_start, interval_step, interval_max, **kwargs
+        )
+        return self
+
+
+class AMQP(CeleryAMQP):  # type: ignore[misc]
+    """Celery's messaging class with our Connection (`Celery(amqp=AMQP)`)."""
+
+    Connection = Connection
+    BrokerConnection = Connection
 
 
 TRANSPORT = f"{__name__}:Transport"

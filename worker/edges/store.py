@@ -16,7 +16,7 @@ from typing import Any
 
 import redis
 
-from schemas import keys
+from schemas import keys, redis_links
 from schemas.bodies import dump_body
 from schemas.spec_types import (
     SessionSpec,
@@ -92,9 +92,13 @@ class RedisStore(StepLeases, TraceWrites, ResultWrites, FleetQueries):
     ) -> RedisStore:
         """A client whose pool holds `max_connections` (size it to the worker's concurrency):
         a thread finding none free waits for one instead of failing (redis-py's default
-        pool raises MaxConnectionsError past 100)."""
+        pool raises MaxConnectionsError past 100). Its connections time out, keep alive and
+        check their health as schemas/redis_links.py says: a cut one errors within seconds."""
         pool = redis.BlockingConnectionPool.from_url(
-            url, max_connections=max_connections, timeout=POOL_WAIT_S, health_check_interval=30
+            url,
+            max_connections=max_connections,
+            timeout=POOL_WAIT_S,
+            **redis_links.client_options(),
         )
         return cls(redis.Redis(connection_pool=pool), ttl_s, progress_after_ms)
 
