@@ -14,6 +14,9 @@ scenario on a private fleet of its own (Redis, replay server, one worker per que
                  (Retry-After 1 s) and 5% 500; it times each retry after a 429.
   producer-kill  300 sessions submitted by `cchatq submit`, SIGKILLed while it waits; the fleet
                  finishes them with no producer, and a new Client reads them.
+  partition      worker hosts in network namespaces cut silently 30 s mid-batch: one host, the
+                 whole fleet, the whole fleet while Redis restarts (bench/chaos_partition.py;
+                 root). `partition-long`: 5-minute cuts, run only when named.
 
 One row per run: sessions finished of those submitted, how many ended step_failed, with another
 error body, with a duplicated tool message (a tool message twice for one call id, more tool
@@ -45,6 +48,7 @@ import redis
 import requests
 
 import fixtures
+from bench import chaos_partition
 from bench.chaos_report import (
     Row,
     crash_summary,
@@ -64,7 +68,8 @@ from schemas import keys
 from schemas.spec_types import Spec
 
 GUESTS = Path(fixtures.__file__).parent / "guests"
-SCENARIOS = ("kill", "redis-restart", "faults", "producer-kill")
+SCENARIOS = ("kill", "redis-restart", "faults", "producer-kill", "partition")
+NAMED_ONLY = ("partition-long",)  # run only when asked for
 KILL_EVERY_S = 2.0
 REDIS_DOWN_S = 0.5
 RETRY_AFTER_S = 1
@@ -467,8 +472,11 @@ RUNS: dict[str, Callable[[Path, int, float, int], list[Row]]] = {
     "redis-restart": scenario_redis,
     "faults": scenario_faults,
     "producer-kill": scenario_producer_kill,
+    "partition": chaos_partition.scenario_partition,
+    "partition-long": chaos_partition.scenario_partition_long,
 }
-DEFAULT_SESSIONS = {"kill": 1000, "redis-restart": 300, "faults": 300, "producer-kill": 300}
+DEFAULT_SESSIONS = {"kill": 1000, "redis-restart": 300, "faults": 300, "producer-kill": 300,
+                    "partition": 300, "partition-long": 300}  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -492,9 +500,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1, help="seeds the kills and the faults")
     args = parser.parse_args(argv)
     chosen = list(dict.fromkeys(args.scenarios or SCENARIOS))
-    unknown = sorted(set(chosen) - set(SCENARIOS))
+    unknown = sorted(set(chosen) - set(SCENARIOS + NAMED_ONLY))
     if unknown:
-        parser.error(f"unknown scenarios {unknown}: choose from {', '.join(SCENARIOS)}")
+        parser.error(
+            f"unknown scenarios {unknown}: choose from {', '.join(SCENARIOS + NAMED_ONLY)}"
+        )
     root = Path(tempfile.mkdtemp(prefix="cchatq-chaos-"))
     print(f"fleet logs under {root}", flush=True)
     rows: list[Row] = []

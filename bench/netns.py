@@ -214,7 +214,9 @@ def _free_subnet() -> ipaddress.IPv4Network:
             used.add(ipaddress.ip_interface(fields[fields.index("inet") + 1]).network)
     count = RANGE.num_addresses // 4
     for _ in range(1000):
-        subnet = ipaddress.ip_network((int(RANGE.network_address) + 4 * random.randrange(count), 30))
+        subnet = ipaddress.ip_network(
+            (int(RANGE.network_address) + 4 * random.randrange(count), 30)
+        )
         if not any(subnet.overlaps(other) for other in used):
             return subnet  # type: ignore[return-value]
     raise RuntimeError(f"no free /30 in {RANGE}")
