@@ -11,7 +11,7 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 COVERAGE_FLOOR := 85
 
 .PHONY: install demo test test-fast check lint types contracts cover bench bench-otel bench-rate chaos soak guests \
-	redis-server faketime chromium screenshots
+	redis-server faketime nftables chromium screenshots
 
 $(PY):
 	$(PYTHON) -m venv $(VENV) || { \
@@ -36,6 +36,14 @@ faketime:
 	  echo "installing libfaketime (apt)"; \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libfaketime) >/dev/null; }
 
+# nftables: `nft` cuts a test host's link silently, `ip` (iproute2) makes the host (bench/netns.py:
+# the partition fleet test and chaos scenarios, which run as root and skip when either is missing).
+nftables:
+	@{ command -v nft && command -v ip; } >/dev/null 2>&1 || { \
+	  echo "installing nftables iproute2 (apt)"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nftables iproute2) \
+	  >/dev/null; }
+
 # chromium: the browser the viewer's browser tests (Playwright) drive headless, Debian's own
 # build at /usr/bin/chromium; Playwright's downloaded browsers are never used (`playwright
 # install` is not run), so the tests need no network beyond the package mirrors.
@@ -44,7 +52,7 @@ chromium:
 	  echo "installing chromium (apt)"; \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null; }
 
-install: $(STAMP) redis-server faketime chromium
+install: $(STAMP) redis-server faketime nftables chromium
 
 demo: install
 	$(PY) -m producer.cli demo

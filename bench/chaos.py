@@ -20,6 +20,9 @@ scenario on a private fleet of its own (Redis, replay server, one worker per que
   aof-full       the AOF's disk full for 20 s mid-batch (bench/chaos_redis_full.py)
   failover       300 sessions on a sentinel:// fleet whose primary is SIGKILLed mid-batch, then
                  paused until its replica is promoted (bench/chaos_failover.py).
+  partition      worker hosts in network namespaces cut silently 30 s mid-batch: one host, the
+                 whole fleet, the whole fleet while Redis restarts (bench/chaos_partition.py;
+                 root). `partition-long`: 5-minute cuts, run only when named.
   clock-skew     500 sessions on two hosts whose wall clocks are 2 minutes ahead and behind
                  (libfaketime): no session ended early, no extra model call.
 
@@ -90,9 +93,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1, help="seeds the kills and the faults")
     args = parser.parse_args(argv)
     chosen = list(dict.fromkeys(args.scenarios or SCENARIOS))
-    unknown = sorted(set(chosen) - set(SCENARIOS))
+    unknown = sorted(set(chosen) - set(RUNS))
     if unknown:
-        parser.error(f"unknown scenarios {unknown}: choose from {', '.join(SCENARIOS)}")
+        parser.error(f"unknown scenarios {unknown}: choose from {', '.join(RUNS)}")
     root = Path(tempfile.mkdtemp(prefix="cchatq-chaos-"))
     print(f"fleet logs under {root}", flush=True)
     rows: list[Row] = []

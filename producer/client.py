@@ -18,6 +18,7 @@ from producer.batch import Batch
 from producer.redis_connect import redis_client
 from producer.submitting import Rerun
 from producer.waiting import Waiting
+from schemas import redis_links
 from schemas.config import FleetConfig, read_config
 from schemas.fleet_clock import FleetClock, server_ms
 from schemas.redis_url import is_sentinel, kombu_broker, redacted
@@ -25,7 +26,8 @@ from schemas.spec_types import Spec
 
 DEFAULT_TTL_S = 86_400
 # A restart of Redis (or a failover) is ridden out: each command, pipeline or publish is tried
-# again on a connection error for about this long before the error reaches the caller.
+# again on a connection error for about this long before the error reaches the caller (longer
+# through a partition, where each try also spends its connect or socket timeout).
 RECONNECT_S = 60.0
 CLIENT_NAME = "cchatq-producer"  # its connections in Redis's CLIENT LIST
 RECONNECT_BACKOFF_S = (0.05, 1.0)  # first and longest pause between two tries
@@ -46,7 +48,9 @@ class Client(Waiting):
         spec ids are claimed and looked up (default: the configuration's); `lookup_batch`: an
         id looked up is the run that batch ran."""
         # Any: redis-py annotates replies as bytes | str; this client never decodes (bytes).
-        self.redis: Any = redis_client(redis_url, client_name=CLIENT_NAME, **reconnecting())
+        self.redis: Any = redis_client(
+            redis_url, client_name=CLIENT_NAME, **reconnecting(), **redis_links.client_options()
+        )
         self.shown_url = redacted(redis_url)  # as messages show it
         # Redis's clock: when a session was submitted is compared by the fleet's reconciler
         # on it, whatever this host's wall clock says
@@ -61,7 +65,7 @@ class Client(Waiting):
         self.celery = Celery("cchatq-producer", broker=broker)
         first_s, longest_s = RECONNECT_BACKOFF_S
         self.celery.conf.update(
-            broker_transport_options=transport_options,
+            broker_transport_options={**redis_links.broker_options(), **transport_options},
             task_serializer="json",
             accept_content=["json"],
             task_ignore_result=True,

@@ -164,11 +164,13 @@ class Fleet:
     # redis ---------------------------------------------------------------------------------
 
     def ensure_redis(
-        self, url: str | None = None, private: bool = False, appendonly: bool = False
-    ) -> str:
+        self, url: str | None = None, private: bool = False, appendonly: bool = False,
+        bind: Sequence[str] = (),
+    ) -> str:  # fmt: skip
         """Use `url` (or REDIS_URL) when it answers; else (or when `private`) start a
         redis-server of our own on a free port. `appendonly`: ours keeps an append-only file
-        in the workdir, fsynced every second, so `restart_redis` finds what it held."""
+        in the workdir, fsynced every second, so `restart_redis` finds what it held. `bind`:
+        addresses ours listens on besides 127.0.0.1 (test hosts' gateways, bench/netns.py)."""
         candidate = None if private else (url or os.environ.get("REDIS_URL"))
         if candidate and redis_answers(candidate):
             self.redis_url = candidate
@@ -182,7 +184,9 @@ class Fleet:
         persistence = ["--appendonly", "no"]
         if appendonly:
             persistence = ["--appendonly", "yes", "--appendfsync", "everysec"]
-        self.redis_cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+        # named addresses only: protected mode (loopback clients only) is for a Redis on all
+        listen = ["--bind", "127.0.0.1", *bind, *(["--protected-mode", "no"] if bind else [])]
+        self.redis_cmd = [binary, "--port", str(port), *listen, "--save", "",
                           *persistence, "--dir", str(self.workdir)]  # fmt: skip
         self.redis_url = f"redis://127.0.0.1:{port}/0"
         self._start_redis()
@@ -264,11 +268,12 @@ class Fleet:
         pool: str | None = None,
         concurrency: int | None = None,
         extra_env: dict[str, str] | None = None,
+        prefix: Sequence[str] = (),
     ) -> subprocess.Popen[bytes]:
+        """`prefix`: what the command runs under (`ip netns exec HOST`: a test host's)."""
         name = f"{queue.replace(',', '-')}-{len(self.workers)}"
-        proc = self.spawn(
-            worker_command(queue, pool, concurrency, name), name, env=self.worker_env(extra_env)
-        )
+        command = [*prefix, *worker_command(queue, pool, concurrency, name)]
+        proc = self.spawn(command, name, env=self.worker_env(extra_env))
         self.workers[name] = proc
         return proc
 

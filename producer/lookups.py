@@ -12,7 +12,7 @@ from typing import Any
 from celery import Celery
 
 from producer.user_stream import RunEnded, UserStream
-from schemas import keys, task_names
+from schemas import keys, redis_links, task_names
 from schemas.fleet_clock import FleetClock
 from schemas.partial import PartialRound
 from schemas.spec_types import ProgramSpec, Spec, spec_from_json
@@ -130,7 +130,9 @@ class SessionLookups:
             yield from in_time_order(events)
             return
         while True:
-            read = self.redis.xread({stream: last}, count=1000, block=block_ms)
+            read = self.redis.xread(
+                {stream: last}, count=1000, block=redis_links.block_ms(block_ms)
+            )
             entries = read[0][1] if read else []
             events = []
             for entry_id, fields in entries:

@@ -28,7 +28,7 @@ from prometheus_client.registry import Collector
 
 from producer.fleet_status import FleetStatus, read_fleet_status
 from producer.redis_connect import redis_client
-from schemas import keys
+from schemas import keys, redis_links
 
 log = logging.getLogger(__name__)
 LATENCY_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 600)
@@ -164,7 +164,9 @@ class TraceCounters:
         last = "$"
         while not stop.is_set():
             try:
-                read = client.xread({keys.TRACE: last}, count=1000, block=block_ms)
+                read = client.xread(
+                    {keys.TRACE: last}, count=1000, block=redis_links.block_ms(block_ms)
+                )
             except redis.RedisError as exc:  # Redis away: try again (a gap in the counts)
                 log.warning("metrics: reading the trace stream failed: %s", type(exc).__name__)
                 stop.wait(1.0)
@@ -179,7 +181,7 @@ class Exporter:
     """The gauges and counters on one registry, the stream followed in a thread."""
 
     def __init__(self, redis_url: str) -> None:
-        self.client = redis_client(redis_url)
+        self.client = redis_client(redis_url, **redis_links.client_options())
         self.registry = CollectorRegistry()
         self.registry.register(FleetGauges(self.client))
         self.counters = TraceCounters(self.registry)

@@ -11,7 +11,8 @@ from typing import Any
 import redis
 from redis.sentinel import Sentinel, SentinelManagedConnection
 
-from schemas.redis_url import SOCKET_TIMEOUT_S, SentinelUrl, check_redis_url
+from schemas import redis_links
+from schemas.redis_url import SentinelUrl, check_redis_url
 
 # how long a sentinel may take to connect and to answer before the next one is asked
 SENTINEL_TIMEOUT_S = 2.0
@@ -67,9 +68,10 @@ def sentinel_client(url: SentinelUrl, **options: Any) -> Any:
     """A client of the master `url`'s sentinels name: each new connection asks them where it
     is (redis-py's SentinelConnectionPool), and a READONLY answer drops the connection as a
     ConnectionError, so a client that retries those reaches the promoted replica."""
-    timeout_s = options.get("socket_timeout") or SENTINEL_TIMEOUT_S
+    timeout_s = min(options.get("socket_timeout") or SENTINEL_TIMEOUT_S, SENTINEL_TIMEOUT_S)
     asking = {"socket_connect_timeout": timeout_s, "socket_timeout": timeout_s}
-    options.setdefault("socket_timeout", SOCKET_TIMEOUT_S)  # a paused master: given up
+    # a paused master: given up (redis_links), unless the caller says how soon
+    options.setdefault("socket_timeout", redis_links.SOCKET_TIMEOUT_S)
     manager = Sentinel(list(url.sentinels), sentinel_kwargs=asking)
     return manager.master_for(
         url.master_name,

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from schemas import keys
+from schemas import keys, redis_links
 from schemas.user_stream import (
     CLOSE,
     DATA,
@@ -140,7 +140,9 @@ class UserStream:
             finished = bool(self.redis.exists(keys.response(self.sk)))
             # once the run ended, what it wrote is all there: one last look, not blocking
             read = self.redis.xread(
-                {key: self._cursor}, count=256, block=None if finished else block_ms
+                {key: self._cursor},
+                count=256,
+                block=None if finished else redis_links.block_ms(block_ms),
             )
             entries = read[0][1] if read else []
             for entry_id, fields in entries:

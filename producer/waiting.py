@@ -14,7 +14,7 @@ import redis
 from producer.lookups import QUEUED
 from producer.redis_room import refused_write
 from producer.submitting import Submission, Submitting
-from schemas import keys, task_names
+from schemas import keys, redis_links, task_names
 
 log = logging.getLogger("cchatq.producer")
 
@@ -65,7 +65,7 @@ class Waiting(Submitting):
                         progress = time.monotonic()
                     check_at = time.monotonic() + stall_s / 2
                 if not ready:
-                    item = self.redis.blpop([done_key], timeout=poll_s)
+                    item = self.redis.blpop([done_key], timeout=redis_links.block_s(poll_s))
                     if item is not None:
                         ready.append(item[1].decode())
                         more = self.redis.lpop(done_key, 1000) or []

@@ -22,10 +22,6 @@ from urllib.parse import quote, unquote, urlsplit
 SENTINEL_SCHEME = "sentinel"
 REDIS_SCHEMES = ("redis", "rediss", "unix", SENTINEL_SCHEME)
 SENTINEL_PORT = 26379
-# a command on a sentinel:// client gives up after this long (its connection is dropped and
-# the sentinels asked again): a paused or cut-off master otherwise holds it for ever. No
-# command of cchatq blocks longer (its blocking reads wait a second or so).
-SOCKET_TIMEOUT_S = 5.0
 SENTINEL_FORM = "sentinel://[:password@]host[:port][,host[:port]...]/master[/db]"
 # a host is a name, an IPv4 address or a bracketed IPv6 one; the port optional
 _HOST = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<name>[A-Za-z0-9_.-]+))(?::(?P<port>.*))?$")
@@ -157,12 +153,9 @@ def redacted(url: str) -> str:
 
 def kombu_broker(url: str) -> tuple[str, dict[str, str | float]]:
     """The broker URL kombu reads for REDIS_URL, and the transport options it needs with it
-    (a Sentinel's master name, and a socket timeout: a publish to a paused master gives up);
+    (a Sentinel's master name; its timeouts are every connection's, schemas/redis_links.py);
     a RedisUrlError for a malformed sentinel:// URL."""
     if not is_sentinel(url):
         return url, {}
     sentinel = parse_sentinel_url(url)
-    return sentinel.kombu_url(), {
-        "master_name": sentinel.master_name,
-        "socket_timeout": SOCKET_TIMEOUT_S,
-    }
+    return sentinel.kombu_url(), {"master_name": sentinel.master_name}

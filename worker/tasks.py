@@ -35,6 +35,7 @@ from worker.session.refusals import STOPPING
 from worker.session.steps import StepRunner
 from worker.session.trace import Arrival
 from worker.wiring import (
+    BROKER_AMQP,
     EvictingRedis,
     add_step_context,
     celery_config,
@@ -52,7 +53,7 @@ from worker.wiring import (
 log = logging.getLogger(__name__)
 EX_CONFIG = 78  # sysexits: the worker's configuration (its Redis) is wrong
 
-app = Celery("cchatq")
+app = Celery("cchatq", amqp=BROKER_AMQP)
 app.conf.update(celery_config(load_settings()))
 
 

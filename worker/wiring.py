@@ -13,12 +13,13 @@ from celery import Celery
 from celery._state import get_current_task
 from celery.exceptions import Reject
 
+from schemas import redis_links
 from schemas.fleet_clock import FleetClock
 from schemas.redis_memory import eviction_refused, eviction_warning
 from schemas.redis_url import kombu_broker, redacted
 from worker.codecs.registry import codec_for
 from worker.config import BackendConfig, Settings, load_settings
-from worker.edges import broker, broker_sentinel
+from worker.edges import broker, broker_connection, broker_sentinel
 from worker.edges.dispatch import CeleryDispatcher
 from worker.edges.mcp_tools import McpTools
 from worker.edges.provider_http import HttpProvider
@@ -249,6 +250,10 @@ def check_redis_memory(settings: Settings) -> None:
         log.warning(eviction_warning(memory, where))
 
 
+# Celery's messaging class with the broker's reconnect pace: Celery(amqp=BROKER_AMQP)
+BROKER_AMQP = broker_connection.AMQP
+
+
 def start_reconciler(app: Celery) -> threading.Thread:
     """The reconciler's loop, in a control worker (one of them reconciles at a time)."""
     settings = load_settings()
@@ -294,7 +299,12 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "broker_url": url,
         "broker_transport": transport,  # kombu's Redis transport, one client a channel
         "broker_connection_retry_on_startup": True,
+        # a lost broker is tried again every few seconds (broker_connection.py): as many tries
+        # as cover about as long as kombu's default 100 growing ones did
+        "broker_connection_max_retries": redis_links.broker_max_retries(),
         "broker_transport_options": {
+            # timeouts, keepalive and health checks: a silently cut link errors in seconds
+            **redis_links.broker_options(),
             "visibility_timeout": settings.visibility_timeout_s,
             # the consumer loop's timer: each tick beats for the worker's consumers and gives
             # back the messages of consumers that stopped beating (edges/broker.py)

@@ -27,6 +27,12 @@ held in Redis, so a sweeper can still hand it out again), a sweep waits, and a c
 could not beat lately sweeps no one (their heartbeats ran out for the same refusal). One
 warning line says so, and one when writes are taken again; Celery sees no error.
 
+A worker that lost its broker connection tries again at a steady few seconds' pace
+(broker_connection.py), not kombu's growing 2, 4 ... 30 s, and its
+connections carry the timeouts and keepalive of schemas/redis_links.py (wiring's transport
+options): a silently cut link errors within seconds and the worker serves again within
+seconds of the network's return.
+
 The consumer loop calls `restore_visible` on a timer (`unacked_restore_interval`): that call
 beats and sweeps. A pool that runs tasks on the loop's own thread (`solo`) cannot beat while a
 task runs, so a step longer than `consumer_dead_after_s` would be handed out again (its lease

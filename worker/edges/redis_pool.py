@@ -7,8 +7,8 @@ On Sentinel, every new connection asks the sentinels where the master is, and a 
 server answers READONLY (a failover demoted it) is dropped as a ConnectionError (redis-py's
 SentinelManagedConnection). Such errors, and timeouts, are tried again on a fresh connection for
 about FAILOVER_RIDE_S, so a step rides out a promotion instead of failing and spending a try; a
-paused primary's commands time out after SOCKET_TIMEOUT_S (no command of the worker blocks
-longer: its blocking reads wait one second at most).
+paused primary's commands time out after redis_links.SOCKET_TIMEOUT_S (no command of the
+worker blocks longer: its blocking reads wait one second at most).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
 
-from schemas.redis_url import SOCKET_TIMEOUT_S, SentinelUrl, is_sentinel, parse_sentinel_url
+from schemas import redis_links
+from schemas.redis_url import SentinelUrl, is_sentinel, parse_sentinel_url
 
 SENTINEL_TIMEOUT_S = 1.0  # a sentinel that does not answer this fast: the next one is asked
 FAILOVER_RIDE_S = 30.0
@@ -72,7 +73,7 @@ def connection_pool(url: str, max_connections: int, wait_s: float) -> redis.Conn
     """A pool of at most `max_connections`; a thread waits up to `wait_s` for a free one."""
     if not is_sentinel(url):
         return redis.BlockingConnectionPool.from_url(
-            url, max_connections=max_connections, timeout=wait_s, health_check_interval=30
+            url, max_connections=max_connections, timeout=wait_s, **redis_links.client_options()
         )
     return sentinel_pool(parse_sentinel_url(url), max_connections, wait_s)
 
@@ -87,12 +88,10 @@ def sentinel_pool(url: SentinelUrl, max_connections: int, wait_s: float) -> Bloc
         connection_class=FollowingConnection,
         max_connections=max_connections,
         timeout=wait_s,
-        health_check_interval=30,
         db=url.db,
         username=url.username,
         password=url.password,
-        socket_timeout=SOCKET_TIMEOUT_S,
-        socket_connect_timeout=SOCKET_TIMEOUT_S,
+        **redis_links.client_options(),
         retry=Retry(ExponentialBackoff(cap=longest_s, base=first_s), int(FAILOVER_RIDE_S)),
         retry_on_error=[redis.ConnectionError, redis.TimeoutError],
     )

@@ -86,8 +86,9 @@ class RedisStore(StepLeases, TraceWrites, ResultWrites, FleetQueries):
     ) -> RedisStore:
         """A client whose pool holds `max_connections` (size it to the worker's concurrency):
         a thread finding none free waits for one instead of failing (redis-py's default
-        pool raises MaxConnectionsError past 100). A `sentinel://` URL's pool follows the
-        master its sentinels name (edges/redis_pool.py)."""
+        pool raises MaxConnectionsError past 100). Its connections time out, keep alive and
+        check their health as schemas/redis_links.py says, so a cut one errors within seconds;
+        a `sentinel://` URL's pool follows the master its sentinels name (edges/redis_pool.py)."""
         pool = connection_pool(url, max_connections, POOL_WAIT_S)
         return cls(redis.Redis(connection_pool=pool), ttl_s, progress_after_ms)
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import redis
 
-from schemas import keys
+from schemas import keys, redis_links
 from schemas.bodies import dump_body
 from schemas.spec_types import SessionSpec, spec_to_json
 from schemas.user_stream import StreamEvent
@@ -61,8 +61,10 @@ class RedisProgramStore:
 
     @translated
     def wait_done(self, batch: str, timeout_s: float) -> list[str]:
-        """Block until a chat of the batch finishes (or the timeout): the keys announced."""
-        item = self.client.blpop([keys.done_list(batch)], timeout=max(timeout_s, 0.01))
+        """Block until a chat of the batch finishes (or the timeout, capped below the socket
+        timeout: the caller loops): the keys announced."""
+        wait_s = redis_links.block_s(max(timeout_s, 0.01))
+        item = self.client.blpop([keys.done_list(batch)], timeout=wait_s)
         if item is None:
             return []
         more = self.client.lpop(keys.done_list(batch), 1000) or []
