@@ -39,9 +39,9 @@ from worker.edges.store_trace import TraceWrites
 from worker.errors import SpecMissingError, StoreError
 from worker.session.engine import ToolRun
 from worker.session.outcomes import ToolOutcome
-from worker.session.ports import EndingInputs, RoundReads, StepStart, ToolInputs, ToolReads
 from worker.session.round_record import decode_round, encode_round
 from worker.session.state import Round, Session
+from worker.session.store_ports import EndingInputs, RoundReads, StepStart, ToolInputs, ToolReads
 
 log = logging.getLogger(__name__)
 SPEC_CACHE_SIZE = 4096
