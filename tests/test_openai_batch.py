@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from openai.types.chat import ChatCompletion
 
-from fixtures.demo_batch import weather_json
+from fixtures.demo_scenarios import weather_json
 from producer.cli import main
 from producer.client import Client
 from producer.openai_batch import (

@@ -14,7 +14,7 @@ from urllib.parse import quote
 import pytest
 from starlette.testclient import TestClient
 
-from fixtures.demo_batch import KINDS
+from fixtures.demo_scenarios import KINDS
 from producer.client import Client
 from producer.fleet import Fleet
 from producer.viewer.app import create_app
