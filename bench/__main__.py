@@ -28,7 +28,7 @@ from bench.goals import in_flight_goal, throughput_goals
 from bench.mcp_calls import mcp_call_row
 from bench.tool_calls import rate_limit_rows, tool_call_rows
 from bench.validation import validation_row
-from fixtures.demo_batch import WEATHER
+from fixtures.demo_scenarios import WEATHER
 from producer.client import Client
 from producer.fleet import WORKER_PROFILES, Fleet, replay_backends
 from producer.specfile import load_spec_from_objects

@@ -19,7 +19,7 @@ from bench.chaos_report import (
     Row,
     finished_count,
 )
-from fixtures.demo_batch import CITIES, WEATHER, weather_json
+from fixtures.demo_scenarios import CITIES, WEATHER, weather_json
 from producer.client import Client
 from producer.fleet import Fleet
 from producer.specfile import load_spec_from_objects

@@ -31,7 +31,7 @@ from bench.history_read import check_run, mark_run
 from producer.client import Client
 from producer.fleet import Fleet
 from producer.specfile import load_spec_from_objects
-from schemas import keys
+from schemas import fleet_keys
 
 KILL_EVERY_S = 2.0
 
@@ -60,11 +60,11 @@ class Killer:
     def held(self, pid: int) -> int:
         """Messages the consumers of process `pid` took and did not acknowledge."""
         held = 0
-        for raw in self.redis.smembers(keys.BROKER_CONSUMERS):
+        for raw in self.redis.smembers(fleet_keys.BROKER_CONSUMERS):
             consumer = raw.decode()
             if f".{pid}@" in consumer:  # <id>.<pid>@<host> (worker/edges/liveness.py)
-                held += self.redis.hlen(keys.broker_unacked(consumer))
-                held += self.redis.llen(keys.broker_taken(consumer))
+                held += self.redis.hlen(fleet_keys.broker_unacked(consumer))
+                held += self.redis.llen(fleet_keys.broker_taken(consumer))
         return held
 
     def kill_one(self) -> None:

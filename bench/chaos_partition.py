@@ -37,7 +37,7 @@ from bench.chaos_report import Row, dead_letters, finished_count, log_digest, re
 from producer.client import Client
 from producer.fleet import Fleet
 from producer.specfile import load_spec_from_objects
-from schemas import keys
+from schemas import fleet_keys, keys
 
 CUT_S = 30.0
 LONG_CUT_S = 300.0
@@ -192,11 +192,11 @@ def follow(client: Client, sks: Sequence[str], cut: Cut, deadline_s: float) -> N
 def heartbeats(client: Client, pid: int) -> dict[str, int]:
     """The live heartbeats (their TTLs, ms) of process `pid`'s broker consumers (named
     `<id>.<pid>@<host>`: worker/edges/liveness.py)."""
-    mine = [c.decode() for c in client.redis.smembers(keys.BROKER_CONSUMERS)]
+    mine = [c.decode() for c in client.redis.smembers(fleet_keys.BROKER_CONSUMERS)]
     mine = [c for c in mine if f".{pid}@" in c]
     pipe = client.redis.pipeline(transaction=False)
     for consumer in mine:
-        pipe.pttl(keys.broker_alive(consumer))
+        pipe.pttl(fleet_keys.broker_alive(consumer))
     return {c: ttl for c, ttl in zip(mine, pipe.execute(), strict=True) if ttl > 0}
 
 

@@ -31,7 +31,7 @@ import redis
 
 import fixtures
 from bench.chaos_report import Row, dead_letters, finished_count, log_digest, remove_dumps, tally
-from fixtures.demo_batch import CITIES, WEATHER, weather_json
+from fixtures.demo_scenarios import CITIES, WEATHER, weather_json
 from producer.client import Client
 from producer.fleet import Fleet
 from schemas import keys

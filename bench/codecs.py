@@ -11,7 +11,7 @@ from typing import Any
 
 import requests
 
-from fixtures.demo_batch import WEATHER
+from fixtures.demo_scenarios import WEATHER
 from fixtures.replay import ReplayServer
 from schemas.protocols import PROTOCOLS
 from worker.codecs.protocol import ChatRequest, Codec

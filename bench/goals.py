@@ -15,7 +15,7 @@ from typing import Any
 import fixtures
 from bench.asyncio_script import run_script
 from bench.cost import Cost, measured
-from fixtures.demo_batch import CALCULATE
+from fixtures.demo_scenarios import CALCULATE
 from producer.client import Client
 from producer.fleet import Fleet, replay_backends
 from producer.specfile import load_spec_from_objects

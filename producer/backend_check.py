@@ -15,7 +15,7 @@ import os
 from collections.abc import Mapping
 
 from producer.specfile import SpecCheck
-from schemas.config import FleetConfig
+from schemas.fleet_config import FleetConfig
 from schemas.model_routes import route_model
 from schemas.spec_types import SessionSpec, Spec
 

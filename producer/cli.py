@@ -1,5 +1,5 @@
 """`cchatq`: submit batches, inspect sessions, run workers and the demo. Parses and delegates
-(producer/cli_batches.py, cli_programs.py)."""
+(producer/cli_batches.py, cli_programs.py, cli_services.py, ...)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import json
 import os
 import re
 import sys
-import threading
 from collections.abc import Sequence
 from importlib import metadata
 from typing import TYPE_CHECKING, Any
@@ -27,16 +26,15 @@ from producer.cli_common import (
     flower_curl,
     flower_links,
     infrastructure_line,
-    reach_redis,
     redis_url,
     redis_where,
 )
 from producer.cli_fleet import add_fleet_parsers
 from producer.cli_programs import cmd_demo, cmd_run, cmd_stream
+from producer.cli_services import add_metrics_parser, add_service_parsers
 from producer.cli_view import add_view_parser
-from producer.fleet import worker_command
 from producer.fleet_status import read_fleet_status
-from schemas import keys, task_names
+from schemas import keys
 from schemas.bodies import dump_text
 from schemas.config import ConfigError, read_config
 from schemas.protocols import NAMES as PROTOCOL_NAMES
@@ -114,22 +112,6 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_metrics(args: argparse.Namespace) -> int:
-    from producer.metrics import Exporter
-
-    reach_redis(redis_url())
-    exporter = Exporter(redis_url())
-    exporter.serve(args.port, args.address)
-    print(f"metrics on http://{args.address}:{args.port}/metrics", flush=True)
-    try:
-        threading.Event().wait()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        exporter.close()
-    return 0
-
-
 def cmd_cancel(args: argparse.Namespace) -> int:
     if not id_client(args).cancel(args.id):
         print(f"unknown session id: {args.id}", file=sys.stderr)
@@ -173,50 +155,6 @@ def cmd_config(args: argparse.Namespace) -> int:
         envs = ", ".join(usable) or "no environment"
         print(f"  mcp {server_id:<20} {server.transport:<16} {where}  usable in: {envs}")
     return EXIT_OK
-
-
-def known_queues(value: str) -> str:
-    """`--queues`: one or more of the fleet's queues, comma-separated (a typo is refused)."""
-    unknown = [q for q in value.split(",") if q not in task_names.ALL_QUEUES]
-    if unknown or not value:
-        known = ", ".join(task_names.ALL_QUEUES)
-        raise argparse.ArgumentTypeError(f"unknown queue {','.join(unknown)!r}; known: {known}")
-    return value
-
-
-def cmd_worker(args: argparse.Namespace) -> int:
-    try:  # a wrong configuration is named here, not in a Celery boot traceback
-        read_config()
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
-        return EXIT_REJECTED
-    cmd = worker_command(args.queues, args.pool, args.concurrency, args.name)
-    os.execv(cmd[0], cmd)
-
-
-def cmd_flower(args: argparse.Namespace) -> int:
-    """Flower on the fleet's broker. FLOWER_BASIC_AUTH (`user:password[,user2:password2]`)
-    turns its basic auth on: Flower reads the variable itself, so the password is never on a
-    command line (`ps` shows those). Set but empty it is dropped, as Flower would otherwise
-    take it for one empty credential and let no one in."""
-    env = dict(os.environ)
-    auth = env.pop("FLOWER_BASIC_AUTH", "").strip()
-    if auth:
-        if not all(":" in pair.strip(":") for pair in auth.split(",")):
-            print("FLOWER_BASIC_AUTH: expected user:password[,user2:password2]", file=sys.stderr)
-            return EXIT_REJECTED
-        env["FLOWER_BASIC_AUTH"] = auth
-    cmd = [sys.executable, "-m", "celery", "-A", "worker.tasks", "flower",
-           f"--port={args.port}", f"--address={args.address}"]  # fmt: skip
-    if args.persistent:  # its task history kept across restarts, in --db
-        cmd += ["--persistent=True", f"--db={args.db}"]
-    os.execve(cmd[0], cmd, env)
-
-
-def cmd_replay_server(args: argparse.Namespace) -> int:
-    cmd = [sys.executable, "-m", "fixtures.replay", "--host", args.host, "--port", str(args.port),
-           "--latency-ms", str(args.latency_ms)]  # fmt: skip
-    os.execv(cmd[0], cmd)
 
 
 def version() -> str:
@@ -309,10 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_view_parser(sub)
     add_fleet_parsers(sub)
 
-    p = sub.add_parser("metrics", help="serve the fleet's Prometheus metrics (reads Redis)")
-    p.add_argument("--port", type=int, default=9808)
-    p.add_argument("--address", default="127.0.0.1")
-    p.set_defaults(fn=cmd_metrics)
+    add_metrics_parser(sub)
 
     p = sub.add_parser(
         "stream", help="talk to a running program: stdin lines in, its user stream's lines out"
@@ -327,34 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     _lookup_arguments(p)
     p.set_defaults(fn=cmd_cancel)
 
-    p = sub.add_parser("worker", help="run a Celery worker for one queue with its default pool")
-    p.add_argument(
-        "--queues",
-        required=True,
-        type=known_queues,
-        help=" | ".join(task_names.ALL_QUEUES) + " (or several, comma-separated)",
-    )
-    p.add_argument("--pool")
-    p.add_argument("--concurrency", type=int)
-    p.add_argument("--name")
-    p.set_defaults(fn=cmd_worker)
-
-    p = sub.add_parser(
-        "flower", help="run Flower on this fleet (basic auth from FLOWER_BASIC_AUTH)"
-    )
-    p.add_argument("--port", type=int, default=5555)
-    p.add_argument("--address", default="127.0.0.1")
-    p.add_argument(
-        "--persistent", action="store_true", help="keep its task history across restarts, in --db"
-    )
-    p.add_argument("--db", default="flower.db", help="with --persistent: the file (flower.db)")
-    p.set_defaults(fn=cmd_flower)
-
-    p = sub.add_parser("replay-server", help="run the replay LLM server")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8011)
-    p.add_argument("--latency-ms", type=int, default=0)
-    p.set_defaults(fn=cmd_replay_server)
+    add_service_parsers(sub)
 
     p = sub.add_parser("run", help="run a WASM agent program on the fleet and wait for it")
     p.add_argument("module")

@@ -24,14 +24,8 @@ from producer.cli_common import (
 )
 from producer.client import Client
 from producer.fleet_status import read_fleet_status, unserved
-from producer.openai_batch import (
-    ResultFiles,
-    ToolsFileError,
-    converter,
-    errors_path,
-    load_tool_bindings,
-    openai_lines,
-)
+from producer.openai_batch import ToolsFileError, converter, load_tool_bindings
+from producer.openai_output import ResultFiles, errors_path, openai_lines
 from producer.report import Progress, batch_states, summary
 from producer.specfile import SpecFileError, load_spec_file
 from producer.submitting import (

@@ -16,7 +16,8 @@ from redis.sentinel import MasterNotFoundError
 from producer.redis_connect import redis_client
 from producer.redis_room import EvictingRedisError, RedisFullError, refused_write
 from schemas import redis_url as urls
-from schemas.config import ConfigError, FleetConfig, read_config
+from schemas.config import ConfigError, read_config
+from schemas.fleet_config import FleetConfig
 
 if TYPE_CHECKING:
     from producer.client import Client

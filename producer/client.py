@@ -19,8 +19,9 @@ from producer.redis_connect import redis_client
 from producer.submitting import Rerun
 from producer.waiting import Waiting
 from schemas import redis_links
-from schemas.config import FleetConfig, read_config
+from schemas.config import read_config
 from schemas.fleet_clock import FleetClock, server_ms
+from schemas.fleet_config import FleetConfig
 from schemas.redis_url import is_sentinel, kombu_broker, redacted
 from schemas.spec_types import Spec
 

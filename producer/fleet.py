@@ -32,7 +32,8 @@ import redis
 from producer.fleet_status import read_fleet_status
 from producer.redis_connect import redis_client
 from schemas import task_names
-from schemas.config import FleetConfig, read_config
+from schemas.config import read_config
+from schemas.fleet_config import FleetConfig
 from schemas.protocols import PROTOCOLS
 
 # the variables a configuration is read from (schemas/config.py read_config)

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from schemas import keys
+from schemas import fleet_keys, keys
 from schemas.rate_state import ControllerStatus, controller_status
 from schemas.redis_memory import RedisMemory, eviction_warning
 from schemas.redis_url import redacted
@@ -47,16 +47,16 @@ def read_fleet_status(client: Any) -> FleetStatus:
     pipe = client.pipeline(transaction=False)
     for queue in ALL_QUEUES:
         pipe.llen(queue)
-    pipe.smembers(keys.BROKER_CONSUMERS)
+    pipe.smembers(fleet_keys.BROKER_CONSUMERS)
     pipe.zcard(keys.ACTIVE)
     pipe.exists(keys.DEADLETTER)
     *depths, members, active, has_dead = pipe.execute()
     consumers = sorted(m.decode() for m in members)
     pipe = client.pipeline(transaction=False)
     for consumer in consumers:
-        pipe.get(keys.broker_alive(consumer))
-        pipe.lrange(keys.broker_taken(consumer), 0, -1)
-        pipe.hvals(keys.broker_unacked(consumer))
+        pipe.get(fleet_keys.broker_alive(consumer))
+        pipe.lrange(fleet_keys.broker_taken(consumer), 0, -1)
+        pipe.hvals(fleet_keys.broker_unacked(consumer))
     if has_dead:
         pipe.xlen(keys.DEADLETTER)
     replies = pipe.execute()
@@ -104,15 +104,15 @@ def _url_of(client: Any) -> str:
 
 def read_rate_controllers(client: Any) -> list[ControllerStatus]:
     """Every rate controller the fleet used within its TTL, in two round trips."""
-    ids = sorted(c.decode() for c in client.hkeys(keys.RATE_CONTROLLERS))
+    ids = sorted(c.decode() for c in client.hkeys(fleet_keys.RATE_CONTROLLERS))
     if not ids:
         return []
     seconds, micros = client.time()
     now_ms = seconds * 1000 + micros / 1000
     pipe = client.pipeline(transaction=False)
     for cid in ids:
-        pipe.hgetall(keys.rate_controller(cid))
-        pipe.zcount(keys.rate_slots(cid), now_ms, "+inf")
+        pipe.hgetall(fleet_keys.rate_controller(cid))
+        pipe.zcount(fleet_keys.rate_slots(cid), now_ms, "+inf")
     replies = pipe.execute()
     out = []
     for n, cid in enumerate(ids):

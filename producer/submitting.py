@@ -30,7 +30,7 @@ from producer.redis_room import (
 from producer.specfile import load_spec_from_objects
 from schemas import keys, task_names
 from schemas.bodies import dump_body
-from schemas.config import FleetConfig
+from schemas.fleet_config import FleetConfig
 from schemas.spec_types import (
     ProgramDef,
     ProgramSpec,

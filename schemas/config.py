@@ -1,6 +1,6 @@
-"""The fleet's configuration, shared by the producer and the workers: its backends (named LLM
-endpoints) and the defaults of tool calls. One JSON document, from the file `CCHATQ_CONFIG`
-or inline in `CCHATQ_BACKENDS` (which wins):
+"""Reading and validating the fleet's configuration, shared by the producer and the workers: its
+backends (named LLM endpoints) and the defaults of tool calls. One JSON document, from the file
+`CCHATQ_CONFIG` or inline in `CCHATQ_BACKENDS` (which wins):
 
     {"backends": {NAME: {"protocol": P, "base_url": URL, "api_key_env": VAR, ...}},
      "default_backend": NAME,
@@ -23,12 +23,10 @@ LiteLLM's `model_list` of entries: a name routes to one backend (no load balanci
 states each name once and its problems are named by it (`models.NAME.backend`); the endpoint
 and key stay in `backends`, shared by every alias on them.
 
-Four backends exist without any configuration, as the provider SDKs and LiteLLM name them:
-`openai`, `anthropic` and `gemini` are the real APIs with their conventional key variables (the
-hosted API of each protocol declared in schemas/protocols.py), and `replay` is the local
-scripted server (`CCHATQ_REPLAY_URL`). A configured backend of one of
-these names changes only the fields it gives; any other must give its `base_url` (a typo in a
-name must not quietly reach some default endpoint).
+The built-in backends (`openai`, `anthropic`, `gemini`, `replay`) and the values this reads
+into are declared in schemas/fleet_config.py. A configured backend of one of these names changes
+only the fields it gives; any other must give its `base_url` (a typo in a name must not quietly
+reach some default endpoint).
 
 Validated with marshmallow, strictly: `"stream": "yes"` or `"max_attempts": "four"` are
 refused, as are unknown keys, each problem named by its dotted path.
@@ -40,7 +38,7 @@ import json
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -55,72 +53,18 @@ from marshmallow import (
 )
 
 from schemas.fleet import Environment, McpServerConfig, ToolDefaults
+from schemas.fleet_config import DEFAULT_REPLAY_URL, BackendConfig, FleetConfig, builtin_backends
 from schemas.keys import DEFAULT_NAMESPACE, NAMESPACE_PATTERN, NAMESPACE_RULE
 from schemas.limits import TOOL_TIMEOUT_CAP_MS
 from schemas.mcp import SERVER_ID
 from schemas.model_routes import TOOL_CHOICE_PARAMS, ModelAlias
 from schemas.protocols import NAMES as PROTOCOL_NAMES
-from schemas.protocols import PROTOCOLS
 from schemas.spec import RESERVED_PARAMS
 from schemas.spec_types import RISK_LEVELS
+from schemas.strict import ConfigBool, ConfigInt, Seconds, positive
 
-DEFAULT_REPLAY_URL = "http://127.0.0.1:8011/v1"
 LIST_TTL_CAP_S = 86_400  # an MCP server's listing kept at most a day
 ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
-
-
-@dataclass(frozen=True)
-class BackendConfig:
-    """One named LLM endpoint. The API key is read from `api_key_env` at call time, never stored."""
-
-    name: str
-    protocol: str = "openai"
-    base_url: str = DEFAULT_REPLAY_URL
-    api_key_env: str | None = None
-    connect_timeout_s: float = 5.0
-    read_timeout_s: float = 60.0
-    total_timeout_s: float = 120.0
-    stream_idle_timeout_s: float = 60.0  # a stream with no content this long (pings aside): retried
-    max_attempts: int = 4
-    backoff_base_s: float = 0.5
-    backoff_max_s: float = 8.0
-    max_retry_after_s: float = 60.0
-    stream: bool = False  # SSE replies; partial text shows in `cchatq status` while a round runs
-    thinking_budget_tokens: int | None = None  # None: thinking off
-    # the fleet's calls held at the account's rate limit, learned from the provider's headers
-    # and 429s (worker.session.rate_control); the two limits below are then its ceilings
-    adaptive: bool = True
-    # a limit shared by every worker of the fleet (in Redis); None: no limit
-    requests_per_minute: int | None = None
-    tokens_per_minute: int | None = None
-    rate_window_s: float = 60.0  # the window the two limits count over
-
-    def api_key(self, environ: Mapping[str, str] | None = None) -> str | None:
-        if not self.api_key_env:
-            return None
-        return (environ if environ is not None else os.environ).get(self.api_key_env)
-
-
-def builtin_backends(replay_url: str = DEFAULT_REPLAY_URL) -> dict[str, BackendConfig]:
-    """The backends every fleet has: the real APIs under the names and key variables their SDKs
-    use, and the local replay server."""
-    backends = {
-        p.name: BackendConfig(p.name, p.name, p.hosted.base_url, p.hosted.api_key_env)
-        for p in PROTOCOLS.values()
-        if p.hosted is not None
-    }
-    backends["replay"] = BackendConfig("replay", "openai", replay_url)
-    return backends
-
-
-@dataclass(frozen=True)
-class FleetConfig:
-    backends: Mapping[str, BackendConfig] = field(default_factory=builtin_backends)
-    default_backend: str = "replay"
-    namespace: str = DEFAULT_NAMESPACE  # where a submit claims its spec ids (schemas/keys.py)
-    models: Mapping[str, ModelAlias] = field(default_factory=dict)  # model aliases, by name
-    tool_defaults: ToolDefaults = field(default_factory=ToolDefaults)
-    source: str = "built-in defaults"  # where it was read: the file, or CCHATQ_BACKENDS
 
 
 class ConfigError(ValueError):
@@ -130,23 +74,6 @@ class ConfigError(ValueError):
         self.source, self.problems = source, problems
         lines = [f"  {path}: {message}" if path else f"  {message}" for path, message in problems]
         super().__init__("\n".join([f"configuration ({source}):", *lines]))
-
-
-# strict fields: JSON's types as they are, no coercion of "yes" or "4" ----------------------
-
-
-class _StrictBool(fields.Field[bool]):
-    def _deserialize(self, value: Any, attr: str | None, data: Any, **kwargs: Any) -> bool:
-        if not isinstance(value, bool):
-            raise ValidationError("must be true or false")
-        return value
-
-
-class _StrictInt(fields.Field[int]):
-    def _deserialize(self, value: Any, attr: str | None, data: Any, **kwargs: Any) -> int:
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise ValidationError("must be an integer")
-        return value
 
 
 class _TtlSeconds(fields.Field[float]):
@@ -160,19 +87,6 @@ class _TtlSeconds(fields.Field[float]):
         return float(value)
 
 
-class _Seconds(fields.Field[float]):
-    def _deserialize(self, value: Any, attr: str | None, data: Any, **kwargs: Any) -> float:
-        if not isinstance(value, int | float) or isinstance(value, bool):
-            raise ValidationError("must be a number of seconds")
-        if not math.isfinite(value) or value <= 0:
-            raise ValidationError("must be a positive number of seconds")
-        return float(value)
-
-
-def _positive() -> validate.Range:
-    return validate.Range(min=1, error="must be at least 1")
-
-
 class _BackendSchema(Schema):
     class Meta:
         unknown = RAISE
@@ -182,20 +96,20 @@ class _BackendSchema(Schema):
     api_key_env = fields.String(
         allow_none=True, validate=validate.Regexp(ENV_NAME, error="must be a variable name")
     )
-    connect_timeout_s = _Seconds()
-    read_timeout_s = _Seconds()
-    total_timeout_s = _Seconds()
-    stream_idle_timeout_s = _Seconds()
-    max_attempts = _StrictInt(validate=_positive())
-    backoff_base_s = _Seconds()
-    backoff_max_s = _Seconds()
-    max_retry_after_s = _Seconds()
-    stream = _StrictBool()
-    thinking_budget_tokens = _StrictInt(allow_none=True, validate=_positive())
-    adaptive = _StrictBool()
-    requests_per_minute = _StrictInt(allow_none=True, validate=_positive())
-    tokens_per_minute = _StrictInt(allow_none=True, validate=_positive())
-    rate_window_s = _Seconds()
+    connect_timeout_s = Seconds()
+    read_timeout_s = Seconds()
+    total_timeout_s = Seconds()
+    stream_idle_timeout_s = Seconds()
+    max_attempts = ConfigInt(validate=positive())
+    backoff_base_s = Seconds()
+    backoff_max_s = Seconds()
+    max_retry_after_s = Seconds()
+    stream = ConfigBool()
+    thinking_budget_tokens = ConfigInt(allow_none=True, validate=positive())
+    adaptive = ConfigBool()
+    requests_per_minute = ConfigInt(allow_none=True, validate=positive())
+    tokens_per_minute = ConfigInt(allow_none=True, validate=positive())
+    rate_window_s = Seconds()
 
 
 class _GlobList(fields.List[str]):
@@ -228,7 +142,7 @@ class _McpServerSchema(Schema):
     api_key_env = fields.String(validate=validate.Regexp(ENV_NAME, error="must be a variable name"))
     allow_tools = _GlobList()
     deny_tools = _GlobList()
-    timeout_ms = _StrictInt(
+    timeout_ms = ConfigInt(
         validate=validate.Range(
             min=1, max=TOOL_TIMEOUT_CAP_MS, error=f"must be between 1 and {TOOL_TIMEOUT_CAP_MS}"
         )
@@ -252,11 +166,11 @@ class _ToolsSchema(Schema):
     class Meta:
         unknown = RAISE
 
-    timeout_ms = _StrictInt(validate=_positive())
-    max_retries = _StrictInt(validate=validate.Range(min=0, error="must be 0 or more"))
-    retry_backoff_ms = _StrictInt(validate=validate.Range(min=0, error="must be 0 or more"))
-    max_parallel = _StrictInt(validate=_positive())
-    auto_tool_call = _StrictBool()
+    timeout_ms = ConfigInt(validate=positive())
+    max_retries = ConfigInt(validate=validate.Range(min=0, error="must be 0 or more"))
+    retry_backoff_ms = ConfigInt(validate=validate.Range(min=0, error="must be 0 or more"))
+    max_parallel = ConfigInt(validate=positive())
+    auto_tool_call = ConfigBool()
     environments = fields.Dict(keys=fields.String(), values=fields.Nested(_EnvironmentSchema))
     default_environment = fields.String()
 

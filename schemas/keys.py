@@ -38,15 +38,11 @@ call i:
     cq:us:{sk}:out          the same, program -> user, with ids 0-1, 0-2, ... so a replayed
                             run's writes land once
     cq:partial:{sk}         the text of the round being streamed (for `cchatq status`)
-    cq:rl:{backend}:req     rate limit: zset of recent requests (member -> time)
-    cq:rl:{backend}:tok     rate limit: hash member -> tokens
-    cq:rc:{id}              a rate controller's state (hash; id: backend, account digest, model)
-    cq:rc:{id}:slots        its calls in flight: zset slot -> lease expiry (ms)
-    cq:rc:{id}:room         its waiting room: zset waiting round -> the time it may come (ms)
-    cq:rc                   hash: every rate controller's id -> when it was last used (ms)
     cq:trace:{sk}           a session's trace events, an entry a step (TRACE_FIELD)
     cq:trace                the fleet's, the same entries with the steps' fleet events
     cq:deadletter           stream of poison steps
+
+The fleet's keys beside its sessions' (rate limits, the reconciler's, the broker's): fleet_keys.py.
 """
 
 from __future__ import annotations
@@ -63,7 +59,6 @@ DEADLETTER = f"{PREFIX}:deadletter"
 TRACE = f"{PREFIX}:trace"  # the fleet's trace events, capped (TRACE_FLEET_MAXLEN)
 # sessions not finished yet, scored by their last sign of progress (ms): the reconciler's index
 ACTIVE = f"{PREFIX}:active"
-RECONCILER_LOCK = f"{PREFIX}:reconciler"  # held by the one worker reconciling this round
 # a trace stream entry's one field: the events one step made, as a JSON array (one entry a
 # step and stream, not one an event)
 TRACE_FIELD = "events"
@@ -329,35 +324,6 @@ def partial(sk: str) -> str:
     return f"{PREFIX}:partial:{sk}"
 
 
-def rate_requests(backend: str) -> str:
-    return f"{PREFIX}:rl:{backend}:req"
-
-
-def rate_tokens(backend: str) -> str:
-    return f"{PREFIX}:rl:{backend}:tok"
-
-
-def rate_total(backend: str) -> str:
-    """The tokens of every entry in the window, kept as they come and go (O(1) per acquire)."""
-    return f"{PREFIX}:rl:{backend}:sum"
-
-
-RATE_CONTROLLERS = f"{PREFIX}:rc"
-
-
-def rate_controller(controller_id: str) -> str:
-    """A rate controller's state; its slots and waiting room are beside it (same hash tag)."""
-    return f"{PREFIX}:rc:{{{controller_id}}}"
-
-
-def rate_slots(controller_id: str) -> str:
-    return f"{rate_controller(controller_id)}:slots"
-
-
-def rate_room(controller_id: str) -> str:
-    return f"{rate_controller(controller_id)}:room"
-
-
 RUN_BATCH_PREFIX = "run-"
 
 
@@ -412,23 +378,3 @@ def step_kind(step: str) -> str:
     if len(last) > 1 and last[1:].isdigit() and "." in step:
         return _STEP_PREFIXES.get(last[0], "?")
     return "?"
-
-
-# The broker's bookkeeping (worker/edges/broker.py), outside the session keyspace like kombu's
-# own keys: no TTL, and bounded (emptied as messages are acked, consumers swept when dead).
-BROKER_CONSUMERS = "_cchatq:broker:consumers"  # consumers that may hold unacked messages
-
-
-def broker_unacked(consumer: str) -> str:
-    """delivery tag -> [message, exchange, routing key], one hash per consumer (BRPOP)."""
-    return f"_cchatq:broker:unacked:{consumer}"
-
-
-def broker_taken(consumer: str) -> str:
-    """The messages a consumer took with BLMOVE, as they were on their queue."""
-    return f"_cchatq:broker:taken:{consumer}"
-
-
-def broker_alive(consumer: str) -> str:
-    """A consumer's heartbeat (EX a few seconds): the queues it takes from, comma-separated."""
-    return f"_cchatq:broker:alive:{consumer}"

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from fixtures.demo_batch import WEATHER
+from fixtures.demo_scenarios import WEATHER
 from fixtures.replay.conversation import read_envelope
 from fixtures.replay.scenarios import BAD_ARGUMENTS
 from producer.fleet import Fleet, replay_backend_name

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from fixtures.demo_batch import WEATHER
+from fixtures.demo_scenarios import WEATHER
 from producer.client import Client
 from tests.conftest import GUESTS, Running
 

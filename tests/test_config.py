@@ -16,7 +16,8 @@ import pytest
 from producer.backend_check import backend_check
 from producer.client import Client
 from producer.specfile import SpecFileError, load_spec_file
-from schemas.config import ConfigError, builtin_backends, parse_config, read_config
+from schemas.config import ConfigError, parse_config, read_config
+from schemas.fleet_config import builtin_backends
 from worker.config import load_settings
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -22,7 +22,8 @@ from worker.edges.broker import TRANSPORT
 from worker.edges.dispatch import CeleryDispatcher, task_message
 from worker.edges.store import RedisStore
 from worker.session.outcomes import ToolOutcome
-from worker.session.ports import Commit, NextStep
+from worker.session.ports import NextStep
+from worker.session.store_ports import Commit
 
 pytestmark = pytest.mark.fleet
 REDIS_DB = 11

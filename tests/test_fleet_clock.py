@@ -19,8 +19,8 @@ import redis
 from producer.client import Client
 from producer.fleet import Fleet
 from schemas import keys
-from schemas.config import FleetConfig
 from schemas.fleet_clock import JUMP_MS, RETRY_S, FleetClock, server_ms, wall_ms
+from schemas.fleet_config import FleetConfig
 from tests.test_engine import WEATHER_FN
 from tests.test_steps import SK, pipeline, spec, submit, weather_model
 from worker.edges.store import RedisStore

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import requests
 
-from fixtures.demo_batch import WEATHER
+from fixtures.demo_scenarios import WEATHER
 from producer.fleet import free_port
 from tests.conftest import Running
 from tests.test_pipeline import run_poisoned, run_specs

@@ -16,7 +16,7 @@ from schemas import keys
 from schemas.bodies import dump_body
 from schemas.partial import PartialRound
 from worker.edges.store import RedisStore
-from worker.session.ports import TraceWrite
+from worker.session.store_ports import TraceWrite
 from worker.session.trace import event
 
 pytestmark = pytest.mark.fleet  # the private Redis

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import requests
 
-from fixtures.demo_batch import WEATHER
+from fixtures.demo_scenarios import WEATHER
 from producer.fleet import Fleet, free_port, replay_backends
 from tests.conftest import GUESTS
 

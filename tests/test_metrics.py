@@ -15,7 +15,7 @@ import pytest
 import requests
 from prometheus_client import CollectorRegistry
 
-from fixtures.demo_batch import WEATHER, background_wait
+from fixtures.demo_scenarios import WEATHER, background_wait
 from producer import metrics
 from producer.metrics import Exporter, TraceCounters
 from schemas import keys

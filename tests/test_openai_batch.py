@@ -1,7 +1,8 @@
-"""OpenAI Batch files both ways (producer/openai_batch.py): request lines made specs, their
-tools bound by a tools file, every problem named by its line and the request's own field; and
-output and error lines checked field by field against OpenAI's documented request output object.
-The last test runs `cchatq submit --format openai` through a subprocess on a real fleet."""
+"""OpenAI Batch files both ways (producer/openai_batch.py in, openai_output.py out): request
+lines made specs, their tools bound by a tools file, every problem named by its line and the
+request's own field; and output and error lines checked field by field against OpenAI's
+documented request output object. The last test runs `cchatq submit --format openai` through a
+subprocess on a real fleet."""
 
 from __future__ import annotations
 
@@ -16,21 +17,18 @@ from typing import Any
 import pytest
 from openai.types.chat import ChatCompletion
 
-from fixtures.demo_batch import weather_json
+from fixtures.demo_scenarios import weather_json
 from producer.cli import main
 from producer.client import Client
 from producer.openai_batch import (
-    ResultFiles,
     ToolBindings,
     ToolsFileError,
     converter,
-    errors_path,
     load_tool_bindings,
     openai_field,
-    openai_lines,
-    output_line,
     request_to_spec,
 )
+from producer.openai_output import ResultFiles, errors_path, openai_lines, output_line
 from producer.specfile import SpecFileError, load_spec_file
 from schemas.spec_types import spec_to_json
 from tests.conftest import GUESTS, Running

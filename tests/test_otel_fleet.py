@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from fixtures.demo_batch import failing_tool, program_chat, provider_error, two_rounds
+from fixtures.demo_scenarios import failing_tool, program_chat, provider_error, two_rounds
 from fixtures.otlp import OtlpReceiver, SpanSeen
 from producer.fleet import Fleet
 from schemas import keys

@@ -17,7 +17,7 @@ from worker.codecs.openai_codec import OpenAICodec
 from worker.codecs.protocol import ChatRequest, Codec, Delta, SseEvent
 from worker.session import model_call
 from worker.session.model_call import PartialState
-from worker.session.ports import SessionStore
+from worker.session.store_ports import SessionStore
 from worker.session.twins.store import MemoryStore
 
 SK = "sk-partial"

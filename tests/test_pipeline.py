@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 import redis
 
-from fixtures.demo_batch import CITIES, KINDS, WEATHER, check, demo_specs, weather_json
+from fixtures.demo_batch import check, demo_specs
+from fixtures.demo_scenarios import CITIES, KINDS, WEATHER, weather_json
 from fixtures.replay.conversation import read_envelope
 from producer.client import CLIENT_NAME, Client
 from producer.fleet import Fleet

@@ -12,7 +12,8 @@ import pytest
 from producer import cli
 from producer.fleet import replay_backend_name, replay_backends
 from schemas import config, protocols
-from schemas.config import ConfigError, builtin_backends, parse_config
+from schemas.config import ConfigError, parse_config
+from schemas.fleet_config import builtin_backends
 from schemas.protocols import PROTOCOLS, KeyHeader, WireProtocol, declared
 from tests.test_provider_http import REQUEST, Reply, ScriptedServer
 from worker.codecs import registry

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from fixtures.demo_batch import KINDS, check, demo_specs, on_backend
+from fixtures.demo_batch import check, demo_specs, on_backend
+from fixtures.demo_scenarios import KINDS
 from producer.fleet import replay_backend_name
 from schemas.protocols import NAMES as PROTOCOL_NAMES
 from tests.conftest import Running

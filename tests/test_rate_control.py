@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from producer.fleet import Fleet
-from schemas import keys
+from schemas import fleet_keys
 from worker.codecs.rate_headers import RateSignal
 from worker.config import BackendConfig
 from worker.edges.rate_control import MAX_WAIT_MS, ROOM_MS, RedisRateControl
@@ -57,7 +57,7 @@ def control(client: redis.Redis, clock: Clock) -> RedisRateControl:
 
 
 def state(client: redis.Redis) -> dict[str, str]:
-    raw: dict[bytes, bytes] = client.hgetall(keys.rate_controller(KEY.id))  # type: ignore[assignment]
+    raw: dict[bytes, bytes] = client.hgetall(fleet_keys.rate_controller(KEY.id))  # type: ignore[assignment]
     return {k.decode(): v.decode() for k, v in raw.items()}
 
 
@@ -219,7 +219,7 @@ def test_the_slots_of_a_worker_that_died_come_back_when_their_lease_runs_out(
     assert isinstance(control.acquire(KEY, "blocked", 0, BACKEND), Wait)
     clock.ms += control.lease_ms + 1  # nobody renewed them: their worker is gone
     assert isinstance(control.acquire(KEY, "blocked", 0, BACKEND), Slot)
-    assert client.zcard(keys.rate_slots(KEY.id)) == 1
+    assert client.zcard(fleet_keys.rate_slots(KEY.id)) == 1
 
 
 def test_the_slots_of_a_controller_whose_calls_all_ended_are_made_again_with_a_ttl(
@@ -231,10 +231,10 @@ def test_the_slots_of_a_controller_whose_calls_all_ended_are_made_again_with_a_t
     first = control.acquire(KEY, "r0", 0, BACKEND)
     assert isinstance(first, Slot)
     control.report(first, ok(), BACKEND)
-    assert not client.exists(keys.rate_slots(KEY.id))
+    assert not client.exists(fleet_keys.rate_slots(KEY.id))
     clock.ms += 100
     assert isinstance(control.acquire(KEY, "r1", 0, BACKEND), Slot)
-    assert client.ttl(keys.rate_slots(KEY.id)) > 0
+    assert client.ttl(fleet_keys.rate_slots(KEY.id)) > 0
 
 
 def test_near_the_pace_429s_came_at_growth_probes_then_speeds_up_past_it(
@@ -243,7 +243,7 @@ def test_near_the_pace_429s_came_at_growth_probes_then_speeds_up_past_it(
     """Where 429s came at 10 a second, a pace of 9.95 grows by 1% of 10 an epoch; once past
     10 with no 429 (the limit moved), by 5% again."""
     client.hset(
-        keys.rate_controller(KEY.id),
+        fleet_keys.rate_controller(KEY.id),
         mapping={"w": 64, "ss": 0, "lat": 1000, "lp": 9.95, "pmax": 10, "l429": T0 - 60_000},
     )
     take(control, 10)
@@ -272,5 +272,5 @@ def test_a_call_with_nothing_to_teach_mostly_just_gives_its_slot_back(
     slots = [s for s in take(control, 8) if isinstance(s, Slot)]
     for slot in slots:
         control.report(slot, ok(latency_ms=500), BACKEND)
-    assert client.zcard(keys.rate_slots(KEY.id)) == 0  # every slot given back
+    assert client.zcard(fleet_keys.rate_slots(KEY.id)) == 0  # every slot given back
     assert float(state(client)["lat"]) == pytest.approx(500)  # two of them said how long

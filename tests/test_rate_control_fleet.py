@@ -21,7 +21,7 @@ from fixtures.replay.rate_limit import RateLimits
 from producer.fleet import Fleet, replay_backends
 from producer.fleet_status import read_fleet_status
 from producer.metrics import FleetGauges
-from schemas import keys
+from schemas import fleet_keys, keys
 from tests.conftest import Running, _workers
 from tests.test_pipeline import submit_specs, wait_for
 from worker.edges.rate_control import SLOT_LEASE_MS
@@ -77,8 +77,8 @@ def test_two_worker_processes_never_hold_more_calls_than_the_window(
 
     def watch() -> None:  # the window and the slots held, as the fleet changes them
         while not done.is_set():
-            held = redis.zcard(keys.rate_slots(controller()))
-            window = float(redis.hget(keys.rate_controller(controller()), "w") or 0)
+            held = redis.zcard(fleet_keys.rate_slots(controller()))
+            window = float(redis.hget(fleet_keys.rate_controller(controller()), "w") or 0)
             widest[0] = max(widest[0], window)
             most_held[0] = max(most_held[0], held)
             assert window == 0 or held <= int(window)
@@ -111,7 +111,7 @@ def test_a_killed_workers_slots_come_back_within_their_lease(
 ) -> None:
     running, _, _ = fleet_on
     redis = running.client.redis
-    slots = keys.rate_slots(controller())
+    slots = fleet_keys.rate_slots(controller())
     sub = submit_specs(running.client, [spec(fresh_id, n) for n in range(8)], tmp_path)
     wait_for(lambda: redis.zcard(slots) >= 8, timeout_s=60)  # every call is out
     held_before = set(redis.zrange(slots, 0, -1))

@@ -12,7 +12,7 @@ import pytest
 
 from fixtures.replay import ReplayServer
 from producer.fleet import Fleet, replay_backends
-from schemas import keys
+from schemas import fleet_keys, keys
 from tests.conftest import Running, _workers
 from tests.test_pipeline import submit_specs
 
@@ -109,14 +109,14 @@ def test_the_token_window_is_a_running_total(base_fleet: Fleet) -> None:
     assert isinstance(first, Permit) and isinstance(second, Permit)
     assert not isinstance(limiter.acquire(backend, 40), Permit)  # 120 > 100: wait
     limiter.settle(first, 10)  # it used less than estimated
-    assert int(client.get(keys.rate_total("rt")) or 0) == 50
+    assert int(client.get(fleet_keys.rate_total("rt")) or 0) == 50
     assert isinstance(limiter.acquire(backend, 40), Permit)  # 90 <= 100
     # once the window has passed, every entry has left it and taken its tokens along (the
     # probes themselves ask for 0 tokens)
     wait_for(
         lambda: (
             isinstance(limiter.acquire(backend, 0), Permit)
-            and int(client.get(keys.rate_total("rt")) or 0) == 0
+            and int(client.get(fleet_keys.rate_total("rt")) or 0) == 0
         )
     )
     client.flushdb()

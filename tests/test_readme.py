@@ -19,7 +19,7 @@ import pytest
 from fixtures.replay.catalog import MARKERS, replay_table
 from fixtures.replay.scenarios import SCENARIOS
 from producer.cli import build_parser
-from schemas.config import BackendConfig
+from schemas.fleet_config import BackendConfig
 from schemas.tool_policy import policy_table
 from tests.conftest import Running
 from tests.test_local_fleet import clean_env, marked_processes, wait_until_gone

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from fixtures.demo_batch import CITIES, WEATHER, weather_json
+from fixtures.demo_scenarios import CITIES, WEATHER, weather_json
 from producer.client import Client
 from producer.fleet import Fleet
 from producer.specfile import load_spec_file

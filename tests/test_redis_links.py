@@ -15,7 +15,7 @@ import pytest
 
 from producer.client import Client
 from schemas import redis_links
-from schemas.config import FleetConfig
+from schemas.fleet_config import FleetConfig
 from worker.config import load_settings
 from worker.edges import broker, broker_connection
 from worker.edges.store import RedisStore

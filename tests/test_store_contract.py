@@ -32,8 +32,8 @@ from worker.edges.store import RedisStore
 from worker.errors import StoreError
 from worker.session.engine import ToolRun
 from worker.session.outcomes import ToolFailure, ToolOutcome
-from worker.session.ports import RoundReads, SessionStore, ToolReads
 from worker.session.round_record import PlannedRun
+from worker.session.store_ports import RoundReads, SessionStore, ToolReads
 from worker.session.twins.store import MemoryStore
 
 REDIS_DB = 9

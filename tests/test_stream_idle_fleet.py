@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import requests
 
-from fixtures.demo_batch import WEATHER, weather_json
+from fixtures.demo_scenarios import WEATHER, weather_json
 from fixtures.replay.scenarios import conversation_key
 from producer.fleet import Fleet
 from schemas.protocols import PROTOCOLS

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from fixtures.demo_batch import WEATHER, weather_json
+from fixtures.demo_scenarios import WEATHER, weather_json
 from producer.client import Client
 from producer.fleet import Fleet
 from schemas import keys

@@ -21,7 +21,7 @@ import pytest
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
 from bench.browser import VIEWPORT, Viewer, batch_path, launch_chromium, session_path
-from fixtures.demo_batch import CALCULATE
+from fixtures.demo_scenarios import CALCULATE
 from fixtures.replay.conversation import read_envelope
 from producer.batch import Batch, Result
 from producer.fleet import Fleet, free_port

@@ -14,12 +14,12 @@ from urllib.parse import quote
 import pytest
 from starlette.testclient import TestClient
 
-from fixtures.demo_batch import KINDS
+from fixtures.demo_scenarios import KINDS
 from producer.client import Client
 from producer.fleet import Fleet
 from producer.viewer.app import create_app
 from producer.viewer.fleet_source import FleetSource
-from schemas.config import FleetConfig
+from schemas.fleet_config import FleetConfig
 from tests.conftest import Running, _workers
 from tests.test_pipeline import submit_specs, wait_for
 

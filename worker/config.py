@@ -43,7 +43,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from schemas.config import BackendConfig, ConfigError, FleetConfig, read_config
+from schemas.config import ConfigError, read_config
+from schemas.fleet_config import BackendConfig, FleetConfig
 from schemas.redis_memory import allow_eviction
 from schemas.redis_url import RedisUrlError, check_redis_url
 

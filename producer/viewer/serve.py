@@ -25,7 +25,7 @@ from producer.viewer.auth import LOOPBACK_NAMES, is_loopback
 from producer.viewer.file_source import FileSource, ResultsFileError
 from producer.viewer.fleet_source import FleetSource
 from producer.viewer.source import ViewSource
-from schemas.config import FleetConfig
+from schemas.fleet_config import FleetConfig
 
 
 def url_of(host: str, port: int) -> str:

@@ -54,7 +54,7 @@ from typing import Any
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 
-from schemas import keys
+from schemas import fleet_keys
 from worker.edges import liveness
 from worker.edges.broker_pending import (
     PENDING_FORGETS,
@@ -72,11 +72,11 @@ log = logging.getLogger(__name__)
 
 # Broker bookkeeping, outside the session keyspace (cq:*) like kombu's own keys: no TTL, and
 # bounded: a hash empties as its messages are acked, a consumer leaves the set when swept.
-# The key names live in schemas/keys.py: the metrics exporter reads them too.
-CONSUMERS_KEY = keys.BROKER_CONSUMERS
-unacked_key = keys.broker_unacked
-taken_key = keys.broker_taken
-alive_key = keys.broker_alive
+# The key names live in schemas/fleet_keys.py: the metrics exporter reads them too.
+CONSUMERS_KEY = fleet_keys.BROKER_CONSUMERS
+unacked_key = fleet_keys.broker_unacked
+taken_key = fleet_keys.broker_taken
+alive_key = fleet_keys.broker_alive
 
 
 def taken_messages(client: Any) -> list[bytes]:

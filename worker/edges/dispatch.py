@@ -27,7 +27,8 @@ from celery.utils.nodenames import anon_nodename
 from schemas import keys, task_names
 from worker.edges.step_leases import translated
 from worker.edges.store import RedisStore
-from worker.session.ports import Commit, NextStep, StepPublisher
+from worker.session.ports import NextStep, StepPublisher
+from worker.session.store_ports import Commit
 
 # the options of a task with no callbacks, as Celery embeds them in every message body
 _EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}

@@ -24,7 +24,7 @@ from typing import Any
 
 import redis
 
-from schemas import keys
+from schemas import fleet_keys
 from worker.codecs.rate_headers import RateSignal
 from worker.config import BackendConfig
 from worker.edges.rate_control_lua import ACQUIRE, RENEW, REPORT
@@ -105,7 +105,7 @@ class RedisRateControl:
             self._quiet += 1
             if self._quiet % self._full_every:
                 try:
-                    self.client.zrem(keys.rate_slots(slot.key.id), slot.member)
+                    self.client.zrem(fleet_keys.rate_slots(slot.key.id), slot.member)
                 except redis.RedisError as exc:
                     raise store_error(exc, "rate control") from exc
                 return None
@@ -133,7 +133,7 @@ class RedisRateControl:
     @contextmanager
     def held(self, slot: Slot) -> Iterator[None]:
         with self._lock:
-            self._held[slot.member] = keys.rate_slots(slot.key.id)
+            self._held[slot.member] = fleet_keys.rate_slots(slot.key.id)
             if self._pid != os.getpid():  # this process's first slot: start its renewer
                 self._pid = os.getpid()
                 threading.Thread(
@@ -173,10 +173,10 @@ class RedisRateControl:
 def _keys(key: ControlKey) -> list[str]:
     cid = key.id
     return [
-        keys.rate_controller(cid),
-        keys.rate_slots(cid),
-        keys.rate_room(cid),
-        keys.RATE_CONTROLLERS,
+        fleet_keys.rate_controller(cid),
+        fleet_keys.rate_slots(cid),
+        fleet_keys.rate_room(cid),
+        fleet_keys.RATE_CONTROLLERS,
     ]
 
 

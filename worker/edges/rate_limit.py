@@ -15,7 +15,7 @@ from typing import Any
 
 import redis
 
-from schemas import keys
+from schemas import fleet_keys
 from worker.config import BackendConfig
 from worker.edges.redis_errors import store_error
 from worker.session.ports import Permit
@@ -81,9 +81,9 @@ class RedisRateLimiter:
         try:
             answer = self._acquire(
                 keys=[
-                    keys.rate_requests(backend.name),
-                    keys.rate_tokens(backend.name),
-                    keys.rate_total(backend.name),
+                    fleet_keys.rate_requests(backend.name),
+                    fleet_keys.rate_tokens(backend.name),
+                    fleet_keys.rate_total(backend.name),
                 ],
                 args=[
                     backend.rate_window_s,
@@ -105,7 +105,10 @@ class RedisRateLimiter:
             return
         try:
             self._settle(
-                keys=[keys.rate_tokens(permit.backend), keys.rate_total(permit.backend)],
+                keys=[
+                    fleet_keys.rate_tokens(permit.backend),
+                    fleet_keys.rate_total(permit.backend),
+                ],
                 args=[permit.member, max(used_tokens, 0)],
             )
         except redis.RedisError as exc:

@@ -19,8 +19,8 @@ from schemas import keys
 from schemas.fleet_clock import FleetClock
 from worker.edges import liveness
 from worker.edges.redis_errors import refusal, store_error
-from worker.session.ports import STEP_LEASE_MS
 from worker.session.refusals import RefusalNotice
+from worker.session.store_ports import STEP_LEASE_MS
 
 P = ParamSpec("P")
 T = TypeVar("T")

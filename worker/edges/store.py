@@ -39,9 +39,9 @@ from worker.edges.store_trace import TraceWrites
 from worker.errors import SpecMissingError, StoreError
 from worker.session.engine import ToolRun
 from worker.session.outcomes import ToolOutcome
-from worker.session.ports import EndingInputs, RoundReads, StepStart, ToolInputs, ToolReads
 from worker.session.round_record import decode_round, encode_round
 from worker.session.state import Round, Session
+from worker.session.store_ports import RoundReads, StepStart, ToolInputs, ToolReads
 
 log = logging.getLogger(__name__)
 SPEC_CACHE_SIZE = 4096
@@ -356,42 +356,6 @@ class RedisStore(StepLeases, TraceWrites, ResultWrites, FleetQueries):
         except Exception:  # what cannot be read here, the body reads again under the guard
             return start
         return start
-
-    # cancellation and failure --------------------------------------------------------------
-
-    @translated
-    def is_cancelled(self, sk: str) -> bool:
-        return bool(self.client.exists(keys.cancel(sk)))
-
-    @translated
-    def failure(self, sk: str) -> dict[str, Any] | None:
-        value = _loads(self.client.get(keys.failure(sk)))
-        return None if value is None else dict(value)
-
-    @translated
-    def ending_inputs(self, sk: str) -> EndingInputs:
-        submitted = self._submitted.get(sk)  # in the spec this process read, when it says
-        pipe = self.client.pipeline(transaction=False)
-        pipe.get(keys.failure(sk))
-        pipe.exists(keys.cancel(sk))
-        if submitted is None:
-            pipe.hget(keys.meta(sk), "submitted_ms")
-        failure, cancelled, *rest = pipe.execute()
-        failed = _loads(failure)
-        return EndingInputs(
-            None if failed is None else dict(failed),
-            bool(cancelled),
-            submitted if submitted is not None else int(rest[0] or 0),
-            self.clock.now_ms(),
-        )
-
-    @translated
-    def dead_letter(self, step: str, sk: str, body: dict[str, Any], reason: str) -> None:
-        pipe = self.client.pipeline(transaction=True)
-        pipe.set(keys.failure(sk), dump_body(body), nx=True, ex=self.ttl_s)
-        pipe.xadd(keys.DEADLETTER, {"step": step, "reason": reason[:500]}, maxlen=100_000)
-        pipe.expire(keys.DEADLETTER, self.ttl_s)
-        pipe.execute()
 
     # meta ----------------------------------------------------------------------------------
 

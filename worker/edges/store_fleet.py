@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from schemas import keys
+from schemas import fleet_keys, keys
 from schemas.fleet_clock import FleetClock
 from schemas.redis_memory import RedisMemory
 from worker.edges.step_leases import translated
@@ -36,7 +36,7 @@ class FleetQueries:
     @translated
     def take_reconciler_turn(self, hold_ms: int) -> bool:
         """Whether this process reconciles now: one in the fleet at a time, for `hold_ms`."""
-        return bool(self.client.set(keys.RECONCILER_LOCK, os.getpid(), nx=True, px=hold_ms))
+        return bool(self.client.set(fleet_keys.RECONCILER_LOCK, os.getpid(), nx=True, px=hold_ms))
 
     @translated
     def stalled(self, quiet_ms: int, most: int) -> list[str]:

@@ -7,8 +7,8 @@ import json
 
 from schemas import keys
 from worker.session.outcomes import ToolOutcome
-from worker.session.ports import ToolInputs
 from worker.session.round_record import decode_round
+from worker.session.store_ports import ToolInputs
 
 GUESSED_CALLS = 4  # outcome keys read with the replies, per round
 

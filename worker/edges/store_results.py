@@ -1,8 +1,11 @@
-"""A session's result in Redis, a part of RedisStore: the response fd and the record, written
-once, and the batches waiting for the session told that it finished."""
+"""A session's end in Redis, a part of RedisStore: what its ending reads (the failure a
+dead-lettered step recorded, the cancel flag, when it was submitted), the dead letter, the
+response fd and the record, written once, and the batches waiting for the session told that it
+finished."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from typing import Any
 
@@ -10,6 +13,7 @@ from schemas import keys
 from schemas.bodies import dump_body, outcome_code
 from schemas.fleet_clock import FleetClock
 from worker.edges.step_leases import translated
+from worker.session.store_ports import EndingInputs
 
 # The response and the record set once (NX), and with them the end in the meta: the state,
 # when, the outcome and the step that ended it (`ended_by`), the meta living as long as they
@@ -33,13 +37,52 @@ return {'', {}}
 
 
 class ResultWrites:
-    """A part of RedisStore (which sets `client`, `ttl_s`, `clock` and `_write_once`:
-    WRITE_ONCE)."""
+    """A part of RedisStore (which sets `client`, `ttl_s`, `clock`, `_submitted` (sk -> when
+    submitted, from the specs it read) and `_write_once`: WRITE_ONCE)."""
 
     client: Any
     ttl_s: int
     clock: FleetClock
+    _submitted: dict[str, int]
     _write_once: Any
+
+    # cancellation and failure --------------------------------------------------------------
+
+    @translated
+    def is_cancelled(self, sk: str) -> bool:
+        return bool(self.client.exists(keys.cancel(sk)))
+
+    @translated
+    def failure(self, sk: str) -> dict[str, Any] | None:
+        value = _loads(self.client.get(keys.failure(sk)))
+        return None if value is None else dict(value)
+
+    @translated
+    def ending_inputs(self, sk: str) -> EndingInputs:
+        submitted = self._submitted.get(sk)  # in the spec this process read, when it says
+        pipe = self.client.pipeline(transaction=False)
+        pipe.get(keys.failure(sk))
+        pipe.exists(keys.cancel(sk))
+        if submitted is None:
+            pipe.hget(keys.meta(sk), "submitted_ms")
+        failure, cancelled, *rest = pipe.execute()
+        failed = _loads(failure)
+        return EndingInputs(
+            None if failed is None else dict(failed),
+            bool(cancelled),
+            submitted if submitted is not None else int(rest[0] or 0),
+            self.clock.now_ms(),
+        )
+
+    @translated
+    def dead_letter(self, step: str, sk: str, body: dict[str, Any], reason: str) -> None:
+        pipe = self.client.pipeline(transaction=True)
+        pipe.set(keys.failure(sk), dump_body(body), nx=True, ex=self.ttl_s)
+        pipe.xadd(keys.DEADLETTER, {"step": step, "reason": reason[:500]}, maxlen=100_000)
+        pipe.expire(keys.DEADLETTER, self.ttl_s)
+        pipe.execute()
+
+    # the result ----------------------------------------------------------------------------
 
     @translated
     def has_result(self, sk: str) -> bool:
@@ -91,3 +134,7 @@ class ResultWrites:
         for batch in batches:
             client.rpush(keys.done_list(batch), sk)
             client.expire(keys.done_list(batch), self.ttl_s)
+
+
+def _loads(raw: bytes | None) -> Any:
+    return None if raw is None else json.loads(raw)

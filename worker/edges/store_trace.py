@@ -9,7 +9,7 @@ from typing import Any
 from schemas import keys
 from schemas.partial import PartialRound
 from worker.edges.step_leases import translated
-from worker.session.ports import TraceWrite
+from worker.session.store_ports import TraceWrite
 
 TRACE_SESSION_MAXLEN = 2_000  # entries kept per session
 TRACE_FLEET_MAXLEN = 100_000  # entries kept for the fleet

@@ -18,8 +18,9 @@ from worker.guest.ports import ProgramStore
 from worker.guest.runner import ModuleSource, ProgramOutcome, ProgramRun, run_program
 from worker.session.decisions import WriteEnding
 from worker.session.ending import Ending, failed_program_record
-from worker.session.ports import Outbox, StepStart
+from worker.session.ports import Outbox
 from worker.session.steps import StepRunner
+from worker.session.store_ports import StepStart
 from worker.session.trace import Arrival
 
 

@@ -17,7 +17,8 @@ from worker.session.decisions import (
     ToolAnswered,
 )
 from worker.session.ending import Ending, ending
-from worker.session.ports import Dispatcher, Outbox, SessionStore
+from worker.session.ports import Dispatcher, Outbox
+from worker.session.store_ports import SessionStore
 from worker.session.trace import event
 
 

@@ -29,21 +29,18 @@ from worker.errors import (
 )
 from worker.session.ending import bare_record
 from worker.session.outcomes import ToolOutcome
-from worker.session.ports import (
+from worker.session.ports import Dispatcher, NoSpans, Outbox, SpanSink
+from worker.session.refusals import STEPS, Patience
+from worker.session.spans import SpanSession, step_spans
+from worker.session.store_ports import (
     STEP_LEASE_MS,
     Commit,
-    Dispatcher,
-    NoSpans,
-    Outbox,
     RoundReads,
     SessionStore,
-    SpanSink,
     StepStart,
     ToolReads,
     TraceWrite,
 )
-from worker.session.refusals import STEPS, Patience
-from worker.session.spans import SpanSession, step_spans
 from worker.session.trace import Arrival, TraceEvent, event, rate_limit_waited, step_timed
 
 log = logging.getLogger(__name__)

@@ -17,8 +17,9 @@ from schemas.fleet import ToolDefaults
 from schemas.mcp import offered_tools
 from schemas.spec_types import SessionSpec, ToolSpec
 from worker.errors import McpError, ToolRuntimeError
-from worker.session.ports import McpClient, SessionStore, ToolCall, ToolRuntime
+from worker.session.ports import McpClient, ToolCall, ToolRuntime
 from worker.session.state import Session
+from worker.session.store_ports import SessionStore
 
 
 class ToolRouter:

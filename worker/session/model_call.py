@@ -29,13 +29,7 @@ from worker.errors import (
     StoreUnavailableError,
 )
 from worker.session.engine import CallModel
-from worker.session.ports import (
-    Completion,
-    CompletionProvider,
-    Permit,
-    RateLimiter,
-    SessionStore,
-)
+from worker.session.ports import Completion, CompletionProvider, Permit, RateLimiter
 from worker.session.rate_control import (
     CallKind,
     CallReport,
@@ -47,6 +41,7 @@ from worker.session.rate_control import (
 )
 from worker.session.refusals import STEPS
 from worker.session.state import Session
+from worker.session.store_ports import SessionStore
 
 log = logging.getLogger(__name__)
 

@@ -1,72 +1,27 @@
-"""What a step needs from the outside world, as Protocols. The edges (Redis, Celery, HTTP,
-wasmtime) implement them; `worker.session.twins` implements them in memory, so the steps run
-and are tested with no Redis and no workers.
+"""What a step needs from the outside world besides its store (worker.session.store_ports), as
+Protocols: the dispatcher, the rate limiter, the model provider, the tool runtime, MCP servers
+and where spans go. The edges (Celery, HTTP, wasmtime) implement them; `worker.session.twins`
+implements them in memory, so the steps run and are tested with no Redis and no workers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 from schemas.fleet import ToolDefaults
-from schemas.keys import ChunkMember
 from schemas.limits import Limits
 from schemas.mcp import McpToolInfo
-from schemas.partial import PartialRound
-from schemas.spec_types import McpToolRef, ProgramSpec, SessionSpec, Spec, ToolSpec
+from schemas.spec_types import McpToolRef
 from worker.codecs.protocol import ChatRequest, Delta
 from worker.codecs.rate_headers import RateSignal
-from worker.codecs.reply import Reply
 from worker.config import BackendConfig
-from worker.errors import InternalError
-from worker.session.engine import ToolRun
 from worker.session.outcomes import ToolOutcome
-from worker.session.round_record import StoredRound
 from worker.session.spans import SpanValue
-from worker.session.state import Session
+from worker.session.store_ports import Commit
 from worker.session.tool_logs import ToolLogs
 from worker.session.trace import TraceEvent
-
-# A step's lease: a delivery holds it while it runs, and its worker renews it (SessionStore.hold)
-# every third of it, so a worker that dies frees its step within this, whatever the step does.
-STEP_LEASE_MS = 15_000
-
-
-@dataclass(frozen=True)
-class RoundReads:
-    """What a round step reads: its session's rounds up to `round_no`."""
-
-    round_no: int
-    backend: str  # the session's backend when its spec names none
-
-
-@dataclass(frozen=True)
-class ToolReads:
-    """What a tool step reads: its round as stored (its reply and planned runs) and its own
-    stored outcome."""
-
-    round_no: int
-    index: int
-
-
-ToolInputs = tuple[StoredRound | None, ToolOutcome | None]
-
-
-@dataclass(frozen=True)
-class StepStart:
-    """What one delivery of a step learns before it works, with what it asked to read in the
-    same round trip (speculatively: a delivery that does not hold the lease ignores it)."""
-
-    published: bool  # its continuation was already sent: nothing to do
-    leased: bool  # this delivery holds the lease
-    tries: int  # deliveries so far, this one included
-    cancelled: bool
-    session: Session | None = None  # asked with RoundReads
-    tool_inputs: ToolInputs | None = None  # asked with ToolReads
-    lease: str = ""  # this delivery's lease token, when it holds the lease
-    tries_stored: bool = True  # False: a first delivery, counted without a write
 
 
 @dataclass(frozen=True)
@@ -104,173 +59,6 @@ class ToolCall:
     # where the tool's `log` lines and stdout/stderr go, as it writes them (all its attempts)
     logs: ToolLogs | None = field(default=None, compare=False)
     mcp: McpToolRef | None = None  # an MCP server's tool: called there, not in WASM
-
-
-class SessionStore(Protocol):
-    """Session state: specs, stored outputs (first writer wins), step guards, results."""
-
-    def load_spec(self, sk: str) -> Spec: ...
-    def batch_of(self, sk: str) -> str:
-        """The batch a session was submitted in, as its stored spec says ("" when it says
-        none); a program run's chats are in `keys.run_batch` of their run."""
-        ...
-
-    def load_session(self, sk: str, backend: str, upto_round: int | None = None) -> Session: ...
-    def tool_inputs(self, sk: str, round_no: int, index: int) -> ToolInputs: ...
-    def store_round(self, sk: str, round_no: int, reply: Reply, runs: Sequence[ToolRun]) -> Reply:
-        """Store a round's reply with the runs its plan made, unless one is stored (first
-        writer wins): the stored reply, `reply` itself when this call stored it."""
-        ...
-
-    def store_tool_outcomes(
-        self, sk: str, round_no: int, outcomes: dict[int, ToolOutcome], calls: int
-    ) -> int:
-        """Store what is not stored yet; how many of the round's first `calls` calls have an
-        outcome (0 when `calls` is 0)."""
-        ...
-
-    def begin_step(
-        self,
-        step: str,
-        lease_ms: int,
-        meta: dict[str, str | int] | None = None,
-        sk: str = "",
-        reads: RoundReads | ToolReads | None = None,
-        first: bool | None = None,
-    ) -> StepStart:
-        """One delivery of `step` begins (`first`: the first delivery of its message, when
-        the broker knows; None: not known)."""
-        ...
-
-    def defer_step(self, step: str, sk: str, stored: bool, wait_ms: int) -> None:
-        """This delivery waits `wait_ms` for room under a rate limit: its lease released, its
-        try uncounted, its session (`sk`, when a session's step) not taken for stalled."""
-        ...
-
-    def hold(self, step: str, token: str) -> AbstractContextManager[None]:
-        """Keep this delivery's lease of `step` alive while the step runs."""
-        ...
-
-    def unstarted_calls(self, sk: str, round_no: int, calls: int) -> tuple[list[int], int]:
-        """Of a round's first `calls` calls, under max_parallel: those waiting for room (no
-        outcome, never queued, no step leased), and how many hold a place (queued or
-        running, no outcome yet)."""
-        ...
-
-    def queue_calls(self, sk: str, round_no: int, indexes: list[int], claim: bool) -> list[int]:
-        """Mark calls queued; with `claim`, only those no one marked before (returned)."""
-        ...
-
-    def active_steps(self, steps: list[str]) -> set[str]:
-        """Which of these steps are leased (a delivery works on them) or published."""
-        ...
-
-    def published_steps(self, steps: list[str]) -> set[str]:
-        """Which of these steps are published (their continuation was sent)."""
-        ...
-
-    def leased_steps(self, steps: list[str]) -> dict[str, int]:
-        """Which of these steps a delivery works on now (leased, not published), each with
-        the ms its lease has left."""
-        ...
-
-    def set_partial(self, sk: str, partial: PartialRound | None) -> None: ...
-    def store_mcp_tools(self, sk: str, tools: tuple[ToolSpec, ...]) -> None:
-        """Store the MCP tools a session offers, as its first round listed them (first writer
-        wins); `load_spec` then returns the spec with them (spec_types.with_mcp_tools)."""
-        ...
-
-    def trace(self, write: TraceWrite) -> None: ...
-    def task_state(self, sk: str, task_id: str) -> dict[str, str] | None:
-        """An async background task's state (status, percent, message, outcome), if any."""
-        ...
-
-    def update_task(self, sk: str, task_id: str, fields: dict[str, str]) -> None: ...
-    def lease_left_ms(self, step: str) -> int: ...
-    def end_step(self, step: str) -> None: ...
-    def release_lease(self, step: str) -> None: ...
-    def is_cancelled(self, sk: str) -> bool: ...
-    def failure(self, sk: str) -> dict[str, Any] | None: ...
-    def ending_inputs(self, sk: str) -> EndingInputs:
-        """What an ending reads, in one round trip."""
-        ...
-
-    def dead_letter(self, step: str, sk: str, body: dict[str, Any], reason: str) -> None: ...
-    def meta(self, sk: str) -> dict[str, str]: ...
-    def now_ms(self) -> int:
-        """Now on the clock submits are stamped on (Redis's, in the Redis store)."""
-        ...
-
-    def has_result(self, sk: str) -> bool: ...
-    def write_result(
-        self,
-        sk: str,
-        body: bytes,
-        record: dict[str, Any],
-        notify_later: list[str] | None = None,
-        ender: str = "",
-    ) -> str | None:
-        """Write the response fd and the record once, with the session's end in its meta
-        (state, outcome, `ended_by`: the step `ender`). When this call wrote them, or step
-        `ender` had (its redelivery, whose commit may never have been written), the caller
-        ends the session: it gets the outcome code of the ending written, and only it tells
-        the batches waiting for the session, or adds them to `notify_later` for the caller to
-        tell (with its step's commit). None when another step ended it."""
-        ...
-
-    def watcher_batches(self, sk: str) -> list[str]: ...
-    def notify(self, sk: str, batches: Iterable[str]) -> None: ...
-    def chunk_members(self, batch: str, chunk_no: int) -> list[ChunkMember]: ...
-
-
-SpecT = TypeVar("SpecT", SessionSpec, ProgramSpec)
-
-
-def spec_of(store: SessionStore, sk: str, kind: type[SpecT]) -> SpecT:
-    """A session's spec, of the kind its step expects (a chat or a program run)."""
-    spec = store.load_spec(sk)
-    if not isinstance(spec, kind):
-        raise InternalError(f"session {sk} is not a {kind.__name__}")
-    return spec
-
-
-@dataclass(frozen=True)
-class TraceWrite:
-    """Trace events of one session, to append to its stream and the fleet's; `expire`: the
-    first or last write of a session, which makes its stream with its TTL (others only add)."""
-
-    sk: str
-    events: tuple[TraceEvent, ...]
-    expire: bool = False
-
-
-@dataclass(frozen=True)
-class Commit:
-    """What a step writes as it ends, with the steps it publishes: its published marker, its
-    trace events, the tool outcomes it stores (first writer wins, by round and call) and the
-    batches it tells that its session finished."""
-
-    sk: str
-    published: str | None = None
-    trace: TraceWrite | None = None
-    outcomes: Mapping[tuple[int, int], ToolOutcome] = field(default_factory=dict)
-    notify: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class EndingInputs:
-    """What the ending rules read: the failure a dead-lettered step recorded, the cancel flag,
-    and when the session was submitted, with now: both on the store's clock (Redis's), so a
-    session's latency does not depend on the hosts' clocks of its producer and its last step."""
-
-    failure: dict[str, Any] | None
-    cancelled: bool
-    submitted_ms: int
-    now_ms: int
-
-    @property
-    def latency_ms(self) -> int:
-        return self.now_ms - self.submitted_ms
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from worker.errors import StoreError
-from worker.session.ports import STEP_LEASE_MS
+from worker.session.store_ports import STEP_LEASE_MS
 from worker.session.trace import event
 
 if TYPE_CHECKING:

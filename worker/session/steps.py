@@ -49,16 +49,12 @@ from worker.session.ports import (
     NoSpans,
     Outbox,
     RateLimiter,
-    RoundReads,
-    SessionStore,
     SpanSink,
-    SpecT,
-    StepStart,
     ToolRuntime,
-    spec_of,
 )
 from worker.session.rate_control import RateControl
 from worker.session.state import Round, Session
+from worker.session.store_ports import RoundReads, SessionStore, SpecT, StepStart, spec_of
 from worker.session.tool_step import ToolContext, ToolStep
 from worker.session.trace import Arrival, event, model_call_ended, unrun_calls
 

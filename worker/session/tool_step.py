@@ -28,14 +28,8 @@ from worker.session.engine import ToolRun
 from worker.session.guard import StepGuard
 from worker.session.model_call import ModelCaller
 from worker.session.outcomes import ToolOutcome
-from worker.session.ports import (
-    Outbox,
-    SessionStore,
-    StepStart,
-    ToolReads,
-    ToolRuntime,
-    spec_of,
-)
+from worker.session.ports import Outbox, ToolRuntime
+from worker.session.store_ports import SessionStore, StepStart, ToolReads, spec_of
 from worker.session.summaries import summarized
 from worker.session.tool_policy import ToolCaller
 from worker.session.trace import Arrival, event, tool_call_ended, tool_logs_kept

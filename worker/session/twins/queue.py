@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from worker.errors import RetryLater, StepDeadLettered
-from worker.session.ports import Commit, NextStep, StepPublisher
+from worker.session.ports import NextStep, StepPublisher
+from worker.session.store_ports import Commit
 
 Published = tuple[Any, ...]  # ("round", sk, r) | ("tool", sk, r, i) | ("finish", sk) | ...
 

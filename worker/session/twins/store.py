@@ -34,7 +34,9 @@ from worker.codecs.reply import Reply
 from worker.errors import SpecMissingError, StoreError
 from worker.session.engine import ToolRun
 from worker.session.outcomes import ToolOutcome
-from worker.session.ports import (
+from worker.session.round_record import decode_round, encode_round
+from worker.session.state import Round, Session
+from worker.session.store_ports import (
     EndingInputs,
     RoundReads,
     StepStart,
@@ -42,8 +44,6 @@ from worker.session.ports import (
     ToolReads,
     TraceWrite,
 )
-from worker.session.round_record import decode_round, encode_round
-from worker.session.state import Round, Session
 from worker.session.trace import TraceEvent
 from worker.session.twins.programs import ProgramTwin
 
