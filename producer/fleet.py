@@ -380,10 +380,8 @@ def _queue_of(worker_name: str) -> str:
 
 
 def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
-    try:
-        os.killpg(
-            proc.pid, sig
-        )  # started in its own session: the group is the process and its children
+    try:  # started in its own session: the group is the process and its children
+        os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(sig)
