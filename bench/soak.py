@@ -101,7 +101,7 @@ def start(workdir: Path, ttl_s: int) -> tuple[Fleet, Client]:
     fleet.env["CCHATQ_RESULT_TTL_S"] = str(ttl_s)
     fleet.start_workers()
     fleet.wait_served()
-    return fleet, Client(fleet.redis_url, config=fleet.config())
+    return fleet, Client(fleet.redis_url, ttl_s=ttl_s, config=fleet.config())
 
 
 def check_batch(soak: Soak, sub: Submission, answers: dict[str, str], label: str) -> Row:

@@ -5,6 +5,7 @@ worker. Key layout: `schemas/keys.py`."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from producer.redis_connect import redis_client
 from producer.submitting import Rerun
 from producer.waiting import Waiting
 from schemas import redis_links
-from schemas.config import read_config
+from schemas.config import ConfigError, read_config
 from schemas.fleet_clock import FleetClock, server_ms
 from schemas.fleet_config import FleetConfig
 from schemas.redis_url import is_sentinel, kombu_broker, redacted
@@ -38,7 +39,7 @@ class Client(Waiting):
     def __init__(
         self,
         redis_url: str,
-        ttl_s: int = DEFAULT_TTL_S,
+        ttl_s: int | None = None,
         config: FleetConfig | None = None,
         namespace: str | None = None,
         lookup_batch: str | None = None,
@@ -47,7 +48,9 @@ class Client(Waiting):
         against; by default the one this process's environment names, as the workers read it
         (CCHATQ_CONFIG / CCHATQ_BACKENDS). A ConfigError if that is wrong. `namespace`: where
         spec ids are claimed and looked up (default: the configuration's); `lookup_batch`: an
-        id looked up is the run that batch ran."""
+        id looked up is the run that batch ran. `ttl_s`: the TTL of what it writes (default:
+        CCHATQ_RESULT_TTL_S, as the workers read it, else a day; a ConfigError if that is
+        no number of seconds)."""
         # Any: redis-py annotates replies as bytes | str; this client never decodes (bytes).
         self.redis: Any = redis_client(
             redis_url, client_name=CLIENT_NAME, **reconnecting(), **redis_links.client_options()
@@ -56,7 +59,7 @@ class Client(Waiting):
         # Redis's clock: when a session was submitted is compared by the fleet's reconciler
         # on it, whatever this host's wall clock says
         self.clock = FleetClock(lambda: server_ms(self.redis.time()))
-        self.ttl_s = ttl_s
+        self.ttl_s = ttl_s if ttl_s is not None else result_ttl_s()
         self.config = config if config is not None else read_config()
         self.namespace = namespace or self.config.namespace
         self.lookup_batch = lookup_batch
@@ -99,6 +102,18 @@ class Client(Waiting):
         directory)."""
         loaded = self._validate(specs, check_keys, base_dir)
         return Batch(self, self.enqueue(loaded, rerun=rerun, namespace=namespace))
+
+
+def result_ttl_s(environ: Mapping[str, str] | None = None) -> int:
+    """The fleet's key TTL, CCHATQ_RESULT_TTL_S, which the workers read too: a producer that
+    wrote its specs and claims for a day on a fleet whose keys live ten minutes would hold
+    every finished session's spec in Redis for the day."""
+    raw = (os.environ if environ is None else environ).get("CCHATQ_RESULT_TTL_S", "")
+    if not raw:
+        return DEFAULT_TTL_S
+    if not raw.isdigit() or int(raw) <= 0:
+        raise ConfigError("environment", [("CCHATQ_RESULT_TTL_S", f"{raw!r}: not seconds > 0")])
+    return int(raw)
 
 
 def reconnecting() -> dict[str, Any]:

@@ -6,8 +6,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
+
 from producer.batch import Batch, Result
+from producer.client import DEFAULT_TTL_S, result_ttl_s
 from schemas import keys
+from schemas.config import ConfigError
 from tests.conftest import GUESTS, Running
 from tests.test_pipeline import wait_for
 
@@ -85,3 +89,13 @@ def test_module_paths_are_relative_to_base_dir(running: Running, fresh_id: str) 
     batch = running.client.submit([weather], base_dir=GUESTS)
     (result,) = batch.results(timeout_s=60)
     assert result.ok and "Paris" in (result.text or "")
+
+
+def test_the_client_writes_with_the_fleets_key_ttl() -> None:
+    """CCHATQ_RESULT_TTL_S is the TTL of every key, the producer's too (its specs, claims,
+    batches); unset, a day; not a number of seconds, a ConfigError naming it."""
+    assert result_ttl_s({"CCHATQ_RESULT_TTL_S": "600"}) == 600
+    assert result_ttl_s({}) == DEFAULT_TTL_S
+    for bad in ("0", "-5", "ten", "1.5"):
+        with pytest.raises(ConfigError, match="CCHATQ_RESULT_TTL_S"):
+            result_ttl_s({"CCHATQ_RESULT_TTL_S": bad})
