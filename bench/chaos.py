@@ -49,6 +49,7 @@ from bench.chaos_clock import scenario_clock_skew
 from bench.chaos_failover import scenario_failover
 from bench.chaos_faults import scenario_faults
 from bench.chaos_kill import scenario_kill
+from bench.chaos_partition import scenario_partition, scenario_partition_long
 from bench.chaos_redis_full import scenario_aof_full, scenario_redis_full
 from bench.chaos_report import Row, print_table
 from bench.chaos_restarts import scenario_producer_kill, scenario_redis
@@ -68,8 +69,11 @@ RUNS: dict[str, tuple[Scenario, int]] = {
     "aof-full": (scenario_aof_full, 300),
     "failover": (scenario_failover, 300),
     "clock-skew": (scenario_clock_skew, 500),
+    "partition": (scenario_partition, 300),
+    "partition-long": (scenario_partition_long, 300),
 }
-SCENARIOS = tuple(RUNS)
+NAMED_ONLY = ("partition-long",)  # run only when asked for
+SCENARIOS = tuple(name for name in RUNS if name not in NAMED_ONLY)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -79,7 +83,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "scenarios", nargs="*", metavar="scenario", help=f"of {', '.join(SCENARIOS)} (default: all)"
+        "scenarios",
+        nargs="*",
+        metavar="scenario",
+        help=f"of {', '.join(RUNS)} (default: all but {', '.join(NAMED_ONLY)})",
     )
     parser.add_argument(
         "--sessions", type=int, help="sessions per run (default: each scenario's own, 10 to 1000)"
