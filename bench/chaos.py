@@ -83,7 +83,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "scenarios", nargs="*", metavar="scenario", help=f"of {', '.join(SCENARIOS)} (default: all)"
+        "scenarios",
+        nargs="*",
+        metavar="scenario",
+        help=f"of {', '.join(RUNS)} (default: all but {', '.join(NAMED_ONLY)})",
     )
     parser.add_argument(
         "--sessions", type=int, help="sessions per run (default: each scenario's own, 10 to 1000)"

@@ -34,8 +34,9 @@ from typing import Any
 
 import redis
 
-from bench.chaos_fleet import expected, wait_records, weather_objects
+from bench.chaos_fleet import expected, history_problems, wait_records, weather_objects
 from bench.chaos_report import Row, dead_letters, log_digest, remove_dumps, tally
+from bench.history_read import check_run, mark_run
 from bench.sentinel_fleet import HOST, SentinelRedis
 from producer.client import Client
 from producer.fleet import Fleet
@@ -210,6 +211,7 @@ def run_failover(root: Path, n: int, how: str, server_args: Sequence[str] = ()) 
         plain_us, wait_us = wait_cost_us(old) if how == "kill" and not server_args else (0, 0)
         objects = weather_objects(f"fo-{how}-{uuid.uuid4().hex[:6]}", n)
         ids = [o["id"] for o in objects]
+        mark = mark_run(fleet.replay_url)  # the replay server's log outlives the failover
         sub = client.enqueue(load_spec_from_objects(objects))
         watch = LossWatch(old).start()
         started = time.monotonic()
@@ -233,6 +235,8 @@ def run_failover(root: Path, n: int, how: str, server_args: Sequence[str] = ()) 
         row = tally(reader.redis, label, sks, expected(objects))
         ended_ms = last_end_ms(reader.redis, sks)
         row.wall_s = (ended_ms - promoted_ms) / 1000 if ended_ms else float("nan")
+        # read through the sentinels, from the new master; the batch was never waited for
+        row.verdict = check_run(row.scenario, reader, objects, mark)
         lost, again = watch.lost(reader.redis)
         sessions_hit, kinds = lost_summary(lost)
         second = int(reader.redis.info("replication").get("second_repl_offset", -1))
@@ -256,7 +260,7 @@ def run_failover(root: Path, n: int, how: str, server_args: Sequence[str] = ()) 
                 f"commit-sized MULTI/EXEC: {plain_us:.0f} us; with WAIT 1 100 after it: "
                 f"{wait_us:.0f} us (+{wait_us - plain_us:.0f} us a step)",
             )
-        problems = []
+        problems = history_problems(row)
         if row.finished < n:
             problems.append(f"{n - row.finished} not finished")
         if row.duplicates:

@@ -154,8 +154,13 @@ def result_lines(out: Path) -> list[dict[str, Any]]:
 # --- a run's verdict ----------------------------------------------------------------------
 
 
+def history_problems(row: Row) -> list[str]:
+    """The run's goal is not met when its history is invalid (bench/history.py)."""
+    return [] if row.verdict is None or row.verdict.valid else ["history invalid"]
+
+
 def problems_of(row: Row) -> list[str]:
-    problems = [] if row.verdict is None or row.verdict.valid else ["history invalid"]
+    problems = history_problems(row)
     if row.finished < row.expected:
         problems.append(f"{row.expected - row.finished} not finished")
     if row.step_failed:

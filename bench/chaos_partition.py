@@ -33,7 +33,15 @@ from typing import Any
 import requests
 
 from bench import netns
+from bench.chaos_fleet import (
+    expected,
+    history_problems,
+    wait_in_process,
+    weather_objects,
+    weather_specs,
+)
 from bench.chaos_report import Row, dead_letters, finished_count, log_digest, remove_dumps, tally
+from bench.history_read import check_run, mark_run
 from producer.client import Client
 from producer.fleet import Fleet
 from producer.specfile import load_spec_from_objects
@@ -107,9 +115,6 @@ def run_cut(
     why = netns.missing()
     if why:
         return Row(title, n, goal=f"- (skipped: {why})")
-    # here, not at the top: bench.chaos imports this module to register its scenarios
-    from bench.chaos_fleet import expected, wait_in_process, weather_objects, weather_specs
-
     workdir = root / re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-")  # one per run
     workdir.mkdir(parents=True, exist_ok=True)
     with netns.Network() as net:
@@ -121,13 +126,15 @@ def run_cut(
             replay = fleet.replay_url.removesuffix("/v1")
             requests.post(f"{replay}/reset", timeout=5).raise_for_status()
             objects = weather_objects(f"part-{uuid.uuid4().hex[:6]}", n)
+            # the replay server listens on the first gateway: the root namespace reaches it
+            mark, delivered = mark_run(fleet.replay_url), list[str]()
             sub = client.enqueue(load_spec_from_objects(objects))
             started = time.monotonic()
             done = Cut(workers=[w for w in workers if w.host in cut])
             waiter_client = Client(fleet.redis_url)
 
             def wait() -> None:  # as a producer waits (it nudges what stalls)
-                wait_in_process(waiter_client, sub, 600)
+                wait_in_process(waiter_client, sub, 600, delivered)
                 done.ended_at = time.monotonic()
 
             waiter = threading.Thread(target=wait, daemon=True)
@@ -157,6 +164,7 @@ def run_cut(
                 done.ended_s = done.ended_at - done.healed_at
             row = tally(client.redis, title, sub.order, expected(objects))
             row.wall_s = time.monotonic() - started
+            row.verdict = check_run(row.scenario, client, objects, mark, delivered)
             stats = requests.get(f"{replay}/stats", timeout=5).json()
             row.notes[:0] = describe(done, n, before, cut_s, restarted, stats, fleet)
             problems = goals(row, done)
@@ -275,7 +283,7 @@ def _tracebacks(log: Path) -> int:
 
 
 def goals(row: Row, cut: Cut) -> list[str]:
-    problems = []
+    problems = history_problems(row)
     if row.ok < row.expected:
         problems.append(f"{row.expected - row.ok} not ok")
     if row.duplicates:

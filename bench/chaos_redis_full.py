@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -30,7 +31,9 @@ from typing import Any
 import redis
 
 import fixtures
+from bench.chaos_fleet import history_problems, result_lines
 from bench.chaos_report import Row, dead_letters, finished_count, log_digest, remove_dumps, tally
+from bench.history_read import check_run, mark_run
 from fixtures.demo_scenarios import CITIES, WEATHER, weather_json
 from producer.client import Client
 from producer.fleet import Fleet
@@ -169,6 +172,7 @@ def scenario_redis_full(root: Path, n: int, deadline_s: float, seed: int) -> lis
         ids = [o["id"] for o in objects]
         spec_file = write_lines(workdir / "sessions.jsonl", objects)
         client = Client(fleet.redis_url, config=fleet.config())
+        mark = mark_run(fleet.replay_url)
         started = time.monotonic()
         code, said = submit(fleet, spec_file, workdir / "results-1.jsonl", "submit-1", 60)
         lines = [line for line in said.splitlines() if line.startswith("cchatq: Redis at")]
@@ -177,6 +181,10 @@ def scenario_redis_full(root: Path, n: int, deadline_s: float, seed: int) -> lis
         ended_s = wait_ended(client.redis, sks, started + ENDED_WITHIN_S)
         first = tally(client.redis, "redis-full: 24 MB, first submit", sks, echoes(objects))
         first.wall_s = time.monotonic() - started
+        # only what the submit said it enqueued was acknowledged: the rest is not lost
+        acked = objects[: enqueued_of(lines[0]) if lines else len(sks)]
+        delivered = [str(r["id"]) for r in result_lines(workdir / "results-1.jsonl")]
+        first.verdict = check_run(first.scenario, client, acked, mark, delivered)
         info = admin.info("memory")
         first.notes[:0] = [
             f"submit exit {code}; its line: {lines[0] if lines else '(none)'}",
@@ -207,6 +215,9 @@ def scenario_redis_full(root: Path, n: int, deadline_s: float, seed: int) -> lis
         second = tally(client.redis, "redis-full: raised, same file", sks, echoes(objects))
         second.wall_s = time.monotonic() - started
         second.notes.insert(0, f"submit exit {code2}")
+        delivered = [str(r["id"]) for r in result_lines(workdir / "results-2.jsonl")]
+        # from the first submit's mark: the whole file's history, both submits' model calls
+        second.verdict = check_run(second.scenario, client, objects, mark, delivered)
         problems2 = _problems(second) + ([f"submit exit {code2}"] if code2 != 0 else [])
         shared = _fleet_checks(fleet, client.redis, sks)
         first.goal = _verdict(first_problems + shared)
@@ -214,6 +225,12 @@ def scenario_redis_full(root: Path, n: int, deadline_s: float, seed: int) -> lis
         second.notes.extend(["log digest:", *log_digest(fleet.logs), *remove_dumps(fleet.logs)])
         client.close()
     return [first, second]
+
+
+def enqueued_of(line: str) -> int:
+    """K of the submit's line "... enqueued K of N sessions ..." (0 when it names none)."""
+    found = re.search(r"enqueued ([\d,]+) of", line)
+    return int(found.group(1).replace(",", "")) if found else 0
 
 
 def _fleet_checks(fleet: Fleet, r: Any, sks: list[str]) -> list[str]:
@@ -231,7 +248,7 @@ def _fleet_checks(fleet: Fleet, r: Any, sks: list[str]) -> list[str]:
 
 
 def _problems(row: Row) -> list[str]:
-    out = []
+    out = history_problems(row)
     if row.finished < row.expected:
         out.append(f"{row.expected - row.finished} not finished")
     if row.step_failed:
@@ -293,6 +310,7 @@ def scenario_aof_full(root: Path, n: int, deadline_s: float, seed: int) -> list[
             objects = weather_objects(f"aof-{uuid.uuid4().hex[:6]}", n)
             ids = [o["id"] for o in objects]
             spec_file = write_lines(workdir / "sessions.jsonl", objects)
+            mark = mark_run(fleet.replay_url)
             started = time.monotonic()
             out = workdir / "results.jsonl"
             cmd = [sys.executable, "-m", "producer.cli", "submit", str(spec_file), "--out",
@@ -309,8 +327,12 @@ def scenario_aof_full(root: Path, n: int, deadline_s: float, seed: int) -> list[
             while not answer and time.monotonic() - full_at < 10:
                 answer = refuses(client.redis)
                 time.sleep(0.2)
-            time.sleep(max(FULL_S - (time.monotonic() - full_at), 0))
-            during = finished_count(client.redis, _sks(client, ids))
+            # read all along: an idle connection's health check (a PING) would be refused
+            during = before
+            while time.monotonic() - full_at < FULL_S:
+                with contextlib.suppress(redis.RedisError):
+                    during = finished_count(client.redis, _sks(client, ids))
+                time.sleep(0.5)
             filler.unlink()
             freed_at = time.monotonic()
             resumed_s = None
@@ -328,6 +350,8 @@ def scenario_aof_full(root: Path, n: int, deadline_s: float, seed: int) -> list[
             wait_ended(client.redis, sks, started + deadline_s)
             row = tally(client.redis, "aof-full: AOF disk full 20 s", sks, weather_answers(objects))
             row.wall_s = time.monotonic() - started
+            delivered = [str(r["id"]) for r in result_lines(out)]
+            row.verdict = check_run(row.scenario, client, objects, mark, delivered)
             row.notes[:0] = [
                 f"disk filled with {before}/{n} finished; Redis answered a write: {answer!r}",
                 f"finished while full: {during - before}; progress resumed "

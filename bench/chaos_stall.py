@@ -18,7 +18,9 @@ from typing import Any
 
 import requests
 
+from bench.chaos_fleet import history_problems
 from bench.chaos_report import Row, dead_letters, log_digest, remove_dumps, tally
+from bench.history_read import check_run, mark_run
 from fixtures.replay.scenarios import conversation_key
 from producer.client import Client
 from producer.fleet import Fleet, replay_backend_name
@@ -73,17 +75,20 @@ def scenario_stall(root: Path, n: int, deadline_s: float, seed: int) -> list[Row
         objects = stall_objects(f"stall-{uuid.uuid4().hex[:6]}", n)
         expected = {o["id"]: o["messages"][0]["content"].split(" [[")[0] for o in objects}
         expected = {i: f"Echo: {text}" for i, text in expected.items()}
+        mark, delivered = mark_run(fleet.replay_url), list[str]()
         started = time.monotonic()
         sub = client.enqueue(load_spec_from_objects(objects))
         records: dict[str, dict[str, Any]] = {}
         try:
             for _, record in client.wait(sub, timeout_s=deadline_s, poll_s=0.5):
                 records[record["id"]] = record
+                delivered.append(str(record.get("id")))
         except TimeoutError:
             pass
         wall = time.monotonic() - started
         row = tally(client.redis, "stall: pings every 15 s after some content", sub.order, expected)
         row.wall_s = wall
+        row.verdict = check_run(row.scenario, client, objects, mark, delivered)
         url = fleet.replay_url.removesuffix("/v1") + "/stalls"
         stalls = {s["turn"]: s for s in requests.get(url, timeout=5).json()["stalls"]}
         late: list[str] = []
@@ -102,7 +107,8 @@ def scenario_stall(root: Path, n: int, deadline_s: float, seed: int) -> list[Row
                 f"{_seconds(stall.get('retry_after_s'))}, model calls {stall.get('requests', 0)};"
                 f" session {ended} after {_seconds(_latency_s(record))}"
             )
-        problems = [f"{row.expected - row.ok} not ok"] if row.ok < row.expected else []
+        problems = history_problems(row)
+        problems += [f"{row.expected - row.ok} not ok"] if row.ok < row.expected else []
         problems += [f"{len(late)} not abandoned within {GOAL_S:.0f} s"] if late else []
         row.goal = "met" if not problems else "NOT MET: " + ", ".join(problems)
         row.notes.extend(dead_letters(client.redis))

@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 
+from fixtures.replay.conversation import Usage
+from fixtures.replay.request_log import STALLED, LoggedRequest, conversation_id
 from fixtures.replay.scenarios import conversation_key
 from fixtures.replay.server import ReplayServer
 from schemas.config import ConfigError, parse_config
@@ -325,6 +327,7 @@ def test_the_replay_server_stalls_a_rounds_first_stream_then_cuts_it_and_answers
     replay: ReplayServer,
 ) -> None:
     text = "Cut [[stall_ms:400]] [[ping_ms:100]] [[stall_after:2]]"
+    since = replay.log()["next"]
     first, ended = raw_stream(replay, text)
     assert not ended  # closed with no last chunk: a stream cut off
     events = [e for e in first.split(b"\r\n") if e.startswith((b"data:", b":"))]
@@ -335,6 +338,11 @@ def test_the_replay_server_stalls_a_rounds_first_stream_then_cuts_it_and_answers
     turn = conversation_key("openai", "plain", text) + ":0"
     [stall] = [s for s in replay.stalls()["stalls"] if s["turn"] == turn]
     assert (stall["ended"], stall["pings"], stall["requests"]) == ("time up", len(events) - 2, 2)
+    # the request log names the stall a fault that billed nothing, so the retry is explained
+    logged = [LoggedRequest.from_json(e) for e in replay.log(since)["entries"]]
+    mine = [q for q in logged if q.conversation == conversation_id("openai", "plain", text)]
+    assert [(q.round, q.fault) for q in mine] == [(0, STALLED), (0, None)]
+    assert mine[0].usage == Usage() and mine[1].usage != Usage()
 
 
 def test_an_answer_that_is_not_streamed_never_stalls(replay: ReplayServer) -> None:
