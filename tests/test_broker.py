@@ -16,7 +16,7 @@ from kombu.entity import Queue
 from kombu.messaging import Consumer
 
 from producer.fleet import Fleet
-from worker.edges import broker
+from worker.edges import broker, broker_consumers
 from worker.edges.dispatch import task_message
 
 pytestmark = pytest.mark.fleet
@@ -65,9 +65,9 @@ def test_a_taken_message_is_held_until_acked(conn: tuple[Connection, redis.Redis
     channel = connection.channel()
     message = _take(channel)
     assert _queued_ids(client) == []
-    assert len(broker.taken_messages(client)) == 1
+    assert len(broker_consumers.taken_messages(client)) == 1
     message.ack()
-    assert broker.taken_messages(client) == []
+    assert broker_consumers.taken_messages(client) == []
     channel.qos.restore_visible()  # our own consumer beats: nothing to give back
     assert _queued_ids(client) == []
 
@@ -86,7 +86,7 @@ def test_rejected_with_requeue_or_left_at_close_it_goes_back(
     _take(channel)
     channel.close()  # kombu gives back what a closing channel holds
     assert sorted(_queued_ids(client)) == ["a", "b"]
-    assert broker.taken_messages(client) == []
+    assert broker_consumers.taken_messages(client) == []
 
 
 def test_a_consumer_that_stopped_beating_has_its_messages_handed_out_again(
@@ -102,14 +102,18 @@ def test_a_consumer_that_stopped_beating_has_its_messages_handed_out_again(
     # the dead one's process is gone: it is no consumer of ours, and its heartbeat has run out
     broker._LIVE.discard(dead.qos)
     broker._LIVE.discard(living.qos)
-    client.delete(broker.alive_key(dead.qos.consumer))
-    client.set(broker.alive_key(living.qos.consumer), 1, ex=60)  # another process, beating
+    client.delete(broker_consumers.alive_key(dead.qos.consumer))
+    client.set(
+        broker_consumers.alive_key(living.qos.consumer), 1, ex=60
+    )  # another process, beating
     sweeper.qos.restore_visible()
     assert _queued_ids(client) == ["held-by-the-dead"]
     restored = json.loads(client.lindex(QUEUE, 0) or b"{}")
     assert restored["headers"]["redelivered"] is True
-    assert len(broker.taken_messages(client)) == 1  # the living one's, still held
-    assert broker.alive_key(sweeper.qos.consumer).encode() in client.keys("_cchatq:broker:alive:*")
+    assert len(broker_consumers.taken_messages(client)) == 1  # the living one's, still held
+    assert broker_consumers.alive_key(sweeper.qos.consumer).encode() in client.keys(
+        "_cchatq:broker:alive:*"
+    )
     sweeper.qos.restore_visible()  # a second sweep finds nothing more to do
     assert _queued_ids(client) == ["held-by-the-dead"]
 
@@ -134,16 +138,16 @@ def test_a_one_queue_consumer_takes_and_holds_in_one_move_and_an_ack_forgets_it(
         _publish(client, task_id)
     first, second = _consume(connection, 2)
     assert _queued_ids(client) == []
-    held = [json.loads(m)["headers"]["id"] for m in broker.taken_messages(client)]
+    held = [json.loads(m)["headers"]["id"] for m in broker_consumers.taken_messages(client)]
     assert sorted(held) == ["a", "b"]
     assert client.keys("_cchatq:broker:unacked:*") == []  # held by the move, no hash entry
     first.ack()
-    assert [json.loads(m)["headers"]["id"] for m in broker.taken_messages(client)] == [
+    assert [json.loads(m)["headers"]["id"] for m in broker_consumers.taken_messages(client)] == [
         second.headers["id"]
     ]
     second.reject(requeue=True)
     assert _queued_ids(client) == [second.headers["id"]]
-    assert broker.taken_messages(client) == []
+    assert broker_consumers.taken_messages(client) == []
 
 
 def test_what_a_dead_one_queue_consumer_moved_goes_back_to_its_queue(
@@ -154,7 +158,7 @@ def test_what_a_dead_one_queue_consumer_moved_goes_back_to_its_queue(
     (message,) = _consume(connection, 1)
     dead = message.channel.qos
     broker._LIVE.discard(dead)
-    client.delete(broker.alive_key(dead.consumer))
+    client.delete(broker_consumers.alive_key(dead.consumer))
     connection.channel().qos.restore_visible()
     assert _queued_ids(client) == ["moved-by-the-dead"]
-    assert broker.taken_messages(client) == []
+    assert broker_consumers.taken_messages(client) == []

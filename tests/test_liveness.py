@@ -18,7 +18,7 @@ from kombu.connection import Connection
 from producer.fleet import Fleet
 from schemas import keys
 from tests.test_broker import _publish, _queued_ids, _take, broker_connection
-from worker.edges import broker, liveness
+from worker.edges import broker, broker_consumers, liveness
 from worker.edges.store import RedisStore
 
 REDIS_DB = 13
@@ -125,8 +125,8 @@ def test_messages_of_a_consumer_whose_process_is_gone_are_handed_out_at_once(
         channel.qos.consumer = consumer
         _take(channel)
         broker._LIVE.discard(channel.qos)
-        client.set(broker.alive_key(consumer), 1, ex=60)
+        client.set(broker_consumers.alive_key(consumer), 1, ex=60)
     connection.channel().qos.restore_visible()
     assert sorted(_queued_ids(client)) == ["closed", "killed"]
-    (held,) = broker.taken_messages(client)
+    (held,) = broker_consumers.taken_messages(client)
     assert json.loads(held)[0]["headers"]["id"] == "elsewhere"

@@ -27,7 +27,7 @@ from producer.submitting import SpecConflictError
 from schemas import keys
 from schemas.task_names import ALL_QUEUES
 from tests.conftest import GUESTS, Running
-from worker.edges.broker import taken_messages
+from worker.edges.broker_consumers import taken_messages
 
 pytestmark = pytest.mark.fleet
 

@@ -19,7 +19,7 @@ from producer.specfile import load_spec_file
 from schemas import keys
 from tests.conftest import GUESTS, Running, _workers
 from tests.test_pipeline import assert_tool_messages_paired, submit_specs
-from worker.edges.broker import taken_messages
+from worker.edges.broker_consumers import taken_messages
 
 pytestmark = pytest.mark.fleet
 

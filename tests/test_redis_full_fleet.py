@@ -7,6 +7,7 @@ maxmemory-policy is refused by workers and submit, unless CCHATQ_ALLOW_EVICTION=
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -21,7 +22,7 @@ import redis
 from producer.client import Client
 from producer.fleet import Fleet
 from producer.specfile import load_spec_from_objects
-from schemas import keys
+from schemas import keys, redis_links
 
 pytestmark = pytest.mark.fleet
 
@@ -73,6 +74,9 @@ def full(base_fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     fleet = Fleet(replay_url=base_fleet.replay_url, workdir=workdir, env=dict(base_fleet.env))
     try:
         fleet.ensure_redis(private=True)
+        # CONFIG SET dir, which the MISCONF test needs, is refused unless allowed at start
+        fleet.redis_cmd += ["--enable-protected-configs", "yes"]
+        fleet.restart_redis(signal.SIGTERM)
         admin = redis.Redis.from_url(fleet.redis_url)
         admin.config_set("maxmemory-policy", "noeviction")
         for queue in QUEUES:
@@ -120,6 +124,45 @@ def test_workers_stay_up_through_an_oom_mid_batch_and_no_try_is_spent(full: Flee
         client.close()
 
 
+def test_workers_stay_up_while_redis_cannot_persist_past_their_health_checks(
+    full: Fleet, tmp_path: Path
+) -> None:
+    """MISCONF (Redis cannot write its snapshot or append-only file: a full disk) refuses
+    writes and PING alike, so the health check a connection idle past HEALTH_CHECK_S sends
+    is refused too, on the broker's take and its subscription as on the state store's: the
+    refusal is held past that, and every worker must stay up and every session end after."""
+    admin = redis.Redis.from_url(full.redis_url)
+    client = Client(full.redis_url, config=full.config())
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    try:
+        sub = client.enqueue(load_spec_from_objects(chats(uuid.uuid4().hex[:8], 60, 100, 300)))
+        until(lambda: ended(client, sub.order) >= 5, 60, "the batch to start")
+        # a snapshot into a directory that is no more fails, and with a save point set, Redis
+        # then refuses writes (stop-writes-on-bgsave-error)
+        admin.config_set("save", "3600 1")
+        admin.config_set("dir", str(gone))
+        gone.rmdir()
+        admin.bgsave()
+        until(lambda: admin.info("persistence")["rdb_last_bgsave_status"] == "err", 30, "MISCONF")
+        refused_at = time.monotonic()
+        until(lambda: "Redis refuses writes (MISCONF)" in worker_logs(full), 60, "the refusal")
+        # held past the connections' health checks, as a full disk is
+        until(lambda: time.monotonic() - refused_at > 2 * redis_links.HEALTH_CHECK_S, 60, "")
+        assert [name for name, p in full.workers.items() if p.poll() is not None] == []
+    finally:
+        admin.config_set("dir", str(tmp_path))
+        admin.bgsave()
+        until(lambda: admin.info("persistence")["rdb_last_bgsave_status"] == "ok", 30, "a save")
+        admin.config_set("save", "")
+    records = dict(client.wait(sub, timeout_s=120))
+    assert {r["status"] for r in records.values()} == {"ok"}
+    assert len(records) == len(sub.order)
+    assert [name for name, p in full.workers.items() if p.poll() is not None] == []
+    assert "Unrecoverable error" not in worker_logs(full)
+    client.close()
+
+
 def test_submit_enqueues_what_fits_and_says_so_in_one_line(full: Fleet, tmp_path: Path) -> None:
     admin = redis.Redis.from_url(full.redis_url)
     used = int(admin.info("memory")["used_memory"])
@@ -158,6 +201,9 @@ def evicting(base_fleet: Fleet, tmp_path: Path) -> Iterator[Fleet]:
     fleet = Fleet(replay_url=base_fleet.replay_url, workdir=tmp_path, env=dict(base_fleet.env))
     try:
         fleet.ensure_redis(private=True)
+        # CONFIG SET dir, which the MISCONF test needs, is refused unless allowed at start
+        fleet.redis_cmd += ["--enable-protected-configs", "yes"]
+        fleet.restart_redis(signal.SIGTERM)
         admin = redis.Redis.from_url(fleet.redis_url)
         admin.config_set("maxmemory", "64mb")
         admin.config_set("maxmemory-policy", "volatile-lru")

@@ -54,8 +54,15 @@ from typing import Any
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 
-from schemas import fleet_keys
 from worker.edges import liveness
+from worker.edges.broker_consumers import (
+    CONSUMERS_KEY,
+    abandoned,
+    alive_key,
+    beat,
+    taken_key,
+    unacked_key,
+)
 from worker.edges.broker_pending import (
     PENDING_FORGETS,
     PENDING_HOLDS,
@@ -69,24 +76,6 @@ from worker.edges.broker_pending import (
 )
 
 log = logging.getLogger(__name__)
-
-# Broker bookkeeping, outside the session keyspace (cq:*) like kombu's own keys: no TTL, and
-# bounded: a hash empties as its messages are acked, a consumer leaves the set when swept.
-# The key names live in schemas/fleet_keys.py: the metrics exporter reads them too.
-CONSUMERS_KEY = fleet_keys.BROKER_CONSUMERS
-unacked_key = fleet_keys.broker_unacked
-taken_key = fleet_keys.broker_taken
-alive_key = fleet_keys.broker_alive
-
-
-def taken_messages(client: Any) -> list[bytes]:
-    """Every message taken by a consumer and not acknowledged yet, fleet-wide (tests, ops)."""
-    taken: list[bytes] = []
-    for consumer in client.smembers(CONSUMERS_KEY):
-        taken.extend(client.hvals(unacked_key(consumer.decode())))
-        taken.extend(client.lrange(taken_key(consumer.decode()), 0, -1))
-    return taken
-
 
 # the consumers of this process (one per consuming channel): the timer beats for all of them
 _LIVE: weakref.WeakSet[QoS] = weakref.WeakSet()
@@ -106,7 +95,7 @@ class QoS(kombu_redis.QoS):
         """Known to the sweepers before it holds anything."""
         if not self._registered:
             pipe = client.pipeline(transaction=False)
-            _beat(pipe, {self.consumer: self.queues()}, self.channel.consumer_dead_after_s)
+            beat(pipe, {self.consumer: self.queues()}, self.channel.consumer_dead_after_s)
             pipe.execute()
             self._registered = True
 
@@ -209,7 +198,7 @@ class QoS(kombu_redis.QoS):
         live = {qos.consumer: qos.queues() for qos in list(_LIVE)}
         with self.channel.conn_or_acquire() as client:
             pipe = client.pipeline(transaction=False)
-            _beat(pipe, live, self.channel.consumer_dead_after_s)
+            beat(pipe, live, self.channel.consumer_dead_after_s)
             pipe.smembers(CONSUMERS_KEY)
             known = {c.decode() for c in pipe.execute()[-1]} - set(live)
             REFUSED.accepted()
@@ -226,7 +215,7 @@ class QoS(kombu_redis.QoS):
             for consumer in others:
                 pipe.exists(alive_key(consumer))
             for consumer, alive in zip(others, pipe.execute(), strict=True):
-                if not alive or _abandoned(consumer):
+                if not alive or abandoned(consumer):
                     self._restore_consumer(client, consumer)
 
     def _restore_consumer(self, client: Any, consumer: str) -> None:
@@ -260,22 +249,6 @@ class QoS(kombu_redis.QoS):
         _LIVE.discard(self)  # what it did not give back, a sweeper will
 
 
-def _abandoned(consumer: str) -> bool:
-    """A consumer of this machine whose process is gone, or of this process but no longer
-    live in it (its channel closed when the connection was lost): its messages go back at
-    once, not after its heartbeat runs out (liveness)."""
-    holder = liveness.holder_of(consumer)
-    return holder == liveness.this_process() or liveness.process_gone(holder)
-
-
-def _beat(pipe: Any, consumers: dict[str, list[str]], dead_after_s: int) -> None:
-    """Each consumer's heartbeat, holding the queues it takes from ("-": none yet)."""
-    for consumer, queues in sorted(consumers.items()):
-        pipe.set(alive_key(consumer), ",".join(queues) or "-", ex=dead_after_s)
-    if consumers:
-        pipe.sadd(CONSUMERS_KEY, *consumers)
-
-
 class Channel(kombu_redis.Channel):
     QoS = QoS
     _shared_client: Any = None
@@ -305,6 +278,13 @@ class Channel(kombu_redis.Channel):
         queue's own list), so BLMOVE watches that list only."""
         if monotonic() < self._take_after:  # Redis refused the take: the next tick asks
             return
+        try:
+            self._send_take(timeout)
+        except Exception as exc:  # a health check's PING refused too (MISCONF refuses PING)
+            self._in_poll = None  # type: ignore[assignment]
+            self._take_refused(exc)
+
+    def _send_take(self, timeout: Any) -> None:
         if len(self.active_queues) != 1:
             self._moving_from = None
             super()._brpop_start(timeout)
@@ -362,6 +342,15 @@ class Channel(kombu_redis.Channel):
         finally:
             self._in_poll = None  # type: ignore[assignment]
             self._flush_brpop_reauth()
+
+    def _receive(self) -> bool:
+        """Fanout messages (Celery's remote control); a refusal of the health check's PING on
+        the subscription (Redis refuses PING under MISCONF) waits like a refused take."""
+        try:
+            return bool(super()._receive())
+        except Exception as exc:
+            self._take_refused(exc)
+            return False
 
     def _restore(self, message: Any, leftmost: bool = False) -> None:
         """Put one taken message back on its queue, then forget it (in that order: a crash
