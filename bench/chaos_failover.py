@@ -34,7 +34,7 @@ from typing import Any
 
 import redis
 
-from bench.chaos_fleet import expected, history_problems, wait_records, weather_objects
+from bench.chaos_fleet import expected, history_problems, verdict_of, wait_records, weather_objects
 from bench.chaos_report import Row, dead_letters, log_digest, remove_dumps, tally
 from bench.history_read import check_run, mark_run
 from bench.sentinel_fleet import HOST, SentinelRedis
@@ -267,7 +267,7 @@ def run_failover(root: Path, n: int, how: str, server_args: Sequence[str] = ()) 
             problems.append(f"{row.duplicates} duplicates")
         if not row.wall_s <= GOAL_S:
             problems.append(f"last ending {row.wall_s:.0f} s after the promotion")
-        row.goal = "met" if not problems else "NOT MET: " + ", ".join(problems)
+        row.goal = verdict_of(problems)
         row.notes.extend(dead_letters(reader.redis))
         row.notes.extend(["log digest:", *log_digest(fleet.workdir), *remove_dumps(fleet.workdir)])
         row.notes.append(

@@ -36,6 +36,7 @@ from bench import netns
 from bench.chaos_fleet import (
     expected,
     history_problems,
+    verdict_of,
     wait_in_process,
     weather_objects,
     weather_specs,
@@ -168,7 +169,7 @@ def run_cut(
             stats = requests.get(f"{replay}/stats", timeout=5).json()
             row.notes[:0] = describe(done, n, before, cut_s, restarted, stats, fleet)
             problems = goals(row, done)
-            row.goal = "met" if not problems else "NOT MET: " + ", ".join(problems)
+            row.goal = verdict_of(problems)
             row.notes.extend(dead_letters(client.redis))
             row.notes.extend(["log digest:", *log_digest(fleet.workdir), *remove_dumps(workdir)])
             client.close()

@@ -31,7 +31,7 @@ from typing import Any
 import redis
 
 import fixtures
-from bench.chaos_fleet import history_problems, result_lines
+from bench.chaos_fleet import history_problems, result_lines, verdict_of
 from bench.chaos_report import Row, dead_letters, finished_count, log_digest, remove_dumps, tally
 from bench.history_read import check_run, mark_run
 from fixtures.demo_scenarios import CITIES, WEATHER, weather_json
@@ -220,8 +220,8 @@ def scenario_redis_full(root: Path, n: int, deadline_s: float, seed: int) -> lis
         second.verdict = check_run(second.scenario, client, objects, mark, delivered)
         problems2 = _problems(second) + ([f"submit exit {code2}"] if code2 != 0 else [])
         shared = _fleet_checks(fleet, client.redis, sks)
-        first.goal = _verdict(first_problems + shared)
-        second.goal = _verdict(problems2 + shared)
+        first.goal = verdict_of(first_problems + shared)
+        second.goal = verdict_of(problems2 + shared)
         second.notes.extend(["log digest:", *log_digest(fleet.logs), *remove_dumps(fleet.logs)])
         client.close()
     return [first, second]
@@ -256,10 +256,6 @@ def _problems(row: Row) -> list[str]:
     if row.other_errors:
         out.append(f"{row.other_errors} other errors")
     return out
-
-
-def _verdict(problems: list[str]) -> str:
-    return "met" if not problems else "NOT MET: " + ", ".join(problems)
 
 
 # --- aof-full ---------------------------------------------------------------------------------
@@ -372,7 +368,7 @@ def scenario_aof_full(root: Path, n: int, deadline_s: float, seed: int) -> list[
             dead = dead_letters(client.redis)
             if dead:
                 problems.append("dead letters")
-            row.goal = _verdict(problems)
+            row.goal = verdict_of(problems)
             row.notes.extend([*dead, "log digest:", *log_digest(logs), *remove_dumps(logs)])
             client.close()
     return [row]

@@ -18,7 +18,7 @@ from typing import Any
 
 import requests
 
-from bench.chaos_fleet import history_problems
+from bench.chaos_fleet import history_problems, verdict_of
 from bench.chaos_report import Row, dead_letters, log_digest, remove_dumps, tally
 from bench.history_read import check_run, mark_run
 from fixtures.replay.scenarios import conversation_key
@@ -110,7 +110,7 @@ def scenario_stall(root: Path, n: int, deadline_s: float, seed: int) -> list[Row
         problems = history_problems(row)
         problems += [f"{row.expected - row.ok} not ok"] if row.ok < row.expected else []
         problems += [f"{len(late)} not abandoned within {GOAL_S:.0f} s"] if late else []
-        row.goal = "met" if not problems else "NOT MET: " + ", ".join(problems)
+        row.goal = verdict_of(problems)
         row.notes.extend(dead_letters(client.redis))
         row.notes.extend(["log digest:", *log_digest(fleet.workdir), *remove_dumps(fleet.workdir)])
         client.close()
