@@ -13,26 +13,38 @@ from schemas import keys
 from tests.test_engine import WEATHER_FN
 from tests.test_steps import SK, WEATHER_SCRIPT, Pipeline, pipeline, spec, submit
 from worker.edges.redis_errors import refusal, store_error
-from worker.errors import StoreError, StoreUnavailableError
+from worker.errors import StoreError, StoreUnavailableError, StoreUnreachableError
 from worker.session.refusals import STOPPING
-from worker.session.twins.failing import RefusingStore
+from worker.session.twins.failing import FailingStore, RefusingStore, UnreachableStore
 from worker.session.twins.store import MemoryStore
 
 MAX_ATTEMPTS = 3  # test_steps.pipeline's settings
 
 
-def refusing(method: str, times: int, reason: str = "OOM", budget_s: float = 180.0) -> Pipeline:
-    """A weather session whose store refuses `method` its first `times` calls; the guard's
-    pauses are recorded, not slept."""
-    failing: list[RefusingStore] = []
+def refusing(
+    method: str,
+    times: int,
+    reason: str = "OOM",
+    budget_s: float = 180.0,
+    store: type[FailingStore] = RefusingStore,
+) -> Pipeline:
+    """A weather session whose store refuses `method` its first `times` calls (or, with
+    `store=UnreachableStore`, does not answer them); the pauses are recorded, not slept."""
+    failing: list[FailingStore] = []
 
-    def wrap(memory: MemoryStore) -> RefusingStore:
-        failing.append(RefusingStore(memory, reason, **{method: times}))
-        return failing[0]
+    def wrap(memory: MemoryStore) -> FailingStore:
+        made = (
+            RefusingStore(memory, reason, **{method: times})
+            if store is RefusingStore
+            else store(memory, **{method: times})
+        )
+        failing.append(made)
+        return made
 
     p = pipeline(WEATHER_SCRIPT * 5, store=wrap)  # a model call again for each run of a round
     guard = p.runner.guard
     guard.settings = replace(guard.settings, store_wait_s=budget_s)
+    p.runner.settings = guard.settings  # the round's own wait for its reply's write
     p.paused = []  # type: ignore[attr-defined]
     guard.sleep = p.paused.append  # type: ignore[attr-defined]
     p.failing = failing[0]  # type: ignore[attr-defined]
@@ -64,16 +76,35 @@ def test_a_refused_commit_waits_in_the_worker_and_is_written_again_as_the_same_t
     assert len(paused) == times and paused == sorted(paused) and paused[-1] <= 4.0
 
 
-def test_a_refused_write_in_the_body_runs_the_body_again_without_spending_a_try() -> None:
-    """The round's reply could not be stored: the round runs again (its model call too: the
-    reply was never stored), as the same try."""
+def test_a_refused_reply_is_kept_and_written_again_without_a_second_model_call() -> None:
+    """The round's reply could not be stored: it is written again in place, as the same try,
+    and its model call is not made twice."""
     times = MAX_ATTEMPTS + 2
     p = refusing("store_round", times)
     p.drain()
     assert_ended_ok(p)
     assert p.queue.retries == 0
     assert p.store.tries[keys.round_step(SK, 0)] == 1
-    assert len(p.provider.requests) == 2 + times
+    assert len(p.provider.requests) == 2
+    assert len(p.paused) == times  # type: ignore[attr-defined]
+
+
+def test_a_reply_redis_does_not_answer_for_is_kept_and_written_again() -> None:
+    """A cut network or a paused primary (the write times out): the reply is written again
+    once Redis answers, and its model call is not made twice."""
+    p = refusing("store_round", MAX_ATTEMPTS + 2, store=UnreachableStore)
+    p.drain()
+    assert_ended_ok(p)
+    assert p.store.tries[keys.round_step(SK, 0)] == 1
+    assert len(p.provider.requests) == 2
+
+
+def test_a_reply_unwritten_past_the_wait_is_bought_again_by_the_next_run() -> None:
+    """Past settings.store_wait_s the write gives up: the round runs again, its call too."""
+    p = refusing("store_round", 3, budget_s=1.0, store=UnreachableStore)
+    p.drain()
+    assert_ended_ok(p)
+    assert len(p.provider.requests) > 2
 
 
 def test_a_refused_start_waits_for_its_lease_and_counts_one_try() -> None:
@@ -110,6 +141,7 @@ def test_a_refusal_outlasting_the_wait_hands_the_step_back_uncounted() -> None:
         (redis.exceptions.BusyLoadingError("Redis is loading the dataset in memory"), "LOADING"),
         (redis.ResponseError("WRONGTYPE Operation against a key"), None),
         (redis.ConnectionError("Connection refused"), None),
+        (redis.TimeoutError("Timeout reading from socket"), None),
     ],
 )  # fmt: skip
 def test_redis_refusals_are_translated_once_into_store_unavailable(
@@ -119,6 +151,8 @@ def test_redis_refusals_are_translated_once_into_store_unavailable(
     translated = store_error(error, "store")
     assert isinstance(translated, StoreError)
     assert isinstance(translated, StoreUnavailableError) == (reason is not None)
+    unanswered = isinstance(error, (redis.ConnectionError, redis.TimeoutError)) and not reason
+    assert isinstance(translated, StoreUnreachableError) == unanswered
     if isinstance(translated, StoreUnavailableError):
         assert translated.reason == reason
 

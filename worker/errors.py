@@ -32,8 +32,10 @@ CchatqError                      root; `code` is the error-body code
 │   └── GuestTrapError           guest_trap
 ├── StoreError                   store_error (never in a body: the step is retried)
 │   ├── SpecMissingError         a session's spec expired or was never submitted
-│   └── StoreUnavailableError    Redis refuses writes for now (full, failing to persist, a
-│                                replica, loading): waited out, no try spent
+│   ├── StoreUnavailableError    Redis refuses writes for now (full, failing to persist, a
+│   │                            replica, loading): waited out, no try spent
+│   └── StoreUnreachableError    Redis did not answer (a cut network, a restart, a failover):
+│                                a model's reply waiting to be stored is kept and written again
 └── StepControl                  not failures: how a step or a guest run changes course
     ├── RetryLater               run this delivery again later (Celery's retry)
     ├── StepDeadLettered         the step failed for good: its task ends as a FAILURE
@@ -283,6 +285,13 @@ class StoreUnavailableError(StoreError):
     def __init__(self, reason: str, message: str = "") -> None:
         super().__init__(message or f"Redis refuses writes: {reason}")
         self.reason = reason
+
+
+class StoreUnreachableError(StoreError):
+    """Redis did not answer: the connection failed or timed out (a cut network, a restart, a
+    paused or failed-over primary). A step fails on it as on any StoreError (a try spent),
+    except the write of a model's reply, which is tried again in place (its call is not made
+    twice: worker/session/refusals.py `keep_writing`)."""
 
 
 # Control flow -------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Redis's errors, translated once for the Redis edges (the store, the rate limits, the broker):
-a Redis that refuses writes for now is a StoreUnavailableError, anything else a StoreError.
+a Redis that refuses writes for now is a StoreUnavailableError, one that does not answer (its
+connection failed or timed out) a StoreUnreachableError, anything else a StoreError.
 
 Refusals are Redis's own error words: OOM (used memory over maxmemory under noeviction),
 MISCONF (it cannot persist: a full disk for its AOF or RDB, with stop-writes-on-bgsave-error),
@@ -14,7 +15,7 @@ import re
 
 import redis
 
-from worker.errors import StoreError, StoreUnavailableError
+from worker.errors import StoreError, StoreUnavailableError, StoreUnreachableError
 
 REFUSED_BY_CLASS: tuple[tuple[type[redis.RedisError], str], ...] = (
     (redis.exceptions.OutOfMemoryError, "OOM"),
@@ -49,4 +50,6 @@ def store_error(exc: redis.RedisError, what: str = "redis") -> StoreError:
     reason = refusal(exc)
     if reason is not None:
         return StoreUnavailableError(reason, f"{what}: Redis refuses writes: {reason}: {exc}")
+    if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
+        return StoreUnreachableError(f"{what}: {type(exc).__name__}: {exc}")
     return StoreError(f"{what}: {type(exc).__name__}: {exc}")

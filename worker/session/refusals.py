@@ -8,8 +8,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
-from worker.errors import StoreUnavailableError
+from worker.errors import StoreUnavailableError, StoreUnreachableError
+
+T = TypeVar("T")
 
 log = logging.getLogger("worker.session.guard")
 
@@ -71,9 +74,10 @@ class Patience:
         self._pause_s = FIRST_PAUSE_S
         self.counted: tuple[int, bool] | None = None  # (tries, stored) once a lease was taken
 
-    def wait(self, exc: StoreUnavailableError) -> bool:
+    def wait(self, exc: StoreUnavailableError | StoreUnreachableError) -> bool:
         """Pause before trying again (True), or False once the budget is spent."""
-        STEPS.refused(exc.reason)
+        if isinstance(exc, StoreUnavailableError):  # no answer is logged by who met it
+            STEPS.refused(exc.reason)
         if self.left_s <= 0 or STOPPING.is_set():
             return False
         pause_s = min(self._pause_s, self.left_s)
@@ -81,3 +85,16 @@ class Patience:
         self.left_s -= pause_s
         self._pause_s = min(self._pause_s * 2, LONGEST_PAUSE_S)
         return True
+
+
+def keep_writing(write: Callable[[], T], budget_s: float, sleep: Callable[[float], None]) -> T:
+    """A write of what cost a call (a model's reply), tried again in place while Redis refuses
+    writes or does not answer, for `budget_s` at most: thrown away, the reply would be bought
+    again by the step's next run. What the write does must be idempotent (first writer wins)."""
+    patience = Patience(budget_s, sleep)
+    while True:
+        try:
+            return write()
+        except (StoreUnavailableError, StoreUnreachableError) as exc:
+            if not patience.wait(exc):
+                raise

@@ -53,6 +53,7 @@ from worker.session.ports import (
     ToolRuntime,
 )
 from worker.session.rate_control import RateControl
+from worker.session.refusals import keep_writing
 from worker.session.state import Round, Session
 from worker.session.store_ports import RoundReads, SessionStore, SpecT, StepStart, spec_of
 from worker.session.tool_step import ToolContext, ToolStep
@@ -181,7 +182,13 @@ class StepRunner:
         with_reply = replace(session, rounds=(*session.rounds, Round(reply)))
         step: Step | None = plan(with_reply)
         runs = step.runs if isinstance(step, RunTools) else ()
-        winner = self.store.store_round(sk, round_no, reply, runs)
+        # the reply is paid for: kept through a Redis that refuses or does not answer, not
+        # bought again by the step's next run
+        winner = keep_writing(
+            lambda: self.store.store_round(sk, round_no, reply, runs),
+            self.settings.store_wait_s,
+            self.guard.sleep,
+        )
         if winner is not reply:
             with_reply, step = replace(session, rounds=(*session.rounds, Round(winner))), None
         if trace:

@@ -1,12 +1,12 @@
 """A store that fails on cue: a Redis blip, or an outage, for the steps' failure paths; or a
 Redis that refuses writes for now (full, failing to persist, a replica), which steps wait out
-without spending a try."""
+without spending a try; or a Redis that does not answer."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from worker.errors import StoreError, StoreUnavailableError
+from worker.errors import StoreError, StoreUnavailableError, StoreUnreachableError
 from worker.session.twins.store import MemoryStore
 
 
@@ -15,6 +15,7 @@ class FailingStore:
     blip, or an outage), then behave like the store they wrap."""
 
     _refusing = ""  # RefusingStore's reason
+    _unanswered = False  # UnreachableStore's
 
     def __init__(self, store: MemoryStore, **failures: int) -> None:
         self._store = store
@@ -32,6 +33,8 @@ class FailingStore:
                 self.raised.append(name)
                 if self._refusing:
                     raise StoreUnavailableError(self._refusing, f"twin: {name} refused")
+                if self._unanswered:
+                    raise StoreUnreachableError(f"twin: {name}: TimeoutError")
                 raise StoreError(f"twin: {name} failed")
             return attr(*args, **kwargs)
 
@@ -45,3 +48,10 @@ class RefusingStore(FailingStore):
     def __init__(self, store: MemoryStore, reason: str, /, **refusals: int) -> None:
         super().__init__(store, **refusals)
         self._refusing = reason
+
+
+class UnreachableStore(FailingStore):
+    """The same, but its methods time out (StoreUnreachableError): a Redis cut off, paused or
+    failing over."""
+
+    _unanswered = True
