@@ -5,6 +5,7 @@ with their TTL, never a key that lives forever. On the private Redis (fleet mark
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterator
 
@@ -83,3 +84,28 @@ def test_a_sessions_trace_stream_is_made_with_its_ttl_by_its_first_round(
     store.trace(TraceWrite(sk, (event("tool.call.started", "x"),)))
     assert client.xlen(keys.trace(sk)) == 2
     assert 0 < client.ttl(keys.trace(sk)) <= TTL_S
+
+
+def _events(client: redis.Redis, sk: str) -> list[str]:
+    entries: list[tuple[bytes, dict[bytes, bytes]]] = client.xrange(keys.trace(sk))  # type: ignore[assignment]
+    field = keys.TRACE_FIELD.encode()
+    return [e["event"] for _, fields in entries for e in json.loads(fields[field])]
+
+
+def test_a_session_finished_event_lands_only_with_its_ending(client: redis.Redis) -> None:
+    """The ending step's entry keeps its session.finished while the session's stored ending
+    is that step's; when a failover lost the ending, or another step's stands, the entry lands
+    without it (the one who writes the ending says it), so a history never shows two."""
+    store = RedisStore(client, ttl_s=TTL_S)
+    ended, lost, bare = (uuid.uuid4().hex[:12] for _ in range(3))
+    store.write_result(ended, b"{}", {"id": "x", "body": {}}, None, "r1")
+    last_round = (event("model.call.finished", "x", round=1), event("session.finished", "x"))
+    for sk in (ended, lost):
+        store.trace(TraceWrite(sk, last_round, expire=True, ended_by="r1"))
+    store.write_result(bare, b"{}", {"id": "x", "body": {}}, None, "finish")  # another ended it
+    store.trace(TraceWrite(bare, (event("session.finished", "x"),), expire=True, ended_by="r1"))
+    assert _events(client, ended) == ["model.call.finished", "session.finished"]
+    assert 0 < client.ttl(keys.trace(ended)) <= TTL_S
+    assert _events(client, lost) == ["model.call.finished"]
+    assert 0 < client.ttl(keys.trace(lost)) <= TTL_S
+    assert not client.exists(keys.trace(bare))  # nothing else to say: no stream made

@@ -15,6 +15,20 @@ TRACE_SESSION_MAXLEN = 2_000  # entries kept per session
 TRACE_FLEET_MAXLEN = 100_000  # entries kept for the fleet
 
 
+# an ending step's entry (ARGV[1]; ARGV[2] without its session.finished, "" for nothing),
+# whole only while the session's meta names step ARGV[6] as its ender (the ending script,
+# store_results.py, writes it with the ending): one script with its check, on two keys of its
+# session. EVAL, not a registered script: one in a MULTI costs a SCRIPT EXISTS a commit.
+_ENDING_ENTRY = """
+local entry = ARGV[1]
+if redis.call('hget', KEYS[1], 'ended_by') ~= ARGV[6] then entry = ARGV[2] end
+if entry ~= '' then
+  redis.call('xadd', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', ARGV[3], entry)
+  redis.call('expire', KEYS[2], ARGV[5])
+end
+"""
+
+
 class TraceWrites:
     """A part of RedisStore (which sets `client` and `ttl_s`)."""
 
@@ -39,7 +53,9 @@ class TraceWrites:
         every = [event.to_json() for event in write.events]
         fleet = json.dumps(every, separators=(",", ":"))
         own = [e for e, event in zip(every, write.events, strict=True) if event.session]
-        if own:
+        if own and write.ended_by:
+            self._add_ending(client, write, own)
+        elif own:
             entry = fleet if len(own) == len(every) else json.dumps(own, separators=(",", ":"))
             client.xadd(
                 keys.trace(write.sk),
@@ -51,10 +67,28 @@ class TraceWrites:
         client.xadd(
             keys.TRACE, {keys.TRACE_FIELD: fleet}, maxlen=TRACE_FLEET_MAXLEN, approximate=True
         )
-        if write.expire and own:
+        if write.expire and own and not write.ended_by:
             client.expire(keys.trace(write.sk), self.ttl_s)
         if write.expire:
             client.expire(keys.TRACE, self.ttl_s)
+
+    def _add_ending(self, client: Any, write: TraceWrite, own: list[dict[str, Any]]) -> None:
+        """The entry of the step that ended the session: whole while the stored ending is
+        its own, without its session.finished when not (a failover lost the ending, which the
+        reconciler has written again, or will: its writer says session.finished)."""
+        unended = [e for e in own if e.get("event") != "session.finished"]
+        client.eval(
+            _ENDING_ENTRY,
+            2,
+            keys.meta(write.sk),
+            keys.trace(write.sk),
+            json.dumps(own, separators=(",", ":")),
+            json.dumps(unended, separators=(",", ":")) if unended else "",
+            keys.TRACE_FIELD,
+            TRACE_SESSION_MAXLEN,
+            self.ttl_s,
+            write.ended_by,
+        )
 
     @translated
     def set_partial(self, sk: str, partial: PartialRound | None) -> None:

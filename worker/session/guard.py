@@ -297,7 +297,8 @@ class StepGuard:
         if outbox.events:  # a session's first round and its last events set its stream's TTL
             ends = any(e.event == "session.finished" for e in outbox.events)
             opens = step == keys.round_step(sk, 0)
-            trace = TraceWrite(sk, tuple(outbox.events), expire=ends or opens)
+            ended_by = step if ends else ""
+            trace = TraceWrite(sk, tuple(outbox.events), expire=ends or opens, ended_by=ended_by)
         commit = Commit(sk, step, trace, dict(outbox.outcomes), tuple(outbox.notify))
         self._write_commit(step, sk, outbox, commit)
         if self.spans.on and outbox.events:  # once committed: a step that failed made none
@@ -360,7 +361,8 @@ class StepGuard:
                         "session.finished", spec_id, latency_ms=latency_ms,
                         error=StepFailedError.code,
                     )  # fmt: skip
-                    self.trace_now(sk, ended, expire=True)
+                    if self.settings.trace:
+                        self.store.trace(TraceWrite(sk, (ended,), expire=True, ended_by=step))
                     if self.spans.on:
                         self._export_spans(step, sk, [ended])
                 continue

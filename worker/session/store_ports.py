@@ -192,11 +192,15 @@ def spec_of(store: SessionStore, sk: str, kind: type[SpecT]) -> SpecT:
 @dataclass(frozen=True)
 class TraceWrite:
     """Trace events of one session, to append to its stream and the fleet's; `expire`: the
-    first or last write of a session, which makes its stream with its TTL (others only add)."""
+    first or last write of a session, which makes its stream with its TTL (others only add).
+    `ended_by`: the step whose events hold the session's session.finished, which its stream
+    takes only while the stored ending is that step's (an ending a failover lost is written
+    again, and said again, by whoever ends it next: never two)."""
 
     sk: str
     events: tuple[TraceEvent, ...]
     expire: bool = False
+    ended_by: str = ""
 
 
 @dataclass(frozen=True)

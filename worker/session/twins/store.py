@@ -217,8 +217,12 @@ class MemoryStore(ProgramTwin):
 
     def trace(self, write: TraceWrite) -> None:
         with self._cond:
+            ender = self.meta_of.get(write.sk, {}).get("ended_by")
+            lost_ending = bool(write.ended_by) and ender != write.ended_by
             for made in write.events:  # a fleet event (no session): the fleet's, under ""
                 stream = write.sk if made.session else ""
+                if lost_ending and stream and made.event == "session.finished":
+                    continue  # as on Redis: said by whoever writes the ending again
                 if stream and stream not in self.traces and not write.expire:
                     continue  # as on Redis: only a write that sets its TTL makes the stream
                 self.traces.setdefault(stream, []).append(made)
