@@ -71,6 +71,7 @@ class SessionLookups:
         meta = {k.decode(): v.decode() for k, v in self.redis.hgetall(keys.meta(sk)).items()}
         if not meta:
             return None
+        meta.pop("finished_said", None)  # the workers' own: its trace said session.finished
         pipe = self.redis.pipeline(transaction=False)
         pipe.exists(keys.response(sk))
         pipe.exists(keys.cancel(sk))

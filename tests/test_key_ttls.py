@@ -109,3 +109,7 @@ def test_a_session_finished_event_lands_only_with_its_ending(client: redis.Redis
     assert _events(client, lost) == ["model.call.finished"]
     assert 0 < client.ttl(keys.trace(lost)) <= TTL_S
     assert not client.exists(keys.trace(bare))  # nothing else to say: no stream made
+    # a second delivery of the ending step (its stand-in while it was cut off) says it no more
+    store.trace(TraceWrite(ended, last_round, expire=True, ended_by="r1"))
+    said_once = ["model.call.finished", "session.finished", "model.call.finished"]
+    assert _events(client, ended) == said_once

@@ -17,11 +17,16 @@ TRACE_FLEET_MAXLEN = 100_000  # entries kept for the fleet
 
 # an ending step's entry (ARGV[1]; ARGV[2] without its session.finished, "" for nothing),
 # whole only while the session's meta names step ARGV[6] as its ender (the ending script,
-# store_results.py, writes it with the ending): one script with its check, on two keys of its
-# session. EVAL, not a registered script: one in a MULTI costs a SCRIPT EXISTS a commit.
+# store_results.py, writes it with the ending) and no delivery said it yet (two deliveries of
+# one step, a cut-off one and its stand-in, may both commit): one script with its checks, on
+# two keys of its session. EVAL, not a registered script: one in a MULTI costs a SCRIPT
+# EXISTS a commit.
 _ENDING_ENTRY = """
 local entry = ARGV[1]
-if redis.call('hget', KEYS[1], 'ended_by') ~= ARGV[6] then entry = ARGV[2] end
+if redis.call('hget', KEYS[1], 'ended_by') ~= ARGV[6]
+   or redis.call('hsetnx', KEYS[1], 'finished_said', 1) == 0 then
+  entry = ARGV[2]
+end
 if entry ~= '' then
   redis.call('xadd', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', ARGV[3], entry)
   redis.call('expire', KEYS[2], ARGV[5])

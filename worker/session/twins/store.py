@@ -217,8 +217,12 @@ class MemoryStore(ProgramTwin):
 
     def trace(self, write: TraceWrite) -> None:
         with self._cond:
-            ender = self.meta_of.get(write.sk, {}).get("ended_by")
-            lost_ending = bool(write.ended_by) and ender != write.ended_by
+            meta = self.meta_of.get(write.sk, {})
+            lost_ending = bool(write.ended_by) and (
+                meta.get("ended_by") != write.ended_by or "finished_said" in meta
+            )
+            if write.ended_by and not lost_ending:
+                meta["finished_said"] = "1"
             for made in write.events:  # a fleet event (no session): the fleet's, under ""
                 stream = write.sk if made.session else ""
                 if lost_ending and stream and made.event == "session.finished":
