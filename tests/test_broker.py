@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from time import monotonic
 from typing import Any
 
 import pytest
@@ -16,7 +17,7 @@ from kombu.entity import Queue
 from kombu.messaging import Consumer
 
 from producer.fleet import Fleet
-from worker.edges import broker, broker_consumers
+from worker.edges import broker, broker_consumers, liveness
 from worker.edges.dispatch import task_message
 
 pytestmark = pytest.mark.fleet
@@ -162,3 +163,29 @@ def test_what_a_dead_one_queue_consumer_moved_goes_back_to_its_queue(
     connection.channel().qos.restore_visible()
     assert _queued_ids(client) == ["moved-by-the-dead"]
     assert broker_consumers.taken_messages(client) == []
+
+
+def test_a_process_that_could_not_beat_sweeps_only_the_consumers_known_gone(
+    conn: tuple[Connection, redis.Redis], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its own beats stopped longer than a heartbeat lasts (a silent cut): another machine's
+    heartbeat that ran out meanwhile may have run out for the same cut, so that consumer keeps
+    its messages until this process has beaten that long again; a consumer of this machine
+    whose process is gone is swept at once."""
+    connection, client = conn
+    holders = {"gone": liveness.named("dddddddddddd"), "cut": "eeeeeeeeeeee.4242@another-host"}
+    for name, consumer in holders.items():
+        _publish(client, name)
+        channel = connection.channel()
+        channel.qos.consumer = consumer
+        _take(channel)
+        broker._LIVE.discard(channel.qos)
+        client.delete(broker_consumers.alive_key(consumer))  # its heartbeat ran out
+    sweeper = connection.channel().qos
+    monkeypatch.setattr(broker_consumers.OwnBeats, "quiet_until", 0.0)
+    monkeypatch.setattr(broker_consumers.OwnBeats, "beaten_at", monotonic() - 60)  # cut 60 s
+    sweeper.restore_visible()
+    assert _queued_ids(client) == ["gone"]
+    monkeypatch.setattr(broker_consumers.OwnBeats, "quiet_until", monotonic())  # beaten 5 s
+    sweeper.restore_visible()
+    assert sorted(_queued_ids(client)) == ["cut", "gone"]

@@ -57,6 +57,7 @@ from kombu.transport import virtual
 from worker.edges import liveness
 from worker.edges.broker_consumers import (
     CONSUMERS_KEY,
+    OwnBeats,
     abandoned,
     alive_key,
     beat,
@@ -202,20 +203,24 @@ class QoS(kombu_redis.QoS):
             pipe.smembers(CONSUMERS_KEY)
             known = {c.decode() for c in pipe.execute()[-1]} - set(live)
             REFUSED.accepted()
+            OwnBeats.beaten(self.channel.consumer_dead_after_s)
             write_pending(client)
-            # heartbeats that ran out while this consumer could not beat either ran out for
-            # the same refusal, not a death: sweep once this one has beaten that long again
-            refused_at = self.channel.refused_beat_at
-            if refused_at and monotonic() - refused_at < self.channel.consumer_dead_after_s:
-                return
             if not known:
                 return
+            # heartbeats that ran out while this process could not beat either (Redis refused
+            # its beats, or it was cut off) ran out for the same cause, not a death: only the
+            # consumers known gone are swept until it has beaten that long again
+            refused_at = self.channel.refused_beat_at
+            dead_after_s = self.channel.consumer_dead_after_s
+            quiet = (refused_at and monotonic() - refused_at < dead_after_s) or (
+                monotonic() < OwnBeats.quiet_until
+            )
             others = sorted(known)
             pipe = client.pipeline(transaction=False)
             for consumer in others:
                 pipe.exists(alive_key(consumer))
             for consumer, alive in zip(others, pipe.execute(), strict=True):
-                if not alive or abandoned(consumer):
+                if abandoned(consumer) or (not alive and not quiet):
                     self._restore_consumer(client, consumer)
 
     def _restore_consumer(self, client: Any, consumer: str) -> None:

@@ -4,6 +4,7 @@ message they took and did not acknowledge."""
 
 from __future__ import annotations
 
+from time import monotonic
 from typing import Any
 
 from schemas import fleet_keys
@@ -41,3 +42,20 @@ def beat(pipe: Any, consumers: dict[str, list[str]], dead_after_s: int) -> None:
         pipe.set(alive_key(consumer), ",".join(queues) or "-", ex=dead_after_s)
     if consumers:
         pipe.sadd(CONSUMERS_KEY, *consumers)
+
+
+class OwnBeats:
+    """When this process last beat, and until when its sweeps wait for others' heartbeats: a
+    process whose own beats stopped long enough for its heartbeat to run out (a silent
+    network cut, a stall) was most likely not alone, so the heartbeats it finds run out may
+    have run out for the same cut; their owners beat again within seconds of the heal."""
+
+    beaten_at = 0.0
+    quiet_until = 0.0
+
+    @classmethod
+    def beaten(cls, dead_after_s: float) -> None:
+        now = monotonic()
+        if cls.beaten_at and now - cls.beaten_at > dead_after_s:
+            cls.quiet_until = now + dead_after_s
+        cls.beaten_at = now
