@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import redis
+from celery.worker import state as celery_state
 from kombu.connection import Connection
 from kombu.entity import Queue
 from kombu.messaging import Consumer
@@ -189,3 +190,40 @@ def test_a_process_that_could_not_beat_sweeps_only_the_consumers_known_gone(
     monkeypatch.setattr(broker_consumers.OwnBeats, "quiet_until", monotonic())  # beaten 5 s
     sweeper.restore_visible()
     assert sorted(_queued_ids(client)) == ["cut", "gone"]
+
+
+class _Running:
+    """A task this process runs (Celery's worker state holds requests by weak reference)."""
+
+    def __init__(self, task_id: str) -> None:
+        self.id = task_id
+
+
+def test_messages_of_tasks_still_running_here_stay_held_when_their_channel_closes(
+    conn: tuple[Connection, redis.Redis],
+) -> None:
+    """The connection was lost under running tasks: their messages are not handed out again
+    (the tasks acknowledge them as they end), the others go back at once; once the task has
+    ended, a sweep gives back what it could not acknowledge."""
+    connection, client = conn
+    _publish(client, "running")
+    _publish(client, "waiting")
+    closed = connection.channel()
+    _take(closed)
+    _take(closed)
+    running = _Running("running")
+    celery_state.active_requests.add(running)
+    try:
+        closed.qos.restore_unacked()  # as the channel closes
+        assert _queued_ids(client) == ["waiting"]
+        client.delete(QUEUE)
+        held = [json.loads(m)[0]["headers"]["id"] for m in broker_consumers.taken_messages(client)]
+        assert held == ["running"]
+        broker._LIVE.discard(closed.qos)
+        connection.channel().qos.restore_visible()  # its own consumer, closed: not while it runs
+        assert _queued_ids(client) == []
+    finally:
+        celery_state.active_requests.discard(running)
+    connection.channel().qos.restore_visible()
+    assert _queued_ids(client) == ["running"]
+    assert broker_consumers.taken_messages(client) == []

@@ -61,7 +61,10 @@ from worker.edges.broker_consumers import (
     abandoned,
     alive_key,
     beat,
+    restore_consumer,
+    running_tasks,
     taken_key,
+    task_id,
     unacked_key,
 )
 from worker.edges.broker_pending import (
@@ -181,7 +184,10 @@ class QoS(kombu_redis.QoS):
         self._flush()
         with PENDING_LOCK:
             again = [m for c, m in PENDING_RESTORES.values() if c is self.channel]
-        queue = [*again, *self._delivered.values()]
+        running = running_tasks()  # their tasks acknowledge them as they end (a lost link)
+        queue = [
+            m for m in (*again, *self._delivered.values()) if task_id(m.headers) not in running
+        ]
         self._delivered.clear()
         return give_back_all(self.channel._restore, queue, set(self._dirty), self.consumer)
 
@@ -224,31 +230,7 @@ class QoS(kombu_redis.QoS):
                     self._restore_consumer(client, consumer)
 
     def _restore_consumer(self, client: Any, consumer: str) -> None:
-        held, taken = unacked_key(consumer), taken_key(consumer)
-
-        def restore(pipe: Any) -> None:
-            entries = pipe.hgetall(held)
-            moved = pipe.lrange(taken, 0, -1)
-            pipe.multi()
-            for raw in entries.values():
-                payload, exchange, routing_key = json.loads(raw)
-                self.channel._do_restore_message(payload, exchange, routing_key, pipe)
-            for raw in moved:
-                payload = json.loads(raw)
-                delivery = payload["properties"]["delivery_info"]
-                self.channel._do_restore_message(
-                    payload, delivery["exchange"], delivery["routing_key"], pipe
-                )
-            pipe.delete(held, taken)
-            pipe.srem(CONSUMERS_KEY, consumer)
-            if entries or moved:
-                log.warning(
-                    "consumer %s stopped beating: %d of its messages handed out again",
-                    consumer, len(entries) + len(moved),
-                )  # fmt: skip
-
-        # WATCH: a second sweeper racing this one finds them changed and gives up
-        client.transaction(restore, held, taken)
+        restore_consumer(client, consumer, self.channel._do_restore_message)
 
     def close(self) -> None:
         _LIVE.discard(self)  # what it did not give back, a sweeper will

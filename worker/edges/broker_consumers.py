@@ -4,11 +4,18 @@ message they took and did not acknowledge."""
 
 from __future__ import annotations
 
+import json
+import logging
+from collections.abc import Callable
 from time import monotonic
 from typing import Any
 
+from celery.worker import state as worker_state
+
 from schemas import fleet_keys
 from worker.edges import liveness
+
+log = logging.getLogger("worker.edges.broker")
 
 # Broker bookkeeping, outside the session keyspace (cq:*) like kombu's own keys: no TTL, and
 # bounded: a hash empties as its messages are acked, a consumer leaves the set when swept.
@@ -59,3 +66,63 @@ class OwnBeats:
         if cls.beaten_at and now - cls.beaten_at > dead_after_s:
             cls.quiet_until = now + dead_after_s
         cls.beaten_at = now
+
+
+def running_tasks() -> set[str]:
+    """The ids of the tasks this process runs right now (Celery's worker state). A channel
+    that closed under them (its connection lost) does not give their messages back: their
+    task still runs, and acknowledges them when it ends; handed out again, they would run
+    twice, a model call too once the step's lease ran out in the outage."""
+    return {str(request.id) for request in list(worker_state.active_requests)}
+
+
+def task_id(headers: dict[str, Any] | None) -> str:
+    """The task id a message's headers carry (Celery's protocol 2: a step's id)."""
+    return str((headers or {}).get("id", ""))
+
+
+# (payload, exchange, routing key, pipeline): the channel's _do_restore_message
+Restore = Callable[[Any, str, str, Any], None]
+
+
+def restore_consumer(client: Any, consumer: str, restore_message: Restore) -> None:
+    """Every message a consumer that stopped beating holds goes back on its queue, but those
+    of tasks this very process still runs (a consumer of its own, whose channel closed
+    when the connection was lost): they stay held until their tasks end and acknowledge
+    them. A consumer that holds nothing more leaves the set."""
+    held, taken = unacked_key(consumer), taken_key(consumer)
+    running = running_tasks() if liveness.holder_of(consumer) == liveness.this_process() else set()
+
+    def restore(pipe: Any) -> None:
+        entries = pipe.hgetall(held)
+        moved = pipe.lrange(taken, 0, -1)
+        pipe.multi()
+        kept = given = 0
+        for tag, raw in entries.items():
+            payload, exchange, routing_key = json.loads(raw)
+            if task_id(payload.get("headers")) in running:
+                kept += 1
+                continue
+            restore_message(payload, exchange, routing_key, pipe)
+            pipe.hdel(held, tag)
+            given += 1
+        for raw in moved:
+            payload = json.loads(raw)
+            if task_id(payload.get("headers")) in running:
+                kept += 1
+                continue
+            delivery = payload["properties"]["delivery_info"]
+            restore_message(payload, delivery["exchange"], delivery["routing_key"], pipe)
+            pipe.lrem(taken, 1, raw)
+            given += 1
+        if not kept:
+            pipe.delete(held, taken)
+            pipe.srem(CONSUMERS_KEY, consumer)
+        if given:
+            log.warning(
+                "consumer %s stopped beating: %d of its messages handed out again%s",
+                consumer, given, f" ({kept} still running here)" if kept else "",
+            )  # fmt: skip
+
+    # WATCH: a second sweeper racing this one finds them changed and gives up
+    client.transaction(restore, held, taken)
