@@ -94,9 +94,11 @@ bench-otel: install
 chaos: install
 	$(PY) -m bench.chaos $(SCENARIOS)
 
-# A steady mixed load for an hour with a worker SIGKILLed every minute (not part of test):
-# worker memory, file descriptors and Redis memory sampled, their slopes per hour printed, and
-# every batch checked. A 10-minute run: make soak SOAK_ARGS="--minutes 10 --ttl-s 240 --settle-s 120"
+# A steady mixed load for an hour with a worker SIGKILLed every minute and the llm and tools
+# workers' host cut off 30 s every 10 minutes (not part of test; the cuts need root, `ip` and
+# `nft`, else it runs without them and says so): worker memory, file descriptors and Redis memory
+# sampled, their slopes per hour printed, and every batch's history checked. A 10-minute run:
+# make soak SOAK_ARGS="--minutes 10 --ttl-s 240 --settle-s 120 --partition-every-s 150"
 soak: install
 	$(PY) -m bench.soak $(SOAK_ARGS)
 

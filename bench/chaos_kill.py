@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 import random
 import signal
+import subprocess
 import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,10 +41,19 @@ KILL_EVERY_S = 2.0
 class Killer:
     """Every KILL_EVERY_S, SIGKILL one random worker process: a worker's main process (its
     process group: the pool too), started again at once, or a prefork pool child, which
-    Celery replaces. Each kill is logged with the messages the main process held then."""
+    Celery replaces. Each kill is logged with the messages the main process held then.
+    `restart`: how a queue's worker is started again (default: `fleet.start_worker(queue)`);
+    a worker on a namespace host must come back inside it, with the REDIS_URL it reaches."""
 
-    def __init__(self, fleet: Fleet, r: Any, seed: int) -> None:
+    def __init__(
+        self,
+        fleet: Fleet,
+        r: Any,
+        seed: int,
+        restart: Callable[[str], subprocess.Popen[bytes]] | None = None,
+    ) -> None:
         self.fleet = fleet
+        self.restart = restart or fleet.start_worker
         self.redis = r
         self.random = random.Random(seed)
         self.live = {name.rsplit("-", 1)[0]: proc for name, proc in fleet.workers.items()}
@@ -73,7 +84,7 @@ class Killer:
         if kind == "main":
             held = self.held(pid)
             self.fleet.kill(self.live[queue])
-            self.live[queue] = self.fleet.start_worker(queue)
+            self.live[queue] = self.restart(queue)
             self.timeline.append(f"{at:.1f}s {queue} main (held {held})")
         else:
             try:

@@ -101,20 +101,24 @@ def read_history(
     mark: RunMark,
     delivered: Sequence[str] | None = None,
     namespace: str | None = None,
+    batches: Sequence[str] | None = None,
 ) -> History:
     """What the run left in Redis and in the replay server's log. `delivered`: the spec ids of
-    the results the producer handed out, one per result (None: not watched)."""
+    the results the producer handed out, one per result (None: not watched). `batches`: the
+    run's own batches (None: every batch submitted since the mark), for a run whose batches
+    overlap others' (make soak's): their sessions are no ending of this run's."""
     ids = [s.spec_id for s in submitted]
     runs: dict[str, str] = {}  # sk -> the id it runs
     for spec_id, claim in zip(ids, client.claims(ids, namespace), strict=True):
         if claim is not None:
             runs[claim.sk] = spec_id
-    batches = Batches(client)
-    for batch, submitted_ms, _ in batches.recent():
-        if submitted_ms >= mark.since_ms:
-            for member in batches.members(batch):
-                if member.claim is not None:
-                    runs.setdefault(member.claim.sk, member.spec_id)
+    reader = Batches(client)
+    if batches is None:
+        batches = [b for b, submitted_ms, _ in reader.recent() if submitted_ms >= mark.since_ms]
+    for batch in batches:
+        for member in reader.members(batch):
+            if member.claim is not None:
+                runs.setdefault(member.claim.sk, member.spec_id)
     sks = list(runs)
     records: list[dict[str, Any] | None] = []
     for start in range(0, len(sks), MGET):
@@ -145,6 +149,8 @@ def check_run(
     mark: RunMark,
     delivered: Sequence[str] | None = None,
     namespace: str | None = None,
+    batches: Sequence[str] | None = None,
 ) -> Verdict:
-    """The verdict of the run of these spec objects, begun at `mark`."""
-    return judge(run, read_history(client, submitted_of(objects), mark, delivered, namespace))
+    """The verdict of the run of these spec objects, begun at `mark` (`batches`: read_history)."""
+    submitted = submitted_of(objects)
+    return judge(run, read_history(client, submitted, mark, delivered, namespace, batches))
