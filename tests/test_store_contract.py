@@ -5,6 +5,7 @@ once and announced) holds on both. The Redis half needs the private Redis (fleet
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -413,3 +414,32 @@ def test_a_held_lease_is_renewed_and_a_dead_holders_runs_out(base_fleet: Fleet, 
             wait_for(renewed, timeout_s=5)
         assert store.begin_step(step, 600, None, sk).leased is False  # still held
     wait_for(lambda: store.begin_step(step, 600, None, sk).leased, timeout_s=5)
+
+
+@pytest.mark.fleet
+def test_a_lease_that_ran_out_in_an_outage_is_taken_back_unless_another_took_it(
+    base_fleet: Fleet, sk: str
+) -> None:
+    """Its holder could not renew it (a cut network) and it ran out: still running the step,
+    the holder takes it back, so a stand-in delivery waits instead of making the step's model
+    call again. One another delivery took, and one its own delivery released, stay theirs."""
+    from tests.test_pipeline import wait_for
+    from worker.edges.step_leases import LeaseKeeper
+
+    backend = _redis(base_fleet)
+    store = backend.store
+    assert isinstance(store, RedisStore)
+    store._keeper = LeaseKeeper(store.client, lease_ms=600)
+    ran_out, taken, released = (keys.round_step(sk, n) for n in range(3))
+    starts = {step: store.begin_step(step, 600, None, sk) for step in (ran_out, taken, released)}
+    with contextlib.ExitStack() as held:
+        for step, start in starts.items():
+            held.enter_context(store.hold(step, start.lease))
+        store.client.delete(keys.step_state(ran_out))  # expired while cut off
+        store.client.set(keys.step_state(taken), keys.step_lease("stand-in.1@elsewhere"))
+        store.release_lease(released)
+        mine = keys.step_lease(starts[ran_out].lease)
+        wait_for(lambda: store.client.get(keys.step_state(ran_out)) == mine, timeout_s=5)
+        wait_for(lambda: int(store.client.pttl(keys.step_state(ran_out))) > 0, timeout_s=5)
+        assert store.client.get(keys.step_state(taken)) == keys.step_lease("stand-in.1@elsewhere")
+        assert store.client.get(keys.step_state(released)) is None

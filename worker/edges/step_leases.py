@@ -24,6 +24,8 @@ from worker.session.store_ports import STEP_LEASE_MS
 
 P = ParamSpec("P")
 T = TypeVar("T")
+
+RENEW_RETRY_S = 1.0  # the next renewal after one that failed
 log = logging.getLogger("worker.edges.store")
 
 
@@ -38,12 +40,19 @@ def translated(fn: Callable[P, T]) -> Callable[P, T]:
     return wrapper
 
 
-# renews every lease still held by the delivery that took it, one round trip for all of them
+# renews every lease still held by the delivery that took it, one round trip for all of them;
+# a lease that ran out while its holder could not reach Redis (a cut network) and that no one
+# took since is its holder's again: its delivery still runs the step, and a stand-in that
+# took the free lease would make the step's model call a second time
 _RENEW = """
 local renewed = 0
 for i, key in ipairs(KEYS) do
-  if redis.call('get', key) == ARGV[i + 1] then
+  local lease = redis.call('get', key)
+  if lease == ARGV[i + 1] then
     redis.call('pexpire', key, ARGV[1])
+    renewed = renewed + 1
+  elseif not lease then
+    redis.call('set', key, ARGV[i + 1], 'PX', ARGV[1])
     renewed = renewed + 1
   end
 end
@@ -98,9 +107,17 @@ class LeaseKeeper:
                 self.held.pop(key, None)
             liveness.retire(token)
 
+    def forget(self, key: str) -> None:
+        """A lease its delivery gives up before it ends (released, deferred): not renewed,
+        nor taken back, any more."""
+        with self._lock:
+            self.held.pop(key, None)
+
     def _loop(self) -> None:
+        pause_s = self.lease_ms / 3000
         while True:
-            time.sleep(self.lease_ms / 3000)
+            time.sleep(pause_s)
+            pause_s = self.lease_ms / 3000
             with self._lock:
                 held = dict(self.held)
             if not held:
@@ -113,6 +130,9 @@ class LeaseKeeper:
                     self._refused.refused(reason)
                 else:
                     log.warning("lease renewal failed: %s", type(exc).__name__)
+                # soon again: once the network is back, the leases that ran out are taken
+                # back before a stand-in delivery takes them
+                pause_s = RENEW_RETRY_S
                 continue
             self._refused.accepted()
 
@@ -149,6 +169,7 @@ class StepLeases:
     def defer_step(self, step: str, sk: str, stored: bool, wait_ms: int) -> None:
         """One round trip: the lease released, the try uncounted, and the session shown as
         making progress until the delivery comes back (the reconciler leaves it be)."""
+        self._keeper.forget(keys.step_state(step))
         pipe = self.client.pipeline(transaction=False)
         pipe.delete(keys.step_state(step))
         if stored:  # a DECR of a counter that expired would make one with no TTL
@@ -214,4 +235,5 @@ class StepLeases:
 
     @translated
     def release_lease(self, step: str) -> None:
+        self._keeper.forget(keys.step_state(step))
         self.client.delete(keys.step_state(step))
