@@ -23,6 +23,7 @@ from bench import netns
 from bench.chaos_fleet import expected, weather_objects
 from bench.chaos_partition import heartbeats
 from bench.chaos_report import finished_count, tally
+from bench.history_read import check_run, mark_run
 from producer.client import Client
 from producer.fleet import Fleet
 from producer.specfile import load_spec_from_objects
@@ -147,6 +148,7 @@ def test_a_worker_host_cut_off_mid_batch_serves_again_and_every_session_ends_ok(
 ) -> None:
     p = partitioned
     objects = weather_objects(f"cut-{uuid.uuid4().hex[:6]}", SESSIONS)
+    mark = mark_run(p.fleet.replay_url)
     sub = p.client.enqueue(load_spec_from_objects(objects))
     _until(
         lambda: finished_count(p.client.redis, sub.order) >= SESSIONS // 4,
@@ -172,3 +174,8 @@ def test_a_worker_host_cut_off_mid_batch_serves_again_and_every_session_ends_ok(
     assert len(records) == SESSIONS
     row = tally(p.client.redis, "partition", sub.order, expected(objects))
     assert (row.finished, row.ok, row.duplicates) == (SESSIONS, SESSIONS, 0), row.notes
+    # the calls in flight at the cut are answered after the heal, and their steps' messages
+    # and leases stay theirs: no step runs twice, no model call is made twice
+    delivered = [str(record.get("id")) for _, record in records]
+    verdict = check_run("partition", p.client, objects, mark, delivered)
+    assert verdict.valid and verdict.model_calls == verdict.rounds, verdict.line()
