@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import redis
+
 from worker.edges.redis_errors import refusal
 from worker.session.refusals import RefusalNotice
 
@@ -62,16 +64,19 @@ def give_back_all(
     restore: Callable[[Any], None], messages: list[Any], acked: set[str], consumer: str
 ) -> list[tuple[BaseException, Any]]:
     """A stopping consumer's messages back on their queues (`restore`: Channel._restore),
-    trying a Redis that refuses writes for SHUTDOWN_RESTORE_S. What it still refuses stays
-    held in Redis, where a sweeper hands it out again once the consumer's heartbeat runs out:
-    not an error, so kombu writes no emergency dump for it. The errors returned (kombu dumps
-    those) are only messages whose hold Redis never took (in this process alone) or that
-    failed otherwise."""
+    trying a Redis that refuses writes for SHUTDOWN_RESTORE_S. What it still refuses, or what
+    a Redis that does not answer (a lost connection) could not take, stays held in Redis,
+    where a sweeper hands it out again once the consumer's heartbeat runs out: not an error,
+    so kombu writes no emergency dump for it. The errors returned (kombu dumps those) are only
+    messages whose hold Redis never took (in this process alone) or that failed otherwise."""
     errors: list[tuple[BaseException, Any]] = []
     deadline, held, pauses = time.monotonic() + SHUTDOWN_RESTORE_S, 0, iter(TAKE_PAUSES_S)
+    down: BaseException | None = None  # Redis did not answer: the rest are not tried
     for message in messages:
         while True:
             try:
+                if down is not None:
+                    raise down
                 restore(message)
                 break
             except Exception as exc:
@@ -80,14 +85,16 @@ def give_back_all(
                     continue
                 with PENDING_LOCK:
                     only_here = message.delivery_tag in PENDING_HOLDS
-                if refused(exc) and not only_here:
+                unanswered = isinstance(exc, (redis.ConnectionError, redis.TimeoutError))
+                down = exc if unanswered else down
+                if (unanswered or refused(exc)) and not only_here:
                     held += 1
                 elif message.delivery_tag not in acked:
                     errors.append((exc, message))
                 break
     if held:
         log.warning(
-            "consumer %s: %d messages left held in Redis (it refuses writes): handed out again"
-            " once its heartbeat runs out", consumer, held,
+            "consumer %s: %d messages left held in Redis (it refuses writes or does not answer):"
+            " handed out again once its heartbeat runs out", consumer, held,
         )  # fmt: skip
     return errors
