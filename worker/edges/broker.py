@@ -75,6 +75,7 @@ from worker.edges.broker_pending import (
     REFUSED,
     TAKE_PAUSES_S,
     give_back_all,
+    later,
     refused,
     write_pending,
 )
@@ -136,7 +137,7 @@ class QoS(kombu_redis.QoS):
             try:
                 self.channel._restore(message, leftmost=True)
             except Exception as exc:
-                if not refused(exc):
+                if not later(exc):
                     raise
                 # still held in Redis (the give-back is one transaction): given back on the
                 # next beats, or by a sweeper if this consumer stops
@@ -155,7 +156,7 @@ class QoS(kombu_redis.QoS):
             with self.channel.conn_or_acquire() as client:
                 forget(client)
         except Exception as exc:
-            if not refused(exc):
+            if not later(exc):
                 raise
             with PENDING_LOCK:  # the step is done: a sweep meanwhile only runs it again
                 PENDING_FORGETS.append(forget)

@@ -1,5 +1,6 @@
 """The broker's writes that a Redis refusing writes (OOM, MISCONF, READONLY, LOADING) turned
-down, kept in this process and written on the consumer's next beats (worker/edges/broker.py):
+down, or that one that did not answer could not take (acks and give-backs), kept in this process
+and written on the consumer's next beats (worker/edges/broker.py):
 a hold (a message BRPOP took, into its consumer's hash), a forget (an ack), a give-back (a
 message handed back to its queue). Until then a forgotten or given-back message is still held
 in Redis, where a sweeper can hand it out again: a step run again, never a message lost."""
@@ -38,6 +39,17 @@ def refused(exc: BaseException) -> bool:
     return reason is not None
 
 
+def unanswered(exc: BaseException) -> bool:
+    """Whether Redis did not answer (a lost connection, a cut network): for an ack or a
+    give-back, as for a refusal, the message stays held in Redis meanwhile."""
+    return isinstance(exc, (redis.ConnectionError, redis.TimeoutError))
+
+
+def later(exc: BaseException) -> bool:
+    """Whether a write that failed with `exc` is kept and written on the next beats."""
+    return refused(exc) or unanswered(exc)
+
+
 def write_pending(client: Any) -> None:
     """Write the holds, acks and give-backs Redis refused before (each kept until written)."""
     with PENDING_LOCK:
@@ -55,7 +67,14 @@ def write_pending(client: Any) -> None:
                 PENDING_HOLDS.pop(tag, None)
             del PENDING_FORGETS[: len(forgets)]
     for tag, (channel, message) in restores.items():
-        channel._restore(message, leftmost=True)
+        try:
+            channel._restore(message, leftmost=True)
+        except Exception as exc:
+            if later(exc):
+                return  # the next beats try again
+            # its channel closed since (a lost connection): the message is still held in
+            # Redis, under a consumer no longer live, which a sweep hands out again
+            log.warning("give-back %s failed (%s): left to a sweep", tag, type(exc).__name__)
         with PENDING_LOCK:
             PENDING_RESTORES.pop(tag, None)
 
@@ -85,9 +104,8 @@ def give_back_all(
                     continue
                 with PENDING_LOCK:
                     only_here = message.delivery_tag in PENDING_HOLDS
-                unanswered = isinstance(exc, (redis.ConnectionError, redis.TimeoutError))
-                down = exc if unanswered else down
-                if (unanswered or refused(exc)) and not only_here:
+                down = exc if unanswered(exc) else down
+                if later(exc) and not only_here:
                     held += 1
                 elif message.delivery_tag not in acked:
                     errors.append((exc, message))

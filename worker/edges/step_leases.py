@@ -52,8 +52,10 @@ for i, key in ipairs(KEYS) do
     redis.call('pexpire', key, ARGV[1])
     renewed = renewed + 1
   elseif not lease then
-    redis.call('set', key, ARGV[i + 1], 'PX', ARGV[1])
-    renewed = renewed + 1
+    -- pcall: under OOM the SET is refused, and the renewals after it must still run
+    if not redis.pcall('set', key, ARGV[i + 1], 'PX', ARGV[1]).err then
+      renewed = renewed + 1
+    end
   end
 end
 return renewed
