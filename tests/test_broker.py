@@ -61,6 +61,17 @@ def _take(channel: Any) -> Any:
     return message
 
 
+def held_by_others(connection: Connection, client: redis.Redis, holders: dict[str, str]) -> None:
+    """A message per holder (named by its task id), taken by a consumer of that name, which
+    is none of this process's live ones."""
+    for name, consumer in holders.items():
+        _publish(client, name)
+        channel = connection.channel()
+        channel.qos.consumer = consumer
+        _take(channel)
+        broker._LIVE.discard(channel.qos)
+
+
 def test_a_taken_message_is_held_until_acked(conn: tuple[Connection, redis.Redis]) -> None:
     connection, client = conn
     _publish(client, "a")
@@ -175,12 +186,8 @@ def test_a_process_that_could_not_beat_sweeps_only_the_consumers_known_gone(
     whose process is gone is swept at once."""
     connection, client = conn
     holders = {"gone": liveness.named("dddddddddddd"), "cut": "eeeeeeeeeeee.4242@another-host"}
-    for name, consumer in holders.items():
-        _publish(client, name)
-        channel = connection.channel()
-        channel.qos.consumer = consumer
-        _take(channel)
-        broker._LIVE.discard(channel.qos)
+    held_by_others(connection, client, holders)
+    for consumer in holders.values():
         client.delete(broker_consumers.alive_key(consumer))  # its heartbeat ran out
     sweeper = connection.channel().qos
     monkeypatch.setattr(broker_consumers.OwnBeats, "quiet_until", 0.0)

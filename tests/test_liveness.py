@@ -17,8 +17,8 @@ from kombu.connection import Connection
 
 from producer.fleet import Fleet
 from schemas import keys
-from tests.test_broker import _publish, _queued_ids, _take, broker_connection
-from worker.edges import broker, broker_consumers, liveness
+from tests.test_broker import _queued_ids, broker_connection, held_by_others
+from worker.edges import broker_consumers, liveness
 from worker.edges.store import RedisStore
 
 REDIS_DB = 13
@@ -119,12 +119,8 @@ def test_messages_of_a_consumer_whose_process_is_gone_are_handed_out_at_once(
         "closed": liveness.named("bbbbbbbbbbbb"),
         "elsewhere": f"cccccccccccc.{gone_pid()}@another-machine",
     }
-    for name, consumer in holders.items():
-        _publish(client, name)
-        channel = connection.channel()
-        channel.qos.consumer = consumer
-        _take(channel)
-        broker._LIVE.discard(channel.qos)
+    held_by_others(connection, client, holders)
+    for consumer in holders.values():
         client.set(broker_consumers.alive_key(consumer), 1, ex=60)
     connection.channel().qos.restore_visible()
     assert sorted(_queued_ids(client)) == ["closed", "killed"]
