@@ -5,6 +5,7 @@ a failure of another kind still spends its tries (tests/test_steps.py)."""
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import redis
@@ -13,7 +14,12 @@ from schemas import keys
 from tests.test_engine import WEATHER_FN
 from tests.test_steps import SK, WEATHER_SCRIPT, Pipeline, pipeline, spec, submit
 from worker.edges.redis_errors import refusal, store_error
-from worker.errors import StoreError, StoreUnavailableError, StoreUnreachableError
+from worker.errors import (
+    ProviderRetryableError,
+    StoreError,
+    StoreUnavailableError,
+    StoreUnreachableError,
+)
 from worker.session.refusals import STOPPING
 from worker.session.twins.failing import FailingStore, RefusingStore, UnreachableStore
 from worker.session.twins.store import MemoryStore
@@ -27,6 +33,7 @@ def refusing(
     reason: str = "OOM",
     budget_s: float = 180.0,
     store: type[FailingStore] = RefusingStore,
+    script: list[Any] | None = None,
 ) -> Pipeline:
     """A weather session whose store refuses `method` its first `times` calls (or, with
     `store=UnreachableStore`, does not answer them); the pauses are recorded, not slept."""
@@ -41,7 +48,8 @@ def refusing(
         failing.append(made)
         return made
 
-    p = pipeline(WEATHER_SCRIPT * 5, store=wrap)  # a model call again for each run of a round
+    # a model call again for each run of a round
+    p = pipeline(script if script is not None else WEATHER_SCRIPT * 5, store=wrap)
     guard = p.runner.guard
     guard.settings = replace(guard.settings, store_wait_s=budget_s)
     p.runner.settings = guard.settings  # the round's own wait for its reply's write
@@ -97,6 +105,18 @@ def test_a_reply_redis_does_not_answer_for_is_kept_and_written_again() -> None:
     assert_ended_ok(p)
     assert p.store.tries[keys.round_step(SK, 0)] == 1
     assert len(p.provider.requests) == 2
+
+
+def test_an_error_reply_redis_does_not_answer_for_gives_the_call_another_chance() -> None:
+    """The provider could not be reached (nor could Redis: the worker was cut off): the error
+    is not kept; the round's step fails, runs again once Redis answers, and its call gets
+    another chance instead of ending the session provider_unavailable."""
+    cut_off = ProviderRetryableError("connect timeout calling backend replay")
+    p = refusing("store_round", 1, store=UnreachableStore, script=[cut_off, *WEATHER_SCRIPT * 2])
+    p.drain()
+    assert_ended_ok(p)
+    assert p.store.tries[keys.round_step(SK, 0)] == 2
+    assert len(p.provider.requests) == 3
 
 
 def test_a_reply_unwritten_past_the_wait_is_bought_again_by_the_next_run() -> None:

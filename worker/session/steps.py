@@ -182,13 +182,15 @@ class StepRunner:
         with_reply = replace(session, rounds=(*session.rounds, Round(reply)))
         step: Step | None = plan(with_reply)
         runs = step.runs if isinstance(step, RunTools) else ()
-        # the reply is paid for: kept through a Redis that refuses or does not answer, not
-        # bought again by the step's next run
-        winner = keep_writing(
-            lambda: self.store.store_round(sk, round_no, reply, runs),
-            self.settings.store_wait_s,
-            self.guard.sleep,
-        )
+        # a reply is paid for: kept through a Redis that refuses or does not answer, not bought
+        # again by the step's next run. An error is not: its step fails and runs again once
+        # Redis answers, the call with another chance (a worker cut off from Redis most
+        # likely could not reach the provider either)
+        def store() -> Reply:
+            return self.store.store_round(sk, round_no, reply, runs)
+
+        wait_s = self.settings.store_wait_s
+        winner = store() if reply.is_error else keep_writing(store, wait_s, self.guard.sleep)
         if winner is not reply:
             with_reply, step = replace(session, rounds=(*session.rounds, Round(winner))), None
         if trace:
