@@ -9,9 +9,11 @@ import threading
 import time
 from typing import Any
 
+import redis
 from celery import Celery
 from celery._state import get_current_task
 from celery.exceptions import Reject
+from kombu.exceptions import OperationalError
 
 from schemas import redis_links
 from schemas.fleet_clock import FleetClock
@@ -211,17 +213,25 @@ def add_step_context(handlers: list[logging.Handler]) -> None:
     for handler in handlers:
         handler.addFilter(StepContext())
         handler.setFormatter(logging.Formatter(STEP_LOG_FORMAT))
-    logging.getLogger("celery.app.trace").addFilter(RefusedRejectLine())
+    logging.getLogger("celery.app.trace").addFilter(HandedBackLine())
 
 
-class RefusedRejectLine(logging.Filter):
-    """A step handed back to its queue because Redis refuses writes (tasks._retry's Reject)
-    is one warning line, Celery's own ("Task ... reject requeue=True: MISCONF ..."): not a
-    traceback, which Celery adds to every Reject."""
+# what a broker that does not answer raises: redis-py's errors, kombu's wrapping of them
+# (OperationalError), the socket's own (OSError: ConnectionError, TimeoutError)
+UNANSWERED = (redis.ConnectionError, redis.TimeoutError, OperationalError, OSError)
+
+
+class HandedBackLine(logging.Filter):
+    """A step handed back to its queue because Redis refuses writes or does not answer
+    (tasks._retry's Reject: a partition, a failover) is one warning line, Celery's own ("Task
+    ... reject requeue=True: MISCONF ..."): not a traceback, which Celery adds to every
+    Reject."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
-        if isinstance(exc, Reject) and REFUSED_TEXT.search(str(exc.reason)):
+        if isinstance(exc, Reject) and (
+            REFUSED_TEXT.search(str(exc.reason)) or isinstance(exc.reason, UNANSWERED)
+        ):
             record.exc_info, record.exc_text = None, None
         return True
 
