@@ -17,6 +17,7 @@ from schemas import keys
 from schemas.bodies import dump_body
 from schemas.partial import PartialRound
 from worker.edges.store import RedisStore
+from worker.edges.store_trace import TRACE_FLEET_KEEP_MS
 from worker.session.store_ports import TraceWrite
 from worker.session.trace import event
 
@@ -36,8 +37,8 @@ def client(base_fleet: Fleet) -> Iterator[redis.Redis]:
 
 
 def _without_ttl(client: redis.Redis, sk: str) -> list[str]:
-    """The keys of session `sk` with no TTL (the fleet's trace stream gets its own TTL with
-    the next session's first round or end)."""
+    """The keys of session `sk` with no TTL (the fleet's trace stream gets its own TTL from
+    the reconciler's next pass)."""
     return sorted(k.decode() for k in client.scan_iter(f"*{sk}*") if client.ttl(k) == -1)
 
 
@@ -113,3 +114,21 @@ def test_a_session_finished_event_lands_only_with_its_ending(client: redis.Redis
     store.trace(TraceWrite(ended, last_round, expire=True, ended_by="r1"))
     said_once = ["model.call.finished", "session.finished", "model.call.finished"]
     assert _events(client, ended) == said_once
+
+
+def test_the_fleets_stream_keeps_its_last_minutes_and_its_ttl_by_the_reconcilers_pass(
+    client: redis.Redis,
+) -> None:
+    """Sessions' writes only add to the fleet's stream (no command of theirs tends it); a pass
+    of the reconciler (a fleet event that sets `expire`) trims what is older than
+    TRACE_FLEET_KEEP_MS and sets its TTL, so its memory levels off within minutes."""
+    store = RedisStore(client, ttl_s=TTL_S)
+    old_ms = store.clock.now_ms() - TRACE_FLEET_KEEP_MS - 120_000
+    for n in range(200):  # events of long ago, as Redis stamped them then
+        client.xadd(keys.TRACE, {keys.TRACE_FIELD: "[]"}, id=f"{old_ms}-{n}")
+    sk = uuid.uuid4().hex[:12]
+    store.trace(TraceWrite(sk, (event("session.started", "x"),), expire=True))
+    assert client.xlen(keys.TRACE) == 201 and client.ttl(keys.TRACE) == -1
+    store.trace(TraceWrite("", (event("reconciler.pass", ""),), expire=True))
+    assert client.xlen(keys.TRACE) == 2  # the session's entry and the pass's
+    assert 0 < client.ttl(keys.TRACE) <= TTL_S

@@ -7,12 +7,16 @@ import json
 from typing import Any
 
 from schemas import keys
+from schemas.fleet_clock import FleetClock
 from schemas.partial import PartialRound
 from worker.edges.step_leases import translated
 from worker.session.store_ports import TraceWrite
 
 TRACE_SESSION_MAXLEN = 2_000  # entries kept per session
-TRACE_FLEET_MAXLEN = 100_000  # entries kept for the fleet
+TRACE_FLEET_MAXLEN = 100_000  # entries kept for the fleet at most
+# the fleet's stream keeps this long of events (its readers follow it live: the metrics, the
+# chaos benches), so its memory levels off within minutes, not when it holds TRACE_FLEET_MAXLEN
+TRACE_FLEET_KEEP_MS = 15 * 60_000
 
 
 # an ending step's entry (ARGV[1]; ARGV[2] without its session.finished, "" for nothing),
@@ -39,6 +43,7 @@ class TraceWrites:
 
     client: Any
     ttl_s: int
+    clock: FleetClock
 
     @translated
     def trace(self, write: TraceWrite) -> None:
@@ -53,8 +58,9 @@ class TraceWrites:
         fleet's stream only. The session's stream is made, with its TTL, only by the writes
         that set it (its first round's and its last); any other adds to it only while it is
         there (NOMKSTREAM), so a late step of a session whose keys expired or were lost makes
-        no stream without a TTL. The fleet's gets its TTL with them (it lives while sessions
-        come and go)."""
+        no stream without a TTL. The fleet's is tended by the writes of fleet events that set
+        `expire` (the reconciler's pass, every 10 s): its TTL, and its events older than
+        TRACE_FLEET_KEEP_MS trimmed (no command of the sessions' for it)."""
         every = [event.to_json() for event in write.events]
         fleet = json.dumps(every, separators=(",", ":"))
         own = [e for e, event in zip(every, write.events, strict=True) if event.session]
@@ -74,7 +80,9 @@ class TraceWrites:
         )
         if write.expire and own and not write.ended_by:
             client.expire(keys.trace(write.sk), self.ttl_s)
-        if write.expire:
+        if write.expire and not write.sk:
+            oldest_ms = self.clock.now_ms() - TRACE_FLEET_KEEP_MS
+            client.xtrim(keys.TRACE, minid=f"{oldest_ms}-0", approximate=True)
             client.expire(keys.TRACE, self.ttl_s)
 
     def _add_ending(self, client: Any, write: TraceWrite, own: list[dict[str, Any]]) -> None:

@@ -8,7 +8,8 @@ the store's clock (Redis's), the one every mark and submit is stamped on: a work
 producer whose host clock is off never makes a live session look stalled or overdue.
 
 Each pass it runs is one reconciler.pass trace event (the fleet's stream only: one XADD a pass,
-fleet-wide) with the sessions it nudged and forgot, for the metrics.
+fleet-wide) with the sessions it nudged and forgot, for the metrics; its write keeps the fleet's
+stream's TTL and trims its old events.
 """
 
 from __future__ import annotations
@@ -80,6 +81,6 @@ class Reconciler:
         if self.runner.settings.trace:  # counted for the metrics, never in the way
             counts = {"nudged": nudged, "forgotten": forgotten, "overdue": overdue}
             passed = event("reconciler.pass", "", **counts)
-            with contextlib.suppress(StoreError):
-                self.runner.guard.trace_now("", passed)
+            with contextlib.suppress(StoreError):  # it tends the fleet's stream: its TTL
+                self.runner.guard.trace_now("", passed, expire=True)  # and its age
         return nudged

@@ -182,6 +182,7 @@ class StepRunner:
         with_reply = replace(session, rounds=(*session.rounds, Round(reply)))
         step: Step | None = plan(with_reply)
         runs = step.runs if isinstance(step, RunTools) else ()
+
         # a reply is paid for: kept through a Redis that refuses or does not answer, not bought
         # again by the step's next run. An error is not: its step fails and runs again once
         # Redis answers, the call with another chance (a worker cut off from Redis most
