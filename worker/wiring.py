@@ -9,7 +9,6 @@ import threading
 import time
 from typing import Any
 
-import redis
 from celery import Celery
 from celery._state import get_current_task
 from celery.exceptions import Reject
@@ -27,7 +26,7 @@ from worker.edges.mcp_tools import McpTools
 from worker.edges.provider_http import HttpProvider
 from worker.edges.rate_control import RedisRateControl
 from worker.edges.rate_limit import RedisRateLimiter
-from worker.edges.redis_errors import REFUSED_TEXT
+from worker.edges.redis_errors import REFUSED_TEXT, unanswered
 from worker.edges.store import RedisStore
 from worker.edges.store_programs import RedisProgramStore
 from worker.edges.wasm_runtime import WasmToolRuntime
@@ -216,9 +215,9 @@ def add_step_context(handlers: list[logging.Handler]) -> None:
     logging.getLogger("celery.app.trace").addFilter(HandedBackLine())
 
 
-# what a broker that does not answer raises: redis-py's errors, kombu's wrapping of them
-# (OperationalError), the socket's own (OSError: ConnectionError, TimeoutError)
-UNANSWERED = (redis.ConnectionError, redis.TimeoutError, OperationalError, OSError)
+# what a broker that does not answer raises beside redis-py's errors: kombu's wrapping of them,
+# the socket's own (OSError: ConnectionError, TimeoutError)
+UNANSWERED = (OperationalError, OSError)
 
 
 class HandedBackLine(logging.Filter):
@@ -230,7 +229,9 @@ class HandedBackLine(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
         if isinstance(exc, Reject) and (
-            REFUSED_TEXT.search(str(exc.reason)) or isinstance(exc.reason, UNANSWERED)
+            REFUSED_TEXT.search(str(exc.reason))
+            or unanswered(exc.reason)
+            or isinstance(exc.reason, UNANSWERED)
         ):
             record.exc_info, record.exc_text = None, None
         return True

@@ -94,28 +94,24 @@ def restore_consumer(client: Any, consumer: str, restore_message: Restore) -> No
     running = running_tasks() if liveness.holder_of(consumer) == liveness.this_process() else set()
 
     def restore(pipe: Any) -> None:
-        entries = pipe.hgetall(held)
-        moved = pipe.lrange(taken, 0, -1)
+        entries = {tag: json.loads(raw) for tag, raw in pipe.hgetall(held).items()}
+        moved = [(raw, json.loads(raw)) for raw in pipe.lrange(taken, 0, -1)]
+        back = {t: e for t, e in entries.items() if task_id(e[0].get("headers")) not in running}
+        gone = [(r, p) for r, p in moved if task_id(p.get("headers")) not in running]
+        given = len(back) + len(gone)
+        kept = len(entries) + len(moved) - given
         pipe.multi()
-        kept = given = 0
-        for tag, raw in entries.items():
-            payload, exchange, routing_key = json.loads(raw)
-            if task_id(payload.get("headers")) in running:
-                kept += 1
-                continue
+        for payload, exchange, routing_key in back.values():
             restore_message(payload, exchange, routing_key, pipe)
-            pipe.hdel(held, tag)
-            given += 1
-        for raw in moved:
-            payload = json.loads(raw)
-            if task_id(payload.get("headers")) in running:
-                kept += 1
-                continue
+        for _, payload in gone:
             delivery = payload["properties"]["delivery_info"]
             restore_message(payload, delivery["exchange"], delivery["routing_key"], pipe)
-            pipe.lrem(taken, 1, raw)
-            given += 1
-        if not kept:
+        if kept:  # only what went back leaves; the rest stays held until its task acks it
+            for tag in back:
+                pipe.hdel(held, tag)
+            for raw, _ in gone:
+                pipe.lrem(taken, 1, raw)
+        else:
             pipe.delete(held, taken)
             pipe.srem(CONSUMERS_KEY, consumer)
         if given:

@@ -13,9 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import redis
-
-from worker.edges.redis_errors import refusal
+from worker.edges.redis_errors import refusal, unanswered
 from worker.session.refusals import RefusalNotice
 
 log = logging.getLogger("worker.edges.broker")
@@ -39,14 +37,10 @@ def refused(exc: BaseException) -> bool:
     return reason is not None
 
 
-def unanswered(exc: BaseException) -> bool:
-    """Whether Redis did not answer (a lost connection, a cut network): for an ack or a
-    give-back, as for a refusal, the message stays held in Redis meanwhile."""
-    return isinstance(exc, (redis.ConnectionError, redis.TimeoutError))
-
-
 def later(exc: BaseException) -> bool:
-    """Whether a write that failed with `exc` is kept and written on the next beats."""
+    """Whether a write that failed with `exc` is kept and written on the next beats: Redis
+    refused it, or did not answer (for an ack or a give-back the message stays held in Redis
+    meanwhile)."""
     return refused(exc) or unanswered(exc)
 
 

@@ -45,11 +45,17 @@ def refusal(exc: BaseException) -> str | None:
     return None
 
 
+def unanswered(exc: BaseException) -> bool:
+    """Whether Redis did not answer: the connection failed or timed out (a cut network, a
+    restart, a paused primary), not a refusal (redis-py's LOADING is a ConnectionError too)."""
+    return isinstance(exc, (redis.ConnectionError, redis.TimeoutError)) and refusal(exc) is None
+
+
 def store_error(exc: redis.RedisError, what: str = "redis") -> StoreError:
     """The error tree's class for a Redis error: ids and Redis's own text only."""
     reason = refusal(exc)
     if reason is not None:
         return StoreUnavailableError(reason, f"{what}: Redis refuses writes: {reason}: {exc}")
-    if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
+    if unanswered(exc):
         return StoreUnreachableError(f"{what}: {type(exc).__name__}: {exc}")
     return StoreError(f"{what}: {type(exc).__name__}: {exc}")

@@ -335,10 +335,13 @@ class StepGuard:
         except Exception as exc:
             log.warning("step %s: spans lost: %s", step, type(exc).__name__)
 
-    def trace_now(self, sk: str, *events: TraceEvent, expire: bool = False) -> None:
-        """Events written at once, not with the step's end (a background call's progress)."""
+    def trace_now(
+        self, sk: str, *events: TraceEvent, expire: bool = False, ended_by: str = ""
+    ) -> None:
+        """Events written at once, not with the step's end (a background call's progress, a
+        dead-lettered finish's session.finished: `ended_by`, as TraceWrite says)."""
         if self.settings.trace:
-            self.store.trace(TraceWrite(sk, events, expire))
+            self.store.trace(TraceWrite(sk, events, expire, ended_by))
 
     def _release_quietly(self, step: str) -> None:
         with contextlib.suppress(StoreError):
@@ -361,8 +364,7 @@ class StepGuard:
                         "session.finished", spec_id, latency_ms=latency_ms,
                         error=StepFailedError.code,
                     )  # fmt: skip
-                    if self.settings.trace:
-                        self.store.trace(TraceWrite(sk, (ended,), expire=True, ended_by=step))
+                    self.trace_now(sk, ended, expire=True, ended_by=step)
                     if self.spans.on:
                         self._export_spans(step, sk, [ended])
                 continue
