@@ -69,6 +69,12 @@ class BlockingSentinelPool(SentinelConnectionPool, redis.BlockingConnectionPool)
     `owns_connection` (connections to a demoted master are not given back) over it."""
 
 
+def pooled_client(url: str, max_connections: int, wait_s: float = 30.0) -> Any:
+    """A client of the Redis at `url` on a pool of at most `max_connections` (connection_pool).
+    Any: its replies are bytes, which redis-py's annotations cannot say."""
+    return redis.Redis(connection_pool=connection_pool(url, max_connections, wait_s))
+
+
 def connection_pool(url: str, max_connections: int, wait_s: float) -> redis.ConnectionPool:
     """A pool of at most `max_connections`; a thread waits up to `wait_s` for a free one."""
     if not is_sentinel(url):
