@@ -1,17 +1,21 @@
-"""A local Redis Cluster (producer/local_cluster.py) as the tests and the benchmarks start it:
-its masters form one cluster with every slot served, keys of different slots land on different
-masters, and what started it stops every process it started."""
+"""A local Redis Cluster (producer/local_cluster.py) as the tests, the benchmarks and
+`cchatq up --cluster N` start it: its masters form one cluster with every slot served, keys of
+different slots land on different masters, and what started it stops every process it started
+(`cchatq down` those of `up`)."""
 
 from __future__ import annotations
 
+import json
+import uuid
 from pathlib import Path
 
 import pytest
 import redis
 from redis.cluster import RedisCluster
 
-from producer.fleet import Fleet, proc_stat
+from producer.fleet import Fleet, free_port, proc_stat
 from producer.local_cluster import SLOTS, LocalCluster
+from tests.test_local_fleet import cchatq, clean_env, exports, marked_processes, wait_until_gone
 
 pytestmark = pytest.mark.fleet
 
@@ -105,3 +109,50 @@ def test_a_cluster_started_through_a_fleet_stops_alone_or_with_it(tmp_path: Path
     finally:
         fleet.stop()
     assert alive(started) == []
+
+
+def test_up_with_a_cluster_exports_it_and_down_stops_it(tmp_path: Path) -> None:
+    """The state on a 3-master cluster, the broker on a plain private Redis. Sessions are not
+    run: the workers' store on a cluster is not this test's."""
+    mark = uuid.uuid4().hex
+    env = clean_env(mark)
+    folder = tmp_path / "fleet"
+    try:
+        up = cchatq("up", "--cluster", "3", "--dir", str(folder), env=env, cwd=tmp_path)
+        assert up.returncode == 0, up.stderr
+        shell = exports(up.stdout)
+        expected = {"REDIS_URL", "CCHATQ_STATE_URL", "CCHATQ_CONFIG", "CCHATQ_REPLAY_URL"}
+        assert set(shell) == expected, shell
+        state, broker = shell["CCHATQ_STATE_URL"], shell["REDIS_URL"]
+        assert state != broker
+        info = cluster_info(state)
+        assert info["cluster_state"] == "ok" and info["cluster_known_nodes"] == "3", info
+        with redis.Redis.from_url(broker) as client:
+            assert client.info("cluster")["cluster_enabled"] == 0
+        record = json.loads((folder / "fleet.json").read_text())
+        assert record["state_url"] == state
+        nodes = [p for p in record["processes"] if p["name"].startswith("redis-cluster-")]
+        assert len(nodes) == 3
+        assert f"127.0.0.1:{nodes[0]['name'].rsplit('-', 1)[1]}/" in state
+        assert "state" in up.stderr and "cchatq down" in up.stderr
+        pids = [p["pid"] for p in record["processes"]]
+        assert len(alive(pids)) == len(pids)
+    finally:
+        down = cchatq("down", "--dir", str(folder), env=env, cwd=tmp_path)
+    assert down.returncode == 0, down.stderr
+    assert down.stderr.count(" stopped") == len(pids), down.stderr
+    assert not folder.exists()
+    assert wait_until_gone(mark) == []
+    assert alive(pids) == []
+
+
+def test_up_with_a_cluster_and_a_redis_url_starts_nothing(tmp_path: Path) -> None:
+    mark = uuid.uuid4().hex
+    env = {**clean_env(mark), "REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}
+    folder = tmp_path / "fleet"
+    up = cchatq("up", "--cluster", "3", "--dir", str(folder), env=env, cwd=tmp_path)
+    assert up.returncode != 0
+    assert up.stdout == ""
+    assert "--cluster" in up.stderr and "unset REDIS_URL" in up.stderr
+    assert not folder.exists()
+    assert marked_processes(mark) == []
