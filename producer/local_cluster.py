@@ -149,7 +149,10 @@ class LocalCluster:
     def form(self) -> None:
         """Give each node its share of the slots and a config epoch of its own, introduce them
         all to the first, and wait until every node sees the whole cluster, all slots served."""
-        clients = [redis_client(n.url, decode_responses=True, socket_timeout=5) for n in self.nodes]
+        clients = [
+            redis_client(n.url, whole_cluster=False, decode_responses=True, socket_timeout=5)
+            for n in self.nodes
+        ]
         try:
             first = self.nodes[0]
             for i, client in enumerate(clients):

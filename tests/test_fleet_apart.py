@@ -93,3 +93,45 @@ def test_cli_status_names_the_variable_of_a_broker_that_is_down(
     shown = json.loads(ok.stdout)
     assert shown["consumers_by_queue"] == dict.fromkeys(ALL_QUEUES, 1)
     assert shown["redis"] == running.redis_url and shown["broker"] != shown["redis"]
+
+
+@pytest.fixture(scope="module")
+def on_cluster(base_fleet: Fleet, state_cluster: str) -> Iterator[Running]:
+    """Workers for every queue with their state on a 3-master Redis Cluster and their broker
+    on a Redis of its own."""
+    broker = Fleet(workdir=base_fleet.workdir / "cluster-broker")
+    broker.workdir.mkdir()
+    try:
+        broker_url = broker.ensure_redis(private=True)
+        env = {**base_fleet.env, "CCHATQ_BROKER_URL": broker_url}
+        fleet = Fleet(
+            redis_url=state_cluster, replay_url=base_fleet.replay_url,
+            workdir=base_fleet.workdir / "on-cluster", env=env,
+        )  # fmt: skip
+        fleet.workdir.mkdir()
+        client = Client(state_cluster, config=fleet.config(), broker_url=broker_url)
+        client.redis.flushall()
+        try:
+            for queue in ALL_QUEUES:
+                fleet.start_worker(queue)
+            yield Running(fleet=fleet, redis_url=state_cluster, client=client)
+        finally:
+            fleet.stop()
+            client.close()
+    finally:
+        broker.stop()
+
+
+def test_a_batch_runs_with_its_state_on_a_cluster(
+    on_cluster: Running, tmp_path: Path, fresh_id: str
+) -> None:
+    """The demo batch exactly as on one Redis; every master holds a share of the sessions'
+    keys (each session's in one slot)."""
+    specs = [{**spec, "id": f"{fresh_id}/{spec['id']}"} for spec, _ in demo_specs(42)]
+    records = run_specs(on_cluster.client, specs, tmp_path)
+    problems = {sid: check({**r, "id": sid.split("/", 1)[1]}) for sid, r in records.items()}
+    assert len(records) == 42 and {s: p for s, p in problems.items() if p} == {}
+    held = {n.name: n.redis_connection.dbsize() for n in on_cluster.client.redis.get_primaries()}
+    assert len(held) == 3 and all(n > 0 for n in held.values()), held
+    fleet = read_fleet_status(on_cluster.client.redis, on_cluster.client.broker_redis)
+    assert fleet.active_sessions == 0

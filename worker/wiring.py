@@ -27,7 +27,7 @@ from worker.edges.provider_http import HttpProvider
 from worker.edges.rate_control import RedisRateControl
 from worker.edges.rate_limit import RedisRateLimiter
 from worker.edges.redis_errors import REFUSED_TEXT, unanswered
-from worker.edges.redis_pool import pooled_client
+from worker.edges.redis_pool import cluster_mode, pooled_client
 from worker.edges.store import RedisStore
 from worker.edges.store_programs import RedisProgramStore
 from worker.edges.wasm_runtime import WasmToolRuntime
@@ -244,6 +244,41 @@ class HandedBackLine(logging.Filter):
 
 class EvictingRedis(Exception):
     """The worker's Redis may evict cchatq's keys: the worker does not start (the one line)."""
+
+
+class BrokerOnCluster(EvictingRedis):
+    """The broker's URL names a Redis Cluster: the worker does not start (the one line)."""
+
+
+STATE_WAIT_S = 60.0  # a worker starting waits this long for its state's Redis to answer
+
+
+def check_state(settings: Settings) -> None:
+    """At a worker's start: whether the state's Redis runs in cluster mode, asked once here
+    and inherited by the pool's children (edges/redis_pool.py); a Redis that does not answer
+    yet is waited for up to STATE_WAIT_S (a child asks again later). A broker on a Redis
+    Cluster is refused with BrokerOnCluster: Celery's Redis transport cannot use one."""
+    deadline = time.monotonic() + STATE_WAIT_S
+    while True:
+        try:
+            clustered = cluster_mode(settings.urls.state)
+            broker_clustered = (
+                clustered if settings.urls.shared else cluster_mode(settings.urls.broker)
+            )
+            break
+        except Exception as exc:  # not answering yet: Celery waits for its broker as well
+            if time.monotonic() > deadline:
+                log.warning("the state's Redis did not answer: %s", type(exc).__name__)
+                return
+            time.sleep(1.0)
+    if broker_clustered:
+        raise BrokerOnCluster(
+            f"{settings.urls.broker_variable} {redacted(settings.urls.broker)} is a Redis Cluster,"
+            " which cannot be the broker: keep the state there (CCHATQ_STATE_URL) and point"
+            " CCHATQ_BROKER_URL at a plain Redis, a Sentinel or RabbitMQ"
+        )
+    if clustered:
+        log.info("state on the Redis Cluster at %s", redacted(settings.urls.state))
 
 
 def check_redis_memory(settings: Settings) -> None:

@@ -127,29 +127,36 @@ class CeleryDispatcher(StepPublisher):
         """The steps' messages with the commit, in one MULTI/EXEC: a Redis that refuses
         writes (full, failing to persist, a replica) refuses the whole commit, so a step that
         runs it again never finds half of it applied (its outcomes without its marker). With
-        the broker apart, three writes in that order: the outcomes (the next steps read
-        them), the messages, then the rest of the commit (found, the messages were sent)."""
+        the broker apart, in this order: the outcomes (the next steps read them), the
+        messages, the fleet-wide writes (the batches told, the fleet's trace: a second
+        telling is harmless), then the session's marker and trace in one transaction (found,
+        everything before was written)."""
         current = self.app.current_worker_task
         parent = current.request if current is not None else None
         sent_ms = self.store.clock.now_ms()  # Redis's clock: its receiver's host may differ
         messages = [self._message(step, parent, sent_ms) for step in steps]
-        pipe = self.store.client.pipeline(transaction=True)
+        client = self.store.client
+        if commit is not None:  # the node of the step's session (a start step's: its batch's)
+            client = self.store.on(keys.step_owner(commit.published or commit.sk))
+        pipe = client.pipeline(transaction=True)
         if commit is not None and commit.outcomes:  # before the steps that read them
             self.store.add_outcomes(pipe, commit.sk, commit.outcomes)
         if self.broker is not None:
-            if commit is not None and commit.outcomes:
+            if len(pipe):
                 pipe.execute()
             self._send_apart(messages)
         else:
             for queue, message in messages:
                 pipe.lpush(queue, message)
+        fleet = self.store.fleet_pipe(pipe)
         if commit is not None:
             if commit.notify:
-                self.store.add_notify(pipe, commit.sk, commit.notify)
+                self.store.add_notify(fleet, commit.sk, commit.notify)
+            if commit.trace is not None:
+                self.store.add_trace(pipe, commit.trace, fleet)
+            self.store.flush_fleet(fleet, pipe)
             if commit.published is not None:  # after the messages: found, they were sent
                 self.store.mark_published(pipe, commit.published)
-            if commit.trace is not None:
-                self.store.add_trace(pipe, commit.trace)
         if len(pipe):
             pipe.execute()
 
