@@ -143,7 +143,7 @@ class Batches:
         states: Counter[str] = Counter()
         outcomes: Counter[str] = Counter()
         cancelling, last_ms = 0, None
-        for looked in self._states(members):
+        for looked in self._states(members, batch):
             if looked.state is None:
                 states["gone"] += 1
             elif looked.outcome is not None:
@@ -175,7 +175,7 @@ class Batches:
         members = self.members(batch)
         failed = [
             (m.spec_id, m.claim.sk, looked.outcome)
-            for m, looked in zip(members, self._states(members), strict=True)
+            for m, looked in zip(members, self._states(members, batch), strict=True)
             if m.claim is not None and looked.outcome is not None and looked.outcome != OK
         ]
         out: list[FailedSession] = []
@@ -189,41 +189,66 @@ class Batches:
         return out
 
     def specs_of(self, sks: list[str]) -> list[Spec]:
-        """The stored specs of these sessions (those still stored), to run again."""
+        """The stored specs of these sessions (those still stored: a session that ended with
+        an error keeps its spec in its record), to run again."""
         raw = self.redis.mget([keys.spec(sk) for sk in sks]) if sks else []
-        return [spec_from_json(json.loads(r)) for r in raw if r is not None]
+        retired = [sk for sk, r in zip(sks, raw, strict=True) if r is None]
+        records = zip(retired, self.client.stored_records(retired), strict=True)
+        kept = {sk: s.spec for sk, s in records if s is not None and s.spec is not None}
+        specs = [
+            json.loads(r) if r is not None else kept.get(sk) for sk, r in zip(sks, raw, strict=True)
+        ]
+        return [spec_from_json(s) for s in specs if s is not None]
 
     def cancel(self, batch: str) -> int:
         """Ask every session of the batch that has not finished to stop: how many."""
         members = self.members(batch)
         running = [
             m.claim.sk
-            for m, looked in zip(members, self._states(members), strict=True)
+            for m, looked in zip(members, self._states(members, batch), strict=True)
             if m.claim is not None and looked.state is not None and looked.outcome is None
         ]
         return sum(self.client.cancel_run(sk) for sk in running)
 
-    def _states(self, members: list[BatchMember]) -> list[MemberState]:
-        """Each member's state, its meta and cancel flag read in one pipeline (an empty
-        MemberState when its run is gone)."""
+    def _states(self, members: list[BatchMember], batch: str = "") -> list[MemberState]:
+        """Each member's state: how it ended, from `batch`'s ended index (one read), else its
+        meta and cancel flag (a pipeline over those not ended), else its retired record (one
+        it joined that ended before); an empty MemberState when its run is gone."""
+        ended = self._ended(batch, members)
         pipe = self.redis.pipeline(transaction=False)
-        for member in members:
-            if member.claim is not None:
-                pipe.hmget(keys.meta(member.claim.sk), "state", "outcome", "finished_ms")
-                pipe.exists(keys.cancel(member.claim.sk))
-        found = iter(pipe.execute())
-        states: list[MemberState] = []
-        for member in members:
-            if member.claim is None:
-                states.append(MemberState())
-                continue
+        asked = [m.claim.sk for m in members if m.claim is not None and m.claim.sk not in ended]
+        for sk in asked:
+            pipe.hmget(keys.meta(sk), "state", "outcome", "finished_ms")
+            pipe.exists(keys.cancel(sk))
+        found = iter(pipe.execute() if asked else [])
+        looked: dict[str, MemberState] = {}
+        for sk in asked:
             (state, outcome, finished), cancel = next(found), next(found)
-            states.append(
-                MemberState(
-                    None if state is None else state.decode(),
-                    None if outcome is None else outcome.decode(),
-                    None if finished is None else int(finished),
-                    bool(cancel),
-                )
+            looked[sk] = MemberState(
+                None if state is None else state.decode(),
+                None if outcome is None else outcome.decode(),
+                None if finished is None else int(finished),
+                bool(cancel),
             )
-        return states
+        gone = [sk for sk, state in looked.items() if state.state is None]
+        for sk, stored in zip(gone, self.client.stored_records(gone), strict=True):
+            if stored is not None and stored.retired:
+                meta = stored.meta
+                finished_ms = meta.get("finished_ms")
+                looked[sk] = MemberState(
+                    "done", meta.get("outcome"), int(finished_ms) if finished_ms else None
+                )
+        return [
+            MemberState() if m.claim is None else ended.get(m.claim.sk) or looked[m.claim.sk]
+            for m in members
+        ]
+
+    def _ended(self, batch: str, members: list[BatchMember]) -> dict[str, MemberState]:
+        """The members `batch`'s ended index holds, as it holds them."""
+        if not batch:
+            return {}
+        ended: dict[str, MemberState] = {}
+        for sk, raw in self.redis.hgetall(keys.batch_ended(batch)).items():
+            outcome, _, finished_ms = raw.decode().partition(" ")
+            ended[sk.decode()] = MemberState("done", outcome, int(finished_ms or 0) or None)
+        return ended

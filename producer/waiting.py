@@ -102,9 +102,11 @@ class Waiting(Submitting):
         now: a later rerun of the id is another batch's."""
         sks = sorted(pending)[:STATE_SAMPLE]
         pipe = self.redis.pipeline(transaction=False)
-        for sk in sks:
+        for sk in sks:  # a session that ended since is retired: its response stays
             pipe.exists(keys.meta(sk))
-        gone = [sk for sk, there in zip(sks, pipe.execute(), strict=True) if not there]
+            pipe.exists(keys.response(sk))
+        there = pipe.execute()
+        gone = [sk for n, sk in enumerate(sks) if not there[2 * n] and not there[2 * n + 1]]
         if not gone:
             return
         claims = self.claims([sub.ids[sk] for sk in gone], sub.namespace)

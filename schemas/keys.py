@@ -28,6 +28,7 @@ step's scripts and transactions touch one node; the keys without one are fleet-w
     cq:batch:{batch}:runs   the run of each of them this batch ran or joined (Claim), in the
                             same order: a batch's results are these runs, whatever reruns follow
     cq:batch:{batch}:ns     the namespace its ids were claimed in (a retry claims there too)
+    cq:batch:{batch}:ended  hash: each of its sessions that ended -> "<outcome> <finished_ms>"
     cq:batches              sorted set: batch -> when it was submitted (ms)
     cq:chunk:{batch}:{n}    sks admitted by one start task
     cq:module:<sha256>      WASM module bytes, content-addressed
@@ -278,6 +279,12 @@ def batch_runs(batch: str) -> str:
     """The run (Claim) of each id of a batch, in input order: what `cchatq batch results`
     reads, so a batch's results stay those of the runs it ran."""
     return f"{PREFIX}:batch:{_tag(batch)}:runs"
+
+
+def batch_ended(batch: str) -> str:
+    """The batch's sessions that ended: sk -> "<outcome> <finished_ms>" (a hash), written as
+    each is told; `cchatq batch status` counts from it."""
+    return f"{PREFIX}:batch:{_tag(batch)}:ended"
 
 
 def batch_namespace(batch: str) -> str:

@@ -14,6 +14,7 @@ import redis
 
 from producer.fleet import Fleet
 from schemas import keys
+from schemas.session_record import read_record
 from schemas.bodies import dump_body
 from schemas.partial import PartialRound
 from worker.edges.store import RedisStore
@@ -100,20 +101,26 @@ def test_a_session_finished_event_lands_only_with_its_ending(client: redis.Redis
     store = RedisStore(client, ttl_s=TTL_S)
     ended, lost, bare = (uuid.uuid4().hex[:12] for _ in range(3))
     store.write_result(ended, b"{}", {"id": "x", "body": {}}, None, "r1")
+    client.hset(keys.meta(lost), "id", "x")  # submitted; its ending lost with a failover
     last_round = (event("model.call.finished", "x", round=1), event("session.finished", "x"))
     for sk in (ended, lost):
         store.trace(TraceWrite(sk, last_round, expire=True, ended_by="r1"))
     store.write_result(bare, b"{}", {"id": "x", "body": {}}, None, "finish")  # another ended it
     store.trace(TraceWrite(bare, (event("session.finished", "x"),), expire=True, ended_by="r1"))
-    assert _events(client, ended) == ["model.call.finished", "session.finished"]
-    assert 0 < client.ttl(keys.trace(ended)) <= TTL_S
+    # the ended session is retired: its events folded into its record, its stream and meta gone
+    assert not client.exists(keys.trace(ended), keys.meta(ended))
+    retired = read_record(client.get(keys.record(ended)) or b"")
+    assert [e["event"] for e in retired.trace] == ["model.call.finished", "session.finished"]
+    assert retired.retired and retired.meta["ended_by"] == "r1"
+    assert 0 < client.ttl(keys.record(ended)) <= TTL_S
+    assert 0 < client.ttl(keys.response(ended)) <= TTL_S
     assert _events(client, lost) == ["model.call.finished"]
     assert 0 < client.ttl(keys.trace(lost)) <= TTL_S
     assert not client.exists(keys.trace(bare))  # nothing else to say: no stream made
     # a second delivery of the ending step (its stand-in while it was cut off) says it no more
     store.trace(TraceWrite(ended, last_round, expire=True, ended_by="r1"))
-    said_once = ["model.call.finished", "session.finished", "model.call.finished"]
-    assert _events(client, ended) == said_once
+    assert not client.exists(keys.trace(ended), keys.meta(ended))
+    assert read_record(client.get(keys.record(ended)) or b"").trace == retired.trace
 
 
 def test_the_fleets_stream_keeps_its_last_minutes_and_its_ttl_by_the_reconcilers_pass(

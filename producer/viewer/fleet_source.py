@@ -36,6 +36,7 @@ from producer.viewer.rows import pending_row, record_row
 from producer.viewer.source import ChatFacts, SessionFacts
 from schemas import keys
 from schemas.partial import PartialRound
+from schemas.session_record import read_record
 from schemas.user_stream import DATA, StreamEvent, parse_frame
 
 RECENT_BATCHES = 30  # batches on the runs page
@@ -104,8 +105,21 @@ class FleetSource:
                 found[sk] = meta
                 if meta[1] is not None:
                     self._ended[sk] = meta
+            found.update(self._retired_states([sk for sk in part if found[sk][0] is None]))
         gone: MetaState = (None, None, None, None)
         return [gone if sk is None else self._ended.get(sk) or found[sk] for sk in sks]
+
+    def _retired_states(self, sks: list[str]) -> dict[str, MetaState]:
+        """The states of sessions with no meta that are retired (from their records)."""
+        found: dict[str, MetaState] = {}
+        for sk, stored in zip(sks, self.client.stored_records(sks), strict=True):
+            if stored is not None and stored.retired:
+                meta = stored.meta
+                found[sk] = self._ended[sk] = (
+                    "done", meta.get("outcome"), _number(meta.get("finished_ms")),
+                    _number(meta.get("submitted_ms")),
+                )  # fmt: skip
+        return found
 
     def _batch_members(self, batch: str) -> list[BatchMember]:
         at = self._members_at.get(batch)
@@ -247,10 +261,13 @@ class FleetSource:
         pipe.get(keys.partial(sk))
         raw_meta, raw_record, raw_spec, partial = pipe.execute()
         meta = {k.decode(): v.decode(errors="replace") for k, v in raw_meta.items()}
-        record = None if raw_record is None else json.loads(raw_record)
+        stored = None if raw_record is None else read_record(raw_record)
+        record = None if stored is None else stored.record
         if not meta and record is None:
             return None
         spec = None if raw_spec is None else json.loads(raw_spec)
+        if stored is not None and stored.retired:  # its meta and spec folded into its record
+            meta, spec = {**stored.meta, **meta}, spec or stored.spec
         program = (record or {}).get("kind") == "program" or "program" in (spec or {})
         shown = None if partial is None else PartialRound.decode(partial)
         state = "done" if record is not None else meta.get("state", "gone")
@@ -282,10 +299,12 @@ class FleetSource:
             numbers = range(len(out), len(out) + CHAT_PROBE)
             sks = [keys.chat_session_key(run_sk, n) for n in numbers]
             pipe = self.redis.pipeline(transaction=False)
-            for sk in sks:
+            for sk in sks:  # a chat that ended is retired: its response stays
                 pipe.exists(keys.meta(sk))
-            for n, sk, there in zip(numbers, sks, pipe.execute(), strict=True):
-                if not there:
+                pipe.exists(keys.response(sk))
+            there = pipe.execute()
+            for n, sk in zip(numbers, sks, strict=True):
+                if not there[2 * (n - numbers[0])] and not there[2 * (n - numbers[0]) + 1]:
                     return out
                 out.append((keys.chat_spec_id(run_id, n), keys.Claim(sk)))
         return out

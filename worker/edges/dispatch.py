@@ -151,12 +151,12 @@ class CeleryDispatcher(StepPublisher):
         fleet = self.store.fleet_pipe(pipe)
         if commit is not None:
             if commit.notify:
-                self.store.add_notify(fleet, commit.sk, commit.notify)
-            if commit.trace is not None:
-                self.store.add_trace(pipe, commit.trace, fleet)
-            self.store.flush_fleet(fleet, pipe)
+                self.store.add_notify(fleet, commit.sk, commit.notify, commit.ended_as)
             if commit.published is not None:  # after the messages: found, they were sent
                 self.store.mark_published(pipe, commit.published)
+            if commit.trace is not None:  # after the marker: an ending deletes it
+                self.store.add_trace(pipe, commit.trace, fleet)
+            self.store.flush_fleet(fleet, pipe)
         if len(pipe):
             pipe.execute()
 

@@ -155,6 +155,11 @@ class StepGuard:
         arrival: Arrival | None,
         patience: Patience,
     ) -> str | None:
+        if start.ended and not self._ended_by(step, sk, start):
+            # a late delivery of a step of a session that ended (and may be retired: its
+            # outputs and markers deleted): there is nothing left for it to do
+            self._release_quietly(step)
+            return None
         if start.cancelled and stop_if_cancelled and not self._ended_by(step, sk, start):
             # cancellation is checked at every step boundary; finish writes the cancelled body
             cancel = Outbox(step)
@@ -299,7 +304,9 @@ class StepGuard:
             opens = step == keys.round_step(sk, 0)
             ended_by = step if ends else ""
             trace = TraceWrite(sk, tuple(outbox.events), expire=ends or opens, ended_by=ended_by)
-        commit = Commit(sk, step, trace, dict(outbox.outcomes), tuple(outbox.notify))
+        commit = Commit(
+            sk, step, trace, dict(outbox.outcomes), tuple(outbox.notify), outbox.outcome or ""
+        )
         self._write_commit(step, sk, outbox, commit)
         if self.spans.on and outbox.events:  # once committed: a step that failed made none
             self._export_spans(step, sk, outbox.events)
