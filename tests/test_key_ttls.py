@@ -14,9 +14,9 @@ import redis
 
 from producer.fleet import Fleet
 from schemas import keys
-from schemas.session_record import read_record
 from schemas.bodies import dump_body
 from schemas.partial import PartialRound
+from schemas.session_record import StoredRecord, read_record
 from worker.edges.store import RedisStore
 from worker.edges.store_trace import TRACE_FLEET_KEEP_MS
 from worker.session.store_ports import TraceWrite
@@ -94,6 +94,12 @@ def _events(client: redis.Redis, sk: str) -> list[str]:
     return [e["event"] for _, fields in entries for e in json.loads(fields[field])]
 
 
+def _retired(client: redis.Redis, sk: str) -> StoredRecord:
+    raw = client.get(keys.record(sk))
+    assert isinstance(raw, bytes)
+    return read_record(raw)
+
+
 def test_a_session_finished_event_lands_only_with_its_ending(client: redis.Redis) -> None:
     """The ending step's entry keeps its session.finished while the session's stored ending
     is that step's; when a failover lost the ending, or another step's stands, the entry lands
@@ -109,7 +115,7 @@ def test_a_session_finished_event_lands_only_with_its_ending(client: redis.Redis
     store.trace(TraceWrite(bare, (event("session.finished", "x"),), expire=True, ended_by="r1"))
     # the ended session is retired: its events folded into its record, its stream and meta gone
     assert not client.exists(keys.trace(ended), keys.meta(ended))
-    retired = read_record(client.get(keys.record(ended)) or b"")
+    retired = _retired(client, ended)
     assert [e["event"] for e in retired.trace] == ["model.call.finished", "session.finished"]
     assert retired.retired and retired.meta["ended_by"] == "r1"
     assert 0 < client.ttl(keys.record(ended)) <= TTL_S
@@ -120,7 +126,7 @@ def test_a_session_finished_event_lands_only_with_its_ending(client: redis.Redis
     # a second delivery of the ending step (its stand-in while it was cut off) says it no more
     store.trace(TraceWrite(ended, last_round, expire=True, ended_by="r1"))
     assert not client.exists(keys.trace(ended), keys.meta(ended))
-    assert read_record(client.get(keys.record(ended)) or b"").trace == retired.trace
+    assert _retired(client, ended).trace == retired.trace
 
 
 def test_the_fleets_stream_keeps_its_last_minutes_and_its_ttl_by_the_reconcilers_pass(
