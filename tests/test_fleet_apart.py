@@ -14,10 +14,13 @@ from pathlib import Path
 import pytest
 import redis
 
+from bench.__main__ import weather_spec
 from fixtures.demo_batch import check, demo_specs
 from producer.client import Client
 from producer.fleet import Fleet
 from producer.fleet_status import read_fleet_status
+from producer.session_memory import session_memory
+from schemas import keys
 from schemas.task_names import ALL_QUEUES
 from tests.conftest import Running
 from tests.test_pipeline import run_specs
@@ -135,3 +138,31 @@ def test_a_batch_runs_with_its_state_on_a_cluster(
     assert len(held) == 3 and all(n > 0 for n in held.values()), held
     fleet = read_fleet_status(on_cluster.client.redis, on_cluster.client.broker_redis)
     assert fleet.active_sessions == 0
+
+
+def test_a_finished_session_keeps_its_record_response_and_claim(
+    apart: tuple[Running, str], fresh_id: str
+) -> None:
+    """A session retires as it ends: of its keys only its record and its response fd stay
+    (with its id's claim), under 2 KB together for a two-round weather session, and its
+    status, result and trace still read as before (from the record)."""
+    running, _ = apart
+    client = running.client
+    specs = [weather_spec(f"{fresh_id}/w{n}") for n in range(20)]
+    batch = client.submit(specs)
+    assert all(r.ok for r in batch.results(timeout_s=120))
+    for spec in specs:
+        sk = client.session_key(spec.id)
+        assert sk is not None
+        held = {k.decode() for k in client.redis.scan_iter(f"*{{{sk}}}*", count=1000)}
+        assert held == {keys.record(sk), keys.response(sk)}, spec.id
+    memory = session_memory(client.redis)
+    assert memory.sampled_finished == 20 and memory.finished_keys == 3.0
+    assert memory.finished_bytes is not None and memory.finished_bytes <= 2048
+    status = client.status(specs[0].id)
+    assert status is not None and status["state"] == "done" and status["outcome"] == "ok"
+    events = [e["event"] for e in client.trace(specs[0].id)]
+    assert events[0] == "session.started" and events[-1] == "session.finished"
+    assert events.count("tool.call.finished") == 1
+    summary = batch.status()
+    assert summary.states == {"done": 20} and summary.outcomes == {"ok": 20}
