@@ -15,11 +15,14 @@ import pytest
 import redis
 
 from bench.__main__ import weather_spec
+from bench.chaos_fleet import weather_objects
+from bench.history_read import check_run, mark_run
 from fixtures.demo_batch import check, demo_specs
 from producer.client import Client
 from producer.fleet import Fleet
 from producer.fleet_status import read_fleet_status
 from producer.session_memory import session_memory
+from producer.specfile import load_spec_from_objects
 from schemas import keys
 from schemas.task_names import ALL_QUEUES
 from tests.conftest import Running
@@ -166,3 +169,29 @@ def test_a_finished_session_keeps_its_record_response_and_claim(
     assert events.count("tool.call.finished") == 1
     summary = batch.status()
     assert summary.states == {"done": 20} and summary.outcomes == {"ok": 20}
+
+
+def test_workers_killed_on_a_cluster_leave_a_valid_history(
+    on_cluster: Running, fresh_id: str
+) -> None:
+    """Weather sessions on the cluster while the llm worker, then the tools worker, is
+    SIGKILLed mid-batch and started again: the history checker (bench/history.py) finds every
+    session ended once, every tool call answered once and no model call made twice but those
+    the kills cut short."""
+    client, fleet = on_cluster.client, on_cluster.fleet
+    objects = weather_objects(f"cluster-kill-{fresh_id}", 40, latency_ms=300)
+    mark = mark_run(fleet.replay_url)
+    sub = client.enqueue(load_spec_from_objects(objects))
+    delivered: list[str] = []
+    results = client.wait(sub, timeout_s=180, poll_s=0.05)
+    for queue, after in (("llm", 5), ("tools", 15)):
+        while len(delivered) < after:
+            delivered.append(str(next(results)[1]["id"]))
+        victim = next(p for name, p in fleet.workers.items() if name.startswith(f"{queue}-"))
+        fleet.kill(victim)
+        fleet.workers = {n: p for n, p in fleet.workers.items() if p is not victim}
+        fleet.start_worker(queue)
+    delivered += [str(record["id"]) for _, record in results]
+    verdict = check_run("cluster-kill", client, objects, mark, delivered)
+    assert verdict.valid, verdict
+    assert verdict.ended == 40 and verdict.lost == 0 and verdict.double_endings == 0
