@@ -44,6 +44,7 @@ step's scripts and transactions touch one node; the keys without one are fleet-w
     cq:trace:{sk}           a session's trace events, an entry a step (TRACE_FIELD)
     cq:trace                the fleet's, the same entries with the steps' fleet events
     cq:deadletter           stream of poison steps
+    cq:finished             finished sessions by when they ended (CCHATQ_RESULTS_KEEP only)
 
 The fleet's keys beside its sessions' (rate limits, the reconciler's, the broker's): fleet_keys.py.
 """
@@ -62,6 +63,9 @@ DEADLETTER = f"{PREFIX}:deadletter"
 TRACE = f"{PREFIX}:trace"  # the fleet's trace events, capped (TRACE_FLEET_MAXLEN)
 # sessions not finished yet, scored by their last sign of progress (ms): the reconciler's index
 ACTIVE = f"{PREFIX}:active"
+# finished sessions scored by when they ended (ms), kept only when results are kept by count
+# (CCHATQ_RESULTS_KEEP): the reconciler deletes the oldest beyond it
+FINISHED = f"{PREFIX}:finished"
 # a trace stream entry's one field: the events one step made, as a JSON array (one entry a
 # step and stream, not one an event)
 TRACE_FIELD = "events"

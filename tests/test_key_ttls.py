@@ -145,3 +145,19 @@ def test_the_fleets_stream_keeps_its_last_minutes_and_its_ttl_by_the_reconcilers
     store.trace(TraceWrite("", (event("reconciler.pass", ""),), expire=True))
     assert client.xlen(keys.TRACE) == 2  # the session's entry and the pass's
     assert 0 < client.ttl(keys.TRACE) <= TTL_S
+
+
+def test_results_kept_by_count_keep_the_latest(client: redis.Redis) -> None:
+    """With results kept by count (CCHATQ_RESULTS_KEEP), each retired session enters the
+    finished index and the reconciler's trim deletes the results of the oldest beyond it."""
+    store = RedisStore(client, ttl_s=TTL_S, results_keep=2)
+    client.delete(keys.FINISHED)
+    sks = [uuid.uuid4().hex[:12] for _ in range(3)]
+    for sk in sks:
+        store.write_result(sk, b"{}", {"id": sk, "body": {}}, None, "r1")
+        store.trace(TraceWrite(sk, (event("session.finished", sk),), expire=True, ended_by="r1"))
+        assert _retired(client, sk).retired
+    assert store.trim_results(2) == 1
+    assert not client.exists(keys.record(sks[0]), keys.response(sks[0]))
+    assert all(client.exists(keys.record(sk), keys.response(sk)) == 2 for sk in sks[1:])
+    assert client.zcard(keys.FINISHED) == 2 and store.trim_results(2) == 0

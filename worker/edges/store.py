@@ -68,6 +68,7 @@ class RedisStore(StepLeases, TraceWrites, ResultWrites, FleetQueries):
         ttl_s: int,
         progress_after_ms: int = 15_000,
         results_ttl_s: int | None = None,
+        results_keep: int = 0,
     ) -> None:
         # Any: redis-py annotates replies as bytes | str whatever decode_responses says;
         # this client never decodes, so replies are bytes.
@@ -75,6 +76,7 @@ class RedisStore(StepLeases, TraceWrites, ResultWrites, FleetQueries):
         self.ttl_s = ttl_s
         # how long a finished session's record and response fd are kept (retired)
         self.results_ttl_s = ttl_s if results_ttl_s is None else results_ttl_s
+        self.results_keep = results_keep  # > 0: the latest this many kept (FINISHED index)
         # a step of a session submitted longer ago than this marks its progress (the
         # reconciler looks at sessions with no mark for stall_after_ms: twice this, at least)
         self.progress_after_ms = progress_after_ms
@@ -99,6 +101,7 @@ class RedisStore(StepLeases, TraceWrites, ResultWrites, FleetQueries):
         max_connections: int = 100,
         progress_after_ms: int = 15_000,
         results_ttl_s: int | None = None,
+        results_keep: int = 0,
     ) -> RedisStore:
         """A client whose pool holds `max_connections` (size it to the worker's concurrency):
         a thread finding none free waits for one instead of failing (redis-py's default
@@ -106,7 +109,7 @@ class RedisStore(StepLeases, TraceWrites, ResultWrites, FleetQueries):
         check their health as schemas/redis_links.py says, so a cut one errors within seconds;
         a `sentinel://` URL's pool follows the master its sentinels name (edges/redis_pool.py)."""
         client = pooled_client(url, max_connections, POOL_WAIT_S)
-        return cls(client, ttl_s, progress_after_ms, results_ttl_s)
+        return cls(client, ttl_s, progress_after_ms, results_ttl_s, results_keep)
 
     def on(self, sk: str) -> Any:
         """The client of session `sk`'s pipelines and transactions: on a cluster, the node

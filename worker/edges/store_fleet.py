@@ -67,6 +67,22 @@ class FleetQueries:
         pipe.expire(keys.trace(sk), self.ttl_s)
         pipe.execute()
 
+    @translated
+    def trim_results(self, keep: int) -> int:
+        """The results (record, response fd) of the finished sessions beyond the latest `keep`
+        deleted: how many."""
+        beyond = int(self.client.zcard(keys.FINISHED)) - keep
+        if beyond <= 0:
+            return 0
+        oldest = [sk.decode() for sk in self.client.zrange(keys.FINISHED, 0, beyond - 1)]
+        pipe = self.client.pipeline(transaction=False)
+        for sk in oldest:
+            pipe.delete(keys.record(sk))
+            pipe.delete(keys.response(sk))
+        pipe.zrem(keys.FINISHED, *oldest)
+        pipe.execute()
+        return len(oldest)
+
     # background tasks ----------------------------------------------------------------------
 
     @translated

@@ -94,11 +94,13 @@ def _shape(record: dict[str, Any]) -> tuple[list[int], set[tuple[int, int]]]:
 
 
 class RetireWrites:
-    """A part of RedisStore (which sets `client`, `ttl_s`, `results_ttl_s` and `on`)."""
+    """A part of RedisStore (which sets `client`, `ttl_s`, `results_ttl_s`, `results_keep`
+    and `on`)."""
 
     client: Any
     ttl_s: int
     results_ttl_s: int
+    results_keep: int
     on: Callable[[str], Any]
 
     def retirement(self, write: TraceWrite, own: list[dict[str, Any]]) -> Retirement | None:

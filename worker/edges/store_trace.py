@@ -80,6 +80,9 @@ class TraceWrites(RetireWrites):
             retired = self.retirement(write, own)
         if retired is not None:
             self.add_retire(client, write, own, retired)
+            if self.results_keep:  # kept by count: the reconciler trims the oldest
+                fleet.zadd(keys.FINISHED, {write.sk: self.clock.now_ms()})
+                fleet.expire(keys.FINISHED, self.results_ttl_s)
         elif own and write.ended_by:
             self._add_ending(client, write, own)
         elif own:

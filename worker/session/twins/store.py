@@ -305,6 +305,10 @@ class MemoryStore(ProgramTwin):
     def meta(self, sk: str) -> dict[str, str]:
         return dict(self.meta_of.get(sk, {}))
 
+    def trim_results(self, keep: int) -> int:
+        """The twin keeps every result (it retires nothing)."""
+        return 0
+
     def now_ms(self) -> int:
         return self.clock()
 
