@@ -10,10 +10,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from producer.redis_connect import redis_memory
 from schemas import fleet_keys, keys
 from schemas.rate_state import ControllerStatus, controller_status
-from schemas.redis_memory import eviction_warning
+from schemas.redis_memory import RedisMemory, eviction_warning
 from schemas.redis_url import redacted
 from schemas.spec_types import ProgramSpec, Spec
 from schemas.task_names import (
@@ -88,7 +87,7 @@ def read_fleet_status(client: Any, broker: Any = None) -> FleetStatus:
 def _memory(client: Any) -> dict[str, Any]:
     """Redis's memory, and the warning an evicting maxmemory-policy earns (the workers run on
     it only with CCHATQ_ALLOW_EVICTION=1)."""
-    memory = redis_memory(client)
+    memory = RedisMemory.of(client)
     where = redacted(_url_of(client))
     return {
         "redis_memory": {

@@ -11,7 +11,6 @@ from typing import Any
 from schemas import fleet_keys, keys
 from schemas.fleet_clock import FleetClock
 from schemas.redis_memory import RedisMemory
-from worker.edges.redis_pool import redis_memory
 from worker.edges.step_leases import translated
 from worker.errors import StoreError
 
@@ -26,7 +25,7 @@ class FleetQueries:
     @translated
     def memory(self) -> RedisMemory:
         """Redis's memory limit, use and eviction policy (INFO: allowed where CONFIG is not)."""
-        return redis_memory(self.client)
+        return RedisMemory.of(self.client)
 
     # the reconciler ------------------------------------------------------------------------
 
