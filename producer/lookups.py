@@ -203,6 +203,15 @@ class SessionLookups:
         stream.open()
         return stream
 
+    def spec_json(self, sk: str) -> dict[str, Any] | None:
+        """A session's stored spec as JSON: its own key, or what its retired record kept (a
+        session that ended with an error, a program run's chat); None otherwise."""
+        raw = self.redis.get(keys.spec(sk))
+        if raw is not None:
+            return dict(json.loads(raw))
+        stored = self.stored_records([sk])[0]
+        return None if stored is None or stored.spec is None else dict(stored.spec)
+
     def _stored_spec(self, sk: str) -> Spec | None:
         """The spec a run was submitted with, None once it expired (or its session retired)."""
         raw = self.redis.get(keys.spec(sk))

@@ -122,8 +122,11 @@ class RetireWrites:
         record = stored.record
         events = [e for _, fields in entries for e in keys.trace_events(fields)] + own
         fields = {k.decode(): v.decode() for k, v in meta.items() if k != b"finished_said"}
-        errored = record.get("status") == "error" and spec is not None
-        value = retired_value(record, events, fields, json.loads(spec) if errored else None)
+        # its spec is kept when it ended with an error (batch retry submits it again) or is a
+        # program run's chat (the program wrote it: no spec file holds it)
+        chat = keys.run_of_batch(fields.get("batch", "")) is not None
+        kept = spec is not None and (record.get("status") == "error" or chat)
+        value = retired_value(record, events, fields, json.loads(spec) if kept else None)
         rounds = max(int(fields.get("round", "0") or 0) + 1, 1)
         calls, kept = _shape(record)
         return Retirement(value, session_keys(sk, max(rounds, len(calls)), calls, kept))
