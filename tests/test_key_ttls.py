@@ -161,3 +161,16 @@ def test_results_kept_by_count_keep_the_latest(client: redis.Redis) -> None:
     assert not client.exists(keys.record(sks[0]), keys.response(sks[0]))
     assert all(client.exists(keys.record(sk), keys.response(sk)) == 2 for sk in sks[1:])
     assert client.zcard(keys.FINISHED) == 2 and store.trim_results(2) == 0
+
+
+def test_a_session_retires_without_trace_events(client: redis.Redis) -> None:
+    """With CCHATQ_TRACE=off its ending step writes no event, and the session retires still:
+    its working keys deleted, its record kept (with no events in it)."""
+    store = RedisStore(client, ttl_s=TTL_S)
+    sk = uuid.uuid4().hex[:12]
+    client.set(keys.spec(sk), b"{}", ex=TTL_S)
+    store.write_result(sk, b"{}", {"id": sk, "body": {}}, None, "r1")
+    store.trace(TraceWrite(sk, (), expire=True, ended_by="r1"))
+    assert not client.exists(keys.spec(sk), keys.meta(sk))
+    stored = _retired(client, sk)
+    assert stored.retired and stored.trace == [] and stored.meta["ended_by"] == "r1"

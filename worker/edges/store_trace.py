@@ -76,7 +76,7 @@ class TraceWrites(RetireWrites):
         entries = json.dumps(every, separators=(",", ":"))
         own = [e for e, event in zip(every, write.events, strict=True) if event.session]
         retired: Retirement | None = None
-        if own and write.ended_by:  # the session retires with its ending's events
+        if write.ended_by:  # the session retires with its ending's events
             retired = self.retirement(write, own)
         if retired is not None:
             self.add_retire(client, write, own, retired)
@@ -94,9 +94,11 @@ class TraceWrites(RetireWrites):
                 approximate=True,
                 nomkstream=not write.expire,
             )
-        fleet.xadd(
-            keys.TRACE, {keys.TRACE_FIELD: entries}, maxlen=TRACE_FLEET_MAXLEN, approximate=True
-        )
+        if every:
+            fleet.xadd(
+                keys.TRACE, {keys.TRACE_FIELD: entries}, maxlen=TRACE_FLEET_MAXLEN,
+                approximate=True,
+            )  # fmt: skip
         if write.expire and own and not write.ended_by:
             client.expire(keys.trace(write.sk), self.ttl_s)
         if write.expire and not write.sk:

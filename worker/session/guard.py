@@ -304,6 +304,8 @@ class StepGuard:
             opens = step == keys.round_step(sk, 0)
             ended_by = step if ends else ""
             trace = TraceWrite(sk, tuple(outbox.events), expire=ends or opens, ended_by=ended_by)
+        elif outbox.outcome is not None:  # no events (trace off): the session retires still
+            trace = TraceWrite(sk, (), expire=True, ended_by=step)
         commit = Commit(
             sk, step, trace, dict(outbox.outcomes), tuple(outbox.notify), outbox.outcome or ""
         )
@@ -349,6 +351,8 @@ class StepGuard:
         dead-lettered finish's session.finished: `ended_by`, as TraceWrite says)."""
         if self.settings.trace:
             self.store.trace(TraceWrite(sk, events, expire, ended_by))
+        elif ended_by:  # no events (trace off): the session retires still
+            self.store.trace(TraceWrite(sk, (), expire, ended_by))
 
     def _release_quietly(self, step: str) -> None:
         with contextlib.suppress(StoreError):
