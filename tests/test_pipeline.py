@@ -200,8 +200,9 @@ def test_cancelled_session_ends_with_cancelled_body(
     wait_for(lambda: running.client.redis.hget(keys.meta(sk), "state") == b"round 0")
     assert running.client.cancel(spec["id"])
     record = dict(running.client.wait(sub, timeout_s=20))[sk]
-    # the end waited for the call in flight, whose reply is stored and in the transcript
-    assert running.client.redis.exists(keys.model_out(sk, 0))
+    # the end waited for the call in flight, whose reply is in the trace and the transcript
+    events = [e["event"] for e in running.client.trace(spec["id"])]
+    assert events.count("model.call.finished") == 1 and events[-1] == "session.finished"
     assert [m["role"] for m in record["transcript"]] == ["user", "assistant"]
     assert record["status"] == "error"
     assert record["body"] == {"error": {"code": "cancelled", "message": "session cancelled"}}
@@ -209,8 +210,9 @@ def test_cancelled_session_ends_with_cancelled_body(
         running.client.response(spec["id"])
         == b'{"error":{"code":"cancelled","message":"session cancelled"}}'
     )
-    # the slow round's step still runs and writes its state: status says cancelled all along
-    running.client.redis.hset(keys.meta(sk), "state", "round 0")
+    # the session retired as it ended: a late step of it writes no state (its meta is gone,
+    # and a step's state is written only while the meta is there), status reads its record
+    assert not running.client.redis.exists(keys.meta(sk))
     status = running.client.status(spec["id"]) or {}
     assert (status["state"], status["outcome"]) == ("cancelled", "cancelled")
 
@@ -657,7 +659,7 @@ def test_cli_batch_list_status_results_and_cancel(
     specs = [
         {"id": f"{fresh_id}/b/{n}", "model": "replay/plain",
          "messages": [{"role": "user", "content": f"hi {n}{marker}"}]}
-        for n, marker in enumerate(["", "", " [[latency_ms:15000]]"])
+        for n, marker in enumerate(["", "", " [[latency_ms:30000]]"])
     ]  # fmt: skip
     path = tmp_path / "batch.jsonl"
     path.write_text("".join(json.dumps(s) + "\n" for s in specs))

@@ -26,7 +26,7 @@ from worker.edges.mcp_tools import McpTools
 from worker.edges.provider_http import HttpProvider
 from worker.edges.rate_control import RedisRateControl
 from worker.edges.rate_limit import RedisRateLimiter
-from worker.edges.redis_errors import REFUSED_TEXT, unanswered
+from worker.edges.redis_errors import REFUSED_TEXT, refused_or_unanswered, unanswered
 from worker.edges.redis_pool import cluster_mode, pooled_client
 from worker.edges.store import RedisStore
 from worker.edges.store_programs import RedisProgramStore
@@ -219,6 +219,7 @@ def add_step_context(handlers: list[logging.Handler]) -> None:
         handler.addFilter(StepContext())
         handler.setFormatter(logging.Formatter(STEP_LOG_FORMAT))
     logging.getLogger("celery.app.trace").addFilter(HandedBackLine())
+    logging.getLogger("kombu.transport.redis").addFilter(RefusedLine())
 
 
 # what a broker that does not answer raises beside redis-py's errors: kombu's wrapping of them,
@@ -243,6 +244,17 @@ class HandedBackLine(logging.Filter):
         return True
 
 
+class RefusedLine(logging.Filter):
+    """kombu's own warnings of a Redis that refuses writes or does not answer (its bindings'
+    expiry refreshed under OOM: "Redis error, will retry") are one line each, no traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is not None and refused_or_unanswered(exc):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
 class EvictingRedis(Exception):
     """The worker's Redis may evict cchatq's keys: the worker does not start (the one line)."""
 
@@ -262,9 +274,9 @@ def check_state(settings: Settings) -> None:
     deadline = time.monotonic() + STATE_WAIT_S
     while True:
         try:
-            clustered = cluster_mode(settings.urls.state)
+            clustered = cluster_mode(settings.urls.state, strict=True)
             broker_clustered = (
-                clustered if settings.urls.shared else cluster_mode(settings.urls.broker)
+                clustered if settings.urls.shared else cluster_mode(settings.urls.broker, True)
             )
             break
         except Exception as exc:  # not answering yet: Celery waits for its broker as well

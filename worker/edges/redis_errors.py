@@ -45,6 +45,18 @@ def refusal(exc: BaseException) -> str | None:
     return None
 
 
+def refused_or_unanswered(exc: BaseException) -> bool:
+    """Whether a Redis error is a refusal or an unanswered command, the causes of a MULTI
+    Redis discarded (EXECABORT) included: what is logged in one line, without a traceback."""
+    while exc is not None:
+        if refusal(exc) is not None or unanswered(exc):
+            return True
+        if not isinstance(exc, redis.exceptions.ExecAbortError):
+            return False
+        exc = exc.__context__  # type: ignore[assignment]
+    return False
+
+
 def unanswered(exc: BaseException) -> bool:
     """Whether Redis did not answer: the connection failed or timed out (a cut network, a
     restart, a paused primary), not a refusal (redis-py's LOADING is a ConnectionError too)."""

@@ -88,15 +88,21 @@ def is_cluster(client: Any) -> bool:
 _cluster_mode: dict[str, bool] = {}
 
 
-def cluster_mode(url: str) -> bool:
-    """Whether the Redis at `url` runs in cluster mode (INFO's `cluster_enabled:1`); a Redis
-    that does not answer raises redis-py's error (the caller waits or fails)."""
+def cluster_mode(url: str, strict: bool = False) -> bool:
+    """Whether the Redis at `url` runs in cluster mode (INFO's `cluster_enabled:1`). A Redis
+    that does not answer raises redis-py's error when `strict` (a worker starting waits for
+    it); otherwise it is taken for a plain one, and asked again next time (its client's first
+    command says why it cannot be reached)."""
     if url not in _cluster_mode:
         if is_sentinel(url):
             return False
         probe = redis.Redis.from_url(url, **redis_links.client_options())
         try:
             _cluster_mode[url] = bool(probe.info("cluster").get("cluster_enabled"))
+        except redis.RedisError:
+            if strict:
+                raise
+            return False
         finally:
             probe.close()
     return _cluster_mode[url]
