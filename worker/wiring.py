@@ -20,8 +20,9 @@ from schemas.redis_url import redacted
 from worker.codecs.registry import codec_for
 from worker.config import BackendConfig, Settings, load_settings
 from worker.edges import broker_connection
+from worker.edges.broker_amqp import AmqpSender
 from worker.edges.celery_config import celery_config as celery_config
-from worker.edges.dispatch import CeleryDispatcher, RedisBroker
+from worker.edges.dispatch import BrokerApart, CeleryDispatcher, RedisBroker
 from worker.edges.mcp_tools import McpTools
 from worker.edges.provider_http import HttpProvider
 from worker.edges.rate_control import RedisRateControl
@@ -49,9 +50,14 @@ class Wiring:
             settings.urls.state, settings.result_ttl_s, pool_size, settings.stall_after_ms // 2,
             settings.results_ttl_s,
         )  # fmt: skip
-        # the broker's own Redis, when it is not the state's: the steps' messages go there
-        broker_apart = None
-        if not settings.urls.shared:
+        # the broker's own Redis, or RabbitMQ, when it is not the state's: the messages go there
+        broker_apart: BrokerApart | None = None
+        self.amqp: AmqpSender | None = None
+        if settings.urls.amqp:
+            broker_apart = self.amqp = AmqpSender(
+                settings.urls.broker, settings.queue_type, pool_size
+            )
+        elif not settings.urls.shared:
             broker_apart = RedisBroker(pooled_client(settings.urls.broker, pool_size))
         self._pool_size = pool_size  # the HTTP pools' size too: a connection kept per thread
         self._providers: dict[str, HttpProvider] = {}
@@ -261,9 +267,9 @@ def check_state(settings: Settings) -> None:
     while True:
         try:
             clustered = cluster_mode(settings.urls.state)
-            broker_clustered = (
-                clustered if settings.urls.shared else cluster_mode(settings.urls.broker)
-            )
+            broker_clustered = clustered if settings.urls.shared else False
+            if not settings.urls.shared and not settings.urls.amqp:
+                broker_clustered = cluster_mode(settings.urls.broker)
             break
         except Exception as exc:  # not answering yet: Celery waits for its broker as well
             if time.monotonic() > deadline:

@@ -1,5 +1,6 @@
 """The workers' Celery configuration: the reliability settings of docs/architecture.md section
-4, on a Redis broker (kombu's transport with our bookkeeping of taken messages)."""
+4, on a Redis broker (kombu's transport with our bookkeeping of taken messages) or on
+RabbitMQ (worker/edges/amqp_topology.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from schemas import redis_links
 from schemas.redis_url import kombu_broker
 from schemas.task_names import ROUTES
 from worker.config import Settings
-from worker.edges import broker, broker_sentinel
+from worker.edges import amqp_topology, broker, broker_sentinel
 
 SENTINEL_HEALTH_CHECK_S = 5
 BROKER_BEAT_S = 2  # a consumer's heartbeat, well inside consumer_dead_after_s
@@ -22,7 +23,11 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         # a lost broker is tried again every few seconds (broker_connection.py): as many tries
         # as cover about as long as kombu's default 100 growing ones did
         "broker_connection_max_retries": redis_links.broker_max_retries(),
-        **_redis_broker(settings),
+        **(
+            amqp_topology.celery_broker(settings.urls.broker, settings.queue_type)
+            if settings.urls.amqp
+            else _redis_broker(settings)
+        ),
         "task_serializer": "json",
         "accept_content": ["json"],
         "result_serializer": "json",

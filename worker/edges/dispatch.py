@@ -8,9 +8,10 @@ finds all of a session's tasks.
 A step is published as one LPUSH of the message Celery itself would send (task protocol 2, as
 kombu's Redis transport stores it), not through `app.send_task`: Celery's send path (routing,
 producer pool, kombu's publish and declare) cost ~0.75 ms of CPU a message, a sixth of a
-session's worker CPU; the LPUSH costs a tenth of that. tests/test_dispatch.py holds the
-message to what `send_task` builds, field by field, so a Celery that changes its protocol
-fails there and not in a fleet.
+session's worker CPU; the LPUSH costs a tenth of that. On RabbitMQ the same message goes out
+as an AMQP message on a confirmed channel (worker/edges/broker_amqp.py). tests/test_dispatch.py
+holds the message to what `send_task` builds, field by field, so a Celery that changes its
+protocol fails there and not in a fleet.
 """
 
 from __future__ import annotations
@@ -109,8 +110,8 @@ class RedisBroker:
 class CeleryDispatcher(StepPublisher):
     def __init__(self, app: Celery, store: RedisStore, broker: BrokerApart | None = None) -> None:
         """`broker`: where the messages go when the broker is not the store's Redis (another
-        Redis: schemas/fleet_urls.py); None when it is, and a step's messages and its
-        published marker go in one write, on the store's client."""
+        Redis, RabbitMQ: schemas/fleet_urls.py); None when it is, and a step's messages and
+        its published marker go in one write, on the store's client."""
         self.app = app
         self.store = store
         self.broker = broker

@@ -1,7 +1,8 @@
 """A step's task message in Celery's task protocol 2, apart from how a broker carries it: its
-headers and its body, built once here for every form a broker stores it in (kombu's Redis
-transport's JSON: worker/edges/dispatch.py). tests/test_dispatch.py holds it to what
-`send_task` puts on the broker, field by field."""
+headers and its body, built once here for both forms (kombu's Redis transport's JSON,
+worker/edges/dispatch.py; an AMQP message on RabbitMQ, worker/edges/broker_amqp.py).
+tests/test_dispatch.py and tests/test_broker_amqp.py hold both forms to what `send_task`
+puts on each broker, field by field."""
 
 from __future__ import annotations
 
