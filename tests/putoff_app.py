@@ -16,7 +16,7 @@ from worker.tasks import STEP_OPTIONS, _run, app
 from worker.wiring import _current, fleet_clock
 
 PUTOFF = "cchatq.test_putoff"
-RAN = "test:putoffs:ran"  # a list of {"key", "due_ms", "ran_ms", "retries"}
+RAN = "test:putoffs:ran"  # a list of {"key", "due_ms", "ran_ms", "retries", "via"}
 
 
 @app.task(name=PUTOFF, **STEP_OPTIONS)  # type: ignore[untyped-decorator]
@@ -26,7 +26,10 @@ def putoff(self: Task, key: str, delay_ms: int) -> Any:
             raise RetryLater(delay_ms / 1000, "put off by the test")
         ran_ms = fleet_clock(app).now_ms()
         due_ms = getattr(self.request, task_names.SENT_HEADER, None)
-        line = {"key": key, "due_ms": due_ms, "ran_ms": ran_ms, "retries": self.request.retries}
+        # the queues RabbitMQ dead-lettered it from (a delay queue's, on quorum queues)
+        via = [str(d.get("queue")) for d in getattr(self.request, "x-death", None) or []]
+        line = {"key": key, "due_ms": due_ms, "ran_ms": ran_ms,
+                "retries": self.request.retries, "via": via}  # fmt: skip
         _current(app).store.client.rpush(RAN, json.dumps(line))
 
     return _run(self, call)

@@ -17,6 +17,7 @@ from schemas.amqp_broker import QUEUE_TYPES
 from schemas.config import ConfigError
 from schemas.task_names import ALL_QUEUES
 from worker.config import load_settings
+from worker.edges import amqp_topology
 from worker.wiring import celery_config
 
 BROKER = "amqp://app:s3cret@rabbit:5672/cchatq"
@@ -81,6 +82,10 @@ def test_workers_and_producers_declare_the_same_queues(kind: str) -> None:
     assert [q.name for q in queues] == list(ALL_QUEUES)
     assert all(q.durable and q.queue_arguments == {"x-queue-type": kind} for q in queues)
     assert _declared(queues) == _declared(producer_broker(BROKER, kind)["task_queues"])
+    # Celery's own delayed delivery (quorum queues) is not set up: the delay queues are ours
+    steps = amqp_topology.AmqpConsumer.Blueprint.default_steps
+    assert config["worker_consumer"] == "worker.edges.amqp_topology:AmqpConsumer"
+    assert not any("delayed_delivery" in s for s in steps) and len(steps) >= 8
 
 
 def test_the_cli_says_what_to_set_when_the_state_names_rabbitmq() -> None:

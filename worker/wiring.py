@@ -14,13 +14,14 @@ from celery._state import get_current_task
 from celery.exceptions import Reject
 from kombu.exceptions import OperationalError
 
+from schemas.amqp_broker import QUORUM
 from schemas.fleet_clock import FleetClock
 from schemas.redis_memory import eviction_refused, eviction_warning
 from schemas.redis_url import redacted
 from worker.codecs.registry import codec_for
 from worker.config import BackendConfig, Settings, load_settings
 from worker.edges import broker_connection
-from worker.edges.broker_amqp import AmqpSender
+from worker.edges.broker_amqp import AmqpSender, PutOff, declare_fleet
 from worker.edges.celery_config import celery_config as celery_config
 from worker.edges.dispatch import BrokerApart, CeleryDispatcher, RedisBroker
 from worker.edges.mcp_tools import McpTools
@@ -201,6 +202,32 @@ def close_mcp() -> None:
 
 def program_steps(app: Celery) -> ProgramSteps:
     return _current(app).program_steps
+
+
+def delayed_on_broker(settings: Settings) -> bool:
+    """Whether steps are put off through RabbitMQ's delay queues (amqp_topology.py): on quorum
+    queues; Celery's eta, held by the worker, elsewhere (a Redis broker, classic queues)."""
+    return settings.urls.amqp and settings.queue_type == QUORUM
+
+
+def put_off(app: Celery, step: PutOff) -> int:
+    """Send `step` through the delay queues (delayed_on_broker): its next hop's ms."""
+    wiring = _current(app)
+    if wiring.amqp is None:
+        raise RuntimeError("put-offs through the broker need RabbitMQ (CCHATQ_BROKER_URL)")
+    return wiring.amqp.send_later(step.message(), step.due_ms, wiring.store.clock.now_ms)
+
+
+def declare_broker(settings: Settings) -> None:
+    """At a worker's start on RabbitMQ: the fleet's queues and delay queues declared before
+    any task runs (inherited by a prefork pool's children); a RabbitMQ that does not answer
+    yet leaves them to the first publish (Celery waits for its broker meanwhile)."""
+    if not settings.urls.amqp:
+        return
+    try:
+        declare_fleet(settings.urls.broker, settings.queue_type)
+    except Exception as exc:
+        log.warning("RabbitMQ's queues not declared at start: %s", type(exc).__name__)
 
 
 class StepContext(logging.Filter):

@@ -7,8 +7,9 @@ for their confirms once (~250 us of CPU a message).
 py-amqp's connections are not thread-safe, and one channel a thread on a shared connection
 breaks, so each process keeps a small pool of connections, each with one confirmed channel,
 made as threads need them (at most one a thread publishing at once) and used by one thread
-at a time. The first connection of a process declares the fleet's queues
-(worker/edges/amqp_topology.py).
+at a time. A worker declares the fleet's queues and, on quorum queues, the delay queues of its
+put-offs as it starts (declare_fleet; worker/edges/amqp_topology.py); a process that did not
+declares them with its first connection.
 
 A publish that fails (the connection lost, no confirm in CONFIRM_TIMEOUT_S, a nack, a message
 returned) is tried once more on a new connection, which declares the queues again; then it
@@ -20,16 +21,17 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import amqp
 from amqp import spec
 from kombu.utils.url import parse_url
 
-from schemas import redis_links
+from schemas import redis_links, task_names
 from worker.edges import amqp_topology
-from worker.edges.task_protocol import TaskMessage
+from worker.edges.task_protocol import TaskMessage, task_headers
 from worker.errors import BrokerUnconfirmedError
 
 log = logging.getLogger(__name__)
@@ -50,6 +52,37 @@ def amqp_form(message: TaskMessage) -> amqp.Message:
         delivery_mode=2,
         priority=0,
     )
+
+
+@dataclass(frozen=True)
+class PutOff:
+    """A delivery to run again at `due_ms` (Redis's clock), as its task's request says it:
+    the same task id, root and parent, shown kwargs, and `retries` (one more than the
+    delivery's for a step's RetryLater; the same for another hop of one)."""
+
+    name: str
+    args: list[str | int]
+    task_id: str
+    root_id: str | None
+    parent_id: str | None
+    retries: int
+    shown: str  # the delivery's kwargsrepr: its session's spec id
+    due_ms: int
+
+    def message(self) -> TaskMessage:
+        """The message Celery's `task.retry` would send, due at `due_ms`, with no eta (the
+        delay queues hold it, not the worker)."""
+        headers = task_headers(self.name, self.args, self.task_id)
+        headers.update(
+            root_id=self.root_id or self.task_id,
+            parent_id=self.parent_id,
+            retries=self.retries,
+            kwargsrepr=self.shown,
+        )
+        # its wait on the queue counts from when it falls due, as a retry's does
+        headers[task_names.SENT_HEADER] = headers[task_names.DUE_HEADER] = self.due_ms
+        queue = task_names.ROUTES.get(self.name, task_names.QUEUE_CONTROL)  # Celery's default
+        return TaskMessage(queue, self.task_id, self.args, headers)
 
 
 class Unconfirmed(Exception):
@@ -134,6 +167,26 @@ def connection_options(url: str) -> dict[str, Any]:
     }
 
 
+# whether this process declared the fleet's queues (declare_fleet, as a worker starts): a
+# prefork pool's children inherit it, and their senders do not declare them again
+_declared_here = False
+
+
+def declare_fleet(url: str, kind: str) -> None:
+    """Declare the fleet's queues, and the delay queues on quorum queues, once as a worker
+    starts: its first publish or put-off does not wait for them (a quorum queue takes tens of
+    milliseconds to make, a loaded machine's more)."""
+    global _declared_here
+    connection = amqp.Connection(**connection_options(url))
+    connection.connect()
+    try:
+        with connection.channel() as channel:
+            amqp_topology.declare(channel, kind)
+    finally:
+        connection.close()
+    _declared_here = True
+
+
 class AmqpSender:
     """A process's confirmed publishes to RabbitMQ at `url` (a dispatch.BrokerApart): at most
     `size` connections, made as needed. `kind`: the fleet's queue type."""
@@ -144,21 +197,49 @@ class AmqpSender:
         self.size = max(size, 1)
         self._idle: list[ConfirmedChannel] = []  # the most recently used first out
         self._made = 0
-        self._declared = False  # the fleet's queues, once a process (again after a failure)
+        # the fleet's queues declared: at the worker's start, else by the first connection
+        # (again after a failed publish); by one thread while the others wait
+        self._declared = _declared_here
+        self._declaring = threading.Lock()
         self._free = threading.Condition()
 
     def send(self, messages: Sequence[TaskMessage]) -> None:
         """A step's messages, each to its queue, confirmed."""
-        self._publish([(amqp_form(m), "", m.queue) for m in messages])
+        self._publish(lambda: [(amqp_form(m), "", m.queue) for m in messages])
 
-    def _publish(self, batch: Sequence[Outgoing]) -> None:
+    def send_later(self, message: TaskMessage, due_ms: int, now_ms: Callable[[], int]) -> int:
+        """A put-off message due at `due_ms` (on `now_ms`'s clock) through the delay queue of
+        its next hop (amqp_topology.hop_ms), or to its queue when it is due; the hop's
+        milliseconds (0: none). The hop is reckoned once a channel is in hand: a connection
+        that took its time to make is not added to the wait."""
+        hops: list[int] = []
+
+        def batch() -> list[Outgoing]:
+            hop = amqp_topology.hop_ms(due_ms - now_ms())
+            hops.append(hop)
+            form = amqp_form(message)
+            if not hop:
+                return [(form, "", message.queue)]
+            form.properties["application_headers"][amqp_topology.DELAY_HEADER] = hop
+            return [(form, amqp_topology.DELAY_EXCHANGE, message.queue)]
+
+        self._publish(batch)
+        return hops[-1]
+
+    def _publish(self, make: Callable[[], Sequence[Outgoing]]) -> None:
         failure: Exception = BrokerUnconfirmedError("not published")
+        batch: Sequence[Outgoing] = ()
         for attempt in (1, 2):
             try:
                 channel = self._take()
             except Exception as exc:  # the broker does not answer, or refused the declares
                 failure = exc
                 continue
+            try:
+                batch = make()
+            except BaseException:
+                self._give(channel)
+                raise
             try:
                 channel.publish(batch)
             except Exception as exc:
@@ -193,9 +274,10 @@ class AmqpSender:
         connection.connect()
         try:
             if not self._declared:
-                with connection.channel() as channel:
-                    amqp_topology.declare(channel, self.kind)
-                self._declared = True
+                with self._declaring, connection.channel() as channel:
+                    if not self._declared:
+                        amqp_topology.declare(channel, self.kind)
+                        self._declared = True
             return ConfirmedChannel(connection)
         except BaseException:
             connection.collect()
