@@ -3,7 +3,9 @@ fleet to run them on, waiting for and reading back what they left, and a run's v
 
 from __future__ import annotations
 
+import atexit
 import json
+import os
 import sys
 import time
 import uuid
@@ -20,10 +22,12 @@ from bench.chaos_report import (
     finished_count,
 )
 from fixtures.demo_scenarios import CITIES, WEATHER, weather_json
+from fixtures.rabbitmq_vhost import add_vhost, delete_vhost, rabbitmq_here
 from producer.client import Client
 from producer.fleet import Fleet
 from producer.specfile import load_spec_from_objects
 from producer.submitting import Submission
+from schemas.fleet_urls import fleet_urls
 from schemas.spec_types import Spec
 
 GUESTS = Path(fixtures.__file__).parent / "guests"
@@ -66,6 +70,42 @@ def write_spec_file(path: Path, objects: list[dict[str, Any]]) -> Path:
 # --- fleets ---------------------------------------------------------------------------------
 
 
+# `--broker amqp` (bench/chaos.py) or CCHATQ_CHAOS_BROKER=amqp: the fleets of start_fleet put
+# their broker on the local RabbitMQ, a vhost of each fleet's own (deleted as the run exits),
+# its queues of the type CCHATQ_CHAOS_QUEUE_TYPE says (classic unless said)
+BROKER_VARIABLE = "CCHATQ_CHAOS_BROKER"
+QUEUE_TYPE_VARIABLE = "CCHATQ_CHAOS_QUEUE_TYPE"
+
+
+def broker_env() -> dict[str, str]:
+    """The workers' broker environment of a new chaos fleet: none for its own Redis, a fresh
+    vhost on RabbitMQ when the run asks for it."""
+    if os.environ.get(BROKER_VARIABLE, "redis") != "amqp":
+        return {}
+    why_not = rabbitmq_here()
+    if why_not:
+        raise RuntimeError(f"{BROKER_VARIABLE}=amqp: {why_not}")
+    name, url = add_vhost("cchatq-chaos")
+    atexit.register(delete_vhost, name)
+    kind = os.environ.get(QUEUE_TYPE_VARIABLE) or "classic"
+    return {"CCHATQ_BROKER_URL": url, "CCHATQ_QUEUE_TYPE": kind}
+
+
+def fleet_client(fleet: Fleet) -> Client:
+    """A producer's client of the fleet: its state's Redis and its broker (Redis or RabbitMQ)."""
+    env = fleet.worker_env()
+    urls = fleet_urls(env)
+    return Client(urls.state, broker_url=urls.broker, queue_type=env.get("CCHATQ_QUEUE_TYPE"))
+
+
+def broker_name(fleet: Fleet) -> str:
+    """What a row says of the fleet's broker: "" for its Redis."""
+    env = fleet.worker_env()
+    if not fleet_urls(env).amqp:
+        return ""
+    return f"RabbitMQ ({env.get('CCHATQ_QUEUE_TYPE') or 'classic'} queues)"
+
+
 def start_fleet(
     workdir: Path,
     appendonly: bool = False,
@@ -75,9 +115,10 @@ def start_fleet(
     workdir.mkdir(parents=True, exist_ok=True)
     fleet = Fleet(workdir=workdir)
     fleet.ensure_redis(private=True, appendonly=appendonly)
+    fleet.env.update(broker_env())
     fleet.start_replay(latency_ms, replay_args)
     fleet.start_workers()
-    client = Client(fleet.redis_url)
+    client = fleet_client(fleet)
     warm = client.enqueue(weather_specs(f"warm-{uuid.uuid4().hex[:6]}", 20))  # compile, connect
     for _ in client.wait(warm, timeout_s=120, poll_s=0.05):
         pass
