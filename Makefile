@@ -98,7 +98,8 @@ bench-scale: install
 
 # The fleet under failure, not part of test: workers SIGKILLed every 2 s,
 # Redis restarted mid-batch, 429s and 500s from the model, the producer killed while it waits.
-# One scenario or more: make chaos SCENARIOS="kill faults"
+# One scenario or more: make chaos SCENARIOS="kill faults"; with the broker on the local RabbitMQ
+# (kill, faults): make chaos SCENARIOS=kill CCHATQ_CHAOS_BROKER=amqp [CCHATQ_CHAOS_QUEUE_TYPE=quorum]
 chaos: install
 	$(PY) -m bench.chaos $(SCENARIOS)
 

@@ -26,6 +26,10 @@ scenario on a private fleet of its own (Redis, replay server, one worker per que
   clock-skew     500 sessions on two hosts whose wall clocks are 2 minutes ahead and behind
                  (libfaketime): no session ended early, no extra model call.
 
+`--broker amqp` (or CCHATQ_CHAOS_BROKER=amqp) runs `kill` and `faults` with the fleet's broker on
+the local RabbitMQ (a vhost of each fleet's own, deleted as the run exits; `--queue-type quorum`
+for quorum queues), its state on its Redis.
+
 One row per run: sessions finished of those submitted, how many ended step_failed, with another
 error body, with a duplicated tool message (a tool message twice for one call id, more tool
 messages or executed calls than calls, or a call's tool.call.finished trace event twice), hung
@@ -39,6 +43,7 @@ commonest warnings of the fleet's logs, whose directory is kept.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -48,6 +53,7 @@ from pathlib import Path
 from bench.chaos_clock import scenario_clock_skew
 from bench.chaos_failover import scenario_failover
 from bench.chaos_faults import scenario_faults
+from bench.chaos_fleet import BROKER_VARIABLE, QUEUE_TYPE_VARIABLE
 from bench.chaos_kill import scenario_kill
 from bench.chaos_partition import scenario_partition, scenario_partition_long
 from bench.chaos_redis_full import scenario_aof_full, scenario_redis_full
@@ -55,6 +61,7 @@ from bench.chaos_report import Row, print_table
 from bench.chaos_restarts import scenario_producer_kill, scenario_redis
 from bench.chaos_stall import scenario_stall
 from bench.history import print_verdicts
+from schemas.amqp_broker import QUEUE_TYPES
 
 Scenario = Callable[[Path, int, float, int], list[Row]]  # (root, sessions, deadline_s, seed)
 
@@ -73,6 +80,7 @@ RUNS: dict[str, tuple[Scenario, int]] = {
     "partition-long": (scenario_partition_long, 300),
 }
 NAMED_ONLY = ("partition-long",)  # run only when asked for
+AMQP_SCENARIOS = ("kill", "faults")  # those whose fleet may have its broker on RabbitMQ
 SCENARIOS = tuple(name for name in RUNS if name not in NAMED_ONLY)
 
 
@@ -98,11 +106,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="a session not finished this long after its batch's submit is hung",
     )
     parser.add_argument("--seed", type=int, default=1, help="seeds the kills and the faults")
+    parser.add_argument(
+        "--broker",
+        choices=("redis", "amqp"),
+        default=os.environ.get(BROKER_VARIABLE, "redis"),
+        help=f"the fleet's broker: its Redis, or the local RabbitMQ ({', '.join(AMQP_SCENARIOS)})",
+    )
+    parser.add_argument(
+        "--queue-type",
+        choices=QUEUE_TYPES,
+        default=os.environ.get(QUEUE_TYPE_VARIABLE) or "classic",
+        help="RabbitMQ's queues (--broker amqp)",
+    )
     args = parser.parse_args(argv)
-    chosen = list(dict.fromkeys(args.scenarios or SCENARIOS))
+    default = AMQP_SCENARIOS if args.broker == "amqp" else SCENARIOS
+    chosen = list(dict.fromkeys(args.scenarios or default))
     unknown = sorted(set(chosen) - set(RUNS))
     if unknown:
         parser.error(f"unknown scenarios {unknown}: choose from {', '.join(RUNS)}")
+    if args.broker == "amqp" and set(chosen) - set(AMQP_SCENARIOS):
+        parser.error(f"--broker amqp runs {', '.join(AMQP_SCENARIOS)} only")
+    os.environ[BROKER_VARIABLE], os.environ[QUEUE_TYPE_VARIABLE] = args.broker, args.queue_type
     root = Path(tempfile.mkdtemp(prefix="cchatq-chaos-"))
     print(f"fleet logs under {root}", flush=True)
     rows: list[Row] = []

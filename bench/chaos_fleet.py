@@ -3,6 +3,7 @@ fleet to run them on, waiting for and reading back what they left, and a run's v
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import sys
@@ -21,6 +22,7 @@ from bench.chaos_report import (
     finished_count,
 )
 from fixtures.demo_scenarios import CITIES, WEATHER, weather_json
+from fixtures.rabbitmq_vhost import add_vhost, delete_vhost, rabbitmq_here
 from producer.client import Client
 from producer.fleet import Fleet
 from producer.local_cluster import LocalCluster
@@ -72,6 +74,42 @@ def write_spec_file(path: Path, objects: list[dict[str, Any]]) -> Path:
 # --- fleets ---------------------------------------------------------------------------------
 
 
+# `--broker amqp` (bench/chaos.py) or CCHATQ_CHAOS_BROKER=amqp: the fleets of start_fleet put
+# their broker on the local RabbitMQ, a vhost of each fleet's own (deleted as the run exits),
+# its queues of the type CCHATQ_CHAOS_QUEUE_TYPE says (classic unless said)
+BROKER_VARIABLE = "CCHATQ_CHAOS_BROKER"
+QUEUE_TYPE_VARIABLE = "CCHATQ_CHAOS_QUEUE_TYPE"
+
+
+def broker_env() -> dict[str, str]:
+    """The workers' broker environment of a new chaos fleet: none for its own Redis, a fresh
+    vhost on RabbitMQ when the run asks for it."""
+    if os.environ.get(BROKER_VARIABLE, "redis") != "amqp":
+        return {}
+    why_not = rabbitmq_here()
+    if why_not:
+        raise RuntimeError(f"{BROKER_VARIABLE}=amqp: {why_not}")
+    name, url = add_vhost("cchatq-chaos")
+    atexit.register(delete_vhost, name)
+    kind = os.environ.get(QUEUE_TYPE_VARIABLE) or "classic"
+    return {"CCHATQ_BROKER_URL": url, "CCHATQ_QUEUE_TYPE": kind}
+
+
+def fleet_client(fleet: Fleet) -> Client:
+    """A producer's client of the fleet: its state's Redis and its broker (Redis or RabbitMQ)."""
+    env = fleet.worker_env()
+    urls = fleet_urls(env)
+    return Client(urls.state, broker_url=urls.broker, queue_type=env.get("CCHATQ_QUEUE_TYPE"))
+
+
+def broker_name(fleet: Fleet) -> str:
+    """What a row says of the fleet's broker: "" for its Redis."""
+    env = fleet.worker_env()
+    if not fleet_urls(env).amqp:
+        return ""
+    return f"RabbitMQ ({env.get('CCHATQ_QUEUE_TYPE') or 'classic'} queues)"
+
+
 def start_fleet(
     workdir: Path,
     appendonly: bool = False,
@@ -81,6 +119,7 @@ def start_fleet(
     workdir.mkdir(parents=True, exist_ok=True)
     fleet = Fleet(workdir=workdir)
     fleet.ensure_redis(private=True, appendonly=appendonly)
+    fleet.env.update(broker_env())
     masters = int(os.environ.get(CLUSTER_VARIABLE) or 0)
     if masters:  # the state on a local cluster, the broker on the fleet's own Redis
         fleet.env["CCHATQ_STATE_URL"] = LocalCluster(masters, fleet=fleet).start()
@@ -91,12 +130,6 @@ def start_fleet(
     for _ in client.wait(warm, timeout_s=120, poll_s=0.05):
         pass
     return fleet, client
-
-
-def fleet_client(fleet: Fleet) -> Client:
-    """A producer of the fleet: on its state's Redis and its broker (apart on a cluster)."""
-    urls = fleet_urls(fleet.worker_env())
-    return Client(urls.state, config=fleet.config(), broker_url=urls.broker)
 
 
 def wait_in_process(

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.chaos_fleet import (
+    broker_name,
     expected,
     fleet_client,
     problems_of,
@@ -59,6 +60,8 @@ class Killer:
         self.live = {name.rsplit("-", 1)[0]: proc for name, proc in fleet.workers.items()}
         self.kills: Counter[str] = Counter()
         self.timeline: list[str] = []
+        # what a process held is kept in the broker's Redis; RabbitMQ does not say it
+        self.counts_held = not broker_name(fleet)
         self.started = time.monotonic()
 
     def targets(self) -> list[tuple[str, str, int]]:
@@ -82,7 +85,7 @@ class Killer:
         queue, kind, pid = self.random.choice(self.targets())
         at = time.monotonic() - self.started
         if kind == "main":
-            held = self.held(pid)
+            held = str(self.held(pid)) if self.counts_held else "?"
             self.fleet.kill(self.live[queue])
             self.live[queue] = self.restart(queue)
             self.timeline.append(f"{at:.1f}s {queue} main (held {held})")
@@ -97,12 +100,15 @@ class Killer:
 
 def scenario_kill(root: Path, n: int, deadline_s: float, seed: int) -> list[Row]:
     fleet, client = start_fleet(root / "kill")
+    on = f" on {broker_name(fleet)}" if broker_name(fleet) else ""
     with fleet:
         base_objects = weather_objects(f"base-{uuid.uuid4().hex[:6]}", n)
         mark, delivered = mark_run(fleet.replay_url), list[str]()
         sub = client.enqueue(load_spec_from_objects(base_objects))
         base_wall = wait_in_process(client, sub, deadline_s, delivered)
-        base = tally(client.redis, "kill: baseline, no kill", sub.order, expected(base_objects))
+        base = tally(
+            client.redis, f"kill{on}: baseline, no kill", sub.order, expected(base_objects)
+        )
         base.wall_s = base_wall
         base.verdict = check_run(base.scenario, client, base_objects, mark, delivered)
         base.goal = "-"
@@ -113,7 +119,7 @@ def scenario_kill(root: Path, n: int, deadline_s: float, seed: int) -> list[Row]
         walls: list[float] = []
         mark, delivered = mark_run(fleet.replay_url), list[str]()
         sub = waiter_client.enqueue(specs)
-        killer = Killer(fleet, client.broker_redis, seed)
+        killer = Killer(fleet, client.broker_queues, seed)
         waiter = threading.Thread(
             target=lambda: walls.append(wait_in_process(waiter_client, sub, deadline_s, delivered)),
             daemon=True,
@@ -125,7 +131,7 @@ def scenario_kill(root: Path, n: int, deadline_s: float, seed: int) -> list[Row]
             if waiter.is_alive():
                 killer.kill_one()
         waiter.join(timeout=30)
-        row = tally(client.redis, "kill: SIGKILL every 2 s", sub.order, expected(objects))
+        row = tally(client.redis, f"kill{on}: SIGKILL every 2 s", sub.order, expected(objects))
         row.wall_s = walls[0] if walls else deadline_s
         row.verdict = check_run(row.scenario, client, objects, mark, delivered)
         ratio = row.wall_s / base_wall

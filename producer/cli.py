@@ -23,6 +23,7 @@ from producer.cli_common import (
     EXIT_UNREACHABLE,
     RedisUnreachable,
     broker_url,
+    broker_where,
     check_redis_url,
     connect,
     flower_curl,
@@ -69,14 +70,14 @@ def id_client(args: argparse.Namespace) -> Client:
 def cmd_status(args: argparse.Namespace) -> int:
     client = id_client(args)
     if args.id is None:  # the fleet: tasks queued and running per queue, workers, sessions
-        fleet = read_fleet_status(client.redis, client.broker_redis)
+        fleet = read_fleet_status(client.redis, client.broker_queues)
         sys.stderr.write("".join(f"{w}\n" for w in fleet.warnings))  # loud: not only in JSON
         shown = fleet.to_json()
         # Redis memory a session holds: sampled, a finished one's and a running one's
         shown["session_memory"] = asdict(session_memory(client.redis))
         shown["redis"] = redis_where(redis_url(), client.redis)
         if broker_url() != redis_url():
-            shown["broker"] = redis_where(broker_url(), client.broker_redis)
+            shown["broker"] = broker_where(broker_url(), client.broker_queues)
         print(json.dumps(shown, indent=2))
         return 0
     status = client.status(args.id)

@@ -13,12 +13,14 @@ from urllib.parse import urlencode, urlsplit
 import redis
 from redis.sentinel import MasterNotFoundError
 
+from producer.broker_queues import AmqpQueues
 from producer.redis_connect import redis_client
 from producer.redis_room import EvictingRedisError, RedisFullError, refused_write
 from schemas import redis_url as urls
+from schemas.amqp_broker import AmqpUrlError, check_amqp_url, is_amqp
 from schemas.config import ConfigError, read_config
 from schemas.fleet_config import FleetConfig
-from schemas.fleet_urls import fleet_urls
+from schemas.fleet_urls import STATE_ON_AMQP, fleet_urls
 
 if TYPE_CHECKING:
     from producer.client import Client
@@ -111,6 +113,8 @@ def check_redis_url(url: str) -> None:
     """A RedisUnreachable naming the URL and the accepted schemes unless it is a Redis URL,
     or what is wrong with a sentinel:// one."""
     scheme = url.partition("://")[0].lower() if "://" in url else ""
+    if is_amqp(url):  # the state's URL: RabbitMQ can only be the broker
+        raise RedisUnreachable(f"cchatq: {url_variable(url)} {redacted(url)!r} {STATE_ON_AMQP}")
     if scheme not in REDIS_SCHEMES:
         accepted = ", ".join(f"{s}://" for s in REDIS_SCHEMES)
         raise RedisUnreachable(
@@ -161,6 +165,35 @@ def reach_redis(url: str) -> None:
         probe.close()
 
 
+def reach_broker(url: str) -> None:
+    """reach_redis for a Redis broker; RabbitMQ's is connected to once (no retries): a
+    RedisUnreachable (one line, naming its variable) when it cannot be."""
+    if not is_amqp(url):
+        reach_redis(url)
+        return
+    try:
+        check_amqp_url(url)
+    except AmqpUrlError as exc:
+        raise RedisUnreachable(
+            f"cchatq: {url_variable(url)} {redacted(url)!r} is not valid: {exc}"
+        ) from None
+    probe = AmqpQueues(url)
+    try:
+        probe.ping()
+    except Exception as exc:
+        raise RedisUnreachable(
+            f"cchatq: cannot reach RabbitMQ at {redacted(url)} ({_reason(exc)}): start it, or"
+            f" set {url_variable(url)}"
+        ) from None
+    finally:
+        probe.close()
+
+
+def broker_where(url: str, client: Any = None) -> str:
+    """Where the broker is, as `status` says it (never its password)."""
+    return redacted(url) if is_amqp(url) else redis_where(url, client)
+
+
 def connect(
     config: FleetConfig | None = None,
     namespace: str | None = None,
@@ -175,7 +208,7 @@ def connect(
     url, broker = redis_url(), broker_url()
     reach_redis(url)
     if broker != url:
-        reach_redis(broker)
+        reach_broker(broker)
     if config is None:
         try:  # only its namespace is read here: a configuration the workers would refuse
             config = read_config()  # still lets a session be looked up

@@ -16,10 +16,12 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from producer.batch import Batch
+from producer.broker_queues import AmqpQueues, celery_broker, fleet_queue_type
 from producer.redis_connect import redis_client
 from producer.submitting import Rerun
 from producer.waiting import Waiting
 from schemas import redis_links
+from schemas.amqp_broker import is_amqp
 from schemas.config import ConfigError, read_config
 from schemas.fleet_clock import FleetClock, server_ms
 from schemas.fleet_config import FleetConfig
@@ -44,6 +46,7 @@ class Client(Waiting):
         namespace: str | None = None,
         lookup_batch: str | None = None,
         broker_url: str | None = None,
+        queue_type: str | None = None,
     ) -> None:
         """`config`: the fleet's configuration (its backends), which `submit` checks specs
         against; by default the one this process's environment names, as the workers read it
@@ -51,8 +54,9 @@ class Client(Waiting):
         spec ids are claimed and looked up (default: the configuration's); `lookup_batch`: an
         id looked up is the run that batch ran. `ttl_s`: the TTL of what it writes (default:
         CCHATQ_RESULT_TTL_S, as the workers read it, else a day; a ConfigError if that is
-        no number of seconds). `broker_url`: the broker's Redis when it is not `redis_url`'s
-        (schemas/fleet_urls.py)."""
+        no number of seconds). `broker_url`: the broker when it is not `redis_url`'s Redis:
+        another Redis, or RabbitMQ (schemas/fleet_urls.py). `queue_type`: RabbitMQ's queues'
+        (classic, quorum; default: CCHATQ_QUEUE_TYPE, as the workers read it)."""
         # Any: redis-py annotates replies as bytes | str; this client never decodes (bytes).
         self.redis: Any = _client(redis_url)
         self.shown_url = redacted(redis_url)  # as messages show it
@@ -66,20 +70,25 @@ class Client(Waiting):
         if is_sentinel(redis_url):  # a submit returns once a replica holds it
             self.replicas_to_wait = 1
         broker_url = broker_url or redis_url
-        # the broker's Redis (queues, consumers) for the fleet's status: the state's unless apart
-        self.broker_redis: Any = self.redis
-        if broker_url != redis_url:
-            self.broker_redis = redis_client(
-                broker_url,
-                client_name=CLIENT_NAME,
-                **reconnecting(),
-                **redis_links.client_options(),
-            )
-        broker, transport_options = kombu_broker(broker_url)  # a Sentinel's: kombu's form
-        self.celery = Celery("cchatq-producer", broker=broker)
+        # what reads the broker's queues (depths, consumers) for the fleet's status: the
+        # state's Redis unless apart, another Redis, or RabbitMQ's queues (AmqpQueues)
+        self.broker_queues: Any = self.redis
+        if is_amqp(broker_url):
+            self.broker_queues = AmqpQueues(broker_url)
+            kind = queue_type or fleet_queue_type(os.environ)
+            broker: dict[str, Any] = celery_broker(broker_url, kind)
+        else:
+            if broker_url != redis_url:
+                self.broker_queues = _client(broker_url)
+            url, transport_options = kombu_broker(broker_url)  # a Sentinel's: kombu's form
+            broker = {
+                "broker_url": url,
+                "broker_transport_options": {**redis_links.broker_options(), **transport_options},
+            }
+        self.celery = Celery("cchatq-producer")
         first_s, longest_s = RECONNECT_BACKOFF_S
         self.celery.conf.update(
-            broker_transport_options={**redis_links.broker_options(), **transport_options},
+            **broker,
             task_serializer="json",
             accept_content=["json"],
             task_ignore_result=True,
@@ -93,8 +102,8 @@ class Client(Waiting):
 
     def close(self) -> None:
         self.redis.close()
-        if self.broker_redis is not self.redis:
-            self.broker_redis.close()
+        if self.broker_queues is not self.redis:
+            self.broker_queues.close()
 
     def submit(
         self,

@@ -29,7 +29,8 @@ from pathlib import Path
 
 import redis
 
-from producer.fleet_status import read_fleet_status
+from producer.broker_queues import broker_reader
+from producer.fleet_status import broker_status
 from producer.redis_connect import redis_client
 from schemas import task_names
 from schemas.config import read_config
@@ -289,16 +290,17 @@ class Fleet:
         timeout_s: float = 60,
         already: dict[str, int] | None = None,
     ) -> None:
-        """Until each of `queues` (start_workers' own) has a consumer beating in Redis (a worker
-        registers once it has booted), so that a batch submitted next is not warned about.
+        """Until each of `queues` (start_workers' own) has a consumer on the fleet's broker (a
+        worker registers once it has booted), so that a batch submitted next is not warned about.
         `already`: consumers per queue there were before ours started (a shared Redis), each
         queue waits for one more. A worker of ours that exits meanwhile fails it at once."""
-        client = redis_client(fleet_urls(self.worker_env()).broker)  # its consumers are there
+        # its consumers are there: a Redis's beating consumers, or RabbitMQ's queues'
+        client = broker_reader(fleet_urls(self.worker_env()).broker, redis_client)
         deadline = time.monotonic() + timeout_s
         before = already or {}
         try:
             while True:
-                served = read_fleet_status(client).consumers_by_queue
+                served = broker_status(client).consumers_by_queue
                 missing = sorted(q for q in queues if served.get(q, 0) <= before.get(q, 0))
                 if not missing:
                     return

@@ -1,6 +1,8 @@
 """What the fleet holds right now, read from Redis: `cchatq status` (no id) prints it and the
 metrics exporter's gauges serve it. Reads only (the broker's bookkeeping: worker/edges/broker.py,
-key names in schemas/keys.py), a few round trips whatever the fleet's size.
+key names in schemas/keys.py), a few round trips whatever the fleet's size. On a RabbitMQ
+broker its queues are read with passive declares (producer/broker_queues.py): the messages
+ready and the consumers of each, and nothing of what consumers took (`taken` is empty).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from producer.broker_queues import AmqpQueues
 from schemas import fleet_keys, keys
 from schemas.rate_state import ControllerStatus, controller_status
 from schemas.redis_memory import RedisMemory, eviction_warning
@@ -28,8 +31,12 @@ from schemas.task_names import (
 @dataclass(frozen=True)
 class FleetStatus:
     queued: dict[str, int]  # tasks waiting on each queue
-    taken: dict[str, int]  # tasks taken by a worker and not acknowledged yet (running), per queue
-    consumers: int  # worker processes taking tasks (their broker consumers beating)
+    # tasks taken by a worker and not acknowledged yet (running), per queue; on RabbitMQ
+    # unknown (AMQP does not say), so empty
+    taken: dict[str, int]
+    # worker processes taking tasks (their broker consumers beating); on RabbitMQ the
+    # consumers of the fleet's queues (a worker taking from two counts twice)
+    consumers: int
     consumers_by_queue: dict[str, int]  # of those, how many take from each queue
     active_sessions: int  # sessions submitted and not finished
     dead_letters: int  # steps dead-lettered (those the stream keeps)
@@ -43,19 +50,49 @@ class FleetStatus:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class QueueStatus:
+    """What the broker's queues say: FleetStatus's fields of the same names."""
+
+    queued: dict[str, int]
+    taken: dict[str, int]
+    consumers: int
+    consumers_by_queue: dict[str, int]
+
+
 def read_fleet_status(client: Any, broker: Any = None) -> FleetStatus:
-    """The fleet's state from the state's Redis (`client`) and the broker's (`broker`, when it
-    is another Redis: schemas/fleet_urls.py)."""
-    broker = client if broker is None else broker
+    """The fleet's state from the state's Redis (`client`) and the broker's queues (`broker`:
+    another Redis, or an AmqpQueues on RabbitMQ: schemas/fleet_urls.py)."""
+    queues = broker_status(client if broker is None else broker)
+    pipe = client.pipeline(transaction=False)
+    pipe.zcard(keys.ACTIVE)
+    pipe.xlen(keys.DEADLETTER)  # 0 for none
+    active, dead_letters = pipe.execute()
+    return FleetStatus(
+        queued=queues.queued,
+        taken=queues.taken,
+        consumers=queues.consumers,
+        consumers_by_queue=queues.consumers_by_queue,
+        active_sessions=int(active),
+        dead_letters=int(dead_letters),
+        rate_controllers=read_rate_controllers(client),
+        **_memory(client),
+    )
+
+
+def broker_status(broker: Any) -> QueueStatus:
+    """What the broker's queues say: a Redis broker's (its lists and our bookkeeping of its
+    consumers), or RabbitMQ's (an AmqpQueues: what consumers took unknown)."""
+    if isinstance(broker, AmqpQueues):
+        counts = broker.counts(ALL_QUEUES)
+        by_queue = {queue: counts[queue][1] for queue in ALL_QUEUES}
+        waiting = {queue: counts[queue][0] for queue in ALL_QUEUES}
+        return QueueStatus(waiting, {}, sum(by_queue.values()), by_queue)
     pipe = broker.pipeline(transaction=False)
     for queue in ALL_QUEUES:
         pipe.llen(queue)
     pipe.smembers(fleet_keys.BROKER_CONSUMERS)
     *depths, members = pipe.execute()
-    pipe = client.pipeline(transaction=False)
-    pipe.zcard(keys.ACTIVE)
-    pipe.xlen(keys.DEADLETTER)  # 0 for none
-    active, dead_letters = pipe.execute()
     consumers = sorted(m.decode() for m in members)
     pipe = broker.pipeline(transaction=False)
     for consumer in consumers:
@@ -72,15 +109,11 @@ def read_fleet_status(client: Any, broker: Any = None) -> FleetStatus:
                 serving[queue].add(process_of(consumer))
         for queue in [_moved_queue(m) for m in moved] + [_held_queue(h) for h in held]:
             taken[queue] = taken.get(queue, 0) + 1
-    return FleetStatus(
+    return QueueStatus(
         queued=dict(zip(ALL_QUEUES, depths, strict=True)),
         taken=taken,
         consumers=len(set().union(*serving.values())),
         consumers_by_queue={queue: len(procs) for queue, procs in serving.items()},
-        active_sessions=int(active),
-        dead_letters=int(dead_letters),
-        rate_controllers=read_rate_controllers(client),
-        **_memory(client),
     )
 
 

@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from producer.broker_queues import broker_reader
 from producer.fleet_status import FleetStatus, read_fleet_status
 from producer.redis_connect import redis_client
 from schemas import keys, redis_links
@@ -39,7 +40,7 @@ class FleetGauges(Collector):
 
     def __init__(self, client: Any, broker: Any = None) -> None:
         self.client = client
-        self.broker = broker  # the broker's Redis, when not the state's
+        self.broker = broker  # the broker's Redis or RabbitMQ queues, when not the state's
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         fleet = read_fleet_status(self.client, self.broker)
@@ -183,9 +184,11 @@ class Exporter:
 
     def __init__(self, redis_url: str, broker_url: str | None = None) -> None:
         self.client = redis_client(redis_url, **redis_links.client_options())
-        self.broker = None
+        self.broker = None  # the broker's queues, when not on the state's Redis
         if broker_url and broker_url != redis_url:
-            self.broker = redis_client(broker_url, **redis_links.client_options())
+            self.broker = broker_reader(
+                broker_url, lambda url: redis_client(url, **redis_links.client_options())
+            )
         self.registry = CollectorRegistry()
         self.registry.register(FleetGauges(self.client, self.broker))
         self.counters = TraceCounters(self.registry)

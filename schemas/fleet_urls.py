@@ -3,8 +3,9 @@ apart. Read here for the workers and the producer alike.
 
     REDIS_URL           both, unless one of the two below says otherwise
                         (default redis://127.0.0.1:6379/0)
-    CCHATQ_STATE_URL    the sessions' state: specs, replies, leases, results, traces
-    CCHATQ_BROKER_URL   the Celery broker's queues
+    CCHATQ_STATE_URL    the sessions' state: specs, replies, leases, results, traces (a Redis)
+    CCHATQ_BROKER_URL   the Celery broker's queues: a Redis, or RabbitMQ (amqp://, amqps://:
+                        schemas/amqp_broker.py), whose queues are never the state's
 
 When both are the same Redis, a step's messages and its state are written in one transaction;
 apart, a step writes its state in one transaction, then its messages: a step that dies between
@@ -17,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from schemas.amqp_broker import AmqpUrlError, check_amqp_url, is_amqp
 from schemas.redis_url import RedisUrlError, check_redis_url
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -37,6 +39,11 @@ class FleetUrls:
         """Whether state and broker are the same Redis (one transaction a step)."""
         return self.state == self.broker
 
+    @property
+    def amqp(self) -> bool:
+        """Whether the broker is RabbitMQ (its queues apart from the state's Redis)."""
+        return is_amqp(self.broker)
+
 
 def fleet_urls(env: Mapping[str, str]) -> FleetUrls:
     """The state's and the broker's URLs as the environment names them (not checked)."""
@@ -50,13 +57,26 @@ def fleet_urls(env: Mapping[str, str]) -> FleetUrls:
     )
 
 
+STATE_ON_AMQP = (
+    "names RabbitMQ, which can be the broker only: set CCHATQ_STATE_URL to the Redis of the"
+    " sessions' state"
+)
+
+
 def checked(urls: FleetUrls) -> list[tuple[str, str]]:
-    """Each URL that is no Redis URL, as (its variable, why): none when both are."""
-    problems = []
-    for variable, url in ((urls.state_variable, urls.state), (urls.broker_variable, urls.broker)):
+    """Each URL that is not of a form its part reads (the state: a Redis; the broker: a Redis
+    or RabbitMQ), as (its variable, why): none when both are."""
+    problems: list[tuple[str, str]] = []
+    named = ((urls.state_variable, urls.state), (urls.broker_variable, urls.broker))
+    for n, (variable, url) in enumerate(named):
         try:
-            check_redis_url(url)
-        except RedisUrlError as exc:
+            if n == 0 and is_amqp(url):
+                raise RedisUrlError(STATE_ON_AMQP)
+            if is_amqp(url):
+                check_amqp_url(url)
+            else:
+                check_redis_url(url)
+        except (RedisUrlError, AmqpUrlError) as exc:
             if (variable, str(exc)) not in problems:
                 problems.append((variable, str(exc)))
     return problems

@@ -14,6 +14,10 @@ NUDGE = "cchatq.nudge"
 # countdown, when it falls due; a step's `queue_ms` is how long it then waited for a worker.
 # Passed as send_task(headers=...) passes a header, so Flower and `celery inspect` see it too.
 SENT_HEADER = "cchatq_sent_ms"
+# A message header of a step put off through RabbitMQ's delay queues (quorum queues: worker/
+# edges/amqp_topology.py): when it falls due (ms since the epoch, Redis's clock). A delivery
+# that comes before it (a hop of a long put-off) is put off again for what is left.
+DUE_HEADER = "cchatq_due_ms"
 
 QUEUE_LLM = "llm"
 QUEUE_TOOLS = "tools"

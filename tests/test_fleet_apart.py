@@ -74,7 +74,7 @@ def test_a_batch_runs_with_its_broker_apart(
     broker_keys = {k.decode() for k in redis.Redis.from_url(broker_url).scan_iter(count=1000)}
     assert state_keys and all(k.startswith("cq:") for k in state_keys)
     assert broker_keys and not any(k.startswith("cq:") for k in broker_keys)
-    fleet = read_fleet_status(running.client.redis, running.client.broker_redis)
+    fleet = read_fleet_status(running.client.redis, running.client.broker_queues)
     assert fleet.consumers_by_queue == dict.fromkeys(ALL_QUEUES, 1)
     assert fleet.active_sessions == 0
 
@@ -139,7 +139,7 @@ def test_a_batch_runs_with_its_state_on_a_cluster(
     assert len(records) == 42 and {s: p for s, p in problems.items() if p} == {}
     held = {n.name: n.redis_connection.dbsize() for n in on_cluster.client.redis.get_primaries()}
     assert len(held) == 3 and all(n > 0 for n in held.values()), held
-    fleet = read_fleet_status(on_cluster.client.redis, on_cluster.client.broker_redis)
+    fleet = read_fleet_status(on_cluster.client.redis, on_cluster.client.broker_queues)
     assert fleet.active_sessions == 0
 
 

@@ -12,7 +12,8 @@ from celery.exceptions import Reject, Retry
 import worker.tasks
 from schemas import task_names
 from schemas.fleet_clock import FleetClock, wall_ms
-from worker.errors import RetryLater
+from worker.edges.broker_amqp import PutOff
+from worker.errors import BrokerUnconfirmedError, RetryLater
 from worker.tasks import FleetRequest, _retry
 
 AHEAD_MS = 120_000  # Redis's clock ahead of this host's in these tests
@@ -29,6 +30,7 @@ class _Task:
 
     def __init__(self, broker_up: bool) -> None:
         self.broker_up = broker_up
+        self.name = task_names.ROUND
         self.request = SimpleNamespace(id="abc.r0", kwargsrepr="{'session': 'eval/1'}")
         self.etas: list[datetime] = []
         self.headers: list[dict[str, Any]] = []
@@ -88,4 +90,37 @@ def test_a_retry_the_broker_cannot_take_gives_the_delivery_back() -> None:
     task = _Task(broker_up=False)
     with pytest.raises(Reject) as rejected:
         _retry(task, RetryLater(1.0, "store down"))
+    assert rejected.value.requeue is True
+
+
+def test_on_quorum_queues_a_retry_is_put_off_through_the_broker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Not Celery's eta (the worker would hold it): a put-off to the delay queues, due on
+    Redis's clock, one retry more, the same lineage and shown kwargs; this delivery ends as a
+    retry. A put-off the broker does not confirm gives the delivery back."""
+    sent: list[PutOff] = []
+    monkeypatch.setattr(worker.tasks, "DELAYED_ON_BROKER", True)
+    monkeypatch.setattr(worker.tasks, "put_off", lambda _app, step: sent.append(step))
+    task = _Task(broker_up=True)
+    task.request = SimpleNamespace(
+        id="abc.r1", args=["abc", 1], root_id="abc.r0", parent_id="abc.t0.0", retries=1,
+        kwargsrepr="{'session': 'eval/1'}",
+    )  # fmt: skip
+    before = wall_ms() + AHEAD_MS
+    with pytest.raises(Retry):
+        _retry(task, RetryLater(0.4, "rate limited"), redis_ahead())
+    assert task.etas == []  # Celery's retry was never asked
+    (step,) = sent
+    assert before + 400 - 1 <= step.due_ms <= wall_ms() + AHEAD_MS + 400 + 1
+    assert (step.name, step.args, step.task_id) == (task_names.ROUND, ["abc", 1], "abc.r1")
+    assert (step.root_id, step.parent_id, step.retries) == ("abc.r0", "abc.t0.0", 2)
+    assert step.shown == "{'session': 'eval/1'}"
+
+    def refused(_app: Any, _step: PutOff) -> None:
+        raise BrokerUnconfirmedError("messages for ['llm'] not confirmed")
+
+    monkeypatch.setattr(worker.tasks, "put_off", refused)
+    with pytest.raises(Reject) as rejected:
+        _retry(task, RetryLater(0.4, "rate limited"), redis_ahead())
     assert rejected.value.requeue is True

@@ -3,7 +3,9 @@
 Environment variables:
     REDIS_URL                 broker and state store (default redis://127.0.0.1:6379/0)
     CCHATQ_STATE_URL          the sessions' state, when not REDIS_URL's Redis
-    CCHATQ_BROKER_URL         the broker, when not REDIS_URL's Redis (schemas/fleet_urls.py)
+    CCHATQ_BROKER_URL         the broker, when not REDIS_URL's Redis (schemas/fleet_urls.py): a
+                              Redis, or RabbitMQ (amqp://, amqps://)
+    CCHATQ_QUEUE_TYPE         on RabbitMQ: classic (default) or quorum (schemas/amqp_broker.py)
     CCHATQ_CONFIG             path of the fleet's JSON configuration (schemas/config.py: its
                               backends and tool defaults), shared with the producer
     CCHATQ_BACKENDS           the same JSON inline (wins over the file)
@@ -49,6 +51,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from schemas.amqp_broker import CLASSIC, QUEUE_TYPE_VARIABLE, AmqpUrlError, queue_type
 from schemas.config import ConfigError, read_config
 from schemas.fleet_config import BackendConfig, FleetConfig
 from schemas.fleet_urls import DEFAULT_REDIS_URL, FleetUrls, checked, fleet_urls
@@ -66,6 +69,7 @@ __all__ = ["BackendConfig", "FleetConfig", "Settings", "load_settings"]
 class Settings:
     # where the sessions' state and the broker are (one Redis unless said)
     urls: FleetUrls = field(default_factory=lambda: FleetUrls(DEFAULT_REDIS_URL, DEFAULT_REDIS_URL))
+    queue_type: str = CLASSIC  # the type of the broker's queues on RabbitMQ
     # the fleet's configuration: its backends, its default backend and its tools' defaults
     fleet: FleetConfig = field(default_factory=FleetConfig)
     visibility_timeout_s: int = 300  # the task time limit's backstop (wiring)
@@ -101,6 +105,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         # a ConfigError stops the worker at start, naming each problem
         fleet=read_config(env),
         urls=redis_urls(env),
+        queue_type=_queue_type(env),
         visibility_timeout_s=int(env.get("CCHATQ_VISIBILITY_TIMEOUT_S", "300")),
         consumer_dead_after_s=int(env.get("CCHATQ_CONSUMER_DEAD_AFTER_S", "15")),
         result_ttl_s=int(env.get("CCHATQ_RESULT_TTL_S", "86400")),
@@ -141,6 +146,13 @@ def redis_urls(env: Mapping[str, str]) -> FleetUrls:
     if problems:
         raise ConfigError("environment", problems)
     return urls
+
+
+def _queue_type(env: Mapping[str, str]) -> str:
+    try:
+        return queue_type(env)
+    except AmqpUrlError as exc:
+        raise ConfigError("environment", [(QUEUE_TYPE_VARIABLE, str(exc))]) from None
 
 
 def span_exporters(env: Mapping[str, str]) -> tuple[str, ...]:

@@ -34,8 +34,10 @@ CchatqError                      root; `code` is the error-body code
 │   ├── SpecMissingError         a session's spec expired or was never submitted
 │   ├── StoreUnavailableError    Redis refuses writes for now (full, failing to persist, a
 │   │                            replica, loading): waited out, no try spent
-│   └── StoreUnreachableError    Redis did not answer (a cut network, a restart, a failover):
-│                                a model's reply waiting to be stored is kept and written again
+│   ├── StoreUnreachableError    Redis did not answer (a cut network, a restart, a failover):
+│   │                            a model's reply waiting to be stored is kept and written again
+│   └── BrokerUnconfirmedError   RabbitMQ did not confirm a step's messages (unreachable, a
+│                                nack, no queue took one): the step fails and is retried
 └── StepControl                  not failures: how a step or a guest run changes course
     ├── RetryLater               run this delivery again later (Celery's retry)
     ├── StepDeadLettered         the step failed for good: its task ends as a FAILURE
@@ -292,6 +294,13 @@ class StoreUnreachableError(StoreError):
     paused or failed-over primary). A step fails on it as on any StoreError (a try spent),
     except the write of a model's reply, which is tried again in place (its call is not made
     twice: worker/session/refusals.py `keep_writing`)."""
+
+
+class BrokerUnconfirmedError(StoreError):
+    """RabbitMQ did not confirm a step's messages (worker/edges/broker_amqp.py): its
+    connection failed or the confirm did not come in time, it nacked one, or one came back
+    unrouted (no queue of that name: a publish is mandatory). The step fails as on any
+    StoreError (a try spent); its message is named by queue, never by content."""
 
 
 # Control flow -------------------------------------------------------------------------------

@@ -11,10 +11,10 @@ from __future__ import annotations
 import logging
 import os
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 from celery import Celery, Task
-from celery.exceptions import Reject
+from celery.exceptions import Reject, Retry
 from celery.signals import (
     after_setup_logger,
     celeryd_init,
@@ -30,7 +30,8 @@ from schemas import task_names
 from schemas.fleet_clock import FleetClock
 from schemas.limits import BACKGROUND_TIMEOUT_CAP_MS
 from worker.config import load_settings
-from worker.errors import RetryLater
+from worker.edges.broker_amqp import PutOff
+from worker.errors import RetryLater, StoreError
 from worker.session.refusals import STOPPING
 from worker.session.steps import StepRunner
 from worker.session.trace import Arrival
@@ -43,9 +44,12 @@ from worker.wiring import (
     check_spans,
     check_state,
     close_mcp,
+    declare_broker,
+    delayed_on_broker,
     fleet_clock,
     flush_spans,
     program_steps,
+    put_off,
     runner,
     set_worker_concurrency,
     start_reconciler,
@@ -55,7 +59,11 @@ log = logging.getLogger(__name__)
 EX_CONFIG = 78  # sysexits: the worker's configuration (its Redis) is wrong
 
 app = Celery("cchatq", amqp=BROKER_AMQP)
-app.conf.update(celery_config(load_settings()))
+_settings = load_settings()
+app.conf.update(celery_config(_settings))
+# on RabbitMQ's quorum queues a step is put off through the broker's delay queues, not held
+# by the worker as Celery's eta is (worker/edges/amqp_topology.py)
+DELAYED_ON_BROKER = delayed_on_broker(_settings)
 
 
 @celeryd_init.connect
@@ -91,6 +99,12 @@ def _check_redis(**_: Any) -> None:
         log.critical("%s", exc)
         logging.shutdown()
         os._exit(EX_CONFIG)  # Celery would log SystemExit from a signal handler with a trace
+
+
+@worker_init.connect
+def _declare_queues(**_: Any) -> None:
+    """On RabbitMQ: the fleet's queues (and delay queues) declared as the worker starts."""
+    declare_broker(load_settings())
 
 
 @worker_shutting_down.connect
@@ -144,7 +158,13 @@ STEP_OPTIONS = {"bind": True, "max_retries": None, "Request": FleetRequest}
 
 def _run(task: Task, call: Any) -> dict[str, str] | None:
     """A step's task result: the outcome code of a session it ended (ids and codes only), so
-    Flower and the task events show how each session ended."""
+    Flower and the task events show how each session ended. A put-off delivery that came
+    before it fell due (a hop of a long put-off through the delay queues) is put off again
+    for what is left, and does not run."""
+    if DELAYED_ON_BROKER:
+        due = getattr(task.request, task_names.DUE_HEADER, None)
+        if isinstance(due, int) and due > fleet_clock(app).now_ms():
+            _put_off(task, due, task.request.retries or 0)
     try:
         outcome = call(runner(app))
     except RetryLater as exc:
@@ -177,6 +197,8 @@ def _retry(task: Task, later: RetryLater, clock: FleetClock | None = None) -> No
     again once the consumer stops beating, and the reconciler covers the rest. When it falls
     due is on Redis's clock (FleetRequest reads it on the host that takes it)."""
     due_ms = (clock or fleet_clock(app)).now_ms() + round(later.countdown_s * 1000)
+    if DELAYED_ON_BROKER:
+        _put_off(task, due_ms, (task.request.retries or 0) + 1)
     eta = datetime.fromtimestamp(due_ms / 1000, tz=UTC)
     # the retry shows what the delivery showed (its session's spec id), not the empty kwargs
     shown = getattr(task.request, "kwargsrepr", None) or None
@@ -186,6 +208,29 @@ def _retry(task: Task, later: RetryLater, clock: FleetClock | None = None) -> No
     except Reject as rejected:
         log.warning("step %s: retry not published, given back", task.request.id)
         raise Reject(rejected.reason, requeue=True) from None
+
+
+def _put_off(task: Task, due_ms: int, retries: int) -> NoReturn:
+    """Run this delivery again at `due_ms` through RabbitMQ's delay queues, and end this one
+    as Celery's retry does (acknowledged, the task shown RETRY). A put-off the broker does
+    not confirm gives the delivery back to its queue instead, as `_retry` does."""
+    request = task.request
+    step = PutOff(
+        name=task.name,
+        args=list(request.args or ()),
+        task_id=request.id,
+        root_id=request.root_id,
+        parent_id=request.parent_id,
+        retries=retries,
+        shown=getattr(request, "kwargsrepr", None) or "{}",
+        due_ms=due_ms,
+    )
+    try:
+        put_off(app, step)
+    except StoreError as exc:
+        log.warning("step %s: put-off not published, given back", request.id)
+        raise Reject(exc, requeue=True) from None
+    raise Retry(f"put off until {due_ms}", when=datetime.fromtimestamp(due_ms / 1000, tz=UTC))
 
 
 @app.task(name=task_names.START, **STEP_OPTIONS)

@@ -14,14 +14,16 @@ from celery._state import get_current_task
 from celery.exceptions import Reject
 from kombu.exceptions import OperationalError
 
-from schemas import redis_links
+from schemas.amqp_broker import QUORUM
 from schemas.fleet_clock import FleetClock
 from schemas.redis_memory import eviction_refused, eviction_warning
-from schemas.redis_url import kombu_broker, redacted
+from schemas.redis_url import redacted
 from worker.codecs.registry import codec_for
 from worker.config import BackendConfig, Settings, load_settings
-from worker.edges import broker, broker_connection, broker_sentinel
-from worker.edges.dispatch import CeleryDispatcher
+from worker.edges import broker_connection
+from worker.edges.broker_amqp import AmqpSender, PutOff, declare_fleet
+from worker.edges.celery_config import celery_config as celery_config
+from worker.edges.dispatch import BrokerApart, CeleryDispatcher, RedisBroker
 from worker.edges.mcp_tools import McpTools
 from worker.edges.provider_http import HttpProvider
 from worker.edges.rate_control import RedisRateControl
@@ -49,10 +51,15 @@ class Wiring:
             settings.urls.state, settings.result_ttl_s, pool_size, settings.stall_after_ms // 2,
             settings.results_ttl_s, settings.results_keep,
         )  # fmt: skip
-        # the broker's own Redis, when it is not the state's: the steps' messages go there
-        broker_client = None
-        if not settings.urls.shared:
-            broker_client = pooled_client(settings.urls.broker, pool_size)
+        # the broker's own Redis, or RabbitMQ, when it is not the state's: the messages go there
+        broker_apart: BrokerApart | None = None
+        self.amqp: AmqpSender | None = None
+        if settings.urls.amqp:
+            broker_apart = self.amqp = AmqpSender(
+                settings.urls.broker, settings.queue_type, pool_size
+            )
+        elif not settings.urls.shared:
+            broker_apart = RedisBroker(pooled_client(settings.urls.broker, pool_size))
         self._pool_size = pool_size  # the HTTP pools' size too: a connection kept per thread
         self._providers: dict[str, HttpProvider] = {}
         self._runtime: WasmToolRuntime | None = None
@@ -65,7 +72,7 @@ class Wiring:
         self.spans = span_sink(settings)
         self.runner = StepRunner(
             store=self.store,
-            dispatch=CeleryDispatcher(app, self.store, broker_client),
+            dispatch=CeleryDispatcher(app, self.store, broker_apart),
             provider_for=self.provider_for,
             tools=lambda: self._tools,
             settings=settings,
@@ -113,8 +120,6 @@ class _LazySource:
 
 
 POOL_HEADROOM = 8
-SENTINEL_HEALTH_CHECK_S = 5
-BROKER_BEAT_S = 2  # a consumer's heartbeat, well inside consumer_dead_after_s
 # The worker's concurrency (`-c`), recorded by the celeryd_init signal (worker.tasks) before
 # any task runs; the Redis pool is sized to it.
 worker_concurrency = 8
@@ -199,6 +204,32 @@ def program_steps(app: Celery) -> ProgramSteps:
     return _current(app).program_steps
 
 
+def delayed_on_broker(settings: Settings) -> bool:
+    """Whether steps are put off through RabbitMQ's delay queues (amqp_topology.py): on quorum
+    queues; Celery's eta, held by the worker, elsewhere (a Redis broker, classic queues)."""
+    return settings.urls.amqp and settings.queue_type == QUORUM
+
+
+def put_off(app: Celery, step: PutOff) -> int:
+    """Send `step` through the delay queues (delayed_on_broker): its next hop's ms."""
+    wiring = _current(app)
+    if wiring.amqp is None:
+        raise RuntimeError("put-offs through the broker need RabbitMQ (CCHATQ_BROKER_URL)")
+    return wiring.amqp.send_later(step.message(), step.due_ms, wiring.store.clock.now_ms)
+
+
+def declare_broker(settings: Settings) -> None:
+    """At a worker's start on RabbitMQ: the fleet's queues and delay queues declared before
+    any task runs (inherited by a prefork pool's children); a RabbitMQ that does not answer
+    yet leaves them to the first publish (Celery waits for its broker meanwhile)."""
+    if not settings.urls.amqp:
+        return
+    try:
+        declare_fleet(settings.urls.broker, settings.queue_type)
+    except Exception as exc:
+        log.warning("RabbitMQ's queues not declared at start: %s", type(exc).__name__)
+
+
 class StepContext(logging.Filter):
     """Every worker log line names the step it was written in (`step=<id>`: the step id holds
     the session key, as in `<session>.r<round>.t<call>`), or `-` outside any step."""
@@ -275,9 +306,9 @@ def check_state(settings: Settings) -> None:
     while True:
         try:
             clustered = cluster_mode(settings.urls.state, strict=True)
-            broker_clustered = (
-                clustered if settings.urls.shared else cluster_mode(settings.urls.broker, True)
-            )
+            broker_clustered = clustered if settings.urls.shared else False
+            if not settings.urls.shared and not settings.urls.amqp:
+                broker_clustered = cluster_mode(settings.urls.broker, strict=True)
             break
         except Exception as exc:  # not answering yet: Celery waits for its broker as well
             if time.monotonic() > deadline:
@@ -348,49 +379,3 @@ def start_reconciler(app: Celery) -> threading.Thread:
     thread = threading.Thread(target=loop, name="cchatq-reconciler", daemon=True)
     thread.start()
     return thread
-
-
-def celery_config(settings: Settings) -> dict[str, Any]:
-    """Reliability settings of docs/architecture.md section 4."""
-    from schemas.task_names import ROUTES
-
-    # a sentinel:// URL: kombu's form of it, its master's name, and our channel on Sentinel
-    url, sentinel = kombu_broker(settings.urls.broker)
-    transport = broker_sentinel.SENTINEL_TRANSPORT if sentinel else broker.TRANSPORT
-    sentinel_options: dict[str, Any] = dict(sentinel)
-    if sentinel:  # a take from a paused master is dropped after brpop_timeout + this
-        sentinel_options["health_check_interval"] = SENTINEL_HEALTH_CHECK_S
-    return {
-        "broker_url": url,
-        "broker_transport": transport,  # kombu's Redis transport, one client a channel
-        "broker_connection_retry_on_startup": True,
-        # a lost broker is tried again every few seconds (broker_connection.py): as many tries
-        # as cover about as long as kombu's default 100 growing ones did
-        "broker_connection_max_retries": redis_links.broker_max_retries(),
-        "broker_transport_options": {
-            # timeouts, keepalive and health checks: a silently cut link errors in seconds
-            **redis_links.broker_options(),
-            "visibility_timeout": settings.visibility_timeout_s,
-            # the consumer loop's timer: each tick beats for the worker's consumers and gives
-            # back the messages of consumers that stopped beating (edges/broker.py)
-            "unacked_restore_interval": BROKER_BEAT_S,
-            "unacked_restore_throttle": 1,
-            "consumer_dead_after_s": max(settings.consumer_dead_after_s, 2 * BROKER_BEAT_S + 1),
-            **sentinel_options,
-        },
-        "task_serializer": "json",
-        "accept_content": ["json"],
-        "result_serializer": "json",
-        "task_ignore_result": True,
-        "task_acks_late": True,
-        "task_reject_on_worker_lost": True,
-        "worker_prefetch_multiplier": 1,
-        "task_routes": {name: {"queue": queue} for name, queue in ROUTES.items()},
-        "task_default_queue": "control",
-        # the backstop only: deadlines inside WASM are epoch interruptions
-        "task_time_limit": max(settings.visibility_timeout_s - 10, 60),
-        # Task events cost a hop ~2 ms more (measured: bench/); Flower switches them on
-        # (enable_events) while it runs, so a watched fleet still shows every step.
-        "worker_send_task_events": False,
-        "worker_hijack_root_logger": False,
-    }

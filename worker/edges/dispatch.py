@@ -8,9 +8,10 @@ finds all of a session's tasks.
 A step is published as one LPUSH of the message Celery itself would send (task protocol 2, as
 kombu's Redis transport stores it), not through `app.send_task`: Celery's send path (routing,
 producer pool, kombu's publish and declare) cost ~0.75 ms of CPU a message, a sixth of a
-session's worker CPU; the LPUSH costs a tenth of that. tests/test_dispatch.py holds the
-message to what `send_task` builds, field by field, so a Celery that changes its protocol
-fails there and not in a fleet.
+session's worker CPU; the LPUSH costs a tenth of that. On RabbitMQ the same message goes out
+as an AMQP message on a confirmed channel (worker/edges/broker_amqp.py). tests/test_dispatch.py
+holds the message to what `send_task` builds, field by field, so a Celery that changes its
+protocol fails there and not in a fleet.
 """
 
 from __future__ import annotations
@@ -19,19 +20,16 @@ import base64
 import json
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from celery import Celery
-from celery.utils.nodenames import anon_nodename
 
 from schemas import keys, task_names
 from worker.edges.step_leases import translated
 from worker.edges.store import RedisStore
+from worker.edges.task_protocol import TaskMessage, task_headers
 from worker.session.ports import NextStep, StepPublisher
 from worker.session.store_ports import Commit
-
-# the options of a task with no callbacks, as Celery embeds them in every message body
-_EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
 
 
 def task_message(
@@ -43,54 +41,31 @@ def task_message(
     shown_id: str = "",
     sent_ms: int | None = None,
 ) -> bytes:
-    """The message `app.send_task(name, args, task_id=..., queue=...)` would push, from a
-    worker running task `parent` (Flower links the steps of a session by root and parent).
-    `shown_id`, the session's spec id, is shown as the task's keyword arguments (Flower
-    finds it with `kwargs:session=<id>`); the task gets none. `sent_ms` is stamped as the
-    header task_names.SENT_HEADER, as `send_task(headers={...})` adds a header: the worker
-    that takes the message reads how long it waited."""
-    body = json.dumps([args, {}, _EMBED]).encode()
-    root_id = (getattr(parent, "root_id", None) or parent.id) if parent is not None else task_id
-    headers = {
-        "lang": "py",
-        "task": name,
-        "id": task_id,
-        "shadow": None,
-        "eta": None,
-        "expires": None,
-        "group": None,
-        "group_index": None,
-        "retries": 0,
-        "timelimit": [None, None],
-        "root_id": root_id,
-        "parent_id": parent.id if parent is not None else None,
-        "argsrepr": repr(args),
-        "kwargsrepr": repr({"session": shown_id}) if shown_id else "{}",
-        "origin": anon_nodename(),
-        "ignore_result": None,
-        "replaced_task_nesting": 0,
-        "stamped_headers": None,
-        "stamps": {},
-    }
-    if sent_ms is not None:
-        headers[task_names.SENT_HEADER] = sent_ms
+    """The message `app.send_task(name, args, task_id=..., queue=...)` would push on kombu's
+    Redis transport (its headers: task_protocol.task_headers)."""
+    headers = task_headers(name, args, task_id, parent, shown_id, sent_ms)
+    return redis_form(TaskMessage(queue, task_id, args, headers))
+
+
+def redis_form(message: TaskMessage) -> bytes:
+    """A task message as kombu's Redis transport stores it on the queue's list."""
     properties = {
-        "correlation_id": task_id,
+        "correlation_id": message.task_id,
         "reply_to": "",
         "delivery_mode": 2,
-        "delivery_info": {"exchange": "", "routing_key": queue},
+        "delivery_info": {"exchange": "", "routing_key": message.queue},
         "priority": 0,
         "body_encoding": "base64",
         "delivery_tag": str(uuid.uuid4()),
     }
-    message = {
-        "body": base64.b64encode(body).decode(),
+    stored = {
+        "body": base64.b64encode(message.body()).decode(),
         "content-encoding": "utf-8",
         "content-type": "application/json",
-        "headers": headers,
+        "headers": message.headers,
         "properties": properties,
     }
-    return json.dumps(message).encode()
+    return json.dumps(stored).encode()
 
 
 def _task(step: NextStep) -> tuple[str, str]:
@@ -111,11 +86,32 @@ def _task(step: NextStep) -> tuple[str, str]:
     raise ValueError(f"no task for a step of kind {step.kind!r}")
 
 
+class BrokerApart(Protocol):
+    """Where a step's messages go when the broker is not the state's Redis: one call sends a
+    step's messages, or raises a StoreError (the step is retried)."""
+
+    def send(self, messages: Sequence[TaskMessage]) -> None: ...
+
+
+class RedisBroker:
+    """The broker's own Redis (a client of it): a step's messages in one round trip."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+
+    @translated
+    def send(self, messages: Sequence[TaskMessage]) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        for message in messages:
+            pipe.lpush(message.queue, redis_form(message))
+        pipe.execute()
+
+
 class CeleryDispatcher(StepPublisher):
-    def __init__(self, app: Celery, store: RedisStore, broker: Any = None) -> None:
-        """`broker`: a client of the broker's Redis when it is not the store's
-        (schemas/fleet_urls.py); None when it is, and a step's messages and its published
-        marker go in one write, on the store's client."""
+    def __init__(self, app: Celery, store: RedisStore, broker: BrokerApart | None = None) -> None:
+        """`broker`: where the messages go when the broker is not the store's Redis (another
+        Redis, RabbitMQ: schemas/fleet_urls.py); None when it is, and a step's messages and
+        its published marker go in one write, on the store's client."""
         self.app = app
         self.store = store
         self.broker = broker
@@ -142,8 +138,8 @@ class CeleryDispatcher(StepPublisher):
         if commit is not None and commit.outcomes:  # before the steps that read them
             self.store.add_outcomes(pipe, commit.sk, commit.outcomes)
         if self.broker is None:
-            for queue, message in messages:
-                pipe.lpush(queue, message)
+            for message in messages:
+                pipe.lpush(message.queue, redis_form(message))
         fleet = self.store.fleet_pipe(pipe)
         if commit is not None:
             if commit.notify:
@@ -155,25 +151,17 @@ class CeleryDispatcher(StepPublisher):
             self.store.flush_fleet(fleet, pipe)
         if len(pipe):
             pipe.execute()
-        if self.broker is not None:
-            self._send_apart(messages)
+        if self.broker is not None and messages:
+            self.broker.send(messages)
 
-    def _message(self, step: NextStep, parent: Any, sent_ms: int) -> tuple[str, bytes]:
-        """A step's queue and its message."""
+    def _message(self, step: NextStep, parent: Any, sent_ms: int) -> TaskMessage:
+        """A step's message, to its queue (on Redis: the queue's list is the queue's name,
+        priority 0, no key prefix: wiring's config)."""
         name, task_id = _task(step)
-        queue = task_names.ROUTES[name]
         shown_id = step.shown_id or self._spec_id(str(step.args[0]))
-        # the queue's list is the queue's name: priority 0, no key prefix (wiring's config)
-        return queue, task_message(name, list(step.args), task_id, queue, parent, shown_id, sent_ms)
-
-    def _send_apart(self, messages: list[tuple[str, bytes]]) -> None:
-        """The messages on the broker's own Redis, in one round trip."""
-        if not messages:
-            return
-        pipe = self.broker.pipeline(transaction=False)
-        for queue, message in messages:
-            pipe.lpush(queue, message)
-        pipe.execute()
+        args = list(step.args)
+        headers = task_headers(name, args, task_id, parent, shown_id, sent_ms)
+        return TaskMessage(task_names.ROUTES[name], task_id, args, headers)
 
     def _spec_id(self, sk: str) -> str:
         """The spec id of a session whose step was published by one that did not read its spec
