@@ -13,10 +13,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from producer.batch_tally import BatchTally, Tally
 from producer.submitting import PIPELINE_SIZE, Submitting
 from schemas import keys
 from schemas.bodies import CANCELLED, OK, is_error_body
 from schemas.spec_types import Spec, spec_from_json
+
+# A batch of more sessions than this is counted by its tally: its unfinished sessions' states
+# are read exactly while this many or fewer are left, else from an even sample of this many.
+SAMPLE = 1000
+SAMPLE_WINDOWS = 50  # the sample's runs of consecutive members, spread over the batch
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,7 @@ class BatchSummary:
     outcomes: dict[str, int] = field(default_factory=dict)  # of the done: ok or error codes
     cancelling: int = 0  # of the unfinished, those asked to stop (cancel requested)
     last_finished_ms: int | None = None  # the latest time one of its sessions ended
+    sampled: int = 0  # >0: queued, running and gone estimated from this many sessions' states
 
     @property
     def unfinished(self) -> int:
@@ -57,7 +64,7 @@ class BatchSummary:
             "states": self.states, "outcomes": self.outcomes,
             "submitted_at": iso_utc(self.submitted_ms) if self.submitted_ms else None,
             "completed_at": None if completed is None else iso_utc(completed),
-        }  # fmt: skip
+        } | ({"sampled": self.sampled} if self.sampled else {})  # fmt: skip
 
 
 def batch_status(summary: BatchSummary) -> str:
@@ -106,9 +113,11 @@ class FailedSession:
 
 
 class Batches:
-    def __init__(self, client: Submitting) -> None:
+    def __init__(self, client: Submitting, tally: BatchTally | None = None) -> None:
+        """`tally`: how batches are tallied (default: one that writes the tally hash)."""
         self.client = client
         self.redis = client.redis
+        self.tally = tally or BatchTally(client.redis, client.ttl_s)
 
     def recent(self, most: int = 50) -> list[tuple[str, int, int]]:
         """(batch, submitted_ms, sessions) of the latest batches, newest first."""
@@ -136,10 +145,25 @@ class Batches:
         return self.client.namespace if raw is None else str(raw.decode())
 
     def summary(self, batch: str) -> BatchSummary | None:
-        submitted = self.redis.zscore(keys.BATCHES, batch)
-        members = self.members(batch)
-        if submitted is None and not members:
+        """Its sessions counted by state and outcome. A batch of more than SAMPLE sessions is
+        counted by its tally (producer/batch_tally.py): its finished sessions exactly, with a
+        few reads whatever its size; how many of the others are queued, running or gone is
+        read exactly while SAMPLE or fewer are left, else estimated from an even sample of
+        SAMPLE sessions (`sampled`)."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zscore(keys.BATCHES, batch)
+        pipe.llen(keys.batch_ids(batch))
+        submitted, sessions = pipe.execute()
+        if submitted is None and not sessions:
             return None
+        counted = self.tally.refresh(batch) if sessions > SAMPLE else None
+        if counted is None:  # small, or submitted before tallies: every state read
+            return self._summary(batch, int(submitted or 0), self.members(batch))
+        return self._tallied(batch, int(submitted or 0), sessions, counted)
+
+    def _summary(
+        self, batch: str, submitted_ms: int, members: list[BatchMember], sampled: int = 0
+    ) -> BatchSummary:
         states: Counter[str] = Counter()
         outcomes: Counter[str] = Counter()
         cancelling, last_ms = 0, None
@@ -155,9 +179,49 @@ class Batches:
                 states["queued" if looked.state == "queued" else "running"] += 1
                 cancelling += looked.cancel_requested
         return BatchSummary(
-            batch, int(submitted or 0), len(members), dict(states), dict(outcomes),
-            cancelling, last_ms,
+            batch, submitted_ms, len(members), dict(states), dict(outcomes), cancelling,
+            last_ms, sampled,
         )  # fmt: skip
+
+    def _tallied(self, batch: str, submitted_ms: int, sessions: int, tally: Tally) -> BatchSummary:
+        """The tally's finished sessions, and the others found among the members (every
+        member's mark read in one HMGET) or, while more than SAMPLE are left, sampled."""
+        done = min(tally.done, sessions)
+        left = sessions - done
+        if left > SAMPLE:
+            found = self._sample(batch, sessions)
+        else:
+            found = self.members(batch) if left else []
+        sks = [m.claim.sk for m in found if m.claim is not None]
+        marks = dict(zip(sks, self.tally.counted(batch, sks), strict=True))
+        rest = [m for m in found if m.claim is None or not marks[m.claim.sk]]
+        seen = self._summary(batch, submitted_ms, rest)
+        outcomes = Counter(tally.outcomes)
+        last_ms = tally.last_finished_ms
+        states = Counter({"done": done})
+        cancelling = seen.cancelling
+        if left <= SAMPLE:  # exact: those found ended since the tally was read are done too
+            outcomes.update(seen.outcomes)
+            states.update(seen.states)
+            last_ms = max(filter(None, (last_ms, seen.last_finished_ms)), default=None)
+        else:
+            states.update(_estimated(seen.states, left))
+            unfinished = seen.unfinished + seen.states.get("gone", 0)
+            cancelling = round(left * seen.cancelling / unfinished) if unfinished else 0
+        return BatchSummary(
+            batch, submitted_ms, sessions, {s: n for s, n in states.items() if n},
+            dict(outcomes), cancelling, last_ms, 0 if left <= SAMPLE else len(found),
+        )  # fmt: skip
+
+    def _sample(self, batch: str, sessions: int) -> list[BatchMember]:
+        """SAMPLE members in SAMPLE_WINDOWS runs spread evenly over the batch."""
+        size = SAMPLE // SAMPLE_WINDOWS
+        step = sessions / SAMPLE_WINDOWS
+        pipe = self.redis.pipeline(transaction=False)
+        for window in range(SAMPLE_WINDOWS):
+            start = int(window * step)
+            pipe.lrange(keys.batch_runs(batch), start, start + size - 1)
+        return [BatchMember("", keys.Claim.decode(raw)) for runs in pipe.execute() for raw in runs]
 
     def results(self, batch: str) -> Iterator[tuple[BatchMember, dict[str, Any] | None]]:
         """Each member with its record (None while it runs, or when its run is gone)."""
@@ -227,3 +291,15 @@ class Batches:
                 )
             )
         return states
+
+
+def _estimated(seen: dict[str, int], left: int) -> dict[str, int]:
+    """`left` unfinished sessions shared out as queued, running and gone as a sample's
+    unfinished ones are (all running when the sample found none unfinished: they are ending)."""
+    queued, running, gone = (seen.get(s, 0) for s in ("queued", "running", "gone"))
+    sampled = queued + running + gone
+    if not sampled:
+        return {"running": left}
+    gone_n = round(left * gone / sampled)
+    queued_n = min(left - gone_n, round(left * queued / sampled))
+    return {"queued": queued_n, "running": left - gone_n - queued_n, "gone": gone_n}

@@ -103,7 +103,10 @@ def cmd_batch(args: argparse.Namespace) -> int:
 def shown_summary(summary: BatchSummary) -> str:
     """`cchatq batch status B`: a few lines for a person (--json for a program)."""
     order = ("queued", "running", "done", "gone")
-    states = ", ".join(f"{summary.states[s]} {s}" for s in order if summary.states.get(s))
+    about = {"queued": "~", "running": "~", "gone": "~"} if summary.sampled else {}
+    states = ", ".join(
+        f"{about.get(s, '')}{summary.states[s]} {s}" for s in order if summary.states.get(s)
+    )
     outcomes = ", ".join(f"{n} {code}" for code, n in sorted(summary.outcomes.items()))
     lines = [
         f"batch {summary.batch}: {summary.status}",
@@ -111,6 +114,8 @@ def shown_summary(summary: BatchSummary) -> str:
         + (f" ({states})" if states else ""),
         f"  outcomes:     {outcomes or 'none yet'}",
     ]
+    if summary.sampled:
+        lines.append(f"  estimated:    ~ from a sample of {plural(summary.sampled, 'session')}")
     if summary.cancelling:
         lines.append(f"  cancelling:   {plural(summary.cancelling, 'session')}")
     if summary.submitted_ms:

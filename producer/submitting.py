@@ -17,6 +17,7 @@ from typing import Any, Literal
 import redis
 
 from producer.backend_check import backend_check
+from producer.batch_tally import BatchTally
 from producer.lookups import SessionLookups
 from producer.redis_room import (
     JOINED_BYTES,
@@ -268,7 +269,8 @@ class Submitting(SessionLookups):
         pipe = self.redis.pipeline(transaction=True)
         for (spec, body, _), (run, won) in zip(part, runs, strict=True):
             sk = run.sk
-            pipe.sadd(keys.watchers(sk), sub.batch)
+            # the batch's tally watches it too (producer/batch_tally.py)
+            pipe.sadd(keys.watchers(sk), sub.batch, keys.tally_watcher(sub.batch))
             pipe.expire(keys.watchers(sk), self.ttl_s)
             if won:
                 stored_form = keys.with_submitted(body, now_ms, sub.batch)
@@ -324,6 +326,13 @@ class Submitting(SessionLookups):
         numbers = range(sub.chunks, sub.chunks + len(chunks))
         sub.chunks += len(chunks)
         pipe = self.redis.pipeline(transaction=False)
+        if not within:
+            BatchTally.start(pipe, sub.batch, self.ttl_s)
+        ended = [sk for sk in sub.order if sk in sub.done]  # joined runs that ended before
+        if ended:  # told no batch of this submit: its tally is told here
+            tally_list = keys.done_list(keys.tally_watcher(sub.batch))
+            pipe.rpush(tally_list, *ended)
+            pipe.expire(tally_list, self.ttl_s)
         for n, members in zip(numbers, chunks, strict=True):
             pipe.delete(keys.chunk(sub.batch, n))  # a pipeline sent again writes it once
             pipe.rpush(keys.chunk(sub.batch, n), *members)

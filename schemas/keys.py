@@ -261,6 +261,22 @@ def batch_namespace(batch: str) -> str:
     return f"{PREFIX}:batch:{batch}:ns"
 
 
+def batch_tally(batch: str) -> str:
+    """A batch's counts of its finished sessions, kept by the producers that read it (a hash:
+    producer/batch_tally.py): how far its tally list was read, sessions counted, per outcome."""
+    return f"{PREFIX}:batch:{batch}:tally"
+
+
+TALLY_WATCHER_SUFFIX = "#tally"
+
+
+def tally_watcher(batch: str) -> str:
+    """The name a batch's sessions are watched under besides the batch's own: the workers
+    push each finished session on done_list(tally_watcher(batch)) as on the batch's done list,
+    and no waiting producer pops it, so it lists every session of the batch that ended."""
+    return f"{batch}{TALLY_WATCHER_SUFFIX}"
+
+
 BATCHES = f"{PREFIX}:batches"  # batch -> when it was submitted (ms), a sorted set
 
 
