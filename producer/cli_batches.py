@@ -27,7 +27,8 @@ from producer.fleet_status import read_fleet_status, unserved
 from producer.openai_batch import ToolsFileError, converter, load_tool_bindings
 from producer.openai_output import ResultFiles, errors_path, openai_lines
 from producer.report import Progress, batch_states, summary
-from producer.specfile import SpecFileError, load_spec_file
+from producer.specfile import SpecFileError, load_stored_specs
+from producer.stored_specs import ModuleChangedError, StoredSpec
 from producer.submitting import (
     BATCH_SCOPE,
     Rerun,
@@ -64,7 +65,9 @@ def result_files(
     return ResultFiles(out, line)
 
 
-def warn_unserved(client: Client, specs: Sequence[Spec], stream: TextIO = sys.stderr) -> None:
+def warn_unserved(
+    client: Client, specs: Sequence[Spec | StoredSpec], stream: TextIO = sys.stderr
+) -> None:
     """A needed queue no worker takes from: say so, rather than wait in silence."""
     for queue in unserved(read_fleet_status(client.redis), specs):
         stream.write(
@@ -75,7 +78,7 @@ def warn_unserved(client: Client, specs: Sequence[Spec], stream: TextIO = sys.st
 
 def run_batch(
     client: Client,
-    specs: list[Spec],
+    specs: Sequence[Spec | StoredSpec],
     out: Path,
     timeout_s: float | None,
     stream: TextIO = sys.stderr,
@@ -127,7 +130,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         bindings = load_tool_bindings(args.tools) if args.tools else None
         convert = converter(bindings, args.provider)
         with validation_progress(args.file, sys.stderr) as on_progress:
-            loaded = load_spec_file(args.file, check, convert=convert, on_progress=on_progress)
+            loaded = load_stored_specs(args.file, check, convert, on_progress)
     except ToolsFileError as exc:
         print(f"rejected, nothing enqueued:\n{exc}", file=sys.stderr)
         return EXIT_REJECTED
@@ -153,18 +156,17 @@ def cmd_submit(args: argparse.Namespace) -> int:
     namespace = BATCH_SCOPE if own_scope else None
     try:
         if args.no_wait:
-            sub = client.enqueue([s.spec for s in loaded], rerun=args.rerun, namespace=namespace)
+            sub = client.enqueue(loaded, rerun=args.rerun, namespace=namespace)
             if sub.warning:
                 print(sub.warning, file=sys.stderr)
             print(f"batch {sub.batch}: {plural(len(sub.new), 'session')} enqueued")
-            warn_unserved(client, [s.spec for s in loaded])
+            warn_unserved(client, loaded)
             return EXIT_OK
-        specs = [s.spec for s in loaded]
         records = run_batch(
-            client, specs, out, args.timeout_s, rerun=args.rerun, files=files, namespace=namespace
+            client, loaded, out, args.timeout_s, rerun=args.rerun, files=files, namespace=namespace
         )
     except SpecConflictError as exc:
-        lines = {s.spec.id: s.line for s in loaded}
+        lines = {s.id: s.line for s in loaded}
 
         def named(spec_id: str) -> str:  # an OpenAI request's id is its custom_id
             return "custom_id" if spec_id in convert.request_ids else "id"
@@ -182,6 +184,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
         if len(exc.spec_ids) > len(listed):
             more = len(exc.spec_ids) - len(listed)
             print(f"... and {more} more (--all-issues lists them all)", file=sys.stderr)
+        return EXIT_REJECTED
+    except ModuleChangedError as exc:
+        print(f"rejected, nothing enqueued: {exc}", file=sys.stderr)
         return EXIT_REJECTED
     except BatchInterrupted as stop:
         return interrupted(stop, out)

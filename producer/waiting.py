@@ -11,6 +11,7 @@ from typing import Any
 
 import redis
 
+from producer.batch_tally import BatchTally
 from producer.lookups import QUEUED
 from producer.redis_room import refused_write
 from producer.submitting import Submission, Submitting
@@ -24,6 +25,10 @@ STATE_SAMPLE = 10_000  # pending sessions whose state one look reads
 
 
 class Waiting(Submitting):
+    @property
+    def tally(self) -> BatchTally:
+        return BatchTally(self.redis, self.ttl_s)
+
     def wait(
         self,
         sub: Submission,
@@ -57,6 +62,8 @@ class Waiting(Submitting):
                     # a dropped connection never delivered, or by a Redis restart) is found here
                     ready.extend(self._finished(pending))
                     self._rerun_lost(sub, pending)
+                    # counted as they end, so a status after the wait reads a few fields
+                    self.tally.refresh(sub.batch)
                     moved, stalled = self._stalled(pending, seen, stall_s, started)
                     if moved:
                         progress = time.monotonic()
