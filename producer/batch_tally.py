@@ -78,11 +78,12 @@ class BatchTally:
         pipe.hsetnx(keys.batch_tally(batch), CURSOR, 0)
         pipe.expire(keys.batch_tally(batch), ttl_s)
 
-    def refresh(self, batch: str, recent_buckets: int = 0) -> Tally | None:
+    def refresh(self, batch: str, recent_buckets: int = 0, now_ms: int = 0) -> Tally | None:
         """The tally brought up to date; None for a batch without one (submitted before
-        tallies, or expired). `recent_buckets`: the latest BUCKET_MS buckets to give back."""
+        tallies, or expired). `recent_buckets`: the latest BUCKET_MS buckets up to `now_ms`
+        (Redis's clock, as the ends are) to give back."""
         if not self.writes:
-            return self._peek(batch, recent_buckets)
+            return self._peek(batch, recent_buckets, now_ms)
         key = keys.batch_tally(batch)
         log = keys.done_list(keys.tally_watcher(batch))
         tries = 0
@@ -94,12 +95,13 @@ class BatchTally:
                     if cursor is None:
                         return None
                     start = int(cursor)
-                    entries = pipe.lrange(log, start, start + READ_MOST - 1)
+                    # not on `pipe`: on a cluster the list is in another slot than the tally
+                    entries = self.redis.lrange(log, start, start + READ_MOST - 1)
                     if not entries:
-                        return self._read(pipe, key, codes, recent_buckets)
+                        return self._read(pipe, key, codes, recent_buckets, now_ms)
                     self._count(pipe, key, start, entries, last, codes)
                     if len(entries) < READ_MOST:
-                        return self._read(self.redis, key, None, recent_buckets)
+                        return self._read(self.redis, key, None, recent_buckets, now_ms)
                 except redis.WatchError:
                     tries += 1
                     if tries >= WATCH_TRIES:
@@ -132,7 +134,7 @@ class BatchTally:
         pipe.expire(key, self.ttl_s)
         pipe.execute()
 
-    def _read(self, client: Any, key: str, codes: Any, recent_buckets: int) -> Tally:
+    def _read(self, client: Any, key: str, codes: Any, recent_buckets: int, now_ms: int) -> Tally:
         """The tally's counts (`codes`: its codes field when read already)."""
         if codes is None:
             codes = client.hget(key, CODES)
@@ -140,7 +142,7 @@ class BatchTally:
         fields = [DONE, LAST_MS] + [OUTCOME_PREFIX + c for c in names]
         buckets: list[int] = []
         if recent_buckets:
-            now_bucket = int(client.time()[0]) * 1000 // BUCKET_MS
+            now_bucket = now_ms // BUCKET_MS
             buckets = list(range(now_bucket - recent_buckets + 1, now_bucket + 1))
             fields += [f"{BUCKET_PREFIX}{b}" for b in buckets]
         done, last, *rest = client.hmget(key, fields)
@@ -179,7 +181,7 @@ class BatchTally:
                 into.last_ms = ended if into.last_ms is None else max(into.last_ms, ended)
         return into
 
-    def _peek(self, batch: str, recent_buckets: int) -> Tally | None:
+    def _peek(self, batch: str, recent_buckets: int, now_ms: int) -> Tally | None:
         """`refresh` for a reader that does not write: the tally hash, and in this reader's
         memory what was told past its cursor (counted again from the hash's cursor whenever
         it moved)."""
@@ -189,7 +191,7 @@ class BatchTally:
         if base is None:
             self._overlays.pop(batch, None)
             return None
-        saved = self._read(self.redis, key, None, recent_buckets)
+        saved = self._read(self.redis, key, None, recent_buckets, now_ms)
         overlay = self._overlays.get(batch)
         if overlay is None or overlay.base != int(base):
             overlay = self._overlays[batch] = _Overlay(int(base), int(base))

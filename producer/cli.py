@@ -21,6 +21,7 @@ from producer.cli_common import (
     EXIT_REJECTED,
     EXIT_UNREACHABLE,
     RedisUnreachable,
+    broker_url,
     check_redis_url,
     connect,
     flower_curl,
@@ -66,10 +67,12 @@ def id_client(args: argparse.Namespace) -> Client:
 def cmd_status(args: argparse.Namespace) -> int:
     client = id_client(args)
     if args.id is None:  # the fleet: tasks queued and running per queue, workers, sessions
-        fleet = read_fleet_status(client.redis)
+        fleet = read_fleet_status(client.redis, client.broker_redis)
         sys.stderr.write("".join(f"{w}\n" for w in fleet.warnings))  # loud: not only in JSON
         shown = fleet.to_json()
         shown["redis"] = redis_where(redis_url(), client.redis)
+        if broker_url() != redis_url():
+            shown["broker"] = redis_where(broker_url(), client.broker_redis)
         print(json.dumps(shown, indent=2))
         return 0
     status = client.status(args.id)

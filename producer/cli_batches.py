@@ -69,7 +69,7 @@ def warn_unserved(
     client: Client, specs: Sequence[Spec | StoredSpec], stream: TextIO = sys.stderr
 ) -> None:
     """A needed queue no worker takes from: say so, rather than wait in silence."""
-    for queue in unserved(read_fleet_status(client.redis), specs):
+    for queue in unserved(read_fleet_status(client.redis, client.broker_redis), specs):
         stream.write(
             f"warning: no worker takes from queue {queue!r}: its steps wait until one does"
             f" (cchatq worker --queues {queue})\n"

@@ -18,11 +18,11 @@ from producer.redis_room import EvictingRedisError, RedisFullError, refused_writ
 from schemas import redis_url as urls
 from schemas.config import ConfigError, read_config
 from schemas.fleet_config import FleetConfig
+from schemas.fleet_urls import fleet_urls
 
 if TYPE_CHECKING:
     from producer.client import Client
 
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_FLOWER_URL = "http://127.0.0.1:5555"  # CCHATQ_FLOWER_URL: where session links point
 REDIS_SCHEMES = urls.REDIS_SCHEMES
 # The first contact with Redis: a command that cannot reach it says so within a few seconds,
@@ -31,7 +31,21 @@ PROBE_TIMEOUT_S = 2.0
 
 
 def redis_url() -> str:
-    return os.environ.get("REDIS_URL", DEFAULT_REDIS_URL)
+    """The fleet's state: CCHATQ_STATE_URL, else REDIS_URL (schemas/fleet_urls.py)."""
+    return fleet_urls(os.environ).state
+
+
+def broker_url() -> str:
+    """The fleet's broker: CCHATQ_BROKER_URL, else REDIS_URL."""
+    return fleet_urls(os.environ).broker
+
+
+def url_variable(url: str) -> str:
+    """The variable that names `url`, as messages say what to change."""
+    named = fleet_urls(os.environ)
+    if url == named.state:
+        return named.state_variable
+    return named.broker_variable if url == named.broker else "REDIS_URL"
 
 
 # `cchatq`'s exit codes (README: Exit codes)
@@ -55,18 +69,18 @@ def redacted(url: str) -> str:
 
 def unreachable_message(url: str, exc: BaseException) -> str:
     """One line: which Redis could not be reached, why, and what to do about it."""
-    shown = redacted(url)
+    shown, var = redacted(url), url_variable(url)
     local = 'or a whole local fleet with `eval "$(cchatq up)"`'
-    reason, hint = _reason(exc), f"start one ({_start_hint(url)}), {local}, or set REDIS_URL"
+    reason, hint = _reason(exc), f"start one ({_start_hint(url)}), {local}, or set {var}"
     if isinstance(exc, MasterNotFoundError):
         reason = _no_master(url, exc)
-        hint = "check the sentinels' addresses and the master name in REDIS_URL"
+        hint = f"check the sentinels' addresses and the master name in {var}"
     elif isinstance(exc.__context__, socket.gaierror):
-        reason, hint = f"unknown host: {reason}", "check the host name in REDIS_URL"
+        reason, hint = f"unknown host: {reason}", f"check the host name in {var}"
     elif isinstance(exc, redis.AuthenticationError | redis.ResponseError):
-        hint = "check the user and password in REDIS_URL"
+        hint = f"check the user and password in {var}"
     elif isinstance(exc, redis.exceptions.InvalidResponse):
-        hint = "point REDIS_URL at a Redis server"
+        hint = f"point {var} at a Redis server"
     return f"cchatq: cannot reach Redis at {shown} ({reason}): {hint}"
 
 
@@ -75,7 +89,8 @@ def refused_message(url: str, exc: BaseException) -> str:
     text = str(exc).strip().split("\n")[0][:200]
     return (
         f"cchatq: Redis at {redacted(url)} refuses writes ({text}): free memory or raise"
-        " maxmemory, free its disk, or point REDIS_URL at the master, then run the command again"
+        f" maxmemory, free its disk, or point {url_variable(url)} at the master, then run the"
+        " command again"
     )
 
 
@@ -99,12 +114,15 @@ def check_redis_url(url: str) -> None:
     if scheme not in REDIS_SCHEMES:
         accepted = ", ".join(f"{s}://" for s in REDIS_SCHEMES)
         raise RedisUnreachable(
-            f"cchatq: REDIS_URL {redacted(url)!r} is not a Redis URL (accepted schemes: {accepted})"
+            f"cchatq: {url_variable(url)} {redacted(url)!r} is not a Redis URL (accepted"
+            f" schemes: {accepted})"
         )
     try:
         urls.check_redis_url(url)
     except urls.RedisUrlError as exc:
-        raise RedisUnreachable(f"cchatq: REDIS_URL {redacted(url)!r} is not valid: {exc}") from None
+        raise RedisUnreachable(
+            f"cchatq: {url_variable(url)} {redacted(url)!r} is not valid: {exc}"
+        ) from None
 
 
 def redis_where(url: str, client: Any = None) -> str:
@@ -132,7 +150,9 @@ def reach_redis(url: str) -> None:
     try:
         probe = redis_client(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
     except ValueError as exc:
-        raise RedisUnreachable(f"cchatq: REDIS_URL {redacted(url)!r} is not valid: {exc}") from None
+        raise RedisUnreachable(
+            f"cchatq: {url_variable(url)} {redacted(url)!r} is not valid: {exc}"
+        ) from None
     try:
         probe.ping()
     except (redis.RedisError, OSError) as exc:
@@ -152,14 +172,18 @@ def connect(
     configuration's), or as `lookup_batch` ran them."""
     from producer.client import Client  # the Celery app: only for commands that connect
 
-    url = redis_url()
+    url, broker = redis_url(), broker_url()
     reach_redis(url)
+    if broker != url:
+        reach_redis(broker)
     if config is None:
         try:  # only its namespace is read here: a configuration the workers would refuse
             config = read_config()  # still lets a session be looked up
         except ConfigError:
             config = FleetConfig()
-    return Client(url, config=config, namespace=namespace, lookup_batch=lookup_batch)
+    return Client(
+        url, config=config, namespace=namespace, lookup_batch=lookup_batch, broker_url=broker
+    )
 
 
 def _reason(exc: BaseException) -> str:

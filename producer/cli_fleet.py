@@ -43,7 +43,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     if folder.exists() and any(folder.iterdir()):
         _say(f"{folder} holds no fleet but is not empty: name another one with --dir")
         return EXIT_UP_FAILED
-    options = UpOptions(args.flower, args.metrics, args.latency_ms)
+    options = UpOptions(args.flower, args.metrics, args.latency_ms, args.cluster)
     try:
         record = start_fleet(folder, options, os.environ)
     except UpFailed as exc:
@@ -64,6 +64,9 @@ def _tell(record: FleetRecord, folder: Path, given_dir: str | None) -> None:
         _say(f"  redis    {record.redis_url}  (its own redis-server, pid {pids['redis']})")
     else:
         _say(f"  redis    {record.redis_url}  (REDIS_URL's)")
+    if record.state_url:
+        nodes = [p.pid for p in record.processes if p.name.startswith("redis-cluster-")]
+        _say(f"  state    {record.state_url}  (a Redis Cluster of {len(nodes)}, pids {nodes})")
     if record.replay_url:
         _say(f"  replay   {record.replay_url}  (the replay LLM server, pid {pids['replay']})")
         _say(f"  config   {record.config}  (default backend {REPLAY_DEFAULT_BACKEND})")
@@ -96,12 +99,19 @@ def cmd_down(args: argparse.Namespace) -> int:
         _say(f"no fleet in {folder}")
         return 0
     stopped = {p.pid for p in stop_processes(record.processes)}
+    width = max((len(p.name) for p in record.processes), default=0)
     for process in record.processes:
         state = "stopped" if process.pid in stopped else "was not running"
-        _say(f"  {process.name:<12} pid {process.pid:<8} {state}")
+        _say(f"  {process.name:<{width}} pid {process.pid:<8} {state}")
     shutil.rmtree(folder)
     _say(f"removed {folder}")
     return 0
+
+
+def _masters(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"a number of masters, 1 or more, not {text!r}")
+    return int(text)
 
 
 def add_fleet_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -115,6 +125,15 @@ def add_fleet_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("--flower", action="store_true", help="Flower too (port 5555 or a free one)")
     p.add_argument("--metrics", action="store_true", help="the metrics exporter too")
     p.add_argument("--latency-ms", type=int, default=0, help="the replay server's delay")
+    p.add_argument(
+        "--cluster",
+        type=_masters,
+        default=0,
+        metavar="N",
+        help="keep the sessions' state on a local Redis Cluster of N masters (exported as "
+        "CCHATQ_STATE_URL); the broker stays on the private Redis (REDIS_URL), since Celery's "
+        "cannot run on a cluster. Refused with REDIS_URL set",
+    )
     p.set_defaults(fn=cmd_up)
     p = sub.add_parser("down", help="stop what `cchatq up` started and remove its folder")
     p.add_argument("--dir", help=dir_help)

@@ -9,7 +9,7 @@ import os
 import sys
 import threading
 
-from producer.cli_common import EXIT_REJECTED, reach_redis, redis_url
+from producer.cli_common import EXIT_REJECTED, broker_url, reach_redis, redis_url
 from producer.fleet import worker_command
 from schemas import task_names
 from schemas.config import ConfigError, read_config
@@ -19,7 +19,7 @@ def cmd_metrics(args: argparse.Namespace) -> int:
     from producer.metrics import Exporter
 
     reach_redis(redis_url())
-    exporter = Exporter(redis_url())
+    exporter = Exporter(redis_url(), broker_url())
     exporter.serve(args.port, args.address)
     print(f"metrics on http://{args.address}:{args.port}/metrics", flush=True)
     try:

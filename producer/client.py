@@ -43,6 +43,7 @@ class Client(Waiting):
         config: FleetConfig | None = None,
         namespace: str | None = None,
         lookup_batch: str | None = None,
+        broker_url: str | None = None,
     ) -> None:
         """`config`: the fleet's configuration (its backends), which `submit` checks specs
         against; by default the one this process's environment names, as the workers read it
@@ -50,11 +51,10 @@ class Client(Waiting):
         spec ids are claimed and looked up (default: the configuration's); `lookup_batch`: an
         id looked up is the run that batch ran. `ttl_s`: the TTL of what it writes (default:
         CCHATQ_RESULT_TTL_S, as the workers read it, else a day; a ConfigError if that is
-        no number of seconds)."""
+        no number of seconds). `broker_url`: the broker's Redis when it is not `redis_url`'s
+        (schemas/fleet_urls.py)."""
         # Any: redis-py annotates replies as bytes | str; this client never decodes (bytes).
-        self.redis: Any = redis_client(
-            redis_url, client_name=CLIENT_NAME, **reconnecting(), **redis_links.client_options()
-        )
+        self.redis: Any = _client(redis_url)
         self.shown_url = redacted(redis_url)  # as messages show it
         # Redis's clock: when a session was submitted is compared by the fleet's reconciler
         # on it, whatever this host's wall clock says
@@ -65,7 +65,17 @@ class Client(Waiting):
         self.lookup_batch = lookup_batch
         if is_sentinel(redis_url):  # a submit returns once a replica holds it
             self.replicas_to_wait = 1
-        broker, transport_options = kombu_broker(redis_url)  # a Sentinel's: kombu's form
+        broker_url = broker_url or redis_url
+        # the broker's Redis (queues, consumers) for the fleet's status: the state's unless apart
+        self.broker_redis: Any = self.redis
+        if broker_url != redis_url:
+            self.broker_redis = redis_client(
+                broker_url,
+                client_name=CLIENT_NAME,
+                **reconnecting(),
+                **redis_links.client_options(),
+            )
+        broker, transport_options = kombu_broker(broker_url)  # a Sentinel's: kombu's form
         self.celery = Celery("cchatq-producer", broker=broker)
         first_s, longest_s = RECONNECT_BACKOFF_S
         self.celery.conf.update(
@@ -83,6 +93,8 @@ class Client(Waiting):
 
     def close(self) -> None:
         self.redis.close()
+        if self.broker_redis is not self.redis:
+            self.broker_redis.close()
 
     def submit(
         self,
@@ -102,6 +114,13 @@ class Client(Waiting):
         directory)."""
         loaded = self._validate(specs, check_keys, base_dir)
         return Batch(self, self.enqueue(loaded, rerun=rerun, namespace=namespace))
+
+
+def _client(url: str) -> Any:
+    """The producer's client of a Redis: named, riding out a restart (reconnecting)."""
+    return redis_client(
+        url, client_name=CLIENT_NAME, **reconnecting(), **redis_links.client_options()
+    )
 
 
 def result_ttl_s(environ: Mapping[str, str] | None = None) -> int:

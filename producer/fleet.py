@@ -102,7 +102,7 @@ def proc_stats() -> Iterator[tuple[int, list[str]]]:
 
 def redis_answers(url: str) -> bool:
     try:
-        client = redis_client(url, socket_connect_timeout=0.5)
+        client = redis_client(url, whole_cluster=False, socket_connect_timeout=0.5)
         return bool(client.ping())
     except (redis.RedisError, ValueError):  # ValueError: not a Redis URL
         return False

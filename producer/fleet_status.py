@@ -10,11 +10,12 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from producer.redis_connect import redis_memory
 from producer.stored_specs import StoredSpec
 from producer.stored_specs import needed_queues as needed_queues  # its home before
 from schemas import fleet_keys, keys
 from schemas.rate_state import ControllerStatus, controller_status
-from schemas.redis_memory import RedisMemory, eviction_warning
+from schemas.redis_memory import eviction_warning
 from schemas.redis_url import redacted
 from schemas.spec_types import Spec
 from schemas.task_names import (
@@ -40,22 +41,25 @@ class FleetStatus:
         return asdict(self)
 
 
-def read_fleet_status(client: Any) -> FleetStatus:
-    pipe = client.pipeline(transaction=False)
+def read_fleet_status(client: Any, broker: Any = None) -> FleetStatus:
+    """The fleet's state from the state's Redis (`client`) and the broker's (`broker`, when it
+    is another Redis: schemas/fleet_urls.py)."""
+    broker = client if broker is None else broker
+    pipe = broker.pipeline(transaction=False)
     for queue in ALL_QUEUES:
         pipe.llen(queue)
     pipe.smembers(fleet_keys.BROKER_CONSUMERS)
-    pipe.zcard(keys.ACTIVE)
-    pipe.exists(keys.DEADLETTER)
-    *depths, members, active, has_dead = pipe.execute()
-    consumers = sorted(m.decode() for m in members)
+    *depths, members = pipe.execute()
     pipe = client.pipeline(transaction=False)
+    pipe.zcard(keys.ACTIVE)
+    pipe.xlen(keys.DEADLETTER)  # 0 for none
+    active, dead_letters = pipe.execute()
+    consumers = sorted(m.decode() for m in members)
+    pipe = broker.pipeline(transaction=False)
     for consumer in consumers:
         pipe.get(fleet_keys.broker_alive(consumer))
         pipe.lrange(fleet_keys.broker_taken(consumer), 0, -1)
         pipe.hvals(fleet_keys.broker_unacked(consumer))
-    if has_dead:
-        pipe.xlen(keys.DEADLETTER)
     replies = pipe.execute()
     taken = dict.fromkeys(ALL_QUEUES, 0)
     serving: dict[str, set[str]] = {queue: set() for queue in ALL_QUEUES}
@@ -72,7 +76,7 @@ def read_fleet_status(client: Any) -> FleetStatus:
         consumers=len(set().union(*serving.values())),
         consumers_by_queue={queue: len(procs) for queue, procs in serving.items()},
         active_sessions=int(active),
-        dead_letters=int(replies[-1]) if has_dead else 0,
+        dead_letters=int(dead_letters),
         rate_controllers=read_rate_controllers(client),
         **_memory(client),
     )
@@ -81,7 +85,7 @@ def read_fleet_status(client: Any) -> FleetStatus:
 def _memory(client: Any) -> dict[str, Any]:
     """Redis's memory, and the warning an evicting maxmemory-policy earns (the workers run on
     it only with CCHATQ_ALLOW_EVICTION=1)."""
-    memory = RedisMemory.from_info(client.info("memory"))
+    memory = redis_memory(client)
     where = redacted(_url_of(client))
     return {
         "redis_memory": {

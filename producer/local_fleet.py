@@ -1,9 +1,9 @@
 """A private local fleet that outlives the command starting it: `cchatq up` starts it in a
-folder (Redis, the replay server, a worker per queue, optionally Flower and the metrics
-exporter) and records what it started in the folder's fleet.json; `cchatq down` stops exactly
-those processes and removes the folder. The processes are producer/fleet.py's, each in a
-session of its own; a recorded process is known again by its pid and its start time, so a pid
-reused by another program is never signalled.
+folder (Redis, the replay server, a worker per queue, optionally Flower, the metrics exporter
+and a Redis Cluster for the sessions' state) and records what it started in the folder's
+fleet.json; `cchatq down` stops exactly those processes and removes the folder. The processes
+are producer/fleet.py's, each in a session of its own; a recorded process is known again by its
+pid and its start time, so a pid reused by another program is never signalled.
 """
 
 from __future__ import annotations
@@ -34,8 +34,10 @@ from producer.fleet import (
     replay_backends,
 )
 from producer.fleet_status import read_fleet_status
+from producer.local_cluster import LocalCluster
 from producer.redis_connect import redis_client
 from schemas.config import read_config
+from schemas.fleet_urls import STATE_VARIABLE
 from schemas.redis_url import redacted
 
 DEFAULT_DIR = ".cchatq-fleet"  # in the current directory; CCHATQ_FLEET_DIR overrides it
@@ -70,6 +72,7 @@ class FleetRecord:
     dir: str
     redis_url: str = ""
     redis_private: bool = False
+    state_url: str = ""  # the local Redis Cluster's (`up --cluster N`): the sessions' state
     replay_url: str = ""
     config: str = ""  # the configuration file up wrote (with the replay server)
     flower_url: str = ""
@@ -95,6 +98,8 @@ class FleetRecord:
     def exports(self) -> list[str]:
         """The shell lines `eval "$(cchatq up)"` runs."""
         values = {"REDIS_URL": self.redis_url}
+        if self.state_url:
+            values[STATE_VARIABLE] = self.state_url
         if self.config:
             values["CCHATQ_CONFIG"] = self.config
         if self.replay_url:
@@ -160,6 +165,7 @@ class UpOptions:
     flower: bool = False
     metrics: bool = False
     latency_ms: int = 0
+    cluster_masters: int = 0  # a local Redis Cluster of that many masters for the state
 
 
 def running_fleet(folder: Path) -> FleetRecord | None:
@@ -180,6 +186,9 @@ def start_fleet(folder: Path, options: UpOptions, environ: Mapping[str, str]) ->
     starts, and return once every queue is served. On failure what it started is stopped, the
     record says why, and UpFailed names the log to read."""
     external = environ.get("REDIS_URL", "")
+    if external and options.cluster_masters:
+        # workers of others on that broker would take our steps and read their state elsewhere
+        raise UpFailed("--cluster starts a broker Redis of its own: unset REDIS_URL")
     if external and not redis_answers(external):
         raise UpFailed(f"REDIS_URL={redacted(external)} does not answer")
     real_backends = any(environ.get(v) for v in CONFIG_VARIABLES)
@@ -212,6 +221,13 @@ def _start(
         record.redis_url = fleet.ensure_redis(private=True)
         record.redis_private = True
     _record(fleet, record)
+    if options.cluster_masters:  # the broker stays on the plain Redis: Celery's needs one
+        remaining_s = max(deadline - time.monotonic(), 1)
+        cluster = LocalCluster(options.cluster_masters, fleet=fleet, form_timeout_s=remaining_s)
+        cluster.launch()
+        _record(fleet, record)  # its nodes' pids, before the wait to form
+        cluster.form()
+        fleet.env[STATE_VARIABLE] = record.state_url = cluster.url
     if not real_backends:
         record.replay_url = fleet.start_replay(options.latency_ms)
         config = {

@@ -37,11 +37,12 @@ LATENCY_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 600
 class FleetGauges(Collector):
     """What the fleet holds right now, read from Redis at each scrape."""
 
-    def __init__(self, client: Any) -> None:
+    def __init__(self, client: Any, broker: Any = None) -> None:
         self.client = client
+        self.broker = broker  # the broker's Redis, when not the state's
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        fleet = read_fleet_status(self.client)
+        fleet = read_fleet_status(self.client, self.broker)
         waiting = GaugeMetricFamily(
             "cchatq_queue_depth", "Tasks waiting on each queue", labels=["queue"]
         )
@@ -180,10 +181,13 @@ class TraceCounters:
 class Exporter:
     """The gauges and counters on one registry, the stream followed in a thread."""
 
-    def __init__(self, redis_url: str) -> None:
+    def __init__(self, redis_url: str, broker_url: str | None = None) -> None:
         self.client = redis_client(redis_url, **redis_links.client_options())
+        self.broker = None
+        if broker_url and broker_url != redis_url:
+            self.broker = redis_client(broker_url, **redis_links.client_options())
         self.registry = CollectorRegistry()
-        self.registry.register(FleetGauges(self.client))
+        self.registry.register(FleetGauges(self.client, self.broker))
         self.counters = TraceCounters(self.registry)
         self._stop = threading.Event()
         self._follower = threading.Thread(
@@ -198,3 +202,5 @@ class Exporter:
         self._stop.set()
         self._follower.join(timeout=5)
         self.client.close()
+        if self.broker is not None:
+            self.broker.close()

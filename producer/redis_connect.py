@@ -9,9 +9,11 @@ from __future__ import annotations
 from typing import Any
 
 import redis
+from redis.cluster import RedisCluster
 from redis.sentinel import Sentinel, SentinelManagedConnection
 
 from schemas import redis_links
+from schemas.redis_memory import RedisMemory
 from schemas.redis_url import SentinelUrl, check_redis_url
 
 # how long a sentinel may take to connect and to answer before the next one is asked
@@ -54,14 +56,49 @@ class FollowingConnection(SentinelManagedConnection):
             raise redis.ConnectionError("the master has no replica in reach") from exc
 
 
-def redis_client(url: str, **options: Any) -> Any:
+class StateCluster(RedisCluster):
+    """redis-py's cluster client, with MGET over keys of several slots taken as one MGET a
+    slot (the worker has its twin: the producer never imports the worker)."""
+
+    def mget(self, keys: Any, *args: Any) -> Any:
+        return self.mget_nonatomic(keys, *args)
+
+
+def redis_client(url: str, whole_cluster: bool = True, **options: Any) -> Any:
     """A client of the Redis at `url` with redis-py's `options` (retries, timeouts, client
-    name). A RedisUrlError (a ValueError, one line) for a URL of no Redis form. Any: replies
-    are bytes (never decoded), which redis-py's annotations cannot say."""
+    name): of the whole cluster when that Redis runs in cluster mode (unless not
+    `whole_cluster`: of that one node). A RedisUrlError (a ValueError, one line) for a URL of
+    no Redis form. Any: replies are bytes (never decoded), which redis-py's annotations cannot
+    say."""
     sentinel = check_redis_url(url)
-    if sentinel is None:
-        return redis.Redis.from_url(url, **options)
-    return sentinel_client(sentinel, **options)
+    if sentinel is not None:
+        return sentinel_client(sentinel, **options)
+    client = redis.Redis.from_url(url, **options)
+    if not whole_cluster or not _cluster_enabled(client):
+        return client
+    client.close()
+    return StateCluster.from_url(url, **options)
+
+
+def _cluster_enabled(client: Any) -> bool:
+    """Whether `client`'s Redis runs in cluster mode; one that cannot be asked now is taken for
+    a plain one (the caller's next command says why it cannot be reached)."""
+    try:
+        return bool(client.info("cluster").get("cluster_enabled"))
+    except redis.RedisError:
+        return False
+
+
+def is_cluster(client: Any) -> bool:
+    return isinstance(client, RedisCluster)
+
+
+def redis_memory(client: Any) -> RedisMemory:
+    """Redis's memory (INFO: allowed where CONFIG is not); a cluster's, its masters' together."""
+    if is_cluster(client):
+        infos = client.info("memory", target_nodes=RedisCluster.PRIMARIES)
+        return RedisMemory.from_infos(list(infos.values()))
+    return RedisMemory.from_info(client.info("memory"))
 
 
 def sentinel_client(url: SentinelUrl, **options: Any) -> Any:

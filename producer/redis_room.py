@@ -12,6 +12,7 @@ from typing import Any
 
 import redis
 
+from producer.redis_connect import redis_memory
 from schemas.redis_memory import (
     RedisMemory,
     allow_eviction,
@@ -62,7 +63,7 @@ def read_memory(client: Any) -> RedisMemory:
     """Redis's memory; a Redis whose ACL forbids even INFO is taken as one without a limit
     (nothing can be checked: its own refusals still end the submit in one line)."""
     try:
-        return RedisMemory.from_info(client.info("memory"))
+        return redis_memory(client)
     except redis.exceptions.NoPermissionError:
         return RedisMemory(0, 0, "noeviction")
 

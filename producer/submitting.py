@@ -19,6 +19,7 @@ import redis
 from producer.backend_check import backend_check
 from producer.batch_tally import BatchTally
 from producer.lookups import SessionLookups
+from producer.redis_connect import is_cluster
 from producer.redis_room import (
     JOINED_BYTES,
     RedisFullError,
@@ -255,7 +256,10 @@ class Submitting(SessionLookups):
         runs: list[tuple[keys.Claim, bool]],
         now_ms: int,
     ) -> None:
-        pipe = self.redis.pipeline(transaction=True)
+        # one MULTI/EXEC on one Redis (all or nothing); on a cluster, whose transactions
+        # stay within a slot, a pipeline: a part refused midway leaves sessions with their
+        # keys and no start task, which expire (their claims are given back)
+        pipe = self.redis.pipeline(transaction=not is_cluster(self.redis))
         active: dict[str, int] = {}  # the fleet's reconciler watches them: one ZADD a part
         for (spec, _), (run, won) in zip(part, runs, strict=True):
             sk = run.sk
@@ -365,7 +369,8 @@ class Submitting(SessionLookups):
         pipe = self.redis.pipeline(transaction=False)
         ids = [sub.ids[sk] for sk in sub.order]
         runs = [sub.runs[sk].encode() for sk in sub.order]
-        pipe.delete(keys.batch_ids(sub.batch), keys.batch_runs(sub.batch))
+        for key in (keys.batch_ids(sub.batch), keys.batch_runs(sub.batch)):
+            pipe.delete(key)  # one at a time: a cluster's pipeline takes no DEL of two
         for start in range(0, len(ids), PIPELINE_SIZE):
             pipe.rpush(keys.batch_ids(sub.batch), *ids[start : start + PIPELINE_SIZE])
             pipe.rpush(keys.batch_runs(sub.batch), *runs[start : start + PIPELINE_SIZE])

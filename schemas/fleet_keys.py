@@ -2,6 +2,8 @@
 rate controllers every worker calling a backend reads and writes, the reconciler's turn, and the
 broker's bookkeeping.
 
+Braces are Redis Cluster hash tags, written as they are (schemas/keys.py):
+
     cq:rl:{backend}:req     rate limit: zset of recent requests (member -> time)
     cq:rl:{backend}:tok     rate limit: hash member -> tokens
     cq:rl:{backend}:sum     rate limit: the tokens of every entry in the window
@@ -20,16 +22,17 @@ RECONCILER_LOCK = f"{PREFIX}:reconciler"  # held by the one worker reconciling t
 
 
 def rate_requests(backend: str) -> str:
-    return f"{PREFIX}:rl:{backend}:req"
+    """A backend's rate limit keys share its hash tag: one script reads and writes them."""
+    return f"{PREFIX}:rl:{{{backend}}}:req"
 
 
 def rate_tokens(backend: str) -> str:
-    return f"{PREFIX}:rl:{backend}:tok"
+    return f"{PREFIX}:rl:{{{backend}}}:tok"
 
 
 def rate_total(backend: str) -> str:
     """The tokens of every entry in the window, kept as they come and go (O(1) per acquire)."""
-    return f"{PREFIX}:rl:{backend}:sum"
+    return f"{PREFIX}:rl:{{{backend}}}:sum"
 
 
 RATE_CONTROLLERS = f"{PREFIX}:rc"

@@ -2,9 +2,11 @@
 
 A session is addressed by `sk`, a short key: its spec id's digest (ids may hold `/` and `:`,
 which would make task ids and Flower URLs awkward) and the run's generation. Round r, tool
-call i:
+call i. Braces are written as they are: `{sk}` is the session's key in braces, Redis Cluster's
+hash tag, so every key of a session (and every key of a batch, `{batch}`) is in one slot and a
+step's scripts and transactions touch one node; the keys without one are fleet-wide:
 
-    cq:id:{digest of namespace and id}
+    cq:id:<digest of namespace and id>
                             the sk of that spec id's latest run in its namespace, its spec's
                             digest and attempt (Claim); SET NX at submit = the idempotency claim
     cq:spec:{sk}            canonical spec JSON, with `submitted_ms` and `batch`
@@ -13,9 +15,9 @@ call i:
     cq:out:{sk}:{r}:m       round r: the model reply (or its error) with the runs its plan made,
                             first writer wins
     cq:out:{sk}:{r}:t{i}    the outcome of call i of round r, first writer wins
-    cq:step:{step}          "lease" while a step runs (PX = its longest run), then "done" once
+    cq:step:{sk}.<step>     "lease" while a step runs (PX = its longest run), then "done" once
                             its continuation is published (EX = the TTL): one key, one SET
-    cq:tries:{step}         deliveries of a step (poison-step detection); none: one delivery
+    cq:tries:{sk}.<step>    deliveries of a step (poison-step detection); none: one delivery
     cq:fail:{sk}            error body of a step that failed for good (dead-lettered)
     cq:cancel:{sk}          cancellation requested
     cq:resp:{sk}            the response fd: final body bytes, written once
@@ -28,8 +30,8 @@ call i:
     cq:batch:{batch}:ns     the namespace its ids were claimed in (a retry claims there too)
     cq:batches              sorted set: batch -> when it was submitted (ms)
     cq:chunk:{batch}:{n}    sks admitted by one start task
-    cq:module:{sha256}      WASM module bytes, content-addressed
-    cq:fork:{sha256}        a program's memory snapshot at cchat_send (zlib), for its tool forks
+    cq:module:<sha256>      WASM module bytes, content-addressed
+    cq:fork:<sha256>        a program's memory snapshot at cchat_send (zlib), for its tool forks
     cq:fds:{sk}             a program run's fd table: hash fd -> entry JSON
     cq:mcp:{sk}             the MCP tools a spec session offers, listed by its first round
                             (first writer wins); read with its spec
@@ -167,39 +169,60 @@ def chat_session_key(run_sk: str, send_no: int) -> str:
     return _digest(f"{run_sk}#send{send_no}")
 
 
+def _tag(owner: str) -> str:
+    """A session's (or a batch's) hash tag: every key of one session hashes to one Redis
+    Cluster slot, so a step's scripts and transactions run on one node. A program run's
+    batch (`run-<sk>`, run_batch) is tagged with its run's key: its user streams and the done
+    list that wakes it are written together."""
+    if owner.startswith(RUN_BATCH_PREFIX):
+        return RUN_BATCH_PREFIX + "{" + owner[len(RUN_BATCH_PREFIX) :] + "}"
+    return "{" + owner + "}"
+
+
+def step_owner(step: str) -> str:
+    """The session key a step id starts with (a start step's: its batch's; step ids below)."""
+    return step.partition(".")[0]
+
+
+def _step_tagged(step: str) -> str:
+    """A step id with its session's hash tag."""
+    owner, dot, rest = step.partition(".")
+    return _tag(owner) + dot + rest
+
+
 def spec(sk: str) -> str:
-    return f"{PREFIX}:spec:{sk}"
+    return f"{PREFIX}:spec:{_tag(sk)}"
 
 
 def meta(sk: str) -> str:
-    return f"{PREFIX}:meta:{sk}"
+    return f"{PREFIX}:meta:{_tag(sk)}"
 
 
 def model_out(sk: str, round_no: int) -> str:
-    return f"{PREFIX}:out:{sk}:{round_no}:m"
+    return f"{PREFIX}:out:{_tag(sk)}:{round_no}:m"
 
 
 def tool_out(sk: str, round_no: int, index: int) -> str:
-    return f"{PREFIX}:out:{sk}:{round_no}:t{index}"
+    return f"{PREFIX}:out:{_tag(sk)}:{round_no}:t{index}"
 
 
 def trace(sk: str) -> str:
     """A session's trace events (a stream, `cchatq trace`)."""
-    return f"{PREFIX}:trace:{sk}"
+    return f"{PREFIX}:trace:{_tag(sk)}"
 
 
 def task(sk: str, task_id: str) -> str:
     """An async background task's state (a hash: status, percent, message, outcome)."""
-    return f"{PREFIX}:task:{sk}:{task_id}"
+    return f"{PREFIX}:task:{_tag(sk)}:{task_id}"
 
 
 def tool_queued(sk: str, round_no: int, index: int) -> str:
     """Set when a call is published under max_parallel: it holds a place in the window."""
-    return f"{PREFIX}:queued:{sk}:{round_no}:t{index}"
+    return f"{PREFIX}:queued:{_tag(sk)}:{round_no}:t{index}"
 
 
 def step_state(step: str) -> str:
-    return f"{PREFIX}:step:{step}"
+    return f"{PREFIX}:step:{_step_tagged(step)}"
 
 
 # step_state while a delivery runs the step: `lease:<token>`, PX a few seconds, renewed by the
@@ -216,7 +239,7 @@ STEP_DONE = b"done"  # step_state once its continuation is published (EX = the T
 
 
 def tries(step: str) -> str:
-    return f"{PREFIX}:tries:{step}"
+    return f"{PREFIX}:tries:{_step_tagged(step)}"
 
 
 def tries_count(raw: bytes | None) -> int:
@@ -226,62 +249,57 @@ def tries_count(raw: bytes | None) -> int:
 
 
 def failure(sk: str) -> str:
-    return f"{PREFIX}:fail:{sk}"
+    return f"{PREFIX}:fail:{_tag(sk)}"
 
 
 def cancel(sk: str) -> str:
-    return f"{PREFIX}:cancel:{sk}"
+    return f"{PREFIX}:cancel:{_tag(sk)}"
 
 
 def response(sk: str) -> str:
-    return f"{PREFIX}:resp:{sk}"
+    return f"{PREFIX}:resp:{_tag(sk)}"
 
 
 def record(sk: str) -> str:
-    return f"{PREFIX}:record:{sk}"
+    return f"{PREFIX}:record:{_tag(sk)}"
 
 
 def watchers(sk: str) -> str:
-    return f"{PREFIX}:watch:{sk}"
+    return f"{PREFIX}:watch:{_tag(sk)}"
 
 
 def batch_ids(batch: str) -> str:
     """The spec ids a batch submitted, in input order (a list), beside their runs
     (batch_runs)."""
-    return f"{PREFIX}:batch:{batch}:ids"
+    return f"{PREFIX}:batch:{_tag(batch)}:ids"
 
 
 def batch_runs(batch: str) -> str:
     """The run (Claim) of each id of a batch, in input order: what `cchatq batch results`
     reads, so a batch's results stay those of the runs it ran."""
-    return f"{PREFIX}:batch:{batch}:runs"
+    return f"{PREFIX}:batch:{_tag(batch)}:runs"
 
 
 def batch_namespace(batch: str) -> str:
-    return f"{PREFIX}:batch:{batch}:ns"
+    return f"{PREFIX}:batch:{_tag(batch)}:ns"
 
 
 def batch_tally(batch: str) -> str:
-    """A batch's counts of its finished sessions, kept by the producers that read it (a hash:
-    producer/batch_tally.py): how far its tally list was read, sessions counted, per outcome."""
-    return f"{PREFIX}:batch:{batch}:tally"
-
-
-TALLY_WATCHER_SUFFIX = "#tally"
+    """A batch's count of its ended sessions (a hash: producer/batch_tally.py)."""
+    return f"{PREFIX}:batch:{_tag(batch)}:tally"
 
 
 def tally_watcher(batch: str) -> str:
-    """The name a batch's sessions are watched under besides the batch's own: the workers
-    push each finished session on done_list(tally_watcher(batch)) as on the batch's done list,
-    and no waiting producer pops it, so it lists every session of the batch that ended."""
-    return f"{batch}{TALLY_WATCHER_SUFFIX}"
+    """Also watching a batch's sessions: the workers push each that ends on its done list,
+    which no producer pops (producer/batch_tally.py)."""
+    return f"{batch}#tally"
 
 
 BATCHES = f"{PREFIX}:batches"  # batch -> when it was submitted (ms), a sorted set
 
 
 def done_list(batch: str) -> str:
-    return f"{PREFIX}:done:{batch}"
+    return f"{PREFIX}:done:{_tag(batch)}"
 
 
 @dataclass(frozen=True)
@@ -306,7 +324,7 @@ class ChunkMember:
 
 
 def chunk(batch: str, chunk_no: int) -> str:
-    return f"{PREFIX}:chunk:{batch}:{chunk_no}"
+    return f"{PREFIX}:chunk:{_tag(batch)}:{chunk_no}"
 
 
 def module(sha256: str) -> str:
@@ -318,26 +336,26 @@ def fork(sha256: str) -> str:
 
 
 def fds(sk: str) -> str:
-    return f"{PREFIX}:fds:{sk}"
+    return f"{PREFIX}:fds:{_tag(sk)}"
 
 
 def mcp_tools(sk: str) -> str:
-    return f"{PREFIX}:mcp:{sk}"
+    return f"{PREFIX}:mcp:{_tag(sk)}"
 
 
 def user_in(sk: str) -> str:
-    return f"{PREFIX}:us:{sk}:in"
+    return f"{PREFIX}:us:{_tag(sk)}:in"
 
 
 def user_out(sk: str) -> str:
-    return f"{PREFIX}:us:{sk}:out"
+    return f"{PREFIX}:us:{_tag(sk)}:out"
 
 
 USER_WAKE = "ustream"  # pushed on a run's done list when its user sends: its waits wake
 
 
 def partial(sk: str) -> str:
-    return f"{PREFIX}:partial:{sk}"
+    return f"{PREFIX}:partial:{_tag(sk)}"
 
 
 RUN_BATCH_PREFIX = "run-"

@@ -11,7 +11,7 @@ a full Redis refuses writes instead, which the workers wait out and the producer
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +36,15 @@ class RedisMemory:
         return cls(
             int(info.get("maxmemory", 0) or 0), int(info.get("used_memory", 0) or 0), str(policy)
         )
+
+    @classmethod
+    def from_infos(cls, infos: Sequence[Mapping[str, Any]]) -> RedisMemory:
+        """A Redis Cluster's, from each master's `INFO memory`: what they use together, their
+        limits together (none when one has none), and an evicting policy when one evicts."""
+        each = [cls.from_info(info) for info in infos]
+        limit = sum(m.maxmemory_bytes for m in each) if all(m.limited for m in each) else 0
+        policy = next((m.policy for m in each if m.evicts), each[0].policy if each else NO_EVICTION)
+        return cls(limit, sum(m.used_bytes for m in each), policy)
 
     @property
     def limited(self) -> bool:

@@ -17,6 +17,7 @@ import requests
 
 from producer.client import Client
 from producer.fleet import Fleet, replay_backends
+from producer.local_cluster import LocalCluster
 from schemas.task_names import ALL_QUEUES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,6 +95,16 @@ def _workers(
     finally:
         fleet.stop()
         client.close()
+
+
+@pytest.fixture(scope="session")
+def state_cluster(base_fleet: Fleet) -> Iterator[str]:
+    """A 3-master Redis Cluster of our own for the whole run: its URL."""
+    cluster = LocalCluster(masters=3, fleet=base_fleet)
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()
 
 
 @pytest.fixture(scope="module")

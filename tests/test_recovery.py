@@ -101,7 +101,7 @@ def diagnose(running: Running, stuck: list[str]) -> str:
              f"queues={ {q: r.llen(q) for q in ('llm', 'tools', 'control')} }"]  # fmt: skip
     for sk in stuck:
         found = sorted(k.decode() for k in r.scan_iter(f"cq:*{sk}*", count=1000))
-        lines.append(f"{sk}: {r.hgetall(f'cq:meta:{sk}')} {found}")
+        lines.append(f"{sk}: {r.hgetall(keys.meta(sk))} {found}")
         lines.extend(
             f"  {k} = {r.get(k) if r.type(k) == b'string' else r.type(k)}"
             for k in found

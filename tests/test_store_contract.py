@@ -29,6 +29,7 @@ from schemas.spec_types import (
     spec_to_json,
 )
 from worker.codecs.reply import Reply
+from worker.edges.redis_pool import pooled_client
 from worker.edges.store import RedisStore
 from worker.errors import StoreError
 from worker.session.engine import ToolRun
@@ -64,7 +65,10 @@ def _memory() -> Backend:
 
 def _redis(base_fleet: Fleet) -> Backend:
     url = base_fleet.redis_url.rsplit("/", 1)[0] + f"/{REDIS_DB}"
-    client = redis.Redis.from_url(url)
+    return _on(redis.Redis.from_url(url))
+
+
+def _on(client: Any) -> Backend:
     store = RedisStore(client, ttl_s=600)
 
     def submit(sk: str, spec: dict[str, Any], batch: str) -> None:
@@ -79,12 +83,20 @@ def _redis(base_fleet: Fleet) -> Backend:
     return Backend(store, submit, lambda sk: client.set(keys.cancel(sk), 1), chunk)
 
 
-@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.fleet)])
+@pytest.fixture(
+    params=[
+        "memory",
+        pytest.param("redis", marks=pytest.mark.fleet),
+        pytest.param("cluster", marks=pytest.mark.fleet),
+    ]
+)
 def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
     if request.param == "memory":
         yield _memory()
-    else:
+    elif request.param == "redis":
         yield _redis(request.getfixturevalue("base_fleet"))
+    else:
+        yield _on(pooled_client(request.getfixturevalue("state_cluster"), 4))
 
 
 @pytest.fixture

@@ -235,7 +235,8 @@ def test_cchatq_trace_lists_a_mixed_sessions_events_in_order_and_no_text(
     fleet = wide_tools.client.redis.xrevrange("cq:trace", count=200)
     fleet_events = [e for _, fields in fleet for e in keys.trace_events(fields)]
     assert canary not in repr(fleet) and len(fleet_events) >= len(events)
-    assert wide_tools.client.redis.ttl(f"cq:trace:{wide_tools.client.session_key(spec['id'])}") > 0
+    sk = wide_tools.client.session_key(spec["id"])
+    assert sk is not None and wide_tools.client.redis.ttl(keys.trace(sk)) > 0
     follow = subprocess.run(
         [sys.executable, "-m", "producer.cli", "trace", spec["id"], "--follow"],
         env=env, capture_output=True, text=True, timeout=60,

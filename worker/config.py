@@ -2,6 +2,8 @@
 
 Environment variables:
     REDIS_URL                 broker and state store (default redis://127.0.0.1:6379/0)
+    CCHATQ_STATE_URL          the sessions' state, when not REDIS_URL's Redis
+    CCHATQ_BROKER_URL         the broker, when not REDIS_URL's Redis (schemas/fleet_urls.py)
     CCHATQ_CONFIG             path of the fleet's JSON configuration (schemas/config.py: its
                               backends and tool defaults), shared with the producer
     CCHATQ_BACKENDS           the same JSON inline (wins over the file)
@@ -45,10 +47,9 @@ from pathlib import Path
 
 from schemas.config import ConfigError, read_config
 from schemas.fleet_config import BackendConfig, FleetConfig
+from schemas.fleet_urls import DEFAULT_REDIS_URL, FleetUrls, checked, fleet_urls
 from schemas.redis_memory import allow_eviction
-from schemas.redis_url import RedisUrlError, check_redis_url
 
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_SERVICE_NAME = "cchatq-worker"
 # a worker's spans wait this long in the batch processor (the SDK's default is 5000 ms): a
 # worker that is SIGKILLed loses what it holds, so it holds a second's worth at most
@@ -59,7 +60,8 @@ __all__ = ["BackendConfig", "FleetConfig", "Settings", "load_settings"]
 
 @dataclass(frozen=True)
 class Settings:
-    redis_url: str = DEFAULT_REDIS_URL
+    # where the sessions' state and the broker are (one Redis unless said)
+    urls: FleetUrls = field(default_factory=lambda: FleetUrls(DEFAULT_REDIS_URL, DEFAULT_REDIS_URL))
     # the fleet's configuration: its backends, its default backend and its tools' defaults
     fleet: FleetConfig = field(default_factory=FleetConfig)
     visibility_timeout_s: int = 300  # the task time limit's backstop (wiring)
@@ -92,7 +94,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     return Settings(
         # a ConfigError stops the worker at start, naming each problem
         fleet=read_config(env),
-        redis_url=redis_url(env),
+        urls=redis_urls(env),
         visibility_timeout_s=int(env.get("CCHATQ_VISIBILITY_TIMEOUT_S", "300")),
         consumer_dead_after_s=int(env.get("CCHATQ_CONSUMER_DEAD_AFTER_S", "15")),
         result_ttl_s=int(env.get("CCHATQ_RESULT_TTL_S", "86400")),
@@ -121,14 +123,14 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     )
 
 
-def redis_url(env: Mapping[str, str]) -> str:
-    """REDIS_URL, checked: a ConfigError (one line, no password) stops the worker at start."""
-    url = env.get("REDIS_URL", DEFAULT_REDIS_URL)
-    try:
-        check_redis_url(url)
-    except RedisUrlError as exc:
-        raise ConfigError("REDIS_URL", [("", str(exc))]) from None
-    return url
+def redis_urls(env: Mapping[str, str]) -> FleetUrls:
+    """Where the state and the broker are, checked: a ConfigError (one line each, no password)
+    naming the variable stops the worker at start."""
+    urls = fleet_urls(env)
+    problems = checked(urls)
+    if problems:
+        raise ConfigError("environment", problems)
+    return urls
 
 
 def span_exporters(env: Mapping[str, str]) -> tuple[str, ...]:

@@ -41,6 +41,7 @@ from worker.wiring import (
     celery_config,
     check_redis_memory,
     check_spans,
+    check_state,
     close_mcp,
     fleet_clock,
     flush_spans,
@@ -78,11 +79,14 @@ def _check_spans(**_: Any) -> None:
 
 
 @worker_init.connect
-def _check_redis_memory(**_: Any) -> None:
-    """A Redis that may evict cchatq's keys stops the worker before it takes any task, in
-    one line (EX_CONFIG), unless CCHATQ_ALLOW_EVICTION: then one loud warning."""
+def _check_redis(**_: Any) -> None:
+    """A Redis that may evict cchatq's keys, or a broker on a Redis Cluster, stops the worker
+    before it takes any task, in one line (EX_CONFIG); eviction is allowed with
+    CCHATQ_ALLOW_EVICTION: then one loud warning."""
     try:
-        check_redis_memory(load_settings())
+        settings = load_settings()
+        check_state(settings)
+        check_redis_memory(settings)
     except EvictingRedis as exc:
         log.critical("%s", exc)
         logging.shutdown()

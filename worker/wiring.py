@@ -27,6 +27,7 @@ from worker.edges.provider_http import HttpProvider
 from worker.edges.rate_control import RedisRateControl
 from worker.edges.rate_limit import RedisRateLimiter
 from worker.edges.redis_errors import REFUSED_TEXT, unanswered
+from worker.edges.redis_pool import cluster_mode, pooled_client
 from worker.edges.store import RedisStore
 from worker.edges.store_programs import RedisProgramStore
 from worker.edges.wasm_runtime import WasmToolRuntime
@@ -45,8 +46,12 @@ class Wiring:
         # one connection per worker thread, plus a few for the blocking waits and publishes
         pool_size = max(worker_concurrency, 1) + POOL_HEADROOM
         self.store = RedisStore.from_url(
-            settings.redis_url, settings.result_ttl_s, pool_size, settings.stall_after_ms // 2
+            settings.urls.state, settings.result_ttl_s, pool_size, settings.stall_after_ms // 2
         )
+        # the broker's own Redis, when it is not the state's: the steps' messages go there
+        broker_client = None
+        if not settings.urls.shared:
+            broker_client = pooled_client(settings.urls.broker, pool_size)
         self._pool_size = pool_size  # the HTTP pools' size too: a connection kept per thread
         self._providers: dict[str, HttpProvider] = {}
         self._runtime: WasmToolRuntime | None = None
@@ -59,7 +64,7 @@ class Wiring:
         self.spans = span_sink(settings)
         self.runner = StepRunner(
             store=self.store,
-            dispatch=CeleryDispatcher(app, self.store),
+            dispatch=CeleryDispatcher(app, self.store, broker_client),
             provider_for=self.provider_for,
             tools=lambda: self._tools,
             settings=settings,
@@ -241,12 +246,47 @@ class EvictingRedis(Exception):
     """The worker's Redis may evict cchatq's keys: the worker does not start (the one line)."""
 
 
+class BrokerOnCluster(EvictingRedis):
+    """The broker's URL names a Redis Cluster: the worker does not start (the one line)."""
+
+
+STATE_WAIT_S = 60.0  # a worker starting waits this long for its state's Redis to answer
+
+
+def check_state(settings: Settings) -> None:
+    """At a worker's start: whether the state's Redis runs in cluster mode, asked once here
+    and inherited by the pool's children (edges/redis_pool.py); a Redis that does not answer
+    yet is waited for up to STATE_WAIT_S (a child asks again later). A broker on a Redis
+    Cluster is refused with BrokerOnCluster: Celery's Redis transport cannot use one."""
+    deadline = time.monotonic() + STATE_WAIT_S
+    while True:
+        try:
+            clustered = cluster_mode(settings.urls.state)
+            broker_clustered = (
+                clustered if settings.urls.shared else cluster_mode(settings.urls.broker)
+            )
+            break
+        except Exception as exc:  # not answering yet: Celery waits for its broker as well
+            if time.monotonic() > deadline:
+                log.warning("the state's Redis did not answer: %s", type(exc).__name__)
+                return
+            time.sleep(1.0)
+    if broker_clustered:
+        raise BrokerOnCluster(
+            f"{settings.urls.broker_variable} {redacted(settings.urls.broker)} is a Redis Cluster,"
+            " which cannot be the broker: keep the state there (CCHATQ_STATE_URL) and point"
+            " CCHATQ_BROKER_URL at a plain Redis, a Sentinel or RabbitMQ"
+        )
+    if clustered:
+        log.info("state on the Redis Cluster at %s", redacted(settings.urls.state))
+
+
 def check_redis_memory(settings: Settings) -> None:
     """At a worker's start: a Redis whose maxmemory-policy may evict cchatq's keys (any but
     noeviction, under a maxmemory) is refused with EvictingRedis, unless
     CCHATQ_ALLOW_EVICTION says to run on it: then one loud warning. A Redis that cannot be
     asked now is the broker connection's business (Celery retries it)."""
-    store = RedisStore.from_url(settings.redis_url, settings.result_ttl_s, max_connections=2)
+    store = RedisStore.from_url(settings.urls.state, settings.result_ttl_s, max_connections=2)
     try:
         memory = store.memory()
     except StoreError as exc:
@@ -254,7 +294,7 @@ def check_redis_memory(settings: Settings) -> None:
         return
     finally:
         store.client.close()
-    where = redacted(settings.redis_url)
+    where = redacted(settings.urls.state)
     if memory.evicts and not settings.allow_eviction:
         raise EvictingRedis(eviction_refused(memory, where, "cchatq worker"))
     if memory.evicts:
@@ -301,7 +341,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
     from schemas.task_names import ROUTES
 
     # a sentinel:// URL: kombu's form of it, its master's name, and our channel on Sentinel
-    url, sentinel = kombu_broker(settings.redis_url)
+    url, sentinel = kombu_broker(settings.urls.broker)
     transport = broker_sentinel.SENTINEL_TRANSPORT if sentinel else broker.TRANSPORT
     sentinel_options: dict[str, Any] = dict(sentinel)
     if sentinel:  # a take from a paused master is dropped after brpop_timeout + this

@@ -215,11 +215,11 @@ class FleetSource:
     def _tallied_run(self, batch: str) -> RunRow | None:
         """A big batch's row from its tally and a sample (Batches.summary), not from each of
         its sessions; None when it has no tally (submitted before tallies)."""
-        tally = self._tally.refresh(batch, recent_buckets=RECENT_BUCKETS)
+        now_ms = self.client.clock.now_ms()
+        tally = self._tally.refresh(batch, RECENT_BUCKETS, now_ms)
         summary = None if tally is None else self.batches.summary(batch)
         if tally is None or summary is None:
             return None
-        now_ms = self.client.clock.now_ms()
         recent = tally.ended_since(now_ms - int(RECENT_S * 1000))
         return self._keep(summary_row(summary, recent, now_ms))
 

@@ -112,11 +112,13 @@ def _task(step: NextStep) -> tuple[str, str]:
 
 
 class CeleryDispatcher(StepPublisher):
-    def __init__(self, app: Celery, store: RedisStore) -> None:
-        """The broker is the store's Redis (one `REDIS_URL`), so a step's messages and its
-        published marker go in one write, on the store's client."""
+    def __init__(self, app: Celery, store: RedisStore, broker: Any = None) -> None:
+        """`broker`: a client of the broker's Redis when it is not the store's
+        (schemas/fleet_urls.py); None when it is, and a step's messages and its published
+        marker go in one write, on the store's client."""
         self.app = app
         self.store = store
+        self.broker = broker
 
     writes_commits = True
 
@@ -124,27 +126,55 @@ class CeleryDispatcher(StepPublisher):
     def publish(self, steps: Sequence[NextStep], commit: Commit | None = None) -> None:
         """The steps' messages with the commit, in one MULTI/EXEC: a Redis that refuses
         writes (full, failing to persist, a replica) refuses the whole commit, so a step that
-        runs it again never finds half of it applied (its outcomes without its marker)."""
+        runs it again never finds half of it applied (its outcomes without its marker). With
+        the broker apart, in this order: the outcomes (the next steps read them), the
+        messages, the fleet-wide writes (the batches told, the fleet's trace: a second
+        telling is harmless), then the session's marker and trace in one transaction (found,
+        everything before was written)."""
         current = self.app.current_worker_task
         parent = current.request if current is not None else None
-        pipe = self.store.client.pipeline(transaction=True)
         sent_ms = self.store.clock.now_ms()  # Redis's clock: its receiver's host may differ
+        messages = [self._message(step, parent, sent_ms) for step in steps]
+        client = self.store.client
+        if commit is not None:  # the node of the step's session (a start step's: its batch's)
+            client = self.store.on(keys.step_owner(commit.published or commit.sk))
+        pipe = client.pipeline(transaction=True)
         if commit is not None and commit.outcomes:  # before the steps that read them
             self.store.add_outcomes(pipe, commit.sk, commit.outcomes)
-        for step in steps:
-            name, task_id = _task(step)
-            queue = task_names.ROUTES[name]
-            shown_id = step.shown_id or self._spec_id(str(step.args[0]))
-            # the queue's list is the queue's name: priority 0, no key prefix (wiring's config)
-            message = task_message(name, list(step.args), task_id, queue, parent, shown_id, sent_ms)
-            pipe.lpush(queue, message)
+        if self.broker is not None:
+            if len(pipe):
+                pipe.execute()
+            self._send_apart(messages)
+        else:
+            for queue, message in messages:
+                pipe.lpush(queue, message)
+        fleet = self.store.fleet_pipe(pipe)
         if commit is not None:
             if commit.notify:
-                self.store.add_notify(pipe, commit.sk, commit.notify)
+                self.store.add_notify(fleet, commit.sk, commit.notify)
+            if commit.trace is not None:
+                self.store.add_trace(pipe, commit.trace, fleet)
+            self.store.flush_fleet(fleet, pipe)
             if commit.published is not None:  # after the messages: found, they were sent
                 self.store.mark_published(pipe, commit.published)
-            if commit.trace is not None:
-                self.store.add_trace(pipe, commit.trace)
+        if len(pipe):
+            pipe.execute()
+
+    def _message(self, step: NextStep, parent: Any, sent_ms: int) -> tuple[str, bytes]:
+        """A step's queue and its message."""
+        name, task_id = _task(step)
+        queue = task_names.ROUTES[name]
+        shown_id = step.shown_id or self._spec_id(str(step.args[0]))
+        # the queue's list is the queue's name: priority 0, no key prefix (wiring's config)
+        return queue, task_message(name, list(step.args), task_id, queue, parent, shown_id, sent_ms)
+
+    def _send_apart(self, messages: list[tuple[str, bytes]]) -> None:
+        """The messages on the broker's own Redis, in one round trip."""
+        if not messages:
+            return
+        pipe = self.broker.pipeline(transaction=False)
+        for queue, message in messages:
+            pipe.lpush(queue, message)
         pipe.execute()
 
     def _spec_id(self, sk: str) -> str:

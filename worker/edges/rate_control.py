@@ -29,6 +29,7 @@ from worker.codecs.rate_headers import RateSignal
 from worker.config import BackendConfig
 from worker.edges.rate_control_lua import ACQUIRE, RENEW, REPORT
 from worker.edges.redis_errors import refusal, store_error
+from worker.edges.redis_pool import is_cluster
 from worker.session.rate_control import (
     CallReport,
     Change,
@@ -44,6 +45,7 @@ log = logging.getLogger(__name__)
 SLOT_LEASE_MS = 10_000
 ROOM_MS = 10_000  # how far ahead the waiting room gives tickets
 MAX_WAIT_MS = 30_000  # the latest a waiting round comes back (well inside the broker's visibility)
+INDEX_EVERY_S = 60.0  # on a cluster: how often a process writes a controller into the index
 TTL_S = 3_600  # a controller unused this long is forgotten (the next starts from slow start)
 FULL_EVERY = 16  # of the calls with nothing to teach but their latency, one in this reports it
 
@@ -71,6 +73,10 @@ class RedisRateControl:
         self._quiet = 0  # calls that had nothing to teach but their latency
         self._full_every = full_every
         self._refused = RefusalNotice("slot leases", log)
+        # on a Redis Cluster the controllers' index (another slot than a controller's keys)
+        # is written apart, once an INDEX_EVERY_S per controller and process
+        self._cluster = is_cluster(client)
+        self._indexed: dict[str, float] = {}
 
     def _now(self) -> str:
         return "" if self._clock_ms is None else repr(float(self._clock_ms()))
@@ -81,8 +87,9 @@ class RedisRateControl:
         rps, tps = backend_ceilings(backend)
         member = uuid.uuid4().hex
         try:
+            self._index(key)
             answer = self._acquire(
-                keys=_keys(key),
+                keys=self._keys(key),
                 args=[self._now(), key.id, member, waiter, max(estimated_tokens, 0),
                       self.lease_ms, rps, tps, ROOM_MS, TTL_S],
             )  # fmt: skip
@@ -112,7 +119,7 @@ class RedisRateControl:
         rps, tps = backend_ceilings(backend)
         try:
             answer = self._report(
-                keys=_keys(slot.key),
+                keys=self._keys(slot.key),
                 args=[self._now(), slot.key.id, slot.member, report.kind, report.used_tokens,
                       slot.estimated_tokens, report.latency_ms, rps, tps, TTL_S,
                       _said(said.requests_per_min), _said(said.requests_left),
@@ -158,9 +165,13 @@ class RedisRateControl:
         if not held:
             return 0
         try:
-            return int(
-                self._renew(keys=[k for _, k in held], args=[self.lease_ms, *[m for m, _ in held]])
-            )
+            if not self._cluster:
+                keys = [k for _, k in held]
+                return int(self._renew(keys=keys, args=[self.lease_ms, *[m for m, _ in held]]))
+            pipe = self.client.pipeline(transaction=False)  # one script a slot there
+            for member, key in held:
+                pipe.execute_command("EVAL", RENEW, 1, key, self.lease_ms, member)
+            return sum(int(n) for n in pipe.execute())
         except redis.RedisError as exc:  # the next turn tries again, within the lease
             reason = refusal(exc)
             if reason is not None:  # said once, not every turn
@@ -169,15 +180,27 @@ class RedisRateControl:
                 log.warning("slot leases not renewed: %s", type(exc).__name__)
             return 0
 
+    def _keys(self, key: ControlKey) -> list[str]:
+        """A controller's keys (one hash tag), and the index of controllers but on a cluster."""
+        cid = key.id
+        own = [
+            fleet_keys.rate_controller(cid),
+            fleet_keys.rate_slots(cid),
+            fleet_keys.rate_room(cid),
+        ]
+        return own if self._cluster else [*own, fleet_keys.RATE_CONTROLLERS]
 
-def _keys(key: ControlKey) -> list[str]:
-    cid = key.id
-    return [
-        fleet_keys.rate_controller(cid),
-        fleet_keys.rate_slots(cid),
-        fleet_keys.rate_room(cid),
-        fleet_keys.RATE_CONTROLLERS,
-    ]
+    def _index(self, key: ControlKey) -> None:
+        """On a cluster, the controller in the index of controllers (`cchatq status` lists
+        them from it), once an INDEX_EVERY_S."""
+        now_s = time.monotonic()
+        if not self._cluster or now_s - self._indexed.get(key.id, -INDEX_EVERY_S) < INDEX_EVERY_S:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hset(fleet_keys.RATE_CONTROLLERS, key.id, int(time.time() * 1000))
+        pipe.expire(fleet_keys.RATE_CONTROLLERS, TTL_S)
+        pipe.execute()
+        self._indexed[key.id] = now_s
 
 
 def _text(value: Any) -> str:

@@ -59,8 +59,10 @@ local function save(s, ttl)
   if s.new or s.changed or s.n % 64 == 0 then
     redis.call('EXPIRE', KEYS[1], ttl)
     redis.call('PEXPIRE', KEYS[2], ttl * 1000)
-    redis.call('HSET', KEYS[4], ARGV[2], now)
-    redis.call('EXPIRE', KEYS[4], ttl)
+    if KEYS[4] then  -- the index of controllers; on a cluster its writer is the worker's own
+      redis.call('HSET', KEYS[4], ARGV[2], now)
+      redis.call('EXPIRE', KEYS[4], ttl)
+    end
   end
 end
 

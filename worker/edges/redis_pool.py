@@ -17,10 +17,12 @@ from typing import Any
 
 import redis
 from redis.backoff import ExponentialBackoff
+from redis.cluster import RedisCluster
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
 
 from schemas import redis_links
+from schemas.redis_memory import RedisMemory
 from schemas.redis_url import SentinelUrl, is_sentinel, parse_sentinel_url
 
 SENTINEL_TIMEOUT_S = 1.0  # a sentinel that does not answer this fast: the next one is asked
@@ -67,6 +69,61 @@ class BlockingSentinelPool(SentinelConnectionPool, redis.BlockingConnectionPool)
     """redis-py's Sentinel pool with the blocking pool's wait for a free connection (its
     LIFO queue of at most `max_connections`): the Sentinel pool's master discovery and
     `owns_connection` (connections to a demoted master are not given back) over it."""
+
+
+class StateCluster(RedisCluster):
+    """redis-py's cluster client, with MGET over keys of several slots taken as one MGET a
+    slot (a session's keys share a slot; a read over sessions, the reconciler's or a
+    producer's, spans many)."""
+
+    def mget(self, keys: Any, *args: Any) -> Any:
+        return self.mget_nonatomic(keys, *args)
+
+
+def is_cluster(client: Any) -> bool:
+    return isinstance(client, RedisCluster)
+
+
+def redis_memory(client: Any) -> RedisMemory:
+    """Redis's memory (INFO: allowed where CONFIG is not); a cluster's, its masters' together."""
+    if is_cluster(client):
+        infos = client.info("memory", target_nodes=RedisCluster.PRIMARIES)
+        return RedisMemory.from_infos(list(infos.values()))
+    return RedisMemory.from_info(client.info("memory"))
+
+
+# whether the Redis at a URL runs in cluster mode, asked once a process (a worker's main
+# process asks as it starts: its pool's children inherit the answer)
+_cluster_mode: dict[str, bool] = {}
+
+
+def cluster_mode(url: str) -> bool:
+    """Whether the Redis at `url` runs in cluster mode (INFO's `cluster_enabled:1`); a Redis
+    that does not answer raises redis-py's error (the caller waits or fails)."""
+    if url not in _cluster_mode:
+        if is_sentinel(url):
+            return False
+        probe = redis.Redis.from_url(url, **redis_links.client_options())
+        try:
+            _cluster_mode[url] = bool(probe.info("cluster").get("cluster_enabled"))
+        finally:
+            probe.close()
+    return _cluster_mode[url]
+
+
+def pooled_client(url: str, max_connections: int, wait_s: float = 30.0) -> Any:
+    """A client of the Redis at `url` on a pool of at most `max_connections` (connection_pool),
+    of the whole cluster when it runs in cluster mode (`max_connections` to each node). Any:
+    its replies are bytes, which redis-py's annotations cannot say."""
+    if cluster_mode(url):
+        return StateCluster.from_url(
+            url,
+            max_connections=max_connections,
+            connection_pool_class=redis.BlockingConnectionPool,
+            timeout=wait_s,
+            **redis_links.client_options(),
+        )
+    return redis.Redis(connection_pool=connection_pool(url, max_connections, wait_s))
 
 
 def connection_pool(url: str, max_connections: int, wait_s: float) -> redis.ConnectionPool:

@@ -19,6 +19,7 @@ from schemas import keys
 from schemas.fleet_clock import FleetClock
 from worker.edges import liveness
 from worker.edges.redis_errors import refusal, store_error
+from worker.edges.redis_pool import is_cluster
 from worker.session.refusals import RefusalNotice
 from worker.session.store_ports import STEP_LEASE_MS
 
@@ -91,6 +92,7 @@ class LeaseKeeper:
         self._lock = threading.Lock()
         self._pid = 0
         self._renew = client.register_script(_RENEW)
+        self._by_slot = is_cluster(client)  # a script's keys must share a slot there
         # under OOM the renewal still runs (PEXPIRE needs no memory); refused otherwise (a
         # MISCONF, a replica), a lease may run out: a step's outputs are first writer wins
         self._refused = RefusalNotice("lease renewal", log)
@@ -125,7 +127,7 @@ class LeaseKeeper:
             if not held:
                 continue
             try:
-                self._renew(keys=list(held), args=[self.lease_ms, *held.values()])
+                self._renew_all(held)
             except redis.RedisError as exc:  # the next round tries again; a lost lease is
                 reason = refusal(exc)  # taken over
                 if reason is not None:
@@ -138,6 +140,17 @@ class LeaseKeeper:
                 continue
             self._refused.accepted()
 
+    def _renew_all(self, held: dict[str, bytes]) -> None:
+        """One script for all of them; on a cluster one a slot (sessions' leases rarely
+        share one), sent in one pipeline."""
+        if not self._by_slot:
+            self._renew(keys=list(held), args=[self.lease_ms, *held.values()])
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for key, value in held.items():
+            pipe.execute_command("EVAL", _RENEW, 1, key, self.lease_ms, value)
+        pipe.execute()
+
 
 class StepLeases:
     """The lease half of RedisStore (which sets `client`, `ttl_s`, `_keeper`, `_take_over`)."""
@@ -147,6 +160,9 @@ class StepLeases:
     clock: FleetClock
     _keeper: LeaseKeeper
     _take_over: Any
+    on: Callable[[str], Any]  # RedisStore's: a session's node (or the one Redis)
+    fleet_pipe: Callable[[Any], Any]
+    flush_fleet: Callable[[Any, Any], None]
 
     def _abandoned(self, step: str, lease: bytes, token: str, lease_ms: int) -> bool:
         """Whether `lease` was held by a process that is gone (liveness), and this delivery
@@ -172,19 +188,21 @@ class StepLeases:
         """One round trip: the lease released, the try uncounted, and the session shown as
         making progress until the delivery comes back (the reconciler leaves it be)."""
         self._keeper.forget(keys.step_state(step))
-        pipe = self.client.pipeline(transaction=False)
+        pipe = self.on(keys.step_owner(step)).pipeline(transaction=False)
+        fleet = self.fleet_pipe(pipe)
         pipe.delete(keys.step_state(step))
         if stored:  # a DECR of a counter that expired would make one with no TTL
             pipe.eval(DECR_IF_THERE, 1, keys.tries(step))
         else:  # a first try counted without a write: the next delivery counts from none
             pipe.set(keys.tries(step), 0, ex=self.ttl_s)
         if sk:
-            pipe.zadd(keys.ACTIVE, {sk: self.clock.now_ms() + wait_ms}, xx=True)
+            fleet.zadd(keys.ACTIVE, {sk: self.clock.now_ms() + wait_ms}, xx=True)
         pipe.execute()
+        self.flush_fleet(fleet, pipe)
 
     @translated
     def lease_left_ms(self, step: str) -> int:
-        pipe = self.client.pipeline(transaction=False)
+        pipe = self.on(keys.step_owner(step)).pipeline(transaction=False)
         pipe.get(keys.step_state(step))
         pipe.pttl(keys.step_state(step))
         state, left_ms = pipe.execute()

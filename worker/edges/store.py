@@ -30,7 +30,7 @@ from schemas.spec_types import (
 )
 from worker.codecs.reply import Reply
 from worker.edges import liveness
-from worker.edges.redis_pool import connection_pool
+from worker.edges.redis_pool import is_cluster, pooled_client
 from worker.edges.step_leases import TAKE_OVER, LeaseKeeper, StepLeases, translated
 from worker.edges.store_fleet import FleetQueries
 from worker.edges.store_reads import GUESSED_CALLS, parsed_tool_inputs, round_keys, tool_keys
@@ -76,6 +76,9 @@ class RedisStore(StepLeases, TraceWrites, ResultWrites, FleetQueries):
         # Redis's clock: what this process stamps for others to compare (marks of progress,
         # when a session ended) is on it, whatever this host's wall clock says
         self.clock = FleetClock(lambda: server_ms(self.client.time()))
+        # on a Redis Cluster a session's pipelines go to the node holding its slot (on), and
+        # the fleet-wide writes of a step to pipelines of their own (fleet_pipe)
+        self.cluster = is_cluster(client)
         self._keeper = LeaseKeeper(self.client)
         self._take_over = self.client.register_script(TAKE_OVER)
         self._write_once = self.client.register_script(WRITE_ONCE)
@@ -89,8 +92,28 @@ class RedisStore(StepLeases, TraceWrites, ResultWrites, FleetQueries):
         pool raises MaxConnectionsError past 100). Its connections time out, keep alive and
         check their health as schemas/redis_links.py says, so a cut one errors within seconds;
         a `sentinel://` URL's pool follows the master its sentinels name (edges/redis_pool.py)."""
-        pool = connection_pool(url, max_connections, POOL_WAIT_S)
-        return cls(redis.Redis(connection_pool=pool), ttl_s, progress_after_ms)
+        return cls(pooled_client(url, max_connections, POOL_WAIT_S), ttl_s, progress_after_ms)
+
+    def on(self, sk: str) -> Any:
+        """The client of session `sk`'s pipelines and transactions: on a cluster, the node
+        holding its slot (every key of a session shares it: schemas/keys.py), where they run
+        as on one Redis; this store's client otherwise."""
+        if not self.cluster:
+            return self.client
+        return self.client.get_node_from_key(keys.meta(sk)).redis_connection
+
+    def fleet_pipe(self, pipe: Any) -> Any:
+        """Where a session's pipeline `pipe` sends its fleet-wide writes (the reconciler's
+        index, the fleet's trace, the batches told): into `pipe` on one Redis; on a cluster,
+        where their keys are in other slots, into a pipeline of their own, which the caller
+        executes (`flush_fleet`)."""
+        return self.client.pipeline(transaction=False) if self.cluster else pipe
+
+    @staticmethod
+    def flush_fleet(fleet: Any, pipe: Any) -> None:
+        """Execute the fleet-wide pipeline `fleet_pipe(pipe)` gave, when it is one of its own."""
+        if fleet is not pipe and len(fleet):
+            fleet.execute()
 
     # reading a session ---------------------------------------------------------------------
 
@@ -146,7 +169,7 @@ class RedisStore(StepLeases, TraceWrites, ResultWrites, FleetQueries):
         GUESSED_CALLS calls; only a round with more calls needs a second read."""
         spec = self._chat_spec(sk)
         last = spec.limits.max_iterations - 1 if upto_round is None else upto_round
-        raw = self.client.mget(round_keys(sk, last))
+        raw = self.on(sk).mget(round_keys(sk, last))
         return self._session_from(sk, spec, backend, last, raw)
 
     def _progress_due(self, sk: str) -> bool:
@@ -188,7 +211,7 @@ class RedisStore(StepLeases, TraceWrites, ResultWrites, FleetQueries):
             wanted.extend((r, i) for i in range(reply.call_count))
         missing = [key for key in wanted if key not in known]
         if missing:  # a round with more calls than guessed
-            fetched = self.client.mget([keys.tool_out(sk, r, i) for r, i in missing])
+            fetched = self.on(sk).mget([keys.tool_out(sk, r, i) for r, i in missing])
             known = {**known, **dict(zip(missing, fetched, strict=True))}
         outcomes: list[dict[int, ToolOutcome]] = [{} for _ in replies]
         for r, i in wanted:
@@ -201,7 +224,7 @@ class RedisStore(StepLeases, TraceWrites, ResultWrites, FleetQueries):
     def tool_inputs(self, sk: str, round_no: int, index: int) -> ToolInputs:
         """A tool step's round (reply and planned runs) and its own stored outcome, in one
         round trip."""
-        return parsed_tool_inputs(self.client.mget(tool_keys(sk, round_no, index)))
+        return parsed_tool_inputs(self.on(sk).mget(tool_keys(sk, round_no, index)))
 
     # writing outputs (first writer wins) ---------------------------------------------------
 
@@ -225,7 +248,7 @@ class RedisStore(StepLeases, TraceWrites, ResultWrites, FleetQueries):
         expire. No MULTI: whichever step writes the last outcome counts after its own write,
         so at least one of them sees the round complete (a second sight only publishes the
         next round twice, which its guard absorbs)."""
-        pipe = self.client.pipeline(transaction=False)
+        pipe = self.on(sk).pipeline(transaction=False)
         self.add_outcomes(pipe, sk, {(round_no, i): o for i, o in outcomes.items()})
         if calls:
             pipe.exists(*(keys.tool_out(sk, round_no, i) for i in range(calls)))
@@ -275,7 +298,7 @@ class RedisStore(StepLeases, TraceWrites, ResultWrites, FleetQueries):
         spec_keys: list[str] = []
         if sk and reads is not None and sk not in self._specs:
             spec_keys = [keys.spec(sk), keys.mcp_tools(sk)]
-        pipe = self.client.pipeline(transaction=True)
+        pipe = self.on(sk or keys.step_owner(step)).pipeline(transaction=True)
         token = liveness.new_token(uuid.uuid4().hex)
         try:
             wanted = [*read_keys, *spec_keys]
@@ -304,12 +327,14 @@ class RedisStore(StepLeases, TraceWrites, ResultWrites, FleetQueries):
             pipe.set(keys.tries(step), 1, nx=True, ex=self.ttl_s, get=True)
         if sk:
             pipe.mget([*wanted, keys.cancel(sk)])
+        fleet = self.fleet_pipe(pipe)
         if sk and meta:  # a round or a program run starting
             fields = [str(x) for pair in meta.items() for x in pair]
             pipe.eval(HSET_IF_THERE, 1, keys.meta(sk), *fields)
             if self._progress_due(sk):  # a sign of progress for the reconciler
-                pipe.zadd(keys.ACTIVE, {sk: self.clock.now_ms()}, xx=True)
+                fleet.zadd(keys.ACTIVE, {sk: self.clock.now_ms()}, xx=True)
         replies = pipe.execute()
+        self.flush_fleet(fleet, pipe)
         before = replies.pop(0)
         counted = None if first is True else replies.pop(0)
         if before is not None and self._abandoned(step, before, token, lease_ms):

@@ -11,6 +11,7 @@ from typing import Any
 from schemas import fleet_keys, keys
 from schemas.fleet_clock import FleetClock
 from schemas.redis_memory import RedisMemory
+from worker.edges.redis_pool import redis_memory
 from worker.edges.step_leases import translated
 from worker.errors import StoreError
 
@@ -25,7 +26,7 @@ class FleetQueries:
     @translated
     def memory(self) -> RedisMemory:
         """Redis's memory limit, use and eviction policy (INFO: allowed where CONFIG is not)."""
-        return RedisMemory.from_info(self.client.info("memory"))
+        return redis_memory(self.client)
 
     # the reconciler ------------------------------------------------------------------------
 

@@ -36,7 +36,7 @@ class RedisProgramStore:
         names this chat (`cchatq status '<run id>#send<n>'`, found through its run's claim)."""
         now_ms = self.store.clock.now_ms()  # Redis's clock, as a producer's submit
         body = keys.with_submitted(dump_body(spec_to_json(spec)), now_ms, batch)
-        pipe = self.client.pipeline(transaction=True)
+        pipe = self.store.on(sk).pipeline(transaction=True)
         pipe.set(keys.spec(sk), body, nx=True, ex=self.ttl_s)
         pipe.hsetnx(keys.meta(sk), "submitted_ms", now_ms)
         pipe.hset(keys.meta(sk), mapping={"id": spec.id, "batch": batch})

@@ -6,7 +6,7 @@ finished."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from schemas import keys
@@ -19,18 +19,19 @@ from worker.session.store_ports import EndingInputs
 # when, the outcome and the step that ended it (`ended_by`), the meta living as long as they
 # do (a session whose meta expired or was lost gets one with a TTL, never one without).
 # Returns {outcome, watchers} to the writer, and to a later delivery of the step that wrote
-# them; {'', {}} to anyone else.
+# them; {'', {}} to anyone else. The session leaves the reconciler's index (KEYS[5]) in the
+# same script on one Redis; on a cluster, where that index is in another slot, just after it.
 WRITE_ONCE = """
 if redis.call('set', KEYS[2], ARGV[2], 'NX', 'EX', ARGV[3]) then
   redis.call('set', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[3])
   redis.call('hset', KEYS[3], 'state', 'done', 'finished_ms', ARGV[4], 'outcome', ARGV[5],
              'ended_by', ARGV[6])
   redis.call('expire', KEYS[3], ARGV[3])
-  redis.call('zrem', KEYS[4], ARGV[7])
-  return {ARGV[5], redis.call('smembers', KEYS[5])}
+  if KEYS[5] then redis.call('zrem', KEYS[5], ARGV[7]) end
+  return {ARGV[5], redis.call('smembers', KEYS[4])}
 end
 if ARGV[6] ~= '' and redis.call('hget', KEYS[3], 'ended_by') == ARGV[6] then
-  return {redis.call('hget', KEYS[3], 'outcome') or '', redis.call('smembers', KEYS[5])}
+  return {redis.call('hget', KEYS[3], 'outcome') or '', redis.call('smembers', KEYS[4])}
 end
 return {'', {}}
 """
@@ -38,13 +39,18 @@ return {'', {}}
 
 class ResultWrites:
     """A part of RedisStore (which sets `client`, `ttl_s`, `clock`, `_submitted` (sk -> when
-    submitted, from the specs it read) and `_write_once`: WRITE_ONCE)."""
+    submitted, from the specs it read), `_write_once`: WRITE_ONCE, and `cluster`, `on`,
+    `fleet_pipe` and `flush_fleet`: where a session's pipelines go)."""
 
     client: Any
     ttl_s: int
     clock: FleetClock
+    cluster: bool
     _submitted: dict[str, int]
     _write_once: Any
+    on: Callable[[str], Any]
+    fleet_pipe: Callable[[Any], Any]
+    flush_fleet: Callable[[Any, Any], None]
 
     # cancellation and failure --------------------------------------------------------------
 
@@ -60,7 +66,7 @@ class ResultWrites:
     @translated
     def ending_inputs(self, sk: str) -> EndingInputs:
         submitted = self._submitted.get(sk)  # in the spec this process read, when it says
-        pipe = self.client.pipeline(transaction=False)
+        pipe = self.on(sk).pipeline(transaction=False)
         pipe.get(keys.failure(sk))
         pipe.exists(keys.cancel(sk))
         if submitted is None:
@@ -76,11 +82,13 @@ class ResultWrites:
 
     @translated
     def dead_letter(self, step: str, sk: str, body: dict[str, Any], reason: str) -> None:
-        pipe = self.client.pipeline(transaction=True)
+        pipe = self.on(sk).pipeline(transaction=True)
+        fleet = self.fleet_pipe(pipe)
         pipe.set(keys.failure(sk), dump_body(body), nx=True, ex=self.ttl_s)
-        pipe.xadd(keys.DEADLETTER, {"step": step, "reason": reason[:500]}, maxlen=100_000)
-        pipe.expire(keys.DEADLETTER, self.ttl_s)
+        fleet.xadd(keys.DEADLETTER, {"step": step, "reason": reason[:500]}, maxlen=100_000)
+        fleet.expire(keys.DEADLETTER, self.ttl_s)
         pipe.execute()
+        self.flush_fleet(fleet, pipe)
 
     # the result ----------------------------------------------------------------------------
 
@@ -104,14 +112,16 @@ class ResultWrites:
         # the winner's, and a later writer (a cancel's finish racing the round that ended
         # the session) changes nothing. The watchers are read with the write: a batch that
         # starts watching later finds the response.
+        own = [keys.record(sk), keys.response(sk), keys.meta(sk), keys.watchers(sk)]
         code, batches = self._write_once(
-            keys=[keys.record(sk), keys.response(sk), keys.meta(sk), keys.ACTIVE,
-                  keys.watchers(sk)],
+            keys=own if self.cluster else [*own, keys.ACTIVE],
             args=[dump_body(record), body, self.ttl_s, self.clock.now_ms(),
                   outcome_code(record.get("body")), ender, sk],
         )  # fmt: skip
         if not code:
             return None
+        if self.cluster:  # a session this call ended (or its step had) leaves the index
+            self.client.zrem(keys.ACTIVE, sk)
         watchers = [b.decode() for b in batches]
         if notify_later is not None:
             notify_later.extend(watchers)

@@ -4,6 +4,7 @@ events are one entry of the session's stream and one of the fleet's (`keys.TRACE
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from schemas import keys
@@ -39,19 +40,25 @@ end
 
 
 class TraceWrites:
-    """A part of RedisStore (which sets `client` and `ttl_s`)."""
+    """A part of RedisStore (which sets `client`, `ttl_s`, and `on`, `fleet_pipe` and
+    `flush_fleet`: where a session's pipelines go)."""
 
     client: Any
     ttl_s: int
     clock: FleetClock
+    on: Callable[[str], Any]
+    fleet_pipe: Callable[[Any], Any]
+    flush_fleet: Callable[[Any, Any], None]
 
     @translated
     def trace(self, write: TraceWrite) -> None:
-        pipe = self.client.pipeline(transaction=False)
-        self.add_trace(pipe, write)
+        pipe = (self.on(write.sk) if write.sk else self.client).pipeline(transaction=False)
+        fleet = self.fleet_pipe(pipe) if write.sk else pipe
+        self.add_trace(pipe, write, fleet)
         pipe.execute()
+        self.flush_fleet(fleet, pipe)
 
-    def add_trace(self, client: Any, write: TraceWrite) -> None:
+    def add_trace(self, client: Any, write: TraceWrite, fleet: Any = None) -> None:
         """A step's trace events appended by `client` (this store's, or a pipeline on it): one
         entry to the session's stream and one to the fleet's, both capped (approximately:
         cheap trimming). An event of no session (a fleet event: for the metrics) goes to the
@@ -60,14 +67,16 @@ class TraceWrites:
         there (NOMKSTREAM), so a late step of a session whose keys expired or were lost makes
         no stream without a TTL. The fleet's is tended by the writes of fleet events that set
         `expire` (the reconciler's pass, every 10 s): its TTL, and its events older than
-        TRACE_FLEET_KEEP_MS trimmed (no command of the sessions' for it)."""
+        TRACE_FLEET_KEEP_MS trimmed (no command of the sessions' for it). The fleet's
+        stream is written by `fleet` (default `client`: on a cluster, a pipeline of its own)."""
+        fleet = client if fleet is None else fleet
         every = [event.to_json() for event in write.events]
-        fleet = json.dumps(every, separators=(",", ":"))
+        entries = json.dumps(every, separators=(",", ":"))
         own = [e for e, event in zip(every, write.events, strict=True) if event.session]
         if own and write.ended_by:
             self._add_ending(client, write, own)
         elif own:
-            entry = fleet if len(own) == len(every) else json.dumps(own, separators=(",", ":"))
+            entry = entries if len(own) == len(every) else json.dumps(own, separators=(",", ":"))
             client.xadd(
                 keys.trace(write.sk),
                 {keys.TRACE_FIELD: entry},
@@ -75,15 +84,15 @@ class TraceWrites:
                 approximate=True,
                 nomkstream=not write.expire,
             )
-        client.xadd(
-            keys.TRACE, {keys.TRACE_FIELD: fleet}, maxlen=TRACE_FLEET_MAXLEN, approximate=True
+        fleet.xadd(
+            keys.TRACE, {keys.TRACE_FIELD: entries}, maxlen=TRACE_FLEET_MAXLEN, approximate=True
         )
         if write.expire and own and not write.ended_by:
             client.expire(keys.trace(write.sk), self.ttl_s)
         if write.expire and not write.sk:
             oldest_ms = self.clock.now_ms() - TRACE_FLEET_KEEP_MS
-            client.xtrim(keys.TRACE, minid=f"{oldest_ms}-0", approximate=True)
-            client.expire(keys.TRACE, self.ttl_s)
+            fleet.xtrim(keys.TRACE, minid=f"{oldest_ms}-0", approximate=True)
+            fleet.expire(keys.TRACE, self.ttl_s)
 
     def _add_ending(self, client: Any, write: TraceWrite, own: list[dict[str, Any]]) -> None:
         """The entry of the step that ended the session: whole while the stored ending is
