@@ -77,9 +77,9 @@ def finish_sessions(
             sk = keys.Claim.decode(raw_run).sk
             body, record = answer(raw_id.decode(), n, error=n % error_every == error_every - 1)
             code = body["error"]["code"] if "error" in body else "ok"
-            write_once(
-                keys=[keys.record(sk), keys.response(sk), keys.meta(sk), keys.ACTIVE,
-                      keys.watchers(sk)],
+            write_once(  # as on one Redis (not a cluster): the index in the same script
+                keys=[keys.record(sk), keys.response(sk), keys.meta(sk), keys.watchers(sk),
+                      keys.ACTIVE],
                 args=[dump_body(record), json.dumps(body), ttl_s, now_ms, code,
                       keys.round_step(sk, 0), sk],
                 client=pipe,

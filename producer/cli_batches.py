@@ -8,6 +8,7 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -26,7 +27,7 @@ from producer.client import Client
 from producer.fleet_status import read_fleet_status, unserved
 from producer.openai_batch import ToolsFileError, converter, load_tool_bindings
 from producer.openai_output import ResultFiles, errors_path, openai_lines
-from producer.report import Progress, batch_states, summary
+from producer.report import Progress, Summary, batch_states
 from producer.specfile import SpecFileError, load_stored_specs
 from producer.stored_specs import ModuleChangedError, StoredSpec
 from producer.submitting import (
@@ -39,6 +40,16 @@ from producer.validation_progress import validation_progress
 from schemas.spec_types import Spec
 
 MAX_LISTED = 20  # rejected lines listed, then how many more (all of them: --all-issues)
+
+
+@dataclass(frozen=True)
+class BatchRun:
+    """A batch waited for to its end: how many sessions, how many failed, and (when asked
+    for) their records in input order."""
+
+    sessions: int
+    failed: int
+    records: list[dict[str, Any]] = field(default_factory=list)
 
 
 class BatchInterrupted(Exception):
@@ -85,11 +96,13 @@ def run_batch(
     rerun: Rerun = "none",
     files: ResultFiles | None = None,
     namespace: str | None = None,
-) -> list[dict[str, Any]]:
+    keep_records: bool = False,
+) -> BatchRun:
     """Submit, show progress, write one JSON line per session (with its batch and which
     attempt of its id it is; or, with `files`, in their format), print the summary. Each line
     is written (and flushed) as its session finishes, so a producer that dies keeps what it
-    had; once all are in, the files are rewritten in input order."""
+    had; once all are in, the lines are copied again in input order. Only counts are kept of
+    the records (and the records themselves with `keep_records`: the demo checks them)."""
     started = time.monotonic()
     files = files or result_files("cchatq", out)
     sub: Submission = client.enqueue(specs, rerun=rerun, namespace=namespace)
@@ -103,21 +116,26 @@ def run_batch(
         + (f", {reused} already submitted" if reused else "")
         + "\n"
     )
-    records: dict[str, dict[str, Any]] = {}
-    states = batch_states(client, sub, records)
+    finished: set[str] = set()
+    kept: dict[str, dict[str, Any]] = {}
+    totals = Summary()
+    states = batch_states(client, sub, finished)
     progress = Progress(len(sub.order), stream, already=sub.done, states=states)
     with files, progress:
         try:
             for sk, record in client.wait(sub, timeout_s=timeout_s):
-                records[sk] = record
+                finished.add(sk)
                 files.write(sk, record, sub.batch, sub.runs[sk].attempt)
                 progress.update(sk, record)
+                totals.add(record)
+                if keep_records:
+                    kept[sk] = record
         except (KeyboardInterrupt, TimeoutError):
-            raise BatchInterrupted(sub.batch, len(records), len(sub.order)) from None
-    ordered = [records[sk] for sk in sub.order]
-    files.rewrite((sk, records[sk], sub.batch, sub.runs[sk].attempt) for sk in sub.order)
-    stream.write(f"results: {files}\n{summary(ordered, time.monotonic() - started)}\n")
-    return ordered
+            raise BatchInterrupted(sub.batch, len(finished), len(sub.order)) from None
+    files.reorder(sub.order)
+    stream.write(f"results: {files}\n{totals.text(time.monotonic() - started)}\n")
+    ordered = [kept[sk] for sk in sub.order if sk in kept]
+    return BatchRun(totals.sessions, totals.sessions - totals.ok, ordered)
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
@@ -195,9 +213,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
     return ended(records)
 
 
-def ended(records: list[dict[str, Any]]) -> int:
+def ended(run: BatchRun) -> int:
     """The exit code of a batch whose every session ended."""
-    return EXIT_OK if all(r.get("status") == "ok" for r in records) else EXIT_FAILED
+    return EXIT_FAILED if run.failed else EXIT_OK
 
 
 def interrupted(stop: BatchInterrupted, out: Path) -> int:
