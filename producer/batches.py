@@ -188,13 +188,13 @@ class Batches:
         member's mark read in one HMGET) or, while more than SAMPLE are left, sampled."""
         done = min(tally.done, sessions)
         left = sessions - done
+        sampled = self._sample(batch, sessions) if left > SAMPLE else []
         if left > SAMPLE:
-            found = self._sample(batch, sessions)
+            sks = [m.claim.sk for m in sampled if m.claim is not None]
+            marks = dict(zip(sks, self.tally.counted(batch, sks), strict=True))
+            rest = [m for m in sampled if m.claim is None or not marks[m.claim.sk]]
         else:
-            found = self.members(batch) if left else []
-        sks = [m.claim.sk for m in found if m.claim is not None]
-        marks = dict(zip(sks, self.tally.counted(batch, sks), strict=True))
-        rest = [m for m in found if m.claim is None or not marks[m.claim.sk]]
+            rest = self._uncounted(batch, sessions) if left else []
         seen = self._summary(batch, submitted_ms, rest)
         outcomes = Counter(tally.outcomes)
         last_ms = tally.last_finished_ms
@@ -210,8 +210,21 @@ class Batches:
             cancelling = round(left * seen.cancelling / unfinished) if unfinished else 0
         return BatchSummary(
             batch, submitted_ms, sessions, {s: n for s, n in states.items() if n},
-            dict(outcomes), cancelling, last_ms, 0 if left <= SAMPLE else len(found),
+            dict(outcomes), cancelling, last_ms, len(sampled),
         )  # fmt: skip
+
+    def _uncounted(self, batch: str, sessions: int) -> list[BatchMember]:
+        """The members the tally has not counted: every run read (one LRANGE) and its mark
+        (one HMGET), only those unmarked decoded; a member without a run is gone."""
+        runs = self.redis.lrange(keys.batch_runs(batch), 0, -1)
+        sks = [raw.partition(b" ")[0].decode() for raw in runs]  # as Claim.decode reads it
+        marks = self.tally.counted(batch, sks)
+        rest = [
+            BatchMember("", keys.Claim.decode(raw))
+            for raw, counted in zip(runs, marks, strict=True)
+            if not counted
+        ]
+        return rest + [BatchMember("", None)] * max(0, sessions - len(runs))
 
     def _sample(self, batch: str, sessions: int) -> list[BatchMember]:
         """SAMPLE members in SAMPLE_WINDOWS runs spread evenly over the batch."""
