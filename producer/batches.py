@@ -11,13 +11,16 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from producer.batch_tally import BatchTally, Tally
-from producer.submitting import PIPELINE_SIZE, Submitting
+from producer.state_reader import PIPELINE_SIZE
 from schemas import keys
 from schemas.bodies import CANCELLED, OK, is_error_body
 from schemas.spec_types import Spec, spec_from_json
+
+if TYPE_CHECKING:
+    from producer.submitting import Submitting
 
 # A batch of more sessions than this is counted by its tally: its unfinished sessions' states
 # are read exactly while this many or fewer are left, else from an even sample of this many.
@@ -112,12 +115,13 @@ class FailedSession:
     message: str  # its error body's message (a provider's says `HTTP 400: ...`)
 
 
-class Batches:
-    def __init__(self, client: Submitting, tally: BatchTally | None = None) -> None:
-        """`tally`: how batches are tallied (default: one that writes the tally hash)."""
-        self.client = client
-        self.redis = client.redis
-        self.tally = tally or BatchTally(client.redis, client.ttl_s)
+class BatchCounts:
+    """A batch's members and counts, read with Redis alone (`cchatq batch status`)."""
+
+    def __init__(self, client: Any, tally: BatchTally) -> None:
+        """`client`: redis-py's; `tally`: how batches are tallied."""
+        self.redis = client
+        self.tally = tally
 
     def recent(self, most: int = 50) -> list[tuple[str, int, int]]:
         """(batch, submitted_ms, sessions) of the latest batches, newest first."""
@@ -138,11 +142,6 @@ class Batches:
             BatchMember(i.decode(), None if run is None else keys.Claim.decode(run))
             for i, run in zip(ids, runs, strict=True)
         ]
-
-    def namespace(self, batch: str) -> str:
-        """The namespace a batch's ids were claimed in (the client's if it is not known)."""
-        raw = self.redis.get(keys.batch_namespace(batch))
-        return self.client.namespace if raw is None else str(raw.decode())
 
     def summary(self, batch: str) -> BatchSummary | None:
         """Its sessions counted by state and outcome. A batch of more than SAMPLE sessions is
@@ -236,6 +235,45 @@ class Batches:
             pipe.lrange(keys.batch_runs(batch), start, start + size - 1)
         return [BatchMember("", keys.Claim.decode(raw)) for runs in pipe.execute() for raw in runs]
 
+    def _states(self, members: list[BatchMember]) -> list[MemberState]:
+        """Each member's state, its meta and cancel flag read in one pipeline (an empty
+        MemberState when its run is gone)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for member in members:
+            if member.claim is not None:
+                pipe.hmget(keys.meta(member.claim.sk), "state", "outcome", "finished_ms")
+                pipe.exists(keys.cancel(member.claim.sk))
+        found = iter(pipe.execute())
+        states: list[MemberState] = []
+        for member in members:
+            if member.claim is None:
+                states.append(MemberState())
+                continue
+            (state, outcome, finished), cancel = next(found), next(found)
+            states.append(
+                MemberState(
+                    None if state is None else state.decode(),
+                    None if outcome is None else outcome.decode(),
+                    None if finished is None else int(finished),
+                    bool(cancel),
+                )
+            )
+        return states
+
+
+class Batches(BatchCounts):
+    """A batch's counts, results, failed sessions, cancel: through a producer's client."""
+
+    def __init__(self, client: Submitting, tally: BatchTally | None = None) -> None:
+        """`tally`: how batches are tallied (default: one that writes the tally hash)."""
+        super().__init__(client.redis, tally or BatchTally(client.redis, client.ttl_s))
+        self.client = client
+
+    def namespace(self, batch: str) -> str:
+        """The namespace a batch's ids were claimed in (the client's if it is not known)."""
+        raw = self.redis.get(keys.batch_namespace(batch))
+        return self.client.namespace if raw is None else str(raw.decode())
+
     def results(self, batch: str) -> Iterator[tuple[BatchMember, dict[str, Any] | None]]:
         """Each member with its record (None while it runs, or when its run is gone)."""
         members = self.members(batch)
@@ -279,31 +317,6 @@ class Batches:
             if m.claim is not None and looked.state is not None and looked.outcome is None
         ]
         return sum(self.client.cancel_run(sk) for sk in running)
-
-    def _states(self, members: list[BatchMember]) -> list[MemberState]:
-        """Each member's state, its meta and cancel flag read in one pipeline (an empty
-        MemberState when its run is gone)."""
-        pipe = self.redis.pipeline(transaction=False)
-        for member in members:
-            if member.claim is not None:
-                pipe.hmget(keys.meta(member.claim.sk), "state", "outcome", "finished_ms")
-                pipe.exists(keys.cancel(member.claim.sk))
-        found = iter(pipe.execute())
-        states: list[MemberState] = []
-        for member in members:
-            if member.claim is None:
-                states.append(MemberState())
-                continue
-            (state, outcome, finished), cancel = next(found), next(found)
-            states.append(
-                MemberState(
-                    None if state is None else state.decode(),
-                    None if outcome is None else outcome.decode(),
-                    None if finished is None else int(finished),
-                    bool(cancel),
-                )
-            )
-        return states
 
 
 def _estimated(seen: dict[str, int], left: int) -> dict[str, int]:

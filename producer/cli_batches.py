@@ -77,9 +77,11 @@ def result_files(
 
 
 def warn_unserved(
-    client: Client, specs: Sequence[Spec | StoredSpec], stream: TextIO = sys.stderr
+    client: Client, specs: Sequence[Spec | StoredSpec], stream: TextIO | None = None
 ) -> None:
-    """A needed queue no worker takes from: say so, rather than wait in silence."""
+    """A needed queue no worker takes from: say so, rather than wait in silence (on `stream`,
+    else sys.stderr as it is when called: this module is imported when a command runs)."""
+    stream = stream or sys.stderr
     for queue in unserved(read_fleet_status(client.redis, client.broker_redis), specs):
         stream.write(
             f"warning: no worker takes from queue {queue!r}: its steps wait until one does"
@@ -92,7 +94,7 @@ def run_batch(
     specs: Sequence[Spec | StoredSpec],
     out: Path,
     timeout_s: float | None,
-    stream: TextIO = sys.stderr,
+    stream: TextIO | None = None,
     rerun: Rerun = "none",
     files: ResultFiles | None = None,
     namespace: str | None = None,
@@ -104,6 +106,7 @@ def run_batch(
     had; once all are in, the lines are copied again in input order. Only counts are kept of
     the records (and the records themselves with `keep_records`: the demo checks them)."""
     started = time.monotonic()
+    stream = stream or sys.stderr
     files = files or result_files("cchatq", out)
     sub: Submission = client.enqueue(specs, rerun=rerun, namespace=namespace)
     if sub.warning:

@@ -16,7 +16,6 @@ from redis.sentinel import MasterNotFoundError
 from producer.redis_connect import redis_client
 from producer.redis_room import EvictingRedisError, RedisFullError, refused_write
 from schemas import redis_url as urls
-from schemas.config import ConfigError, read_config
 from schemas.fleet_config import FleetConfig
 from schemas.fleet_urls import fleet_urls
 
@@ -171,6 +170,7 @@ def connect(
     one line (producer/cli.py main). Ids are claimed and looked up in `namespace` (default: the
     configuration's), or as `lookup_batch` ran them."""
     from producer.client import Client  # the Celery app: only for commands that connect
+    from schemas.config import ConfigError, read_config
 
     url, broker = redis_url(), broker_url()
     reach_redis(url)
@@ -218,6 +218,8 @@ def _start_hint(url: str) -> str:
 
 def fleet_config() -> FleetConfig | None:
     """The configuration shared with the workers, or None after saying what is wrong with it."""
+    from schemas.config import ConfigError, read_config  # marshmallow: only where it is read
+
     try:
         return read_config()
     except ConfigError as exc:

@@ -30,6 +30,7 @@ from producer.redis_room import (
     session_bytes,
 )
 from producer.specfile import load_spec_from_objects
+from producer.state_reader import PIPELINE_SIZE as PIPELINE_SIZE  # sessions a round trip
 from producer.stored_specs import ModuleChangedError, StoredSpec, compact, module_uploads
 from schemas import keys, task_names
 from schemas.fleet_config import FleetConfig
@@ -50,7 +51,6 @@ log = logging.getLogger(__name__)
 CHUNK_SIZE = 256  # sessions admitted by one start task
 # On a Sentinel-managed Redis a submit returns once a replica holds it, or after this long
 REPLICA_WAIT_MS = 2000
-PIPELINE_SIZE = 1000  # sessions per Redis round trip at submit
 
 
 @dataclass
