@@ -12,6 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from producer.redis_connect import is_cluster
 from schemas import keys
 from schemas.bodies import dump_body
 from worker.edges.store_results import WRITE_ONCE
@@ -65,6 +66,7 @@ def finish_sessions(
     """End the first `most` (None: every) session of `batch` that has not ended, one in
     `error_every` with a provider error: how many were ended."""
     write_once = client.register_script(WRITE_ONCE)
+    cluster = is_cluster(client)
     runs: Sequence[bytes] = client.lrange(keys.batch_runs(batch), 0, -1)
     ids: Sequence[bytes] = client.lrange(keys.batch_ids(batch), 0, -1)
     members = list(zip(ids, runs, strict=True))[:most]
@@ -73,24 +75,31 @@ def finish_sessions(
         part = members[start : start + PART]
         pipe = client.pipeline(transaction=False)
         now_ms = int(time.time() * 1000)
+        written: list[Any] = []
         for n, (raw_id, raw_run) in enumerate(part, start=start):
             sk = keys.Claim.decode(raw_run).sk
             body, record = answer(raw_id.decode(), n, error=n % error_every == error_every - 1)
             code = body["error"]["code"] if "error" in body else "ok"
-            write_once(  # as on one Redis (not a cluster): the index in the same script
-                keys=[keys.record(sk), keys.response(sk), keys.meta(sk), keys.watchers(sk),
-                      keys.ACTIVE],
+            own = [keys.record(sk), keys.response(sk), keys.meta(sk), keys.watchers(sk)]
+            # on a cluster the index is in another slot (left after the script, as the workers
+            # do), and a script runs alone: a cluster's pipelines take none
+            found = write_once(
+                keys=own if cluster else [*own, keys.ACTIVE],
                 args=[dump_body(record), json.dumps(body), ttl_s, now_ms, code,
                       keys.round_step(sk, 0), sk],
-                client=pipe,
+                client=client if cluster else pipe,
             )  # fmt: skip
-        written = pipe.execute()
+            if cluster:
+                written.append(found)
+        written = written if cluster else pipe.execute()
         notify = client.pipeline(transaction=False)
         for (_, raw_run), (code, watchers) in zip(part, written, strict=True):
             if not code:
                 continue
             ended += 1
             sk = keys.Claim.decode(raw_run).sk
+            if cluster:
+                notify.zrem(keys.ACTIVE, sk)
             for watcher in watchers:  # what the ending step's commit adds (add_notify)
                 notify.rpush(keys.done_list(watcher.decode()), sk)
                 notify.expire(keys.done_list(watcher.decode()), ttl_s)

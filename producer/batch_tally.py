@@ -24,6 +24,7 @@ from typing import Any
 
 import redis
 
+from producer.redis_connect import is_cluster
 from schemas import keys
 
 CURSOR, DONE, LAST_MS, CODES = "cursor", "done", "last_ms", "codes"
@@ -32,6 +33,18 @@ COUNTED_PREFIX = "s:"  # s:<sk> -> "1" once the session is counted
 BUCKET_PREFIX = "m:"  # m:<finished_ms // BUCKET_MS> -> sessions that ended then (the rate)
 BUCKET_MS = 5_000
 READ_MOST = 10_000  # tally list entries read a round
+ENDS_PART = 1_000  # sessions whose ends one ENDS call reads
+# Sessions' outcomes and ends, from their metas (KEYS), in one command: outcome, finished_ms
+# (nil when missing) for each.
+ENDS = """
+local out = {}
+for _, key in ipairs(KEYS) do
+  local found = redis.call('hmget', key, 'outcome', 'finished_ms')
+  out[#out + 1] = found[1]
+  out[#out + 1] = found[2]
+end
+return out
+"""
 WATCH_TRIES = 20  # another reader counted meanwhile: read again
 
 
@@ -71,6 +84,7 @@ class BatchTally:
     def __init__(self, client: Any, ttl_s: int, writes: bool = True) -> None:
         self.redis, self.ttl_s, self.writes = client, ttl_s, writes
         self._overlays: dict[str, _Overlay] = {}  # batch -> what this reader counted itself
+        self._ends_script: Any = None
 
     @staticmethod
     def start(pipe: Any, batch: str, ttl_s: int) -> None:
@@ -165,11 +179,8 @@ class BatchTally:
     def _ended(self, sks: Sequence[str], into: _Overlay, last_ms: int | None) -> _Overlay:
         """The outcomes and ends of these sessions (their metas, one pipeline) added to
         `into`; one whose meta is gone (lost with Redis's data) is not counted."""
-        reads = self.redis.pipeline(transaction=False)
-        for sk in sks:
-            reads.hmget(keys.meta(sk), "outcome", "finished_ms")
         into.last_ms = last_ms if into.last_ms is None else into.last_ms
-        for sk, (outcome, finished) in zip(sks, reads.execute() if sks else [], strict=True):
+        for sk, (outcome, finished) in zip(sks, self._ends(sks), strict=True):
             if outcome is None:
                 continue
             into.counted.add(sk)
@@ -180,6 +191,22 @@ class BatchTally:
                 into.buckets[ended // BUCKET_MS] += 1
                 into.last_ms = ended if into.last_ms is None else max(into.last_ms, ended)
         return into
+
+    def _ends(self, sks: Sequence[str]) -> list[tuple[Any, Any]]:
+        """Each session's (outcome, finished_ms) from its meta: ENDS_PART sessions a command on
+        one Redis; on a cluster, whose scripts touch one slot, an HMGET each in a pipeline."""
+        reads = self.redis.pipeline(transaction=False)
+        if is_cluster(self.redis):
+            for sk in sks:
+                reads.hmget(keys.meta(sk), "outcome", "finished_ms")
+            return [tuple(found) for found in reads.execute()] if sks else []
+        if self._ends_script is None:
+            self._ends_script = self.redis.register_script(ENDS)
+        for start in range(0, len(sks), ENDS_PART):
+            part = [keys.meta(sk) for sk in sks[start : start + ENDS_PART]]
+            self._ends_script(keys=part, client=reads)
+        flat = [value for found in reads.execute() for value in found] if sks else []
+        return list(zip(flat[0::2], flat[1::2], strict=True))
 
     def _peek(self, batch: str, recent_buckets: int, now_ms: int) -> Tally | None:
         """`refresh` for a reader that does not write: the tally hash, and in this reader's

@@ -20,6 +20,7 @@ from producer.cli import main
 from producer.cli_common import EXIT_OK, EXIT_REJECTED
 from producer.client import Client
 from producer.fleet import Fleet
+from producer.local_cluster import LocalCluster
 from producer.openai_output import ResultFiles
 from producer.specfile import load_spec_file, load_stored_specs
 from producer.viewer.fleet_source import FleetSource
@@ -225,3 +226,25 @@ def test_result_lines_are_put_in_input_order_from_where_they_were_written(
             assert len(out.read_text().splitlines()) == 50 - n  # written as it arrives
     files.reorder(order)
     assert [json.loads(x)["n"] for x in out.read_text().splitlines()] == list(range(50))
+
+
+@pytest.mark.fleet  # a Redis Cluster of 3 masters, started and stopped here
+def test_a_batchs_tally_on_a_redis_cluster(redis_url: str, tmp_path: Path) -> None:
+    """The tally's transaction touches its hash alone (the batch's slot), its list is read
+    apart: a big batch's status and a twice-told ending on a 3-master cluster (the broker on
+    a Redis of its own, as on a fleet)."""
+    with LocalCluster(masters=3, workdir=tmp_path) as cluster:
+        client = Client(cluster.url, config=FleetConfig(), broker_url=redis_url)
+        try:
+            batch = submitted(client, tmp_path, 1_200)
+            finish_sessions(client.redis, batch, most=700)
+            summary = Batches(client).summary(batch)
+            assert summary is not None and summary.states == {"done": 700, "queued": 500}
+            finish_sessions(client.redis, batch)
+            first = keys.Claim.decode(client.redis.lindex(keys.batch_runs(batch), 0)).sk
+            client.redis.rpush(keys.done_list(keys.tally_watcher(batch)), first)
+            summary = Batches(client).summary(batch)
+            assert summary is not None and summary.states == {"done": 1_200}
+            assert summary.status == "completed"
+        finally:
+            client.close()
