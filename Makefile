@@ -10,7 +10,8 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 # twins); worker subprocesses of the fleet tests are not measured.
 COVERAGE_FLOOR := 85
 
-.PHONY: install demo test test-fast check lint types contracts cover bench bench-big bench-otel bench-rate chaos soak guests \
+.PHONY: install demo test test-fast check lint types contracts cover bench bench-big bench-otel bench-rate \
+	bench-scale chaos soak guests \
 	redis-server faketime nftables chromium screenshots
 
 $(PY):
@@ -93,6 +94,13 @@ bench-big: install
 # OTLP/HTTP to a receiver in the bench's process. BENCH_OTEL_ARGS="--sessions 200 --content"
 bench-otel: install
 	$(PY) -m bench.otel $(BENCH_OTEL_ARGS)
+
+# Sessions/s on 1, 2, 4, 8 and 16 worker units (one llm, tools and control worker each; the
+# sizes with 2 cores a unit on this machine), state on a plain Redis and on a 3-master cluster,
+# the broker on a Redis of its own (not part of test). A short run:
+# make bench-scale BENCH_SCALE_ARGS="--sizes 1,2 --sessions-per-unit 200"
+bench-scale: install
+	$(PY) -m bench.scale $(BENCH_SCALE_ARGS)
 
 # The fleet under failure, not part of test: workers SIGKILLed every 2 s,
 # Redis restarted mid-batch, 429s and 500s from the model, the producer killed while it waits.

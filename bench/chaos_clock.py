@@ -21,7 +21,6 @@ Redis, the replay server and the workers' logs:
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
@@ -46,6 +45,7 @@ from producer.client import Client
 from producer.fleet import Fleet
 from producer.specfile import load_spec_from_objects
 from schemas import keys
+from schemas.session_record import read_record
 
 SKEW_S = 120
 # the reconciler made to bite: a wall-clock comparison would find live sessions stalled and
@@ -83,7 +83,7 @@ def count_skew(r: Any, sks: list[str], model_calls: int, logs: Path) -> SkewCoun
         for raw in r.mget([keys.record(sk) for sk in sks[start : start + 1000]]):
             if raw is None:
                 continue
-            record = json.loads(raw)
+            record = read_record(raw).record
             transcript = record.get("transcript") or []
             counts.rounds += sum(1 for m in transcript if m.get("role") == "assistant")
             error = (record.get("body") or {}).get("error")

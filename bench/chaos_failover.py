@@ -42,6 +42,7 @@ from producer.client import Client
 from producer.fleet import Fleet
 from producer.specfile import load_spec_from_objects
 from schemas import keys
+from schemas.session_record import read_record
 
 GOAL_S = 120.0
 DOWN_AFTER_MS = 1000
@@ -147,7 +148,14 @@ def last_end_ms(r: Any, sks: Sequence[str]) -> int | None:
     pipe = r.pipeline(transaction=False)
     for sk in sks:
         pipe.hget(keys.meta(sk), "finished_ms")
-    ends = [int(v) for v in pipe.execute() if v is not None]
+        pipe.get(keys.record(sk))  # retired: its meta folded into its record
+    replies = pipe.execute()
+    ends = []
+    for finished, record in zip(replies[0::2], replies[1::2], strict=True):
+        if finished is None and record is not None:
+            finished = read_record(record).meta.get("finished_ms")
+        if finished is not None:
+            ends.append(int(finished))
     return max(ends) if ends else None
 
 

@@ -5,7 +5,6 @@ fleet's logs, a crashed producer's error)."""
 from __future__ import annotations
 
 import itertools
-import json
 import re
 import sys
 from collections import Counter
@@ -18,6 +17,7 @@ import redis
 
 from bench.history import Verdict
 from schemas import keys
+from schemas.session_record import read_record
 
 MGET = 1000
 STALL_NOTE_S = 5.0  # a session quiet this long between two of its trace events is noted
@@ -45,8 +45,17 @@ def _records(r: Any, sks: Sequence[str]) -> list[dict[str, Any] | None]:
     out: list[dict[str, Any] | None] = []
     for start in range(0, len(sks), MGET):
         raw = r.mget([keys.record(sk) for sk in sks[start : start + MGET]])
-        out.extend(None if v is None else json.loads(v) for v in raw)
+        out.extend(None if v is None else read_record(v).record for v in raw)
     return out
+
+
+def _trace(r: Any, sk: str, entries: list[Any]) -> list[dict[str, Any]]:
+    """A session's trace events: its stream's, else (retired) its record's."""
+    events = [event for _, fields in entries for event in keys.trace_events(fields)]
+    if events:
+        return events
+    raw = r.get(keys.record(sk))
+    return [] if raw is None else read_record(raw).trace
 
 
 def finished_count(r: Any, sks: Sequence[str]) -> int:
@@ -89,7 +98,7 @@ def tally(r: Any, scenario: str, sks: Sequence[str], expected_content: dict[str,
     for sk, _ in done:
         pipe.xrange(keys.trace(sk))
     traces = pipe.execute() if done else []
-    pipe = r.pipeline(transaction=False)
+    pipe = r.pipeline(transaction=False)  # a retired session's counts are gone: 1 each
     steps = [keys.tool_step(sk, n, i) for sk, rec in done for n, i, _ in _calls(rec)]
     for step in steps:
         pipe.get(keys.tries(step))
@@ -100,7 +109,7 @@ def tally(r: Any, scenario: str, sks: Sequence[str], expected_content: dict[str,
     for (sk, record), trace in zip(done, traces, strict=True):
         row.finished += 1
         finished_events: Counter[str] = Counter()
-        events = [event for _, fields in trace for event in keys.trace_events(fields)]
+        events = _trace(r, sk, trace)
         for event in events:
             if event.get("event") == "tool.call.finished":
                 finished_events[str(event.get("call_id"))] += 1

@@ -1,8 +1,9 @@
 """Finishing a submitted batch's sessions without a fleet: each session's ending written by the
 workers' own write-once script (worker/edges/store_results.py: the record, the response fd,
-the meta's end) and the batches watching it told, as a worker's ending step does. For timing
-what reads a big finished batch (`cchatq batch status`, the viewer) where a real fleet would
-take hours on 2 cores; the records are plain one-round answers.
+the meta's end) and the batches watching it told as a worker's ending step tells them (done
+list and ended index). For timing what reads a big finished batch (`cchatq batch status`, the
+viewer) where a real fleet would take hours on 2 cores; the records are plain one-round
+answers, and the sessions are not retired (their metas stay), which no reader here needs.
 """
 
 from __future__ import annotations
@@ -101,7 +102,10 @@ def finish_sessions(
             if cluster:
                 notify.zrem(keys.ACTIVE, sk)
             for watcher in watchers:  # what the ending step's commit adds (add_notify)
-                notify.rpush(keys.done_list(watcher.decode()), sk)
-                notify.expire(keys.done_list(watcher.decode()), ttl_s)
+                batch_name = watcher.decode()
+                notify.rpush(keys.done_list(batch_name), sk)
+                notify.expire(keys.done_list(batch_name), ttl_s)
+                notify.hset(keys.batch_ended(batch_name), sk, f"{code.decode()} {now_ms}")
+                notify.expire(keys.batch_ended(batch_name), ttl_s)
         notify.execute()
     return ended

@@ -17,6 +17,7 @@ from producer.batch_tally import BatchTally, Tally
 from producer.state_reader import PIPELINE_SIZE
 from schemas import keys
 from schemas.bodies import CANCELLED, OK, is_error_body
+from schemas.session_record import read_record
 from schemas.spec_types import Spec, spec_from_json
 
 if TYPE_CHECKING:
@@ -119,7 +120,7 @@ class BatchCounts:
     """A batch's members and counts, read with Redis alone (`cchatq batch status`)."""
 
     def __init__(self, client: Any, tally: BatchTally) -> None:
-        """`client`: redis-py's; `tally`: how batches are tallied."""
+        """`client`: redis-py's; `tally`: its batches' ended indexes."""
         self.redis = client
         self.tally = tally
 
@@ -155,18 +156,18 @@ class BatchCounts:
         submitted, sessions = pipe.execute()
         if submitted is None and not sessions:
             return None
-        counted = self.tally.refresh(batch) if sessions > SAMPLE else None
-        if counted is None:  # small, or submitted before tallies: every state read
+        if sessions <= SAMPLE:  # small: every member's state read
             return self._summary(batch, int(submitted or 0), self.members(batch))
-        return self._tallied(batch, int(submitted or 0), sessions, counted)
+        return self._tallied(batch, int(submitted or 0), sessions, self.tally.read(batch))
 
     def _summary(
-        self, batch: str, submitted_ms: int, members: list[BatchMember], sampled: int = 0
+        self, batch: str, submitted_ms: int, members: list[BatchMember], indexed: bool = True
     ) -> BatchSummary:
+        """`members` counted by their states (`indexed`: those in the ended index from it)."""
         states: Counter[str] = Counter()
         outcomes: Counter[str] = Counter()
         cancelling, last_ms = 0, None
-        for looked in self._states(members):
+        for looked in self._states(members, batch if indexed else ""):
             if looked.state is None:
                 states["gone"] += 1
             elif looked.outcome is not None:
@@ -178,28 +179,27 @@ class BatchCounts:
                 states["queued" if looked.state == "queued" else "running"] += 1
                 cancelling += looked.cancel_requested
         return BatchSummary(
-            batch, submitted_ms, len(members), dict(states), dict(outcomes), cancelling,
-            last_ms, sampled,
-        )  # fmt: skip
+            batch, submitted_ms, len(members), dict(states), dict(outcomes), cancelling, last_ms
+        )
 
     def _tallied(self, batch: str, submitted_ms: int, sessions: int, tally: Tally) -> BatchSummary:
-        """The tally's finished sessions, and the others found among the members (every
-        member's mark read in one HMGET) or, while more than SAMPLE are left, sampled."""
+        """The ended index's sessions, and the others found among the members (every run
+        read, against the index's keys) or, while more than SAMPLE are left, sampled."""
         done = min(tally.done, sessions)
         left = sessions - done
         sampled = self._sample(batch, sessions) if left > SAMPLE else []
         if left > SAMPLE:
             sks = [m.claim.sk for m in sampled if m.claim is not None]
-            marks = dict(zip(sks, self.tally.counted(batch, sks), strict=True))
+            marks = dict(zip(sks, self.tally.ended(batch, sks), strict=True))
             rest = [m for m in sampled if m.claim is None or not marks[m.claim.sk]]
         else:
-            rest = self._uncounted(batch, sessions) if left else []
-        seen = self._summary(batch, submitted_ms, rest)
+            rest = self._unended(batch, sessions) if left else []
+        seen = self._summary(batch, submitted_ms, rest, indexed=False)
         outcomes = Counter(tally.outcomes)
         last_ms = tally.last_finished_ms
         states = Counter({"done": done})
         cancelling = seen.cancelling
-        if left <= SAMPLE:  # exact: those found ended since the tally was read are done too
+        if left <= SAMPLE:  # exact: those found ended since the index was read are done too
             outcomes.update(seen.outcomes)
             states.update(seen.states)
             last_ms = max(filter(None, (last_ms, seen.last_finished_ms)), default=None)
@@ -212,16 +212,15 @@ class BatchCounts:
             dict(outcomes), cancelling, last_ms, len(sampled),
         )  # fmt: skip
 
-    def _uncounted(self, batch: str, sessions: int) -> list[BatchMember]:
-        """The members the tally has not counted: every run read (one LRANGE) and its mark
-        (one HMGET), only those unmarked decoded; a member without a run is gone."""
+    def _unended(self, batch: str, sessions: int) -> list[BatchMember]:
+        """The members not in the ended index: every run read (one LRANGE) against the index's
+        keys (one HKEYS), only the others decoded; a member without a run is gone."""
         runs = self.redis.lrange(keys.batch_runs(batch), 0, -1)
-        sks = [raw.partition(b" ")[0].decode() for raw in runs]  # as Claim.decode reads it
-        marks = self.tally.counted(batch, sks)
+        ended = self.tally.ended_keys(batch)
         rest = [
             BatchMember("", keys.Claim.decode(raw))
-            for raw, counted in zip(runs, marks, strict=True)
-            if not counted
+            for raw in runs
+            if raw.partition(b" ")[0].decode() not in ended  # the sk, as Claim.decode reads it
         ]
         return rest + [BatchMember("", None)] * max(0, sessions - len(runs))
 
@@ -235,38 +234,52 @@ class BatchCounts:
             pipe.lrange(keys.batch_runs(batch), start, start + size - 1)
         return [BatchMember("", keys.Claim.decode(raw)) for runs in pipe.execute() for raw in runs]
 
-    def _states(self, members: list[BatchMember]) -> list[MemberState]:
-        """Each member's state, its meta and cancel flag read in one pipeline (an empty
-        MemberState when its run is gone)."""
+    def _states(self, members: list[BatchMember], batch: str = "") -> list[MemberState]:
+        """Each member's state: how it ended, from `batch`'s ended index (one HMGET), else its
+        meta and cancel flag (a pipeline over those not ended), else its retired record (one
+        it joined that ended before); an empty MemberState when its run is gone."""
+        sks = [m.claim.sk for m in members if m.claim is not None]
+        ended: dict[str, MemberState] = {}
+        found_ended = self.redis.hmget(keys.batch_ended(batch), sks) if batch and sks else []
+        for sk, raw in zip(sks, found_ended, strict=False):
+            if raw is not None:
+                outcome, _, finished_ms = raw.decode().partition(" ")
+                ended[sk] = MemberState("done", outcome, int(finished_ms or 0) or None)
         pipe = self.redis.pipeline(transaction=False)
-        for member in members:
-            if member.claim is not None:
-                pipe.hmget(keys.meta(member.claim.sk), "state", "outcome", "finished_ms")
-                pipe.exists(keys.cancel(member.claim.sk))
-        found = iter(pipe.execute())
-        states: list[MemberState] = []
-        for member in members:
-            if member.claim is None:
-                states.append(MemberState())
-                continue
+        asked = [sk for sk in sks if sk not in ended]
+        for sk in asked:
+            pipe.hmget(keys.meta(sk), "state", "outcome", "finished_ms")
+            pipe.exists(keys.cancel(sk))
+        found = iter(pipe.execute() if asked else [])
+        looked: dict[str, MemberState] = {}
+        for sk in asked:
             (state, outcome, finished), cancel = next(found), next(found)
-            states.append(
-                MemberState(
-                    None if state is None else state.decode(),
-                    None if outcome is None else outcome.decode(),
-                    None if finished is None else int(finished),
-                    bool(cancel),
-                )
+            looked[sk] = MemberState(
+                None if state is None else state.decode(),
+                None if outcome is None else outcome.decode(),
+                None if finished is None else int(finished),
+                bool(cancel),
             )
-        return states
+        gone = [sk for sk, state in looked.items() if state.state is None]
+        raw_records = self.redis.mget([keys.record(sk) for sk in gone]) if gone else []
+        for sk, raw in zip(gone, raw_records, strict=True):
+            stored = None if raw is None else read_record(raw)
+            if stored is not None and stored.retired:
+                finished_ms = stored.meta.get("finished_ms")
+                looked[sk] = MemberState(
+                    "done", stored.meta.get("outcome"), int(finished_ms) if finished_ms else None
+                )
+        return [
+            MemberState() if m.claim is None else ended.get(m.claim.sk) or looked[m.claim.sk]
+            for m in members
+        ]
 
 
 class Batches(BatchCounts):
     """A batch's counts, results, failed sessions, cancel: through a producer's client."""
 
-    def __init__(self, client: Submitting, tally: BatchTally | None = None) -> None:
-        """`tally`: how batches are tallied (default: one that writes the tally hash)."""
-        super().__init__(client.redis, tally or BatchTally(client.redis, client.ttl_s))
+    def __init__(self, client: Submitting) -> None:
+        super().__init__(client.redis, BatchTally(client.redis))
         self.client = client
 
     def namespace(self, batch: str) -> str:
@@ -290,7 +303,7 @@ class Batches(BatchCounts):
         members = self.members(batch)
         failed = [
             (m.spec_id, m.claim.sk, looked.outcome)
-            for m, looked in zip(members, self._states(members), strict=True)
+            for m, looked in zip(members, self._states(members, batch), strict=True)
             if m.claim is not None and looked.outcome is not None and looked.outcome != OK
         ]
         out: list[FailedSession] = []
@@ -304,16 +317,23 @@ class Batches(BatchCounts):
         return out
 
     def specs_of(self, sks: list[str]) -> list[Spec]:
-        """The stored specs of these sessions (those still stored), to run again."""
+        """The stored specs of these sessions (those still stored: a session that ended with
+        an error keeps its spec in its record), to run again."""
         raw = self.redis.mget([keys.spec(sk) for sk in sks]) if sks else []
-        return [spec_from_json(json.loads(r)) for r in raw if r is not None]
+        retired = [sk for sk, r in zip(sks, raw, strict=True) if r is None]
+        records = zip(retired, self.client.stored_records(retired), strict=True)
+        kept = {sk: s.spec for sk, s in records if s is not None and s.spec is not None}
+        specs = [
+            json.loads(r) if r is not None else kept.get(sk) for sk, r in zip(sks, raw, strict=True)
+        ]
+        return [spec_from_json(s) for s in specs if s is not None]
 
     def cancel(self, batch: str) -> int:
         """Ask every session of the batch that has not finished to stop: how many."""
         members = self.members(batch)
         running = [
             m.claim.sk
-            for m, looked in zip(members, self._states(members), strict=True)
+            for m, looked in zip(members, self._states(members, batch), strict=True)
             if m.claim is not None and looked.state is not None and looked.outcome is None
         ]
         return sum(self.client.cancel_run(sk) for sk in running)

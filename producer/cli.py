@@ -9,6 +9,7 @@ import os
 import re
 import sys
 from collections.abc import Sequence
+from dataclasses import asdict
 from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
@@ -65,6 +66,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         fleet = read_fleet_status(client.redis, client.broker_redis)
         sys.stderr.write("".join(f"{w}\n" for w in fleet.warnings))  # loud: not only in JSON
         shown = fleet.to_json()
+        # Redis memory a session holds: sampled, a finished one's and a running one's
+        from producer.session_memory import session_memory
+
+        shown["session_memory"] = asdict(session_memory(client.redis))
         shown["redis"] = redis_where(redis_url(), client.redis)
         if broker_url() != redis_url():
             shown["broker"] = redis_where(broker_url(), client.broker_redis)

@@ -111,7 +111,7 @@ def status(batch: str, as_json: bool) -> int:
     reach_redis(url)
     reader = state_reader(url)
     try:
-        counts = BatchCounts(reader.redis, BatchTally(reader.redis, reader.ttl_s))
+        counts = BatchCounts(reader.redis, BatchTally(reader.redis))
         summary = counts.summary(batch)
     finally:
         reader.close()

@@ -34,6 +34,7 @@ from producer.redis_connect import redis_client
 from schemas import task_names
 from schemas.config import read_config
 from schemas.fleet_config import FleetConfig
+from schemas.fleet_urls import fleet_urls
 from schemas.protocols import PROTOCOLS
 
 # the variables a configuration is read from (schemas/config.py read_config)
@@ -292,7 +293,7 @@ class Fleet:
         registers once it has booted), so that a batch submitted next is not warned about.
         `already`: consumers per queue there were before ours started (a shared Redis), each
         queue waits for one more. A worker of ours that exits meanwhile fails it at once."""
-        client = redis_client(self.redis_url)
+        client = redis_client(fleet_urls(self.worker_env()).broker)  # its consumers are there
         deadline = time.monotonic() + timeout_s
         before = already or {}
         try:

@@ -10,12 +10,11 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from producer.redis_connect import redis_memory
 from producer.stored_specs import StoredSpec
 from producer.stored_specs import needed_queues as needed_queues  # its home before
 from schemas import fleet_keys, keys
 from schemas.rate_state import ControllerStatus, controller_status
-from schemas.redis_memory import eviction_warning
+from schemas.redis_memory import RedisMemory, eviction_warning
 from schemas.redis_url import redacted
 from schemas.spec_types import Spec
 from schemas.task_names import (
@@ -85,7 +84,7 @@ def read_fleet_status(client: Any, broker: Any = None) -> FleetStatus:
 def _memory(client: Any) -> dict[str, Any]:
     """Redis's memory, and the warning an evicting maxmemory-policy earns (the workers run on
     it only with CCHATQ_ALLOW_EVICTION=1)."""
-    memory = redis_memory(client)
+    memory = RedisMemory.of(client)
     where = redacted(_url_of(client))
     return {
         "redis_memory": {

@@ -15,6 +15,7 @@ from producer.user_stream import RunEnded, UserStream
 from schemas import keys, redis_links, task_names
 from schemas.fleet_clock import FleetClock
 from schemas.partial import PartialRound
+from schemas.session_record import StoredRecord, read_record
 from schemas.spec_types import ProgramSpec, Spec, spec_from_json
 
 QUEUED = b"queued"  # a session's state from submit until its first round
@@ -29,8 +30,12 @@ class SessionLookups:
     lookup_batch: str | None  # an id is the run this batch ran (`--batch B`)
 
     def records(self, sks: Sequence[str]) -> list[dict[str, Any] | None]:
-        raw = self.redis.mget([keys.record(sk) for sk in sks])
-        return [None if r is None else json.loads(r) for r in raw]
+        return [None if r is None else r.record for r in self.stored_records(sks)]
+
+    def stored_records(self, sks: Sequence[str]) -> list[StoredRecord | None]:
+        """Each session's record, with what its retirement folded in (schemas/session_record)."""
+        raw = self.redis.mget([keys.record(sk) for sk in sks]) if sks else []
+        return [None if r is None else read_record(r) for r in raw]
 
     def state_counts(self, sks: Sequence[str]) -> tuple[int, int]:
         """How many of these sessions are queued (not yet in their first round) and how many
@@ -69,8 +74,11 @@ class SessionLookups:
         if sk is None:
             return None
         meta = {k.decode(): v.decode() for k, v in self.redis.hgetall(keys.meta(sk)).items()}
-        if not meta:
-            return None
+        if not meta:  # a retired session keeps its meta in its record
+            stored = self.stored_records([sk])[0]
+            if stored is None or not stored.retired:
+                return None
+            meta = dict(stored.meta)
         meta.pop("finished_said", None)  # the workers' own: its trace said session.finished
         pipe = self.redis.pipeline(transaction=False)
         pipe.exists(keys.response(sk))
@@ -123,12 +131,12 @@ class SessionLookups:
         self, stream_sk: str, follow: bool = False, block_ms: int = 1000
     ) -> Iterator[dict[str, Any]]:
         """`trace`, of a run known by its session key."""
-        stream, last = keys.trace(stream_sk), "0-0"
+        stream, last, said = keys.trace(stream_sk), "0-0", 0
         if not follow:
             events = [
                 e for _, fields in self.redis.xrange(stream) for e in keys.trace_events(fields)
             ]
-            yield from in_time_order(events)
+            yield from in_time_order(events or self._retired_trace(stream_sk))
             return
         while True:
             read = self.redis.xread(
@@ -139,11 +147,21 @@ class SessionLookups:
             for entry_id, fields in entries:
                 last = entry_id
                 events.extend(keys.trace_events(fields))
+            said += len(events)
             yield from in_time_order(events)
             if any(e.get("event") == "session.finished" for e in events):
                 return  # the session's last event: its end waited for its running steps
             if not entries and not self.redis.exists(keys.meta(stream_sk)):
+                # retired (its stream folded into its record, the events not read yet from
+                # it follow), or gone
+                yield from in_time_order(self._retired_trace(stream_sk)[said:])
                 return
+
+    def _retired_trace(self, sk: str) -> list[dict[str, Any]]:
+        """A retired session's trace events, in the order they were written (none when it is
+        not retired)."""
+        stored = self.stored_records([sk])[0]
+        return stored.trace if stored is not None else []
 
     def cancel(self, spec_id: str) -> bool:
         """Ask a session to stop; every step checks at its boundary. False if unknown."""
@@ -185,8 +203,17 @@ class SessionLookups:
         stream.open()
         return stream
 
+    def spec_json(self, sk: str) -> dict[str, Any] | None:
+        """A session's stored spec as JSON: its own key, or what its retired record kept (a
+        session that ended with an error, a program run's chat); None otherwise."""
+        raw = self.redis.get(keys.spec(sk))
+        if raw is not None:
+            return dict(json.loads(raw))
+        stored = self.stored_records([sk])[0]
+        return None if stored is None or stored.spec is None else dict(stored.spec)
+
     def _stored_spec(self, sk: str) -> Spec | None:
-        """The spec a run was submitted with, None once it expired."""
+        """The spec a run was submitted with, None once it expired (or its session retired)."""
         raw = self.redis.get(keys.spec(sk))
         return None if raw is None else spec_from_json(json.loads(raw))
 

@@ -13,7 +13,6 @@ from redis.cluster import RedisCluster
 from redis.sentinel import Sentinel, SentinelManagedConnection
 
 from schemas import redis_links
-from schemas.redis_memory import RedisMemory
 from schemas.redis_url import SentinelUrl, check_redis_url
 
 # how long a sentinel may take to connect and to answer before the next one is asked
@@ -91,14 +90,6 @@ def _cluster_enabled(client: Any) -> bool:
 
 def is_cluster(client: Any) -> bool:
     return isinstance(client, RedisCluster)
-
-
-def redis_memory(client: Any) -> RedisMemory:
-    """Redis's memory (INFO: allowed where CONFIG is not); a cluster's, its masters' together."""
-    if is_cluster(client):
-        infos = client.info("memory", target_nodes=RedisCluster.PRIMARIES)
-        return RedisMemory.from_infos(list(infos.values()))
-    return RedisMemory.from_info(client.info("memory"))
 
 
 def sentinel_client(url: SentinelUrl, **options: Any) -> Any:

@@ -12,7 +12,6 @@ from typing import Any
 
 import redis
 
-from producer.redis_connect import redis_memory
 from schemas.redis_memory import (
     RedisMemory,
     allow_eviction,
@@ -33,10 +32,7 @@ from schemas.redis_memory import (
 # prompt again). Per spec byte: 7.1 for one round, 12.6 for a tool's two rounds.
 # The broker's messages are gone once a session ended, but every session of a submit has one
 # waiting at once (its chunk's start task publishes all their first rounds): ~1.3 KB each.
-# Its batch's tally (producer/batch_tally.py): a watcher entry, a tally list entry and its
-# mark in the tally hash, ~200 B (estimated from the entries' sizes, not measured).
-TALLY_BYTES = 200
-SESSION_FIXED_BYTES = 7_200 + 1_500 + TALLY_BYTES
+SESSION_FIXED_BYTES = 7_200 + 1_500
 SPEC_BYTES_FIXED = 1.5  # per spec byte: the spec, its meta's copy, the record's transcript
 SPEC_BYTES_PER_ROUND = 5.6  # per spec byte and round: reply, outcome, response, trace
 JOINED_BYTES = 300  # a session joining a run that exists: one watcher entry
@@ -63,7 +59,7 @@ def read_memory(client: Any) -> RedisMemory:
     """Redis's memory; a Redis whose ACL forbids even INFO is taken as one without a limit
     (nothing can be checked: its own refusals still end the submit in one line)."""
     try:
-        return redis_memory(client)
+        return RedisMemory.of(client)
     except redis.exceptions.NoPermissionError:
         return RedisMemory(0, 0, "noeviction")
 

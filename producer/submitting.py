@@ -17,7 +17,7 @@ from typing import Any, Literal
 import redis
 
 from producer.backend_check import backend_check
-from producer.batch_tally import BatchTally
+from producer.batch_tally import ended_before
 from producer.lookups import SessionLookups
 from producer.redis_connect import is_cluster
 from producer.redis_room import (
@@ -263,8 +263,7 @@ class Submitting(SessionLookups):
         active: dict[str, int] = {}  # the fleet's reconciler watches them: one ZADD a part
         for (spec, _), (run, won) in zip(part, runs, strict=True):
             sk = run.sk
-            # the batch's tally watches it too (producer/batch_tally.py)
-            pipe.sadd(keys.watchers(sk), sub.batch, keys.tally_watcher(sub.batch))
+            pipe.sadd(keys.watchers(sk), sub.batch)
             pipe.expire(keys.watchers(sk), self.ttl_s)
             if won:
                 stored_form = keys.with_submitted(spec.body, now_ms, sub.batch)
@@ -322,13 +321,12 @@ class Submitting(SessionLookups):
         numbers = range(sub.chunks, sub.chunks + len(chunks))
         sub.chunks += len(chunks)
         pipe = self.redis.pipeline(transaction=False)
-        if not within:
-            BatchTally.start(pipe, sub.batch, self.ttl_s)
-        ended = [sk for sk in sub.order if sk in sub.done]  # joined runs that ended before
-        if ended:  # told no batch of this submit: its tally is told here
-            tally_list = keys.done_list(keys.tally_watcher(sub.batch))
-            pipe.rpush(tally_list, *ended)
-            pipe.expire(tally_list, self.ttl_s)
+        # runs it joined that had ended: no worker tells this batch, so its ended index
+        # (what its status counts) is told here
+        told = ended_before(self.redis, [sk for sk in sub.order if sk in sub.done])
+        if told:
+            pipe.hset(keys.batch_ended(sub.batch), mapping=told)
+            pipe.expire(keys.batch_ended(sub.batch), self.ttl_s)
         for n, members in zip(numbers, chunks, strict=True):
             pipe.delete(keys.chunk(sub.batch, n))  # a pipeline sent again writes it once
             pipe.rpush(keys.chunk(sub.batch, n), *members)

@@ -13,7 +13,6 @@ input: `Client.stream` raises RunEnded, naming how it ended.
 
 from __future__ import annotations
 
-import json
 import sys
 import threading
 import time
@@ -22,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from schemas import keys, redis_links
+from schemas.session_record import read_record
 from schemas.user_stream import (
     CLOSE,
     DATA,
@@ -124,7 +124,7 @@ class UserStream:
         response, record = self.redis.mget([keys.response(self.sk), keys.record(self.sk)])
         if response is None:
             return None
-        return RunEnding.from_record(None if record is None else json.loads(record))
+        return RunEnding.from_record(None if record is None else read_record(record).record)
 
     def wait_ending(self, poll_s: float = END_POLL_S) -> RunEnding:
         """How the run ended, once it has (Ctrl-C stops the wait; the run keeps going)."""

@@ -11,7 +11,6 @@ from typing import Any
 
 import redis
 
-from producer.batch_tally import BatchTally
 from producer.lookups import QUEUED
 from producer.redis_room import refused_write
 from producer.submitting import Submission, Submitting
@@ -25,10 +24,6 @@ STATE_SAMPLE = 10_000  # pending sessions whose state one look reads
 
 
 class Waiting(Submitting):
-    @property
-    def tally(self) -> BatchTally:
-        return BatchTally(self.redis, self.ttl_s)
-
     def wait(
         self,
         sub: Submission,
@@ -62,8 +57,6 @@ class Waiting(Submitting):
                     # a dropped connection never delivered, or by a Redis restart) is found here
                     ready.extend(self._finished(pending))
                     self._rerun_lost(sub, pending)
-                    # counted as they end, so a status after the wait reads a few fields
-                    self.tally.refresh(sub.batch)
                     moved, stalled = self._stalled(pending, seen, stall_s, started)
                     if moved:
                         progress = time.monotonic()
@@ -109,9 +102,11 @@ class Waiting(Submitting):
         now: a later rerun of the id is another batch's."""
         sks = sorted(pending)[:STATE_SAMPLE]
         pipe = self.redis.pipeline(transaction=False)
-        for sk in sks:
+        for sk in sks:  # a session that ended since is retired: its response stays
             pipe.exists(keys.meta(sk))
-        gone = [sk for sk, there in zip(sks, pipe.execute(), strict=True) if not there]
+            pipe.exists(keys.response(sk))
+        there = pipe.execute()
+        gone = [sk for n, sk in enumerate(sks) if not there[2 * n] and not there[2 * n + 1]]
         if not gone:
             return
         claims = self.claims([sub.ids[sk] for sk in gone], sub.namespace)

@@ -7,9 +7,9 @@ apart. Read here for the workers and the producer alike.
     CCHATQ_BROKER_URL   the Celery broker's queues
 
 When both are the same Redis, a step's messages and its state are written in one transaction;
-apart, a step writes its state, then its messages, then its published marker (a step that dies
-in between runs again and finds its outputs written: its messages may go out twice, which the
-next step's lease absorbs).
+apart, a step writes its state in one transaction, then its messages: a step that dies between
+the two leaves its session with no next step in a queue, which the reconciler publishes again
+once the session shows no progress for CCHATQ_STALL_AFTER_S (as for a message a broker lost).
 """
 
 from __future__ import annotations

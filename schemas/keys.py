@@ -28,6 +28,7 @@ step's scripts and transactions touch one node; the keys without one are fleet-w
     cq:batch:{batch}:runs   the run of each of them this batch ran or joined (Claim), in the
                             same order: a batch's results are these runs, whatever reruns follow
     cq:batch:{batch}:ns     the namespace its ids were claimed in (a retry claims there too)
+    cq:batch:{batch}:ended  hash: each of its sessions that ended -> "<outcome> <finished_ms>"
     cq:batches              sorted set: batch -> when it was submitted (ms)
     cq:chunk:{batch}:{n}    sks admitted by one start task
     cq:module:<sha256>      WASM module bytes, content-addressed
@@ -43,6 +44,7 @@ step's scripts and transactions touch one node; the keys without one are fleet-w
     cq:trace:{sk}           a session's trace events, an entry a step (TRACE_FIELD)
     cq:trace                the fleet's, the same entries with the steps' fleet events
     cq:deadletter           stream of poison steps
+    cq:finished             finished sessions by when they ended (CCHATQ_RESULTS_KEEP only)
 
 The fleet's keys beside its sessions' (rate limits, the reconciler's, the broker's): fleet_keys.py.
 """
@@ -61,6 +63,9 @@ DEADLETTER = f"{PREFIX}:deadletter"
 TRACE = f"{PREFIX}:trace"  # the fleet's trace events, capped (TRACE_FLEET_MAXLEN)
 # sessions not finished yet, scored by their last sign of progress (ms): the reconciler's index
 ACTIVE = f"{PREFIX}:active"
+# finished sessions scored by when they ended (ms), kept only when results are kept by count
+# (CCHATQ_RESULTS_KEEP): the reconciler deletes the oldest beyond it
+FINISHED = f"{PREFIX}:finished"
 # a trace stream entry's one field: the events one step made, as a JSON array (one entry a
 # step and stream, not one an event)
 TRACE_FIELD = "events"
@@ -280,19 +285,14 @@ def batch_runs(batch: str) -> str:
     return f"{PREFIX}:batch:{_tag(batch)}:runs"
 
 
+def batch_ended(batch: str) -> str:
+    """The batch's sessions that ended: sk -> "<outcome> <finished_ms>" (a hash), written as
+    each is told; `cchatq batch status` counts from it."""
+    return f"{PREFIX}:batch:{_tag(batch)}:ended"
+
+
 def batch_namespace(batch: str) -> str:
     return f"{PREFIX}:batch:{_tag(batch)}:ns"
-
-
-def batch_tally(batch: str) -> str:
-    """A batch's count of its ended sessions (a hash: producer/batch_tally.py)."""
-    return f"{PREFIX}:batch:{_tag(batch)}:tally"
-
-
-def tally_watcher(batch: str) -> str:
-    """Also watching a batch's sessions: the workers push each that ends on its done list,
-    which no producer pops (producer/batch_tally.py)."""
-    return f"{batch}#tally"
 
 
 BATCHES = f"{PREFIX}:batches"  # batch -> when it was submitted (ms), a sorted set

@@ -46,6 +46,15 @@ class RedisMemory:
         policy = next((m.policy for m in each if m.evicts), each[0].policy if each else NO_EVICTION)
         return cls(limit, sum(m.used_bytes for m in each), policy)
 
+    @classmethod
+    def of(cls, client: Any) -> RedisMemory:
+        """A client's Redis's memory (INFO: allowed where CONFIG is not); a Redis Cluster
+        client's (redis-py's RedisCluster, known by its masters), its masters' together."""
+        if hasattr(client, "get_primaries"):
+            infos = client.info("memory", target_nodes="primaries")
+            return cls.from_infos(list(infos.values()))
+        return cls.from_info(client.info("memory"))
+
     @property
     def limited(self) -> bool:
         return self.maxmemory_bytes > 0

@@ -2,7 +2,8 @@
 line, a file with an error anywhere enqueues nothing, a batch's status and the viewer's page
 read as much for 3,000 sessions as for 1,500 (commands counted by Redis's INFO commandstats),
 and result lines are put in input order from where they were written. Sessions are ended by
-the workers' own write-once script (bench/synthetic_finish.py)."""
+the workers' own write-once script, and their batches told as the workers tell them
+(bench/synthetic_finish.py)."""
 
 from __future__ import annotations
 
@@ -123,7 +124,6 @@ def test_status_of_a_finished_batch_reads_a_few_fields(
     batch = submitted(client, tmp_path, count)
     assert finish_sessions(client.redis, batch, error_every=50) == count
     batches = Batches(client)
-    batches.summary(batch)  # counts the ended sessions once
     commands(client)
     summary = batches.summary(batch)
     ran = commands(client)
@@ -177,17 +177,30 @@ def test_an_ending_told_twice_is_counted_once(client: Client, tmp_path: Path) ->
     batch = submitted(client, tmp_path, 1_200)
     finish_sessions(client.redis, batch)
     first = keys.Claim.decode(client.redis.lindex(keys.batch_runs(batch), 0)).sk
-    client.redis.rpush(keys.done_list(keys.tally_watcher(batch)), first)  # a redelivery's
+    told = client.redis.hget(keys.batch_ended(batch), first)
+    client.redis.hset(keys.batch_ended(batch), first, told)  # a redelivered ending's telling
     summary = Batches(client).summary(batch)
     assert summary is not None and summary.states == {"done": 1_200}
+
+
+def test_a_batch_joining_runs_that_ended_counts_them(client: Client, tmp_path: Path) -> None:
+    """The same file submitted again joins the runs of its ids, which ended before this batch
+    watched them: the submit tells its ended index, so they count at once."""
+    path = write_specs(tmp_path / "again.jsonl", 1_200, "again")
+    first = client.enqueue(load_stored_specs(path)).batch
+    finish_sessions(client.redis, first, error_every=100)
+    again = client.enqueue(load_stored_specs(path))
+    assert len(again.done) == 1_200 and not again.new
+    summary = Batches(client).summary(again.batch)
+    assert summary is not None and summary.states == {"done": 1_200}
+    assert summary.outcomes == {"ok": 1_188, "provider_error": 12}
 
 
 def test_the_viewer_pages_a_big_batch_reading_its_page_only(
     client: Client, redis_url: str, tmp_path: Path
 ) -> None:
     """The default view of a 3,000-session batch reads the records of its page alone and
-    counts from the tally, writing nothing (what the tally has not counted, it counts in its
-    own memory)."""
+    counts from the batch's ended index, writing nothing."""
     batch = submitted(client, tmp_path, 3_000)
     finish_sessions(client.redis, batch, error_every=100)
     source = FleetSource(Client(redis_url, config=FleetConfig()))
@@ -229,10 +242,9 @@ def test_result_lines_are_put_in_input_order_from_where_they_were_written(
 
 
 @pytest.mark.fleet  # a Redis Cluster of 3 masters, started and stopped here
-def test_a_batchs_tally_on_a_redis_cluster(redis_url: str, tmp_path: Path) -> None:
-    """The tally's transaction touches its hash alone (the batch's slot), its list is read
-    apart: a big batch's status and a twice-told ending on a 3-master cluster (the broker on
-    a Redis of its own, as on a fleet)."""
+def test_a_big_batchs_status_on_a_redis_cluster(redis_url: str, tmp_path: Path) -> None:
+    """A big batch's status on a 3-master cluster (the broker on a Redis of its own, as on a
+    fleet): its ended index read in the batch's slot, its sessions' states across slots."""
     with LocalCluster(masters=3, workdir=tmp_path) as cluster:
         client = Client(cluster.url, config=FleetConfig(), broker_url=redis_url)
         try:
@@ -241,8 +253,6 @@ def test_a_batchs_tally_on_a_redis_cluster(redis_url: str, tmp_path: Path) -> No
             summary = Batches(client).summary(batch)
             assert summary is not None and summary.states == {"done": 700, "queued": 500}
             finish_sessions(client.redis, batch)
-            first = keys.Claim.decode(client.redis.lindex(keys.batch_runs(batch), 0)).sk
-            client.redis.rpush(keys.done_list(keys.tally_watcher(batch)), first)
             summary = Batches(client).summary(batch)
             assert summary is not None and summary.states == {"done": 1_200}
             assert summary.status == "completed"

@@ -6,18 +6,16 @@ stalled and past the deadline. Real workers, Redis DB 14 of the base fleet, the 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 
 from bench.chaos_clock import count_skew
 from bench.chaos_fleet import expected, weather_objects
 from fixtures.clock_skew import missing_reason, skewed_env
+from producer.client import Client
 from producer.fleet import Fleet
 from producer.specfile import load_spec_from_objects
-from schemas import keys
 from schemas.fleet_clock import server_ms
 from tests.conftest import Running, _workers
 
@@ -63,7 +61,7 @@ def test_skewed_hosts_end_no_session_early_and_call_no_model_twice(
         pass
     calls = running.replay_stats()["requests"] - calls_before
     counts = count_skew(client.redis, sub.order, calls, running.fleet.logs)
-    records = [json.loads(raw) for raw in client.redis.mget([keys.record(s) for s in sub.order])]
+    records = [r for r in client.records(sub.order) if r is not None]
     answers = expected(objects)
     got = {
         r["id"]: r["body"]["choices"][0]["message"]["content"]
@@ -74,18 +72,17 @@ def test_skewed_hosts_end_no_session_early_and_call_no_model_twice(
     assert got == answers, counts  # every session ok, with its own answer
     assert (counts.rounds, counts.extra_calls) == (2 * SESSIONS, 0), counts
     assert (counts.take_overs, counts.swept) == (0, 0), counts
-    assert_llm_clock_was_off(client.redis, sub.order, llm_s)
+    assert_llm_clock_was_off(client, sub.order, llm_s)
 
 
-def assert_llm_clock_was_off(r: Any, sks: list[str], skew_s: int) -> None:
+def assert_llm_clock_was_off(client: Client, sks: list[str], skew_s: int) -> None:
     """The llm worker's events (stamped on its own wall clock, shown only) are `skew_s` off
     Redis's clock: the skew was in force."""
-    now_ms = server_ms(r.time())
+    now_ms = server_ms(client.redis.time())
     stamps = [
         int(event["ts_ms"])
         for sk in sks
-        for _, fields in r.xrange(keys.trace(sk))
-        for event in keys.trace_events(fields)
+        for event in client.run_trace(sk)
         if str(event.get("worker", "")).startswith("llm")
     ]
     assert stamps, "no event says which worker made it"

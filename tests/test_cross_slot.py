@@ -54,7 +54,7 @@ def test_every_key_of_a_batch_is_in_its_slot() -> None:
     start = keys.start_step(batch, 4)
     names = [keys.batch_ids(batch), keys.batch_runs(batch), keys.batch_namespace(batch),
              keys.done_list(batch), keys.chunk(batch, 0), keys.chunk(batch, 9),
-             keys.step_state(start), keys.tries(start), keys.batch_tally(batch)]  # fmt: skip
+             keys.step_state(start), keys.tries(start)]  # fmt: skip
     assert len(_slots(names)) == 1
 
 

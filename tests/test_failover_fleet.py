@@ -24,7 +24,6 @@ from producer.client import Client, reconnecting
 from producer.fleet import Fleet
 from producer.redis_connect import redis_client
 from producer.specfile import load_spec_from_objects
-from schemas import keys
 from worker.edges.redis_pool import connection_pool
 
 pytestmark = pytest.mark.fleet
@@ -152,5 +151,6 @@ def test_the_primary_killed_mid_batch_loses_no_session(
     }
     assert not wrong, wrong
     assert client.redis.connection_pool.get_master_address() == promoted.address
-    assert all(client.redis.hget(keys.meta(sk), "state") == b"done" for sk in sub.order)
+    retired = client.stored_records(sub.order)  # each ended: retired, its meta in its record
+    assert all(s is not None and s.meta.get("state") == "done" for s in retired)
     client.close()

@@ -14,10 +14,16 @@ from pathlib import Path
 import pytest
 import redis
 
+from bench.__main__ import weather_spec
+from bench.chaos_fleet import weather_objects
+from bench.history_read import check_run, mark_run
 from fixtures.demo_batch import check, demo_specs
 from producer.client import Client
 from producer.fleet import Fleet
 from producer.fleet_status import read_fleet_status
+from producer.session_memory import session_memory
+from producer.specfile import load_spec_from_objects
+from schemas import keys
 from schemas.task_names import ALL_QUEUES
 from tests.conftest import Running
 from tests.test_pipeline import run_specs
@@ -135,3 +141,57 @@ def test_a_batch_runs_with_its_state_on_a_cluster(
     assert len(held) == 3 and all(n > 0 for n in held.values()), held
     fleet = read_fleet_status(on_cluster.client.redis, on_cluster.client.broker_redis)
     assert fleet.active_sessions == 0
+
+
+def test_a_finished_session_keeps_its_record_response_and_claim(
+    apart: tuple[Running, str], fresh_id: str
+) -> None:
+    """A session retires as it ends: of its keys only its record and its response fd stay
+    (with its id's claim), under 2 KB together for a two-round weather session, and its
+    status, result and trace still read as before (from the record)."""
+    running, _ = apart
+    client = running.client
+    specs = [weather_spec(f"{fresh_id}/w{n}") for n in range(20)]
+    batch = client.submit(specs)
+    assert all(r.ok for r in batch.results(timeout_s=120))
+    for spec in specs:
+        sk = client.session_key(spec.id)
+        assert sk is not None
+        held = {k.decode() for k in client.redis.scan_iter(f"*{{{sk}}}*", count=1000)}
+        assert held == {keys.record(sk), keys.response(sk)}, spec.id
+    memory = session_memory(client.redis)
+    assert memory.sampled_finished == 20 and memory.finished_keys == 3.0
+    assert memory.finished_bytes is not None and memory.finished_bytes <= 2048
+    status = client.status(specs[0].id)
+    assert status is not None and status["state"] == "done" and status["outcome"] == "ok"
+    events = [e["event"] for e in client.trace(specs[0].id)]
+    assert events[0] == "session.started" and events[-1] == "session.finished"
+    assert events.count("tool.call.finished") == 1
+    summary = batch.status()
+    assert summary.states == {"done": 20} and summary.outcomes == {"ok": 20}
+
+
+def test_workers_killed_on_a_cluster_leave_a_valid_history(
+    on_cluster: Running, fresh_id: str
+) -> None:
+    """Weather sessions on the cluster while the llm worker, then the tools worker, is
+    SIGKILLed mid-batch and started again: the history checker (bench/history.py) finds every
+    session ended once, every tool call answered once and no model call made twice but those
+    the kills cut short."""
+    client, fleet = on_cluster.client, on_cluster.fleet
+    objects = weather_objects(f"cluster-kill-{fresh_id}", 40, latency_ms=300)
+    mark = mark_run(fleet.replay_url)
+    sub = client.enqueue(load_spec_from_objects(objects))
+    delivered: list[str] = []
+    results = client.wait(sub, timeout_s=180, poll_s=0.05)
+    for queue, after in (("llm", 5), ("tools", 15)):
+        while len(delivered) < after:
+            delivered.append(str(next(results)[1]["id"]))
+        victim = next(p for name, p in fleet.workers.items() if name.startswith(f"{queue}-"))
+        fleet.kill(victim)
+        fleet.workers = {n: p for n, p in fleet.workers.items() if p is not victim}
+        fleet.start_worker(queue)
+    delivered += [str(record["id"]) for _, record in results]
+    verdict = check_run("cluster-kill", client, objects, mark, delivered)
+    assert verdict.valid, verdict
+    assert verdict.ended == 40 and verdict.lost == 0 and verdict.double_endings == 0

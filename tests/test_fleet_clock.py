@@ -190,6 +190,9 @@ class ReconcileOnClock:
     def now_ms(self) -> int:
         return self.clock.now_ms()
 
+    def trim_results(self, keep: int) -> int:
+        return 0
+
 
 @pytest.mark.parametrize("measured", [True, False], ids=["redis-clock", "host-clocks"])
 def test_a_reconciler_ahead_of_redis_ends_no_session_early(measured: bool) -> None:

@@ -16,6 +16,7 @@ from producer.fleet import Fleet
 from schemas import keys
 from schemas.bodies import dump_body
 from schemas.partial import PartialRound
+from schemas.session_record import StoredRecord, read_record
 from worker.edges.store import RedisStore
 from worker.edges.store_trace import TRACE_FLEET_KEEP_MS
 from worker.session.store_ports import TraceWrite
@@ -93,6 +94,12 @@ def _events(client: redis.Redis, sk: str) -> list[str]:
     return [e["event"] for _, fields in entries for e in json.loads(fields[field])]
 
 
+def _retired(client: redis.Redis, sk: str) -> StoredRecord:
+    raw = client.get(keys.record(sk))
+    assert isinstance(raw, bytes)
+    return read_record(raw)
+
+
 def test_a_session_finished_event_lands_only_with_its_ending(client: redis.Redis) -> None:
     """The ending step's entry keeps its session.finished while the session's stored ending
     is that step's; when a failover lost the ending, or another step's stands, the entry lands
@@ -100,20 +107,26 @@ def test_a_session_finished_event_lands_only_with_its_ending(client: redis.Redis
     store = RedisStore(client, ttl_s=TTL_S)
     ended, lost, bare = (uuid.uuid4().hex[:12] for _ in range(3))
     store.write_result(ended, b"{}", {"id": "x", "body": {}}, None, "r1")
+    client.hset(keys.meta(lost), "id", "x")  # submitted; its ending lost with a failover
     last_round = (event("model.call.finished", "x", round=1), event("session.finished", "x"))
     for sk in (ended, lost):
         store.trace(TraceWrite(sk, last_round, expire=True, ended_by="r1"))
     store.write_result(bare, b"{}", {"id": "x", "body": {}}, None, "finish")  # another ended it
     store.trace(TraceWrite(bare, (event("session.finished", "x"),), expire=True, ended_by="r1"))
-    assert _events(client, ended) == ["model.call.finished", "session.finished"]
-    assert 0 < client.ttl(keys.trace(ended)) <= TTL_S
+    # the ended session is retired: its events folded into its record, its stream and meta gone
+    assert not client.exists(keys.trace(ended), keys.meta(ended))
+    retired = _retired(client, ended)
+    assert [e["event"] for e in retired.trace] == ["model.call.finished", "session.finished"]
+    assert retired.retired and retired.meta["ended_by"] == "r1"
+    assert 0 < client.ttl(keys.record(ended)) <= TTL_S
+    assert 0 < client.ttl(keys.response(ended)) <= TTL_S
     assert _events(client, lost) == ["model.call.finished"]
     assert 0 < client.ttl(keys.trace(lost)) <= TTL_S
     assert not client.exists(keys.trace(bare))  # nothing else to say: no stream made
     # a second delivery of the ending step (its stand-in while it was cut off) says it no more
     store.trace(TraceWrite(ended, last_round, expire=True, ended_by="r1"))
-    said_once = ["model.call.finished", "session.finished", "model.call.finished"]
-    assert _events(client, ended) == said_once
+    assert not client.exists(keys.trace(ended), keys.meta(ended))
+    assert _retired(client, ended).trace == retired.trace
 
 
 def test_the_fleets_stream_keeps_its_last_minutes_and_its_ttl_by_the_reconcilers_pass(
@@ -132,3 +145,32 @@ def test_the_fleets_stream_keeps_its_last_minutes_and_its_ttl_by_the_reconcilers
     store.trace(TraceWrite("", (event("reconciler.pass", ""),), expire=True))
     assert client.xlen(keys.TRACE) == 2  # the session's entry and the pass's
     assert 0 < client.ttl(keys.TRACE) <= TTL_S
+
+
+def test_results_kept_by_count_keep_the_latest(client: redis.Redis) -> None:
+    """With results kept by count (CCHATQ_RESULTS_KEEP), each retired session enters the
+    finished index and the reconciler's trim deletes the results of the oldest beyond it."""
+    store = RedisStore(client, ttl_s=TTL_S, results_keep=2)
+    client.delete(keys.FINISHED)
+    sks = [uuid.uuid4().hex[:12] for _ in range(3)]
+    for sk in sks:
+        store.write_result(sk, b"{}", {"id": sk, "body": {}}, None, "r1")
+        store.trace(TraceWrite(sk, (event("session.finished", sk),), expire=True, ended_by="r1"))
+        assert _retired(client, sk).retired
+    assert store.trim_results(2) == 1
+    assert not client.exists(keys.record(sks[0]), keys.response(sks[0]))
+    assert all(client.exists(keys.record(sk), keys.response(sk)) == 2 for sk in sks[1:])
+    assert client.zcard(keys.FINISHED) == 2 and store.trim_results(2) == 0
+
+
+def test_a_session_retires_without_trace_events(client: redis.Redis) -> None:
+    """With CCHATQ_TRACE=off its ending step writes no event, and the session retires still:
+    its working keys deleted, its record kept (with no events in it)."""
+    store = RedisStore(client, ttl_s=TTL_S)
+    sk = uuid.uuid4().hex[:12]
+    client.set(keys.spec(sk), b"{}", ex=TTL_S)
+    store.write_result(sk, b"{}", {"id": sk, "body": {}}, None, "r1")
+    store.trace(TraceWrite(sk, (), expire=True, ended_by="r1"))
+    assert not client.exists(keys.spec(sk), keys.meta(sk))
+    stored = _retired(client, sk)
+    assert stored.retired and stored.trace == [] and stored.meta["ended_by"] == "r1"

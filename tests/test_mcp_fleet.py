@@ -74,7 +74,9 @@ def chat_spec(mcp: McpFleet, run_id: str) -> dict[str, Any]:
     """The stored spec of a program run's first chat: what its model was offered."""
     redis = mcp.running.client.redis
     run_sk = keys.Claim.decode(redis.get(keys.id_claim(keys.DEFAULT_NAMESPACE, run_id))).sk
-    return dict(json.loads(redis.get(keys.spec(keys.chat_session_key(run_sk, 0)))))
+    spec = mcp.running.client.spec_json(keys.chat_session_key(run_sk, 0))
+    assert spec is not None
+    return spec
 
 
 def test_mcp_enabled_without_permission_is_eacces(

@@ -630,7 +630,7 @@ def test_cli_status_without_an_id_shows_the_fleet(running: Running, tmp_path: Pa
     zeros. Here a slow round holds an llm task while the status is read."""
     env = {"REDIS_URL": running.redis_url, "PATH": "/usr/bin:/bin"}
     spec = {"id": f"fleet-status/{uuid.uuid4().hex[:8]}", "model": "replay/plain",
-            "messages": [{"role": "user", "content": "slow [[latency_ms:3000]]"}]}  # fmt: skip
+            "messages": [{"role": "user", "content": "slow [[latency_ms:8000]]"}]}  # fmt: skip
     sub = submit_specs(running.client, [spec], tmp_path)
     step = keys.round_step(sub.order[0], 0)
     wait_for(lambda: (running.client.redis.get(keys.step_state(step)) or b"").startswith(b"lease"))

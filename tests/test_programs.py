@@ -371,5 +371,5 @@ def test_a_program_registering_a_dangling_ref_schema_runs_on_without_it(
     fds = running.client.redis.hgetall(keys.fds(str(running.client.session_key(spec_id))))
     assert json.loads(fds[b"1000"])["tools"] == []  # the session fd registered no tool
     chat_sk = running.client.session_key(f"{spec_id}#send0")
-    chat = json.loads(running.client.redis.get(keys.spec(str(chat_sk))))
-    assert chat["tools"] == []
+    chat = running.client.spec_json(str(chat_sk))
+    assert chat is not None and chat["tools"] == []

@@ -88,7 +88,8 @@ def test_shared_limit_holds_across_two_worker_processes(
     ran = {"worker", "delivery", "queue_ms"}
     assert all(plain <= set(e) <= plain | ran for e in waits), waits
     assert all(e["worker"] and e["delivery"] >= 1 for e in waits)
-    assert redis.ttl(keys.trace(str(running.client.session_key(waits[0]["session"])))) > 0
+    sk = str(running.client.session_key(waits[0]["session"]))  # retired: its trace in its record
+    assert redis.ttl(keys.record(sk)) > 0 and not redis.exists(keys.trace(sk))
 
 
 def test_the_token_window_is_a_running_total(base_fleet: Fleet) -> None:

@@ -383,6 +383,9 @@ class ReconcileTwin:
     def now_ms(self) -> int:
         return self.store.clock()
 
+    def trim_results(self, keep: int) -> int:
+        return 0
+
 
 def test_the_reconciler_recovers_a_lost_message_with_no_producer() -> None:
     from worker.session.reconciler import Reconciler

@@ -236,7 +236,8 @@ def test_cchatq_trace_lists_a_mixed_sessions_events_in_order_and_no_text(
     fleet_events = [e for _, fields in fleet for e in keys.trace_events(fields)]
     assert canary not in repr(fleet) and len(fleet_events) >= len(events)
     sk = wide_tools.client.session_key(spec["id"])
-    assert sk is not None and wide_tools.client.redis.ttl(keys.trace(sk)) > 0
+    assert sk is not None and wide_tools.client.redis.ttl(keys.record(sk)) > 0  # retired with
+    assert not wide_tools.client.redis.exists(keys.trace(sk))  # its events
     follow = subprocess.run(
         [sys.executable, "-m", "producer.cli", "trace", spec["id"], "--follow"],
         env=env, capture_output=True, text=True, timeout=60,

@@ -10,6 +10,10 @@ Environment variables:
     CCHATQ_REPLAY_URL         base URL of the built-in `replay` backend (default http://127.0.0.1:8011/v1)
     CCHATQ_VISIBILITY_TIMEOUT_S   Redis transport visibility timeout (default 300)
     CCHATQ_RESULT_TTL_S       TTL of every session key (default 86400)
+    CCHATQ_RESULTS_TTL_S      how long a finished session's record and response fd are kept
+                              (default CCHATQ_RESULT_TTL_S)
+    CCHATQ_RESULTS_KEEP       keep at most this many finished sessions' results, the latest
+                              (default 0: all, for CCHATQ_RESULTS_TTL_S)
     CCHATQ_MODULE_CACHE_DIR   serialized compiled modules (default ~/.cache/cchatq/modules)
     CCHATQ_MAX_STEP_ATTEMPTS  deliveries of one step before it is dead-lettered (default 5)
     CCHATQ_TRACE              `off`: no trace events (default on)
@@ -68,6 +72,8 @@ class Settings:
     # a worker that stops beating this long has its taken messages handed out again
     consumer_dead_after_s: int = 15
     result_ttl_s: int = 86_400
+    results_ttl_s: int = 86_400  # a finished session's record and response fd
+    results_keep: int = 0  # the latest finished sessions' results kept (0: all, by age)
     module_cache_dir: Path = Path.home() / ".cache" / "cchatq" / "modules"
     max_step_attempts: int = 5
     trace: bool = True  # trace events: the session's stream, the fleet's, log lines
@@ -98,6 +104,10 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         visibility_timeout_s=int(env.get("CCHATQ_VISIBILITY_TIMEOUT_S", "300")),
         consumer_dead_after_s=int(env.get("CCHATQ_CONSUMER_DEAD_AFTER_S", "15")),
         result_ttl_s=int(env.get("CCHATQ_RESULT_TTL_S", "86400")),
+        results_ttl_s=int(
+            env.get("CCHATQ_RESULTS_TTL_S") or env.get("CCHATQ_RESULT_TTL_S", "86400")
+        ),
+        results_keep=int(env.get("CCHATQ_RESULTS_KEEP", "0")),
         module_cache_dir=Path(
             env.get("CCHATQ_MODULE_CACHE_DIR", str(Path.home() / ".cache" / "cchatq" / "modules"))
         ),

@@ -46,8 +46,9 @@ class Wiring:
         # one connection per worker thread, plus a few for the blocking waits and publishes
         pool_size = max(worker_concurrency, 1) + POOL_HEADROOM
         self.store = RedisStore.from_url(
-            settings.urls.state, settings.result_ttl_s, pool_size, settings.stall_after_ms // 2
-        )
+            settings.urls.state, settings.result_ttl_s, pool_size, settings.stall_after_ms // 2,
+            settings.results_ttl_s, settings.results_keep,
+        )  # fmt: skip
         # the broker's own Redis, when it is not the state's: the steps' messages go there
         broker_client = None
         if not settings.urls.shared:
@@ -317,6 +318,7 @@ def start_reconciler(app: Celery) -> threading.Thread:
             every_s=settings.reconcile_every_s,
             quiet_ms=settings.stall_after_ms,
             deadline_ms=settings.session_deadline_ms,
+            results_keep=settings.results_keep,
         )
         refused = RefusalNotice("reconciler", log)
         while True:

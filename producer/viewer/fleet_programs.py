@@ -22,10 +22,12 @@ def chat_claims(client: Client, run_id: str) -> list[tuple[str, keys.Claim]]:
         numbers = range(len(out), len(out) + CHAT_PROBE)
         sks = [keys.chat_session_key(run_sk, n) for n in numbers]
         pipe = client.redis.pipeline(transaction=False)
-        for sk in sks:
+        for sk in sks:  # a chat that ended is retired: its response stays
             pipe.exists(keys.meta(sk))
-        for n, sk, there in zip(numbers, sks, pipe.execute(), strict=True):
-            if not there:
+            pipe.exists(keys.response(sk))
+        there = pipe.execute()
+        for n, sk in zip(numbers, sks, strict=True):
+            if not there[2 * (n - numbers[0])] and not there[2 * (n - numbers[0]) + 1]:
                 return out
             out.append((keys.chat_spec_id(run_id, n), keys.Claim(sk)))
     return out

@@ -16,7 +16,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
-from producer.batch_tally import BatchTally
 from producer.batches import SAMPLE, Batches, BatchMember
 from producer.cli_common import flower_links, redacted
 from producer.client import Client
@@ -41,6 +40,7 @@ from producer.viewer.rows import batch_page, pending_row, record_row
 from producer.viewer.source import ChatFacts, SessionFacts
 from schemas import keys
 from schemas.partial import PartialRound
+from schemas.session_record import read_record
 
 RECENT_BATCHES = 30  # batches on the runs page
 DONE_TTL_S = 15.0  # a finished batch's row is read again after this long
@@ -49,7 +49,6 @@ MEMBERS_TTL_S = 10.0  # a batch's ids and their claims are read again after this
 MAX_CACHED_ROWS = 200_000  # finished sessions' rows and states kept (then they start over)
 # how a program run's chunk member starts ("p:"): the others are skipped undecoded
 PROGRAM_MARK = keys.ChunkMember("", program=True).encode().strip().encode()
-RECENT_BUCKETS = 7  # of the tally's 5 s buckets: the last RECENT_S and the one it starts in
 
 # (state, outcome, finished_ms, submitted_ms) of a session's meta; all None when it is gone
 MetaState = tuple[str | None, str | None, int | None, int | None]
@@ -73,8 +72,7 @@ class FleetSource:
     def __init__(self, client: Client, redis_url: str = "", most: int = RECENT_BATCHES) -> None:
         self.client = client
         self.redis = client.redis
-        # the viewer never writes: what the tally hash has not counted, it counts itself
-        self.batches = Batches(client, BatchTally(self.redis, client.ttl_s, writes=False))
+        self.batches = Batches(client)
         self._tally = self.batches.tally
         self.url = redacted(redis_url)
         self.most = most
@@ -111,8 +109,21 @@ class FleetSource:
                 found[sk] = meta
                 if meta[1] is not None:
                     self._ended[sk] = meta
+            found.update(self._retired_states([sk for sk in part if found[sk][0] is None]))
         gone: MetaState = (None, None, None, None)
         return [gone if sk is None else self._ended.get(sk) or found[sk] for sk in sks]
+
+    def _retired_states(self, sks: list[str]) -> dict[str, MetaState]:
+        """The states of sessions with no meta that are retired (from their records)."""
+        found: dict[str, MetaState] = {}
+        for sk, stored in zip(sks, self.client.stored_records(sks), strict=True):
+            if stored is not None and stored.retired:
+                meta = stored.meta
+                found[sk] = self._ended[sk] = (
+                    "done", meta.get("outcome"), _number(meta.get("finished_ms")),
+                    _number(meta.get("submitted_ms")),
+                )  # fmt: skip
+        return found
 
     def _batch_members(self, batch: str) -> list[BatchMember]:
         at = self._members_at.get(batch)
@@ -213,18 +224,18 @@ class FleetSource:
         return self._keep(row)
 
     def _tallied_run(self, batch: str) -> RunRow | None:
-        """A big batch's row from its tally and a sample (Batches.summary), not from each of
-        its sessions; None when it has no tally (submitted before tallies)."""
+        """A big batch's row from its ended index and a sample (Batches.summary), not from
+        each of its sessions."""
         now_ms = self.client.clock.now_ms()
-        tally = self._tally.refresh(batch, RECENT_BUCKETS, now_ms)
-        summary = None if tally is None else self.batches.summary(batch)
-        if tally is None or summary is None:
+        tally = self._tally.read(batch)
+        summary = self.batches.summary(batch)
+        if summary is None:
             return None
         recent = tally.ended_since(now_ms - int(RECENT_S * 1000))
         return self._keep(summary_row(summary, recent, now_ms))
 
     def batch_page(self, batch: str, query: BatchQuery) -> BatchPage | None:
-        """A big batch's page without a filter or a sort: its counts from its tally, and only
+        """A big batch's page without a filter or a sort: its counts from its ended index, and only
         the sessions of the page read. Any other, from every session's row (batch_rows)."""
         if query == BatchQuery(page=query.page):
             sessions = self.redis.llen(keys.batch_ids(batch))
@@ -323,10 +334,13 @@ class FleetSource:
         pipe.get(keys.partial(sk))
         raw_meta, raw_record, raw_spec, partial = pipe.execute()
         meta = {k.decode(): v.decode(errors="replace") for k, v in raw_meta.items()}
-        record = None if raw_record is None else json.loads(raw_record)
+        stored = None if raw_record is None else read_record(raw_record)
+        record = None if stored is None else stored.record
         if not meta and record is None:
             return None
         spec = None if raw_spec is None else json.loads(raw_spec)
+        if stored is not None and stored.retired:  # its meta and spec folded into its record
+            meta, spec = {**stored.meta, **meta}, spec or stored.spec
         program = (record or {}).get("kind") == "program" or "program" in (spec or {})
         shown = None if partial is None else PartialRound.decode(partial)
         state = "done" if record is not None else meta.get("state", "gone")

@@ -79,7 +79,7 @@ def run_row(
 
 
 def summary_row(summary: BatchSummary, recent: int, now_ms: int) -> RunRow:
-    """A batch's row from its counts (`Batches.summary`, a big batch's from its tally) rather
+    """A batch's row from its counts (`Batches.summary`, a big batch's from its ended index) rather
     than from each session: `recent`, the sessions that ended in the last RECENT_S."""
     states = summary.states
     done = states.get("done", 0)

@@ -127,10 +127,10 @@ class CeleryDispatcher(StepPublisher):
         """The steps' messages with the commit, in one MULTI/EXEC: a Redis that refuses
         writes (full, failing to persist, a replica) refuses the whole commit, so a step that
         runs it again never finds half of it applied (its outcomes without its marker). With
-        the broker apart, in this order: the outcomes (the next steps read them), the
-        messages, the fleet-wide writes (the batches told, the fleet's trace: a second
-        telling is harmless), then the session's marker and trace in one transaction (found,
-        everything before was written)."""
+        the broker apart: the fleet-wide writes (the batches told, the fleet's trace), the
+        commit in one transaction, then the messages. A step that dies before its messages
+        leaves its session with no step to run, which the reconciler publishes again (as it
+        does for a message a broker lost); its state is whole, and its trace said once."""
         current = self.app.current_worker_task
         parent = current.request if current is not None else None
         sent_ms = self.store.clock.now_ms()  # Redis's clock: its receiver's host may differ
@@ -141,24 +141,22 @@ class CeleryDispatcher(StepPublisher):
         pipe = client.pipeline(transaction=True)
         if commit is not None and commit.outcomes:  # before the steps that read them
             self.store.add_outcomes(pipe, commit.sk, commit.outcomes)
-        if self.broker is not None:
-            if len(pipe):
-                pipe.execute()
-            self._send_apart(messages)
-        else:
+        if self.broker is None:
             for queue, message in messages:
                 pipe.lpush(queue, message)
         fleet = self.store.fleet_pipe(pipe)
         if commit is not None:
             if commit.notify:
-                self.store.add_notify(fleet, commit.sk, commit.notify)
-            if commit.trace is not None:
+                self.store.add_notify(fleet, commit.sk, commit.notify, commit.ended_as)
+            if commit.published is not None:  # with the messages: found, they were sent
+                self.store.mark_published(pipe, commit.published)
+            if commit.trace is not None:  # after the marker: an ending deletes it
                 self.store.add_trace(pipe, commit.trace, fleet)
             self.store.flush_fleet(fleet, pipe)
-            if commit.published is not None:  # after the messages: found, they were sent
-                self.store.mark_published(pipe, commit.published)
         if len(pipe):
             pipe.execute()
+        if self.broker is not None:
+            self._send_apart(messages)
 
     def _message(self, step: NextStep, parent: Any, sent_ms: int) -> tuple[str, bytes]:
         """A step's queue and its message."""

@@ -22,7 +22,6 @@ from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
 
 from schemas import redis_links
-from schemas.redis_memory import RedisMemory
 from schemas.redis_url import SentinelUrl, is_sentinel, parse_sentinel_url
 
 SENTINEL_TIMEOUT_S = 1.0  # a sentinel that does not answer this fast: the next one is asked
@@ -82,14 +81,6 @@ class StateCluster(RedisCluster):
 
 def is_cluster(client: Any) -> bool:
     return isinstance(client, RedisCluster)
-
-
-def redis_memory(client: Any) -> RedisMemory:
-    """Redis's memory (INFO: allowed where CONFIG is not); a cluster's, its masters' together."""
-    if is_cluster(client):
-        infos = client.info("memory", target_nodes=RedisCluster.PRIMARIES)
-        return RedisMemory.from_infos(list(infos.values()))
-    return RedisMemory.from_info(client.info("memory"))
 
 
 # whether the Redis at a URL runs in cluster mode, asked once a process (a worker's main

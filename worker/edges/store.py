@@ -62,11 +62,21 @@ def _loads(raw: bytes | None) -> Any:
 
 
 class RedisStore(StepLeases, TraceWrites, ResultWrites, FleetQueries):
-    def __init__(self, client: redis.Redis, ttl_s: int, progress_after_ms: int = 15_000) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        ttl_s: int,
+        progress_after_ms: int = 15_000,
+        results_ttl_s: int | None = None,
+        results_keep: int = 0,
+    ) -> None:
         # Any: redis-py annotates replies as bytes | str whatever decode_responses says;
         # this client never decodes, so replies are bytes.
         self.client: Any = client
         self.ttl_s = ttl_s
+        # how long a finished session's record and response fd are kept (retired)
+        self.results_ttl_s = ttl_s if results_ttl_s is None else results_ttl_s
+        self.results_keep = results_keep  # > 0: the latest this many kept (FINISHED index)
         # a step of a session submitted longer ago than this marks its progress (the
         # reconciler looks at sessions with no mark for stall_after_ms: twice this, at least)
         self.progress_after_ms = progress_after_ms
@@ -85,14 +95,21 @@ class RedisStore(StepLeases, TraceWrites, ResultWrites, FleetQueries):
 
     @classmethod
     def from_url(
-        cls, url: str, ttl_s: int, max_connections: int = 100, progress_after_ms: int = 15_000
+        cls,
+        url: str,
+        ttl_s: int,
+        max_connections: int = 100,
+        progress_after_ms: int = 15_000,
+        results_ttl_s: int | None = None,
+        results_keep: int = 0,
     ) -> RedisStore:
         """A client whose pool holds `max_connections` (size it to the worker's concurrency):
         a thread finding none free waits for one instead of failing (redis-py's default
         pool raises MaxConnectionsError past 100). Its connections time out, keep alive and
         check their health as schemas/redis_links.py says, so a cut one errors within seconds;
         a `sentinel://` URL's pool follows the master its sentinels name (edges/redis_pool.py)."""
-        return cls(pooled_client(url, max_connections, POOL_WAIT_S), ttl_s, progress_after_ms)
+        client = pooled_client(url, max_connections, POOL_WAIT_S)
+        return cls(client, ttl_s, progress_after_ms, results_ttl_s, results_keep)
 
     def on(self, sk: str) -> Any:
         """The client of session `sk`'s pipelines and transactions: on a cluster, the node
@@ -321,12 +338,13 @@ class RedisStore(StepLeases, TraceWrites, ResultWrites, FleetQueries):
         token: str,
         wanted: list[str],
     ) -> tuple[StepStart, list[bytes | None]]:
-        """The lease, the try count and the `wanted` keys (with the cancel flag last)."""
+        """The lease, the try count and the `wanted` keys (with the response, then the
+        cancel flag, last)."""
         pipe.set(keys.step_state(step), keys.step_lease(token), nx=True, px=lease_ms, get=True)
         if first is not True:
             pipe.set(keys.tries(step), 1, nx=True, ex=self.ttl_s, get=True)
-        if sk:
-            pipe.mget([*wanted, keys.cancel(sk)])
+        if sk:  # its response says the session ended: a late step has nothing to do
+            pipe.mget([*wanted, keys.response(sk), keys.cancel(sk)])
         fleet = self.fleet_pipe(pipe)
         if sk and meta:  # a round or a program run starting
             fields = [str(x) for pair in meta.items() for x in pair]
@@ -349,10 +367,11 @@ class RedisStore(StepLeases, TraceWrites, ResultWrites, FleetQueries):
             tries = int(self.client.incr(keys.tries(step)))
         else:
             tries = int(counted or 1)
-        read: list[bytes | None] = replies[0] if sk else [None]
+        read: list[bytes | None] = replies[0] if sk else [None, None]
         start = StepStart(
             before == keys.STEP_DONE, before is None, tries, read[-1] is not None,
             lease=token if before is None else "", tries_stored=first is not True,
+            ended=sk != "" and read[-2] is not None,
         )  # fmt: skip
         return start, read
 
@@ -370,7 +389,7 @@ class RedisStore(StepLeases, TraceWrites, ResultWrites, FleetQueries):
         values = read[: len(read_keys)]
         try:
             if spec_keys:  # a missing spec fails in the body, where it counts as a try
-                spec_raw, listed = read[len(read_keys) : -1]
+                spec_raw, listed = read[len(read_keys) : -2]
                 self._spec_of(sk, spec_raw, lambda: listed)
             if isinstance(reads, RoundReads):
                 spec = self._chat_spec(sk)

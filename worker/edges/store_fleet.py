@@ -11,7 +11,6 @@ from typing import Any
 from schemas import fleet_keys, keys
 from schemas.fleet_clock import FleetClock
 from schemas.redis_memory import RedisMemory
-from worker.edges.redis_pool import redis_memory
 from worker.edges.step_leases import translated
 from worker.errors import StoreError
 
@@ -26,7 +25,7 @@ class FleetQueries:
     @translated
     def memory(self) -> RedisMemory:
         """Redis's memory limit, use and eviction policy (INFO: allowed where CONFIG is not)."""
-        return redis_memory(self.client)
+        return RedisMemory.of(self.client)
 
     # the reconciler ------------------------------------------------------------------------
 
@@ -66,6 +65,22 @@ class FleetQueries:
         pipe.zrem(keys.ACTIVE, sk)
         pipe.expire(keys.trace(sk), self.ttl_s)
         pipe.execute()
+
+    @translated
+    def trim_results(self, keep: int) -> int:
+        """The results (record, response fd) of the finished sessions beyond the latest `keep`
+        deleted: how many."""
+        beyond = int(self.client.zcard(keys.FINISHED)) - keep
+        if beyond <= 0:
+            return 0
+        oldest = [sk.decode() for sk in self.client.zrange(keys.FINISHED, 0, beyond - 1)]
+        pipe = self.client.pipeline(transaction=False)
+        for sk in oldest:
+            pipe.delete(keys.record(sk))
+            pipe.delete(keys.response(sk))
+        pipe.zrem(keys.FINISHED, *oldest)
+        pipe.execute()
+        return len(oldest)
 
     # background tasks ----------------------------------------------------------------------
 

@@ -4,13 +4,13 @@ Same rules as store.py: every key has a TTL; redis errors become StoreError."""
 from __future__ import annotations
 
 import hashlib
-import json
 from typing import Any
 
 import redis
 
 from schemas import keys, redis_links
 from schemas.bodies import dump_body
+from schemas.session_record import read_record
 from schemas.spec_types import SessionSpec, spec_to_json
 from schemas.user_stream import StreamEvent
 from worker.edges.step_leases import translated
@@ -56,7 +56,7 @@ class RedisProgramStore:
     def response_and_record(self, sk: str) -> tuple[bytes | None, dict[str, Any] | None]:
         body, record = self.client.mget([keys.response(sk), keys.record(sk)])
         return (None if body is None else bytes(body)), (
-            None if record is None else json.loads(record)
+            None if record is None else read_record(record).record  # a chat retires as it ends
         )
 
     @translated

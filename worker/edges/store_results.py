@@ -123,27 +123,34 @@ class ResultWrites:
         if self.cluster:  # a session this call ended (or its step had) leaves the index
             self.client.zrem(keys.ACTIVE, sk)
         watchers = [b.decode() for b in batches]
+        outcome = bytes(code).decode()
         if notify_later is not None:
             notify_later.extend(watchers)
         else:
-            self.notify(sk, watchers)
-        return bytes(code).decode()
+            self.notify(sk, watchers, outcome)
+        return outcome
 
     @translated
     def watcher_batches(self, sk: str) -> list[str]:
         return [b.decode() for b in self.client.smembers(keys.watchers(sk))]
 
     @translated
-    def notify(self, sk: str, batches: Iterable[str]) -> None:
+    def notify(self, sk: str, batches: Iterable[str], outcome: str = "") -> None:
         pipe = self.client.pipeline(transaction=False)
-        self.add_notify(pipe, sk, batches)
+        self.add_notify(pipe, sk, batches, outcome)
         pipe.execute()
 
-    def add_notify(self, client: Any, sk: str, batches: Iterable[str]) -> None:
-        """Tell `batches` that session `sk` finished, by `client` (this store, or a pipeline)."""
+    def add_notify(self, client: Any, sk: str, batches: Iterable[str], outcome: str = "") -> None:
+        """Tell `batches` that session `sk` finished, by `client` (this store, or a pipeline):
+        on each one's done list (its waiting producers), and, with its `outcome`, in each
+        one's ended index (`cchatq batch status` counts from it, whatever was retired)."""
+        ended = f"{outcome} {self.clock.now_ms()}" if outcome else ""
         for batch in batches:
             client.rpush(keys.done_list(batch), sk)
             client.expire(keys.done_list(batch), self.ttl_s)
+            if ended:
+                client.hset(keys.batch_ended(batch), sk, ended)
+                client.expire(keys.batch_ended(batch), self.ttl_s)
 
 
 def _loads(raw: bytes | None) -> Any:

@@ -11,17 +11,19 @@ from schemas import keys
 from schemas.fleet_clock import FleetClock
 from schemas.partial import PartialRound
 from worker.edges.step_leases import translated
+from worker.edges.store_retire import TRACE_SESSION_MAXLEN, Retirement, RetireWrites
 from worker.session.store_ports import TraceWrite
 
-TRACE_SESSION_MAXLEN = 2_000  # entries kept per session
 TRACE_FLEET_MAXLEN = 100_000  # entries kept for the fleet at most
 # the fleet's stream keeps this long of events (its readers follow it live: the metrics, the
 # chaos benches), so its memory levels off within minutes, not when it holds TRACE_FLEET_MAXLEN
 TRACE_FLEET_KEEP_MS = 15 * 60_000
 
 
-# an ending step's entry (ARGV[1]; ARGV[2] without its session.finished, "" for nothing),
-# whole only while the session's meta names step ARGV[6] as its ender (the ending script,
+# an ending step's entry (ARGV[1]; ARGV[2] without its session.finished, "" for nothing), of a
+# session that is not retired (store_retire.py: a chat is, a program run is not), while its meta
+# is there (not retired, not expired), whole only while the session's meta names step ARGV[6]
+# as its ender (the ending script,
 # store_results.py, writes it with the ending) and no delivery said it yet (two deliveries of
 # one step, a cut-off one and its stand-in, may both commit): one script with its checks, on
 # two keys of its session. EVAL, not a registered script: one in a MULTI costs a SCRIPT
@@ -32,14 +34,14 @@ if redis.call('hget', KEYS[1], 'ended_by') ~= ARGV[6]
    or redis.call('hsetnx', KEYS[1], 'finished_said', 1) == 0 then
   entry = ARGV[2]
 end
-if entry ~= '' then
+if entry ~= '' and redis.call('exists', KEYS[1]) == 1 then
   redis.call('xadd', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', ARGV[3], entry)
   redis.call('expire', KEYS[2], ARGV[5])
 end
 """
 
 
-class TraceWrites:
+class TraceWrites(RetireWrites):
     """A part of RedisStore (which sets `client`, `ttl_s`, and `on`, `fleet_pipe` and
     `flush_fleet`: where a session's pipelines go)."""
 
@@ -73,7 +75,15 @@ class TraceWrites:
         every = [event.to_json() for event in write.events]
         entries = json.dumps(every, separators=(",", ":"))
         own = [e for e, event in zip(every, write.events, strict=True) if event.session]
-        if own and write.ended_by:
+        retired: Retirement | None = None
+        if write.ended_by:  # the session retires with its ending's events
+            retired = self.retirement(write, own)
+        if retired is not None:
+            self.add_retire(client, write, own, retired)
+            if self.results_keep:  # kept by count: the reconciler trims the oldest
+                fleet.zadd(keys.FINISHED, {write.sk: self.clock.now_ms()})
+                fleet.expire(keys.FINISHED, self.results_ttl_s)
+        elif own and write.ended_by:
             self._add_ending(client, write, own)
         elif own:
             entry = entries if len(own) == len(every) else json.dumps(own, separators=(",", ":"))
@@ -84,9 +94,11 @@ class TraceWrites:
                 approximate=True,
                 nomkstream=not write.expire,
             )
-        fleet.xadd(
-            keys.TRACE, {keys.TRACE_FIELD: entries}, maxlen=TRACE_FLEET_MAXLEN, approximate=True
-        )
+        if every:
+            fleet.xadd(
+                keys.TRACE, {keys.TRACE_FIELD: entries}, maxlen=TRACE_FLEET_MAXLEN,
+                approximate=True,
+            )  # fmt: skip
         if write.expire and own and not write.ended_by:
             client.expire(keys.trace(write.sk), self.ttl_s)
         if write.expire and not write.sk:

@@ -155,6 +155,11 @@ class StepGuard:
         arrival: Arrival | None,
         patience: Patience,
     ) -> str | None:
+        if start.ended and not self._ended_by(step, sk, start):
+            # a late delivery of a step of a session that ended (and may be retired: its
+            # outputs and markers deleted): there is nothing left for it to do
+            self._release_quietly(step)
+            return None
         if start.cancelled and stop_if_cancelled and not self._ended_by(step, sk, start):
             # cancellation is checked at every step boundary; finish writes the cancelled body
             cancel = Outbox(step)
@@ -299,7 +304,11 @@ class StepGuard:
             opens = step == keys.round_step(sk, 0)
             ended_by = step if ends else ""
             trace = TraceWrite(sk, tuple(outbox.events), expire=ends or opens, ended_by=ended_by)
-        commit = Commit(sk, step, trace, dict(outbox.outcomes), tuple(outbox.notify))
+        elif outbox.outcome is not None:  # no events (trace off): the session retires still
+            trace = TraceWrite(sk, (), expire=True, ended_by=step)
+        commit = Commit(
+            sk, step, trace, dict(outbox.outcomes), tuple(outbox.notify), outbox.outcome or ""
+        )
         self._write_commit(step, sk, outbox, commit)
         if self.spans.on and outbox.events:  # once committed: a step that failed made none
             self._export_spans(step, sk, outbox.events)
@@ -342,6 +351,8 @@ class StepGuard:
         dead-lettered finish's session.finished: `ended_by`, as TraceWrite says)."""
         if self.settings.trace:
             self.store.trace(TraceWrite(sk, events, expire, ended_by))
+        elif ended_by:  # no events (trace off): the session retires still
+            self.store.trace(TraceWrite(sk, (), expire, ended_by))
 
     def _release_quietly(self, step: str) -> None:
         with contextlib.suppress(StoreError):

@@ -46,6 +46,10 @@ class ReconcileStore(Protocol):
         """Now on the clock marks and submits are stamped on (Redis's)."""
         ...
 
+    def trim_results(self, keep: int) -> int:
+        """The results of finished sessions beyond the latest `keep` deleted: how many."""
+        ...
+
 
 @dataclass
 class Reconciler:
@@ -54,6 +58,7 @@ class Reconciler:
     every_s: float = 10.0
     quiet_ms: int = QUIET_MS
     deadline_ms: int = 43_200_000
+    results_keep: int = 0  # > 0: finished sessions' results kept by count (CCHATQ_RESULTS_KEEP)
 
     def turn(self) -> int:
         """One round of reconciling, if it is this process's turn: how many were nudged."""
@@ -78,6 +83,9 @@ class Reconciler:
             forgotten += 1
         if nudged or overdue:
             log.info("reconciler: nudged %d sessions with no progress, ended %d", nudged, overdue)
+        if self.results_keep:
+            with contextlib.suppress(StoreError):  # the next turn trims what this one could not
+                self.store.trim_results(self.results_keep)
         if self.runner.settings.trace:  # counted for the metrics, never in the way
             counts = {"nudged": nudged, "forgotten": forgotten, "overdue": overdue}
             passed = event("reconciler.pass", "", **counts)

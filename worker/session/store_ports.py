@@ -59,6 +59,7 @@ class StepStart:
     tool_inputs: ToolInputs | None = None  # asked with ToolReads
     lease: str = ""  # this delivery's lease token, when it holds the lease
     tries_stored: bool = True  # False: a first delivery, counted without a write
+    ended: bool = False  # its session's response is written: it ended
 
 
 class SessionStore(Protocol):
@@ -174,7 +175,7 @@ class SessionStore(Protocol):
         ...
 
     def watcher_batches(self, sk: str) -> list[str]: ...
-    def notify(self, sk: str, batches: Iterable[str]) -> None: ...
+    def notify(self, sk: str, batches: Iterable[str], outcome: str = "") -> None: ...
     def chunk_members(self, batch: str, chunk_no: int) -> list[ChunkMember]: ...
 
 
@@ -214,6 +215,7 @@ class Commit:
     trace: TraceWrite | None = None
     outcomes: Mapping[tuple[int, int], ToolOutcome] = field(default_factory=dict)
     notify: tuple[str, ...] = ()
+    ended_as: str = ""  # the outcome code of the session it ended (the batches told keep it)
 
 
 @dataclass(frozen=True)

@@ -190,7 +190,8 @@ class MemoryStore(ProgramTwin):
             if sk and meta and sk in self.meta_of:  # a lost session's meta is not made again
                 self.meta_of[sk].update({k: str(v) for k, v in meta.items()})
             cancelled = bool(sk) and sk in self.cancelled
-        start = StepStart(published, leased, self.tries[step], cancelled)
+            ended = bool(sk) and sk in self.responses
+        start = StepStart(published, leased, self.tries[step], cancelled, ended=ended)
         if isinstance(reads, RoundReads):
             session = self.load_session(sk, reads.backend, upto_round=reads.round_no)
             return replace(start, session=session)
@@ -304,6 +305,10 @@ class MemoryStore(ProgramTwin):
     def meta(self, sk: str) -> dict[str, str]:
         return dict(self.meta_of.get(sk, {}))
 
+    def trim_results(self, keep: int) -> int:
+        """The twin keeps every result (it retires nothing)."""
+        return 0
+
     def now_ms(self) -> int:
         return self.clock()
 
@@ -339,7 +344,7 @@ class MemoryStore(ProgramTwin):
     def watcher_batches(self, sk: str) -> list[str]:
         return sorted(self.watchers.get(sk, ()))
 
-    def notify(self, sk: str, batches: Iterable[str]) -> None:
+    def notify(self, sk: str, batches: Iterable[str], outcome: str = "") -> None:
         with self._cond:
             for batch in batches:
                 self.done.setdefault(batch, deque()).append(sk)
