@@ -63,7 +63,8 @@ def _digits(text: str | None) -> int | None:
 
 
 def _number(raw: Any) -> int | None:
-    return _digits(_text(raw))
+    """A meta's number: bytes from Redis, or str from a retired record's meta."""
+    return _digits(raw if isinstance(raw, str) else _text(raw))
 
 
 class FleetSource:
