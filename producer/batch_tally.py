@@ -1,8 +1,8 @@
 """A batch's count of its ended sessions, from its ended index (keys.batch_ended: each session
 that ended -> "<outcome> <finished_ms>", written by the workers as they tell the batch, and by
 the submit for a run it joined that had ended before): one HVALS gives the counts by outcome,
-the latest end and the recent ends, one HMGET (or HKEYS) which members ended. It reads only,
-a few commands whatever the batch's size: `cchatq batch status` and the viewer alike.
+the latest end and the recent ends, one HMGET (or HKEYS) which members ended. It only
+reads, a few commands whatever the batch's size: `cchatq batch status` and the viewer alike.
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ from typing import Any
 from schemas import keys
 from schemas.session_record import read_record
 
-BUCKET_MS = 5_000  # the recent ends are counted in buckets this long (the viewer's rate)
-
 
 @dataclass(frozen=True)
 class Tally:
@@ -25,12 +23,7 @@ class Tally:
     done: int = 0
     outcomes: dict[str, int] = field(default_factory=dict)
     last_finished_ms: int | None = None
-    buckets: dict[int, int] = field(default_factory=dict)  # finished_ms // BUCKET_MS -> ends
-
-    def ended_since(self, since_ms: int) -> int:
-        """Sessions that ended in the buckets from `since_ms` on."""
-        first = since_ms // BUCKET_MS
-        return sum(n for bucket, n in self.buckets.items() if bucket >= first)
+    recent: int = 0  # ended since the time `read` was given
 
 
 def ended_value(outcome: str, finished_ms: int | None) -> str:
@@ -42,24 +35,18 @@ class BatchTally:
     def __init__(self, client: Any) -> None:
         self.redis = client  # redis-py's, replies as bytes
 
-    def read(self, batch: str) -> Tally:
-        """The batch's ended sessions counted (one HVALS)."""
-        outcomes: Counter[bytes] = Counter()
-        buckets: Counter[int] = Counter()
-        last = 0
-        values = self.redis.hvals(keys.batch_ended(batch))
-        for value in values:
-            outcome, _, finished = value.partition(b" ")
-            outcomes[outcome] += 1
-            if finished:
-                ended = int(finished)
-                buckets[ended // BUCKET_MS] += 1
-                last = max(last, ended)
+    def read(self, batch: str, since_ms: int = 0) -> Tally:
+        """The batch's ended sessions counted (one HVALS: ~0.2 s for 100,000 here, where a
+        script counting them in Redis held it 0.3 s); `recent`: those ended since
+        `since_ms` (Redis's clock, as the ends are)."""
+        heads = [entry.partition(b" ") for entry in self.redis.hvals(keys.batch_ended(batch))]
+        outcomes = Counter(head[0] for head in heads)
+        ends = [int(head[2]) for head in heads if head[2]]
         return Tally(
-            done=len(values),
-            outcomes={code.decode(): n for code, n in outcomes.items()},
-            last_finished_ms=last or None,
-            buckets=dict(buckets),
+            done=len(heads),
+            outcomes={outcome.decode(): n for outcome, n in outcomes.items()},
+            last_finished_ms=max(ends, default=0) or None,
+            recent=sum(1 for end in ends if end >= since_ms) if since_ms else 0,
         )
 
     def ended(self, batch: str, sks: Sequence[str]) -> list[bool]:

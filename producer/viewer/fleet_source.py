@@ -228,12 +228,11 @@ class FleetSource:
         """A big batch's row from its ended index and a sample (Batches.summary), not from
         each of its sessions."""
         now_ms = self.client.clock.now_ms()
-        tally = self._tally.read(batch)
+        tally = self._tally.read(batch, since_ms=now_ms - int(RECENT_S * 1000))
         summary = self.batches.summary(batch)
         if summary is None:
             return None
-        recent = tally.ended_since(now_ms - int(RECENT_S * 1000))
-        return self._keep(summary_row(summary, recent, now_ms))
+        return self._keep(summary_row(summary, tally.recent, now_ms))
 
     def batch_page(self, batch: str, query: BatchQuery) -> BatchPage | None:
         """A big batch's page without a filter or a sort: its counts from its ended index, and only
