@@ -4,6 +4,7 @@ fleet to run them on, waiting for and reading back what they left, and a run's v
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import uuid
@@ -22,11 +23,16 @@ from bench.chaos_report import (
 from fixtures.demo_scenarios import CITIES, WEATHER, weather_json
 from producer.client import Client
 from producer.fleet import Fleet
+from producer.local_cluster import LocalCluster
 from producer.specfile import load_spec_from_objects
 from producer.submitting import Submission
+from schemas.fleet_urls import fleet_urls
 from schemas.spec_types import Spec
 
 GUESTS = Path(fixtures.__file__).parent / "guests"
+# `CCHATQ_CHAOS_CLUSTER=3 make chaos SCENARIOS=kill`: the sessions' state on a local cluster of
+# that many masters (the scenarios that restart or cut Redis keep one Redis)
+CLUSTER_VARIABLE = "CCHATQ_CHAOS_CLUSTER"
 
 
 # --- sessions --------------------------------------------------------------------------------
@@ -75,13 +81,22 @@ def start_fleet(
     workdir.mkdir(parents=True, exist_ok=True)
     fleet = Fleet(workdir=workdir)
     fleet.ensure_redis(private=True, appendonly=appendonly)
+    masters = int(os.environ.get(CLUSTER_VARIABLE) or 0)
+    if masters:  # the state on a local cluster, the broker on the fleet's own Redis
+        fleet.env["CCHATQ_STATE_URL"] = LocalCluster(masters, fleet=fleet).start()
     fleet.start_replay(latency_ms, replay_args)
     fleet.start_workers()
-    client = Client(fleet.redis_url)
+    client = fleet_client(fleet)
     warm = client.enqueue(weather_specs(f"warm-{uuid.uuid4().hex[:6]}", 20))  # compile, connect
     for _ in client.wait(warm, timeout_s=120, poll_s=0.05):
         pass
     return fleet, client
+
+
+def fleet_client(fleet: Fleet) -> Client:
+    """A producer of the fleet: on its state's Redis and its broker (apart on a cluster)."""
+    urls = fleet_urls(fleet.worker_env())
+    return Client(urls.state, config=fleet.config(), broker_url=urls.broker)
 
 
 def wait_in_process(

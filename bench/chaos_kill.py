@@ -16,6 +16,7 @@ from typing import Any
 
 from bench.chaos_fleet import (
     expected,
+    fleet_client,
     problems_of,
     start_fleet,
     verdict_of,
@@ -30,7 +31,6 @@ from bench.chaos_report import (
     tally,
 )
 from bench.history_read import check_run, mark_run
-from producer.client import Client
 from producer.fleet import Fleet
 from producer.specfile import load_spec_from_objects
 from schemas import fleet_keys
@@ -109,11 +109,11 @@ def scenario_kill(root: Path, n: int, deadline_s: float, seed: int) -> list[Row]
 
         objects = weather_objects(f"kill-{uuid.uuid4().hex[:6]}", n)
         specs = load_spec_from_objects(objects)
-        waiter_client = Client(fleet.redis_url)
+        waiter_client = fleet_client(fleet)
         walls: list[float] = []
         mark, delivered = mark_run(fleet.replay_url), list[str]()
         sub = waiter_client.enqueue(specs)
-        killer = Killer(fleet, client.redis, seed)
+        killer = Killer(fleet, client.broker_redis, seed)
         waiter = threading.Thread(
             target=lambda: walls.append(wait_in_process(waiter_client, sub, deadline_s, delivered)),
             daemon=True,
