@@ -10,8 +10,8 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 # twins); worker subprocesses of the fleet tests are not measured.
 COVERAGE_FLOOR := 85
 
-.PHONY: install demo test test-fast check lint types contracts cover bench bench-otel bench-rate bench-scale \
-	chaos soak guests \
+.PHONY: install demo test test-fast check lint types contracts cover bench bench-big bench-otel bench-rate \
+	bench-scale chaos soak guests \
 	redis-server faketime nftables chromium screenshots
 
 $(PY):
@@ -83,6 +83,12 @@ check: lint types contracts cover
 
 bench: install
 	$(PY) -m bench
+
+# The producer's side of a 100,000-session batch against its goals (submit's time and memory,
+# batch status and the viewer's page, results written as sessions end), on a private Redis
+# without workers, the sessions ended by the workers' own script. BENCH_BIG_ARGS="--sessions 20000"
+bench-big: install
+	$(PY) -m bench.big_batch --sessions 100000 $(BENCH_BIG_ARGS)
 
 # What OpenTelemetry spans cost the workers: the same batch with spans off and exporting over
 # OTLP/HTTP to a receiver in the bench's process. BENCH_OTEL_ARGS="--sessions 200 --content"

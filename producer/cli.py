@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 from producer.batch import result_line
 from producer.batches import iso_utc
 from producer.cli_batch import add_batch_parser
-from producer.cli_batches import MAX_LISTED, cmd_submit
 from producer.cli_common import (
     EXIT_OK,
     EXIT_REJECTED,
@@ -32,15 +31,8 @@ from producer.cli_common import (
     redis_url,
     redis_where,
 )
-from producer.cli_fleet import add_fleet_parsers
-from producer.cli_programs import cmd_demo, cmd_run, cmd_stream
-from producer.cli_services import add_metrics_parser, add_service_parsers
-from producer.cli_view import add_view_parser
-from producer.fleet_status import read_fleet_status
-from producer.session_memory import session_memory
 from schemas import keys
 from schemas.bodies import dump_text
-from schemas.config import ConfigError, read_config
 from schemas.protocols import NAMES as PROTOCOL_NAMES
 
 if TYPE_CHECKING:
@@ -70,10 +62,14 @@ def id_client(args: argparse.Namespace) -> Client:
 def cmd_status(args: argparse.Namespace) -> int:
     client = id_client(args)
     if args.id is None:  # the fleet: tasks queued and running per queue, workers, sessions
+        from producer.fleet_status import read_fleet_status
+
         fleet = read_fleet_status(client.redis, client.broker_queues)
         sys.stderr.write("".join(f"{w}\n" for w in fleet.warnings))  # loud: not only in JSON
         shown = fleet.to_json()
         # Redis memory a session holds: sampled, a finished one's and a running one's
+        from producer.session_memory import session_memory
+
         shown["session_memory"] = asdict(session_memory(client.redis))
         shown["redis"] = redis_where(redis_url(), client.redis)
         if broker_url() != redis_url():
@@ -132,6 +128,8 @@ def cmd_config(args: argparse.Namespace) -> int:
     """`cchatq config check`: the configuration the workers and submit would read, checked
     whole (exit 2 naming each problem), then its backends and whether each key is set here,
     its model aliases and its MCP servers."""
+    from schemas.config import ConfigError, read_config
+
     environ = dict(os.environ)
     if args.file:
         environ.pop("CCHATQ_BACKENDS", None)
@@ -172,7 +170,52 @@ def version() -> str:
         return "unknown (not installed)"
 
 
+# The commands whose modules load the Celery app, the spec validators or the local fleet are
+# imported when they run (and the parsers that name them when the whole parser is built):
+# `cchatq batch ...` parses with the batch command's parser alone, and `batch status` answers
+# with Redis alone (producer/state_reader.py).
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from producer.cli_batches import cmd_submit as submit
+
+    return submit(args)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from producer.cli_programs import cmd_demo as demo
+
+    return demo(args)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from producer.cli_programs import cmd_run as run
+
+    return run(args)
+
+
+def cmd_stream(args: argparse.Namespace) -> int:
+    from producer.cli_programs import cmd_stream as stream
+
+    return stream(args)
+
+
+def batch_parser() -> argparse.ArgumentParser:
+    """`cchatq batch ...` alone."""
+    parser = argparse.ArgumentParser(
+        prog="cchatq", description="Batch LLM chat sessions with WASM tools."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    _format_arguments(add_batch_parser(sub))
+    return parser
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from producer.cli_batches import MAX_LISTED
+    from producer.cli_fleet import add_fleet_parsers
+    from producer.cli_services import add_metrics_parser, add_service_parsers
+    from producer.cli_view import add_view_parser
+
     parser = argparse.ArgumentParser(
         prog="cchatq", description="Batch LLM chat sessions with WASM tools."
     )
@@ -336,8 +379,9 @@ def _format_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    given = list(sys.argv[1:] if argv is None else argv)
+    parser = batch_parser() if given[:1] == ["batch"] else build_parser()
+    args = parser.parse_args(given)
     if getattr(args, "errors", None) and args.format != "openai":
         parser.error("--errors goes with --format openai")
     if getattr(args, "include", None) and args.format != "openai":

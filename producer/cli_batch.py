@@ -8,9 +8,10 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from producer.batches import Batches, BatchSummary, iso_utc
-from producer.cli_batches import BatchInterrupted, ended, interrupted, result_files, run_batch
+from producer.batch_tally import BatchTally
+from producer.batches import BatchCounts, Batches, BatchSummary, iso_utc
 from producer.cli_common import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -18,10 +19,13 @@ from producer.cli_common import (
     EXIT_REJECTED,
     connect,
     plural,
+    reach_redis,
+    redis_url,
 )
-from producer.client import Client
-from producer.retry_choice import UnknownCodes, choose, parse_codes
-from producer.submitting import ModuleExpiredError
+from producer.state_reader import state_reader
+
+if TYPE_CHECKING:  # the Client, its Celery app and the spec validators: only where used
+    from producer.client import Client
 
 WAIT_POLL_S = 0.5  # `batch results --wait`: how often the batch's states are read
 
@@ -67,11 +71,15 @@ def cmd_batch(args: argparse.Namespace) -> int:
     """`cchatq batch list | status B | results B | cancel B | retry B`."""
     codes = None
     if args.codes is not None:  # a typo is named before anything is read
+        from producer.retry_choice import UnknownCodes, parse_codes
+
         try:
             codes = parse_codes(args.codes)
         except UnknownCodes as exc:
             print(f"cchatq batch retry --codes: {exc}", file=sys.stderr)
             return EXIT_REJECTED
+    if args.action == "status" and args.batch is not None:
+        return status(args.batch, args.json)
     client = connect()
     batches = Batches(client)
     if args.action == "list":
@@ -85,10 +93,6 @@ def cmd_batch(args: argparse.Namespace) -> int:
     if summary is None:
         print(f"unknown batch: {args.batch}", file=sys.stderr)
         return EXIT_REJECTED
-    if args.action == "status":
-        text = json.dumps(summary.to_json(), indent=2, sort_keys=True)
-        print(text if args.json else shown_summary(summary))
-        return EXIT_OK
     if args.action == "cancel":
         asked = batches.cancel(args.batch)
         print(f"batch {args.batch}: cancel requested for {plural(asked, 'session')}")
@@ -100,10 +104,32 @@ def cmd_batch(args: argparse.Namespace) -> int:
     return write_results(args, batches, summary)
 
 
+def status(batch: str, as_json: bool) -> int:
+    """`cchatq batch status B`, read with Redis alone (producer/state_reader.py): no Celery
+    app, no spec validators to load."""
+    url = redis_url()
+    reach_redis(url)
+    reader = state_reader(url)
+    try:
+        counts = BatchCounts(reader.redis, BatchTally(reader.redis))
+        summary = counts.summary(batch)
+    finally:
+        reader.close()
+    if summary is None:
+        print(f"unknown batch: {batch}", file=sys.stderr)
+        return EXIT_REJECTED
+    text = json.dumps(summary.to_json(), indent=2, sort_keys=True)
+    print(text if as_json else shown_summary(summary))
+    return EXIT_OK
+
+
 def shown_summary(summary: BatchSummary) -> str:
     """`cchatq batch status B`: a few lines for a person (--json for a program)."""
     order = ("queued", "running", "done", "gone")
-    states = ", ".join(f"{summary.states[s]} {s}" for s in order if summary.states.get(s))
+    about = {"queued": "~", "running": "~", "gone": "~"} if summary.sampled else {}
+    states = ", ".join(
+        f"{about.get(s, '')}{summary.states[s]} {s}" for s in order if summary.states.get(s)
+    )
     outcomes = ", ".join(f"{n} {code}" for code, n in sorted(summary.outcomes.items()))
     lines = [
         f"batch {summary.batch}: {summary.status}",
@@ -111,6 +137,8 @@ def shown_summary(summary: BatchSummary) -> str:
         + (f" ({states})" if states else ""),
         f"  outcomes:     {outcomes or 'none yet'}",
     ]
+    if summary.sampled:
+        lines.append(f"  estimated:    ~ from a sample of {plural(summary.sampled, 'session')}")
     if summary.cancelling:
         lines.append(f"  cancelling:   {plural(summary.cancelling, 'session')}")
     if summary.submitted_ms:
@@ -142,6 +170,8 @@ def wait_ended(batches: Batches, summary: BatchSummary, timeout_s: float | None)
 
 def write_results(args: argparse.Namespace, batches: Batches, summary: BatchSummary) -> int:
     """What ended of the batch, in --out: exit 3 naming what has not ended."""
+    from producer.cli_batches import result_files
+
     written, failed = 0, 0
     with result_files(args.format, Path(args.out), args.errors, args.include) as files:
         for member, record in batches.results(args.batch):
@@ -167,6 +197,10 @@ def retry(
 ) -> int:
     """The failed sessions chosen (producer/retry_choice.py) run again as their ids' next
     attempts, in a new batch waited for as a submit is."""
+    from producer.cli_batches import BatchInterrupted, ended, interrupted, result_files, run_batch
+    from producer.retry_choice import choose
+    from producer.submitting import ModuleExpiredError
+
     choice = choose(batches.failed_sessions(args.batch), codes, args.include_4xx)
     if choice.skipped:
         print(choice.skipped_line(args.batch), file=sys.stderr)

@@ -8,6 +8,7 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -26,8 +27,9 @@ from producer.client import Client
 from producer.fleet_status import read_fleet_status, unserved
 from producer.openai_batch import ToolsFileError, converter, load_tool_bindings
 from producer.openai_output import ResultFiles, errors_path, openai_lines
-from producer.report import Progress, batch_states, summary
-from producer.specfile import SpecFileError, load_spec_file
+from producer.report import Progress, Summary, batch_states
+from producer.specfile import SpecFileError, load_stored_specs
+from producer.stored_specs import ModuleChangedError, StoredSpec
 from producer.submitting import (
     BATCH_SCOPE,
     Rerun,
@@ -38,6 +40,16 @@ from producer.validation_progress import validation_progress
 from schemas.spec_types import Spec
 
 MAX_LISTED = 20  # rejected lines listed, then how many more (all of them: --all-issues)
+
+
+@dataclass(frozen=True)
+class BatchRun:
+    """A batch waited for to its end: how many sessions, how many failed, and (when asked
+    for) their records in input order."""
+
+    sessions: int
+    failed: int
+    records: list[dict[str, Any]] = field(default_factory=list)
 
 
 class BatchInterrupted(Exception):
@@ -64,8 +76,12 @@ def result_files(
     return ResultFiles(out, line)
 
 
-def warn_unserved(client: Client, specs: Sequence[Spec], stream: TextIO = sys.stderr) -> None:
-    """A needed queue no worker takes from: say so, rather than wait in silence."""
+def warn_unserved(
+    client: Client, specs: Sequence[Spec | StoredSpec], stream: TextIO | None = None
+) -> None:
+    """A needed queue no worker takes from: say so, rather than wait in silence (on `stream`,
+    else sys.stderr as it is when called: this module is imported when a command runs)."""
+    stream = stream or sys.stderr
     for queue in unserved(read_fleet_status(client.redis, client.broker_queues), specs):
         stream.write(
             f"warning: no worker takes from queue {queue!r}: its steps wait until one does"
@@ -75,19 +91,22 @@ def warn_unserved(client: Client, specs: Sequence[Spec], stream: TextIO = sys.st
 
 def run_batch(
     client: Client,
-    specs: list[Spec],
+    specs: Sequence[Spec | StoredSpec],
     out: Path,
     timeout_s: float | None,
-    stream: TextIO = sys.stderr,
+    stream: TextIO | None = None,
     rerun: Rerun = "none",
     files: ResultFiles | None = None,
     namespace: str | None = None,
-) -> list[dict[str, Any]]:
+    keep_records: bool = False,
+) -> BatchRun:
     """Submit, show progress, write one JSON line per session (with its batch and which
     attempt of its id it is; or, with `files`, in their format), print the summary. Each line
     is written (and flushed) as its session finishes, so a producer that dies keeps what it
-    had; once all are in, the files are rewritten in input order."""
+    had; once all are in, the lines are copied again in input order. Only counts are kept of
+    the records (and the records themselves with `keep_records`: the demo checks them)."""
     started = time.monotonic()
+    stream = stream or sys.stderr
     files = files or result_files("cchatq", out)
     sub: Submission = client.enqueue(specs, rerun=rerun, namespace=namespace)
     if sub.warning:
@@ -100,21 +119,26 @@ def run_batch(
         + (f", {reused} already submitted" if reused else "")
         + "\n"
     )
-    records: dict[str, dict[str, Any]] = {}
-    states = batch_states(client, sub, records)
+    finished: set[str] = set()
+    kept: dict[str, dict[str, Any]] = {}
+    totals = Summary()
+    states = batch_states(client, sub, finished)
     progress = Progress(len(sub.order), stream, already=sub.done, states=states)
     with files, progress:
         try:
             for sk, record in client.wait(sub, timeout_s=timeout_s):
-                records[sk] = record
+                finished.add(sk)
                 files.write(sk, record, sub.batch, sub.runs[sk].attempt)
                 progress.update(sk, record)
+                totals.add(record)
+                if keep_records:
+                    kept[sk] = record
         except (KeyboardInterrupt, TimeoutError):
-            raise BatchInterrupted(sub.batch, len(records), len(sub.order)) from None
-    ordered = [records[sk] for sk in sub.order]
-    files.rewrite((sk, records[sk], sub.batch, sub.runs[sk].attempt) for sk in sub.order)
-    stream.write(f"results: {files}\n{summary(ordered, time.monotonic() - started)}\n")
-    return ordered
+            raise BatchInterrupted(sub.batch, len(finished), len(sub.order)) from None
+    files.reorder(sub.order)
+    stream.write(f"results: {files}\n{totals.text(time.monotonic() - started)}\n")
+    ordered = [kept[sk] for sk in sub.order if sk in kept]
+    return BatchRun(totals.sessions, totals.sessions - totals.ok, ordered)
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
@@ -127,7 +151,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         bindings = load_tool_bindings(args.tools) if args.tools else None
         convert = converter(bindings, args.provider)
         with validation_progress(args.file, sys.stderr) as on_progress:
-            loaded = load_spec_file(args.file, check, convert=convert, on_progress=on_progress)
+            loaded = load_stored_specs(args.file, check, convert, on_progress)
     except ToolsFileError as exc:
         print(f"rejected, nothing enqueued:\n{exc}", file=sys.stderr)
         return EXIT_REJECTED
@@ -153,18 +177,17 @@ def cmd_submit(args: argparse.Namespace) -> int:
     namespace = BATCH_SCOPE if own_scope else None
     try:
         if args.no_wait:
-            sub = client.enqueue([s.spec for s in loaded], rerun=args.rerun, namespace=namespace)
+            sub = client.enqueue(loaded, rerun=args.rerun, namespace=namespace)
             if sub.warning:
                 print(sub.warning, file=sys.stderr)
             print(f"batch {sub.batch}: {plural(len(sub.new), 'session')} enqueued")
-            warn_unserved(client, [s.spec for s in loaded])
+            warn_unserved(client, loaded)
             return EXIT_OK
-        specs = [s.spec for s in loaded]
         records = run_batch(
-            client, specs, out, args.timeout_s, rerun=args.rerun, files=files, namespace=namespace
+            client, loaded, out, args.timeout_s, rerun=args.rerun, files=files, namespace=namespace
         )
     except SpecConflictError as exc:
-        lines = {s.spec.id: s.line for s in loaded}
+        lines = {s.id: s.line for s in loaded}
 
         def named(spec_id: str) -> str:  # an OpenAI request's id is its custom_id
             return "custom_id" if spec_id in convert.request_ids else "id"
@@ -183,6 +206,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
             more = len(exc.spec_ids) - len(listed)
             print(f"... and {more} more (--all-issues lists them all)", file=sys.stderr)
         return EXIT_REJECTED
+    except ModuleChangedError as exc:
+        print(f"rejected, nothing enqueued: {exc}", file=sys.stderr)
+        return EXIT_REJECTED
     except BatchInterrupted as stop:
         return interrupted(stop, out)
     finally:
@@ -190,9 +216,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
     return ended(records)
 
 
-def ended(records: list[dict[str, Any]]) -> int:
+def ended(run: BatchRun) -> int:
     """The exit code of a batch whose every session ended."""
-    return EXIT_OK if all(r.get("status") == "ok" for r in records) else EXIT_FAILED
+    return EXIT_FAILED if run.failed else EXIT_OK
 
 
 def interrupted(stop: BatchInterrupted, out: Path) -> int:

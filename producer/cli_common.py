@@ -251,6 +251,7 @@ def _start_hint(url: str) -> str:
 
 def fleet_config() -> FleetConfig | None:
     """The configuration shared with the workers, or None after saying what is wrong with it."""
+
     try:
         return read_config()
     except ConfigError as exc:

@@ -166,6 +166,6 @@ def _run_demo(
     print(f"redis {redis_url}  replay {replay_url} ({backend})  workers {queues}", file=sys.stderr)
     client = Client(redis_url, config=fleet.config())
     try:
-        return run_batch(client, specs, Path(args.out), args.timeout_s)
+        return run_batch(client, specs, Path(args.out), args.timeout_s, keep_records=True).records
     finally:
         client.close()

@@ -10,31 +10,29 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-import redis
 from celery import Celery
-from redis.backoff import ExponentialBackoff
-from redis.retry import Retry
 
 from producer.batch import Batch
 from producer.broker_queues import AmqpQueues, celery_broker, fleet_queue_type
-from producer.redis_connect import redis_client
+
+# the connection's settings and helpers live with the state reader (no Celery there);
+# named here too, where callers have always found them
+from producer.state_reader import CLIENT_NAME as CLIENT_NAME
+from producer.state_reader import DEFAULT_TTL_S as DEFAULT_TTL_S
+from producer.state_reader import RECONNECT_BACKOFF_S as RECONNECT_BACKOFF_S
+from producer.state_reader import RECONNECT_S as RECONNECT_S
+from producer.state_reader import reconnecting as reconnecting
+from producer.state_reader import result_ttl_s as result_ttl_s
+from producer.state_reader import state_client
 from producer.submitting import Rerun
 from producer.waiting import Waiting
 from schemas import redis_links
 from schemas.amqp_broker import is_amqp
-from schemas.config import ConfigError, read_config
+from schemas.config import read_config
 from schemas.fleet_clock import FleetClock, server_ms
 from schemas.fleet_config import FleetConfig
 from schemas.redis_url import is_sentinel, kombu_broker, redacted
 from schemas.spec_types import Spec
-
-DEFAULT_TTL_S = 86_400
-# A restart of Redis (or a failover) is ridden out: each command, pipeline or publish is tried
-# again on a connection error for about this long before the error reaches the caller (longer
-# through a partition, where each try also spends its connect or socket timeout).
-RECONNECT_S = 60.0
-CLIENT_NAME = "cchatq-producer"  # its connections in Redis's CLIENT LIST
-RECONNECT_BACKOFF_S = (0.05, 1.0)  # first and longest pause between two tries
 
 
 class Client(Waiting):
@@ -58,7 +56,7 @@ class Client(Waiting):
         another Redis, or RabbitMQ (schemas/fleet_urls.py). `queue_type`: RabbitMQ's queues'
         (classic, quorum; default: CCHATQ_QUEUE_TYPE, as the workers read it)."""
         # Any: redis-py annotates replies as bytes | str; this client never decodes (bytes).
-        self.redis: Any = _client(redis_url)
+        self.redis: Any = state_client(redis_url)
         self.shown_url = redacted(redis_url)  # as messages show it
         # Redis's clock: when a session was submitted is compared by the fleet's reconciler
         # on it, whatever this host's wall clock says
@@ -79,7 +77,7 @@ class Client(Waiting):
             broker: dict[str, Any] = celery_broker(broker_url, kind)
         else:
             if broker_url != redis_url:
-                self.broker_queues = _client(broker_url)
+                self.broker_queues = state_client(broker_url)
             url, transport_options = kombu_broker(broker_url)  # a Sentinel's: kombu's form
             broker = {
                 "broker_url": url,
@@ -123,34 +121,3 @@ class Client(Waiting):
         directory)."""
         loaded = self._validate(specs, check_keys, base_dir)
         return Batch(self, self.enqueue(loaded, rerun=rerun, namespace=namespace))
-
-
-def _client(url: str) -> Any:
-    """The producer's client of a Redis: named, riding out a restart (reconnecting)."""
-    return redis_client(
-        url, client_name=CLIENT_NAME, **reconnecting(), **redis_links.client_options()
-    )
-
-
-def result_ttl_s(environ: Mapping[str, str] | None = None) -> int:
-    """The fleet's key TTL, CCHATQ_RESULT_TTL_S, which the workers read too: a producer that
-    wrote its specs and claims for a day on a fleet whose keys live ten minutes would hold
-    every finished session's spec in Redis for the day."""
-    raw = (os.environ if environ is None else environ).get("CCHATQ_RESULT_TTL_S", "")
-    if not raw:
-        return DEFAULT_TTL_S
-    if not raw.isdigit() or int(raw) <= 0:
-        raise ConfigError("environment", [("CCHATQ_RESULT_TTL_S", f"{raw!r}: not seconds > 0")])
-    return int(raw)
-
-
-def reconnecting() -> dict[str, Any]:
-    """redis-py client options that try a command again on a connection error, with backoff,
-    for about RECONNECT_S: a client from `from_url` otherwise does not retry at all."""
-    first_s, longest_s = RECONNECT_BACKOFF_S
-    return {
-        "retry": Retry(
-            ExponentialBackoff(cap=longest_s, base=first_s), int(RECONNECT_S / longest_s)
-        ),
-        "retry_on_error": [redis.ConnectionError, redis.TimeoutError],
-    }

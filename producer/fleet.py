@@ -58,8 +58,7 @@ def replay_backend_name(protocol: str, stream: bool) -> str:
 
 
 def replay_backends(replay_url: str) -> dict[str, dict[str, object]]:
-    """A backend per protocol and stream setting, all on the replay server (at each
-    protocol's declared path)."""
+    """A backend per protocol and stream setting, on the replay server (each at its path)."""
     root = replay_url.removesuffix("/v1")
     backends: dict[str, dict[str, object]] = {
         replay_backend_name(protocol, stream): {
@@ -128,8 +127,7 @@ def worker_command(
 @dataclass
 class Fleet:
     """Processes started by this fleet, stopped (by pid) on exit. `workdir` holds Redis's data
-    and, unless `log_dir` names another folder, the processes' logs; left empty, a temporary
-    one is made here and removed by `stop()` unless kept (the module's docstring)."""
+    and the logs (unless `log_dir`); left empty, a temporary one that `stop()` removes."""
 
     redis_url: str = ""
     replay_url: str = ""

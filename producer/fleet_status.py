@@ -13,18 +13,15 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from producer.broker_queues import AmqpQueues
+from producer.stored_specs import StoredSpec
+from producer.stored_specs import needed_queues as needed_queues  # its home before
 from schemas import fleet_keys, keys
 from schemas.rate_state import ControllerStatus, controller_status
 from schemas.redis_memory import RedisMemory, eviction_warning
 from schemas.redis_url import redacted
-from schemas.spec_types import ProgramSpec, Spec
+from schemas.spec_types import Spec
 from schemas.task_names import (
     ALL_QUEUES,
-    QUEUE_BACKGROUND,
-    QUEUE_CONTROL,
-    QUEUE_LLM,
-    QUEUE_PROGRAMS,
-    QUEUE_TOOLS,
 )
 
 
@@ -177,21 +174,6 @@ def _held_queue(raw: bytes) -> str:
     return str(json.loads(raw)[2])
 
 
-def needed_queues(specs: Sequence[Spec]) -> list[str]:
-    """The queues these sessions' steps will run on: each must have a worker taking from it."""
-    needed = {QUEUE_CONTROL}  # the start of every chunk
-    for spec in specs:
-        if isinstance(spec, ProgramSpec):
-            needed |= {QUEUE_PROGRAMS, QUEUE_LLM}  # its chats' rounds too
-            continue
-        needed.add(QUEUE_LLM)
-        if spec.tools:
-            needed.add(QUEUE_TOOLS)
-        if any(t.policy.background for t in spec.tools):
-            needed.add(QUEUE_BACKGROUND)
-    return [q for q in ALL_QUEUES if q in needed]
-
-
-def unserved(fleet: FleetStatus, specs: Sequence[Spec]) -> list[str]:
+def unserved(fleet: FleetStatus, specs: Sequence[Spec | StoredSpec]) -> list[str]:
     """The queues these sessions need that no worker takes from right now."""
     return [q for q in needed_queues(specs) if not fleet.consumers_by_queue.get(q)]

@@ -23,7 +23,7 @@ import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TextIO
+from typing import Any, BinaryIO
 
 from producer.batch import result_line
 from producer.openai_batch import CUSTOM_ID_KEY
@@ -122,7 +122,10 @@ class ResultFiles:
 
     def __init__(self, out: Path, line: RecordLine, errors: Path | None = None) -> None:
         self.out, self.line, self.errors = out, line, errors
-        self._open: list[TextIO] = []
+        self._open: list[BinaryIO] = []
+        # sk -> (file, offset, length) of its line as written: `reorder` copies the lines
+        # from there, so no record is kept until the end
+        self._where: dict[str, tuple[int, int, int]] = {}
 
     @property
     def paths(self) -> list[Path]:
@@ -133,7 +136,8 @@ class ResultFiles:
 
     def __enter__(self) -> ResultFiles:
         for path in self.paths:
-            self._open.append(path.open("w"))
+            self._open.append(path.open("wb"))
+        self._where.clear()
         return self
 
     def __exit__(
@@ -148,9 +152,32 @@ class ResultFiles:
 
     def write(self, sk: str, record: dict[str, Any], batch: str, attempt: int) -> None:
         failed, text = self.line(sk, record, batch, attempt)
-        fh = self._open[1 if failed and self.errors is not None else 0]
-        fh.write(text)
+        which = 1 if failed and self.errors is not None else 0
+        fh, data = self._open[which], text.encode()
+        self._where[sk] = (which, fh.tell(), len(data))
+        fh.write(data)
         fh.flush()
+
+    def reorder(self, sks: Iterable[str]) -> None:
+        """Every file again, the lines written (`write`) in the order of `sks`, copied from
+        where they were written (each file replaced whole at the end); a session without a
+        line is left out."""
+        sorting = [path.with_name(path.name + ".sorting") for path in self.paths]
+        written = [path.open("rb") for path in self.paths]
+        handles = [path.open("wb") for path in sorting]
+        try:
+            for sk in sks:
+                found = self._where.get(sk)
+                if found is None:
+                    continue
+                which, offset, length = found
+                written[which].seek(offset)
+                handles[which].write(written[which].read(length))
+        finally:
+            for fh in (*written, *handles):
+                fh.close()
+        for path, final in zip(sorting, self.paths, strict=True):
+            path.replace(final)
 
     def rewrite(self, rows: Iterable[Row]) -> None:
         """Every file again, its lines in the order of `rows` (each replaced whole at the end)."""

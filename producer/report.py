@@ -245,27 +245,55 @@ def percentile(values: Sequence[int], q: float) -> int:
     return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
 
 
+class Summary:
+    """A batch's closing summary, added up a record at a time as its sessions finish: a
+    waiting submit keeps these counts (and one latency a session), never the records."""
+
+    def __init__(self) -> None:
+        self.sessions = self.ok = self.programs = self.program_chats = 0
+        self.rounds = self.tool_calls = self.tool_failures = 0
+        self.errors = Counter[str]()
+        self.latencies: list[int] = []
+        self.usage = Counter[str]()
+
+    def add(self, record: dict[str, Any]) -> None:
+        self.sessions += 1
+        if record.get("status") == "ok":
+            self.ok += 1
+        else:
+            self.errors[outcome_code(record.get("body"))] += 1
+        m = record.get("metrics") or {}
+        if record.get("kind") == "program":
+            self.programs += 1
+            self.program_chats += int(m.get("chats", 0))
+        self.latencies.append(int(m.get("latency_ms", 0)))
+        self.usage.update({k: v for k, v in (m.get("usage") or {}).items() if isinstance(v, int)})
+        self.rounds += int(m.get("iterations", 0))
+        self.tool_calls += int(m.get("tool_calls", 0))
+        self.tool_failures += int(m.get("tool_failures", 0))
+
+    def text(self, wall_s: float) -> str:
+        usage, latencies = self.usage, self.latencies
+        rows = [
+            ("sessions", str(self.sessions)),
+            ("ok", str(self.ok)),
+            ("errors", ", ".join(f"{c} {n}" for c, n in sorted(self.errors.items())) or "0"),
+            ("program runs (their chats)", f"{self.programs} ({self.program_chats})"),
+            ("rounds", str(self.rounds)),
+            ("tool calls", str(self.tool_calls)),
+            ("tool failures", str(self.tool_failures)),
+            ("latency p50 / p95",
+             f"{percentile(latencies, 0.5)} / {percentile(latencies, 0.95)} ms"),
+            ("tokens (prompt/completion/total)",
+             f"{usage['prompt_tokens']} / {usage['completion_tokens']} / {usage['total_tokens']}"),
+            ("wall time", f"{wall_s:.2f} s ({self.sessions / max(wall_s, 1e-9):.1f} sessions/s)"),
+        ]  # fmt: skip
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
+
+
 def summary(records: Sequence[dict[str, Any]], wall_s: float) -> str:
-    errors = Counter(outcome_code(r.get("body")) for r in records if r.get("status") != "ok")
-    programs = [r for r in records if r.get("kind") == "program"]
-    program_chats = sum(int((r.get("metrics") or {}).get("chats", 0)) for r in programs)
-    metrics = [r.get("metrics") or {} for r in records]
-    latencies = [int(m.get("latency_ms", 0)) for m in metrics]
-    usage = Counter[str]()
-    for m in metrics:
-        usage.update({k: v for k, v in (m.get("usage") or {}).items() if isinstance(v, int)})
-    rows = [
-        ("sessions", str(len(records))),
-        ("ok", str(sum(1 for r in records if r.get("status") == "ok"))),
-        ("errors", ", ".join(f"{code} {n}" for code, n in sorted(errors.items())) or "0"),
-        ("program runs (their chats)", f"{len(programs)} ({program_chats})"),
-        ("rounds", str(sum(int(m.get("iterations", 0)) for m in metrics))),
-        ("tool calls", str(sum(int(m.get("tool_calls", 0)) for m in metrics))),
-        ("tool failures", str(sum(int(m.get("tool_failures", 0)) for m in metrics))),
-        ("latency p50 / p95", f"{percentile(latencies, 0.5)} / {percentile(latencies, 0.95)} ms"),
-        ("tokens (prompt/completion/total)",
-         f"{usage['prompt_tokens']} / {usage['completion_tokens']} / {usage['total_tokens']}"),
-        ("wall time", f"{wall_s:.2f} s ({len(records) / max(wall_s, 1e-9):.1f} sessions/s)"),
-    ]  # fmt: skip
-    width = max(len(k) for k, _ in rows)
-    return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
+    totals = Summary()
+    for record in records:
+        totals.add(record)
+    return totals.text(wall_s)

@@ -37,6 +37,7 @@ from producer.spec_json import JsonlReader, json_entries, json_type, path_key, s
 from producer.spec_json import ProgressHook as ProgressHook
 from producer.spec_json import SpecIssue as SpecIssue
 from producer.spec_json import file_problem as file_problem
+from producer.stored_specs import Compactor, StoredSpec
 from schemas.program_spec import ProgramSpecSchema, is_program
 from schemas.spec import SessionSpecSchema
 from schemas.spec_types import ProgramSpec, Spec
@@ -100,6 +101,17 @@ def load_spec_file(
     problem exists (nothing is returned partially). A JSONL file is streamed a line at a time;
     a .json file is read whole. `on_progress`: see ProgressHook (a .json file reports once,
     at its end)."""
+    return _load_file(path, check, convert, on_progress, lambda spec, line: LoadedSpec(line, spec))
+
+
+def _load_file(
+    path: str | Path,
+    check: SpecCheck | None,
+    convert: SpecConvert | None,
+    on_progress: ProgressHook | None,
+    keep: Callable[[Spec, int], Any],
+) -> list[Any]:
+    """`load_spec_file`, `keep` making what is kept of each valid spec as it is validated."""
     shown = str(path)
     file_path = Path(path)
     try:
@@ -107,7 +119,7 @@ def load_spec_file(
         fh = file_path.open("rb")
     except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop
         raise SpecFileError([SpecIssue(shown, 0, "", file_problem(exc))]) from None
-    validator = _Validator(shown, base_dir, check, convert)
+    validator = _Validator(shown, base_dir, check, convert, keep)
     with fh:
         try:
             size = os.fstat(fh.fileno()).st_size
@@ -124,6 +136,19 @@ def load_spec_file(
         except OSError as exc:
             validator.issues.append(SpecIssue(shown, 0, "", file_problem(exc)))
     return validator.finish()
+
+
+def load_stored_specs(
+    path: str | Path,
+    check: SpecCheck | None = None,
+    convert: SpecConvert | None = None,
+    on_progress: ProgressHook | None = None,
+) -> list[StoredSpec]:
+    """`load_spec_file`, each spec kept only in its compact stored form (producer/
+    stored_specs.py) from the moment it is validated: what `cchatq submit` holds of a big
+    file."""
+    compactor = Compactor()
+    return _load_file(path, check, convert, on_progress, compactor)
 
 
 def load_spec_from_objects(
@@ -150,12 +175,14 @@ class _Validator:
         base_dir: Path,
         check: SpecCheck | None,
         convert: SpecConvert | None = None,
+        keep: Callable[[Spec, int], Any] = lambda spec, line: LoadedSpec(line, spec),
     ) -> None:
         self.shown = shown
         self.check = check
         self.convert = convert
+        self.keep = keep
         self.issues: list[SpecIssue] = []
-        self.loaded: list[LoadedSpec] = []
+        self.loaded: list[Any] = []  # what `keep` made of each spec, while no issue was found
         self.objects = 0
         self.modules = ModuleChecker(base_dir)
         self._module_of: dict[str, tuple[str, str | None]] = {}
@@ -216,9 +243,9 @@ class _Validator:
         if issues:
             self.loaded.clear()
         else:
-            self.loaded.append(LoadedSpec(line, spec))
+            self.loaded.append(self.keep(spec, line))
 
-    def finish(self) -> list[LoadedSpec]:
+    def finish(self) -> list[Any]:
         if not self.objects and not self.issues:
             self.issues.append(SpecIssue(self.shown, 0, "", "no specs in file"))
         if self.issues:

@@ -17,6 +17,7 @@ from typing import Any, Literal
 import redis
 
 from producer.backend_check import backend_check
+from producer.batch_tally import ended_before
 from producer.lookups import SessionLookups
 from producer.redis_connect import is_cluster
 from producer.redis_room import (
@@ -29,17 +30,15 @@ from producer.redis_room import (
     session_bytes,
 )
 from producer.specfile import load_spec_from_objects
+from producer.state_reader import PIPELINE_SIZE as PIPELINE_SIZE  # sessions a round trip
+from producer.stored_specs import ModuleChangedError, StoredSpec, compact, module_uploads
 from schemas import keys, task_names
-from schemas.bodies import dump_body
 from schemas.fleet_config import FleetConfig
 from schemas.spec_types import (
-    ProgramDef,
     ProgramSpec,
     SessionSpec,
     Spec,
-    ToolSpec,
     spec_to_json,
-    stored,
 )
 
 # which ids already submitted in the namespace run again: none (a changed spec is refused),
@@ -52,7 +51,6 @@ log = logging.getLogger(__name__)
 CHUNK_SIZE = 256  # sessions admitted by one start task
 # On a Sentinel-managed Redis a submit returns once a replica holds it, or after this long
 REPLICA_WAIT_MS = 2000
-PIPELINE_SIZE = 1000  # sessions per Redis round trip at submit
 
 
 @dataclass
@@ -64,7 +62,7 @@ class Submission:
     new: set[str] = field(default_factory=set)  # enqueued by this submission
     done: set[str] = field(default_factory=set)  # already finished before it (resubmitted ids)
     programs: set[str] = field(default_factory=set)  # program runs among them
-    specs: dict[str, Spec] = field(default_factory=dict)  # sk -> spec: to run again if lost
+    specs: dict[str, StoredSpec] = field(default_factory=dict)  # sk -> spec: to run again if lost
     runs: dict[str, keys.Claim] = field(default_factory=dict)  # sk -> its run (the claim)
     chunks: int = 0  # start tasks sent for this batch (a resubmission numbers on from here)
     warning: str = ""  # said before it runs: Redis may evict its keys (allowed by the operator)
@@ -112,16 +110,12 @@ class Submitting(SessionLookups):
         check = backend_check(self.config, check_keys=check_keys)
         return load_spec_from_objects(objects, base_dir, check, shown="<specs>")
 
-    def upload_modules(self, specs: Sequence[Spec]) -> dict[str, str]:
-        """Each referenced module once, content-addressed: path -> sha256. A module a spec
-        names by its sha256 already (read back from the store: `cchatq batch retry`) must still
-        be in Redis, and is kept alive there."""
-        modules: list[ToolSpec | ProgramDef] = [
-            *(t for s in specs if isinstance(s, SessionSpec) for t in s.tools),
-            *(s.program for s in specs if isinstance(s, ProgramSpec)),
-        ]
-        named = [m for m in modules if not m.module_sha256]
-        hashed = sorted({m.module_sha256 for m in modules if m.module_sha256})
+    def upload_modules(self, specs: Sequence[Spec | StoredSpec]) -> dict[str, str]:
+        """Each module the specs name, once, content-addressed. A module a spec names by its
+        sha256 already (read back from the store: `cchatq batch retry`) must still be in
+        Redis, and is kept alive there; a file must still hash as it did when its spec was
+        made compact (ModuleChangedError). Returns each file uploaded: path -> sha256."""
+        files, hashed = module_uploads(compact(specs))
         if hashed:
             kept = self.redis.pipeline(transaction=False)
             for sha in hashed:
@@ -129,20 +123,19 @@ class Submitting(SessionLookups):
             gone = [sha for sha, alive in zip(hashed, kept.execute(), strict=True) if not alive]
             if gone:
                 raise ModuleExpiredError(gone)
-        paths = sorted({m.module for m in named})
-        shas: dict[str, str] = {}
         pipe = self.redis.pipeline(transaction=False)
-        for path in paths:
+        for sha, path in files:
             data = Path(path).read_bytes()
-            sha = shas[path] = hashlib.sha256(data).hexdigest()
+            if hashlib.sha256(data).hexdigest() != sha:
+                raise ModuleChangedError(path)
             pipe.set(keys.module(sha), data, nx=True, ex=self.ttl_s)
             pipe.expire(keys.module(sha), self.ttl_s)  # a resubmission keeps it alive
         pipe.execute()
-        return shas
+        return {path: sha for sha, path in files}
 
     def enqueue(
         self,
-        specs: Sequence[Spec],
+        given: Sequence[Spec | StoredSpec],
         batch: str | None = None,
         first_chunk: int = 0,
         rerun: Rerun = "none",
@@ -157,34 +150,33 @@ class Submitting(SessionLookups):
         whose spec changed, "all": every one), each as its next attempt. A new run gets a
         session key of a new generation (keys.run_session_key). `within`: these sessions join
         `batch` (submitted again after a loss) rather than name it."""
+        specs = compact(given)  # each kept as the bytes it is stored as
         batch = batch or uuid.uuid4().hex[:12]
         scope = keys.batch_scope(batch) if namespace == BATCH_SCOPE else namespace
         scope = scope or self.namespace
         memory = read_memory(self.redis)
         warning = check_policy(memory, self.shown_url, dict(os.environ)) or ""
-        shas = self.upload_modules(specs)
-        bodies = [dump_body(spec_to_json(stored(spec, shas))) for spec in specs]
-        contents = [keys.content_digest(body) for body in bodies]
+        self.upload_modules(specs)
         held = self.claims([spec.id for spec in specs], scope)
         if rerun == "none":
             conflicts = [
                 spec.id
-                for spec, claim, content in zip(specs, held, contents, strict=True)
-                if claim is not None and claim.content != content
+                for spec, claim in zip(specs, held, strict=True)
+                if claim is not None and claim.content != spec.content
             ]
             if conflicts:
                 raise SpecConflictError(conflicts)
         total = len(specs)
-        pipeline_bytes = 2 * sum(len(b) for b in bodies[:PIPELINE_SIZE])
-        room = fitting(memory, _costs(specs, bodies, contents, held, rerun), pipeline_bytes)
+        pipeline_bytes = 2 * sum(s.size for s in specs[:PIPELINE_SIZE])
+        room = fitting(memory, _costs(specs, held, rerun), pipeline_bytes)
         short = RedisFullError(self.shown_url, memory, room, total) if room < total else None
         if room == 0 and short is not None:
             raise short
-        specs, bodies, contents, held = specs[:room], bodies[:room], contents[:room], held[:room]
+        specs, held = specs[:room], held[:room]
         sub = Submission(batch=batch, namespace=scope, order=[], ids={}, chunks=first_chunk)
         sub.warning = warning
         try:
-            self._write_sessions(sub, specs, bodies, contents, held, rerun, scope)
+            self._write_sessions(sub, specs, held, rerun, scope)
         except redis.RedisError as exc:
             if not refused_write(exc):
                 raise
@@ -206,9 +198,7 @@ class Submitting(SessionLookups):
     def _write_sessions(
         self,
         sub: Submission,
-        specs: Sequence[Spec],
-        bodies: Sequence[bytes],
-        contents: Sequence[str],
+        specs: Sequence[StoredSpec],
         held: Sequence[keys.Claim | None],
         rerun: Rerun,
         scope: str,
@@ -219,16 +209,16 @@ class Submitting(SessionLookups):
         now_ms = self.clock.now_ms()  # Redis's: the reconciler reckons the session's age on it
         for start in range(0, len(specs), PIPELINE_SIZE):
             end = start + PIPELINE_SIZE
-            part = list(zip(specs[start:end], bodies[start:end], held[start:end], strict=True))
+            part = list(zip(specs[start:end], held[start:end], strict=True))
             pipe = self.redis.pipeline(transaction=False)
             claims: list[tuple[keys.Claim, bool]] = []
-            for (spec, _, before), content in zip(part, contents[start:end], strict=True):
+            for spec, before in part:
                 again = before is not None and (
-                    rerun == "all" or (rerun == "changed" and before.content != content)
+                    rerun == "all" or (rerun == "changed" and before.content != spec.content)
                 )
                 claim = keys.Claim(
                     keys.run_session_key(scope, spec.id, keys.new_generation()),
-                    content,
+                    spec.content,
                     before.attempt + 1 if again and before is not None else 1,
                 )
                 claims.append((claim, again))
@@ -253,7 +243,7 @@ class Submitting(SessionLookups):
                 self._write_part(sub, part, runs, now_ms)
             except redis.RedisError:
                 unclaim = self.redis.register_script(_UNCLAIM)
-                for (spec, _, _), (run, won) in zip(part, runs, strict=True):
+                for (spec, _), (run, won) in zip(part, runs, strict=True):
                     if won:  # under OOM a DEL is still taken (it frees memory)
                         with contextlib.suppress(redis.RedisError):
                             unclaim(keys=[keys.id_claim(scope, spec.id)], args=[run.encode()])
@@ -262,7 +252,7 @@ class Submitting(SessionLookups):
     def _write_part(
         self,
         sub: Submission,
-        part: list[tuple[Spec, bytes, keys.Claim | None]],
+        part: list[tuple[StoredSpec, keys.Claim | None]],
         runs: list[tuple[keys.Claim, bool]],
         now_ms: int,
     ) -> None:
@@ -270,12 +260,13 @@ class Submitting(SessionLookups):
         # stay within a slot, a pipeline: a part refused midway leaves sessions with their
         # keys and no start task, which expire (their claims are given back)
         pipe = self.redis.pipeline(transaction=not is_cluster(self.redis))
-        for (spec, body, _), (run, won) in zip(part, runs, strict=True):
+        active: dict[str, int] = {}  # the fleet's reconciler watches them: one ZADD a part
+        for (spec, _), (run, won) in zip(part, runs, strict=True):
             sk = run.sk
             pipe.sadd(keys.watchers(sk), sub.batch)
             pipe.expire(keys.watchers(sk), self.ttl_s)
             if won:
-                stored_form = keys.with_submitted(body, now_ms, sub.batch)
+                stored_form = keys.with_submitted(spec.body, now_ms, sub.batch)
                 pipe.set(keys.spec(sk), stored_form, ex=self.ttl_s)
                 meta = {
                     "id": spec.id,
@@ -285,22 +276,24 @@ class Submitting(SessionLookups):
                 }
                 pipe.hset(keys.meta(sk), mapping=meta)
                 pipe.expire(keys.meta(sk), self.ttl_s)
-                pipe.zadd(keys.ACTIVE, {sk: now_ms})  # the fleet's reconciler watches it
+                active[sk] = now_ms
             else:
                 pipe.exists(keys.response(sk))
+        if active:
+            pipe.zadd(keys.ACTIVE, active)
         results = iter(pipe.execute())
-        for (spec, _, _), (run, won) in zip(part, runs, strict=True):
+        for (spec, _), (run, won) in zip(part, runs, strict=True):
             sk = run.sk
             sub.order.append(sk)
             sub.ids[sk] = spec.id
             sub.specs[sk] = spec
             sub.runs[sk] = run
-            if isinstance(spec, ProgramSpec):
+            if spec.program:
                 sub.programs.add(sk)
             next(results), next(results)
             if won:
                 sub.new.add(sk)
-                next(results), next(results), next(results), next(results)
+                next(results), next(results), next(results)
             elif next(results):
                 sub.done.add(sk)
 
@@ -328,6 +321,12 @@ class Submitting(SessionLookups):
         numbers = range(sub.chunks, sub.chunks + len(chunks))
         sub.chunks += len(chunks)
         pipe = self.redis.pipeline(transaction=False)
+        # runs it joined that had ended: no worker tells this batch, so its ended index
+        # (what its status counts) is told here
+        told = ended_before(self.redis, [sk for sk in sub.order if sk in sub.done])
+        if told:
+            pipe.hset(keys.batch_ended(sub.batch), mapping=told)
+            pipe.expire(keys.batch_ended(sub.batch), self.ttl_s)
         for n, members in zip(numbers, chunks, strict=True):
             pipe.delete(keys.chunk(sub.batch, n))  # a pipeline sent again writes it once
             pipe.rpush(keys.chunk(sub.batch, n), *members)
@@ -382,19 +381,14 @@ class Submitting(SessionLookups):
 
 
 def _costs(
-    specs: Sequence[Spec],
-    bodies: Sequence[bytes],
-    contents: Sequence[str],
-    held: Sequence[keys.Claim | None],
-    rerun: Rerun,
+    specs: Sequence[StoredSpec], held: Sequence[keys.Claim | None], rerun: Rerun
 ) -> list[int]:
     """What each session needs in Redis until it ends (producer/redis_room.py); one that
     joins a run already there, only its watcher entry."""
     costs = []
-    for spec, body, content, claim in zip(specs, bodies, contents, held, strict=True):
+    for spec, claim in zip(specs, held, strict=True):
         joins = claim is not None and (
-            rerun == "none" or (rerun == "changed" and claim.content == content)
+            rerun == "none" or (rerun == "changed" and claim.content == spec.content)
         )
-        tools = not isinstance(spec, SessionSpec) or bool(spec.tools or spec.mcp_servers)
-        costs.append(JOINED_BYTES if joins else session_bytes(len(body), tools))
+        costs.append(JOINED_BYTES if joins else session_bytes(spec.size, spec.tools))
     return costs

@@ -19,6 +19,7 @@ from fixtures.demo_scenarios import WEATHER, background_wait
 from producer import metrics
 from producer.metrics import Exporter, TraceCounters
 from schemas import keys
+from schemas.step_kinds import step_kind
 from tests.conftest import Running
 from tests.test_engine import WEATHER_FN
 from tests.test_pipeline import submit_specs, wait_for
@@ -138,7 +139,7 @@ def test_each_step_s_kind_and_duration_ride_its_last_event() -> None:
 
 def test_step_kinds_are_read_from_step_ids() -> None:
     assert [
-        keys.step_kind(step)
+        step_kind(step)
         for step in (
             keys.start_step("batch.x", 3),
             keys.round_step(SK, 12),

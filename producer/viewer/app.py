@@ -28,7 +28,7 @@ from starlette.templating import Jinja2Templates
 from producer.report import clock_text, rate_text
 from producer.viewer.auth import Gate
 from producer.viewer.model import SORTS, STATUSES
-from producer.viewer.rows import batch_page, parse_query
+from producer.viewer.rows import parse_query
 from producer.viewer.source import ViewSource
 from producer.viewer.views import session_view
 
@@ -111,10 +111,9 @@ class Viewer:
 
     def batch(self, request: Request) -> Response:
         batch = unquote(path_tail(request, "/batch/"))
-        found = self.source.batch_rows(batch)
-        if found is None:
+        page = self.source.batch_page(batch, parse_query(request.query_params))
+        if page is None:
             return self.not_found(request, "batch", batch)
-        page = batch_page(found, parse_query(request.query_params))
         name = "_batch.html" if request.query_params.get("fragment") else "batch.html"
         return self.page(request, name, page=page, live=self.source.live and not page.run.finished)
 
@@ -139,10 +138,10 @@ class Viewer:
 
     def api_batch(self, request: Request) -> Response:
         batch = unquote(path_tail(request, "/api/batch/"))
-        found = self.source.batch_rows(batch)
-        if found is None:
+        page = self.source.batch_page(batch, parse_query(request.query_params))
+        if page is None:
             return self.not_found(request, "batch", batch, api=True)
-        return JSONResponse(batch_page(found, parse_query(request.query_params)).json())
+        return JSONResponse(page.json())
 
     def api_session(self, request: Request) -> Response:
         tail = path_tail(request, "/api/session/")

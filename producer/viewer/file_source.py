@@ -12,9 +12,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from producer.viewer.model import OK, PROGRAM_ROWS, BatchRows, RunRow
+from producer.viewer.model import OK, PROGRAM_ROWS, BatchPage, BatchQuery, BatchRows, RunRow
 from producer.viewer.progress import Member, run_row
-from producer.viewer.rows import as_int, error_of, record_row
+from producer.viewer.rows import as_int, batch_page, error_of, record_row
 from producer.viewer.source import ChatFacts, SessionFacts
 from schemas import keys
 
@@ -183,6 +183,10 @@ class FileSource:
             for spec_id in found.ids
         )
         return BatchRows(batch, self._run(found), rows)
+
+    def batch_page(self, batch: str, query: BatchQuery) -> BatchPage | None:
+        found = self.batch_rows(batch)
+        return None if found is None else batch_page(found, query)
 
     def session(self, spec_id: str, batch: str | None = None) -> SessionFacts | None:
         self._fresh()

@@ -13,39 +13,42 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
-from producer.batches import Batches, BatchMember
+from producer.batches import SAMPLE, Batches, BatchMember
 from producer.cli_common import flower_links, redacted
 from producer.client import Client
 from producer.submitting import CHUNK_SIZE, PIPELINE_SIZE
+from producer.viewer.fleet_programs import chat_claims, read_frames
 from producer.viewer.model import (
     ERROR,
     GONE,
     OK,
+    PAGE_ROWS,
     PROGRAM_ROWS,
     QUEUED,
     RUNNING,
+    BatchPage,
+    BatchQuery,
     BatchRows,
-    FrameView,
     RunRow,
     SessionRow,
 )
-from producer.viewer.progress import Member, run_row
-from producer.viewer.rows import pending_row, record_row
+from producer.viewer.progress import RECENT_S, Member, run_row, summary_row
+from producer.viewer.rows import batch_page, pending_row, record_row
 from producer.viewer.source import ChatFacts, SessionFacts
 from schemas import keys
 from schemas.partial import PartialRound
 from schemas.session_record import read_record
-from schemas.user_stream import DATA, StreamEvent, parse_frame
 
 RECENT_BATCHES = 30  # batches on the runs page
 DONE_TTL_S = 15.0  # a finished batch's row is read again after this long
 RUNNING_SESSIONS_PER_S = 20_000  # a running batch's row is read again after sessions/this s
 MEMBERS_TTL_S = 10.0  # a batch's ids and their claims are read again after this long
 MAX_CACHED_ROWS = 200_000  # finished sessions' rows and states kept (then they start over)
-MAX_FRAMES = 500  # user-stream events shown, each way
-CHAT_PROBE = 16  # a program run's chats looked up per round trip
+# how a program run's chunk member starts ("p:"): the others are skipped undecoded
+PROGRAM_MARK = keys.ChunkMember("", program=True).encode().strip().encode()
 
 # (state, outcome, finished_ms, submitted_ms) of a session's meta; all None when it is gone
 MetaState = tuple[str | None, str | None, int | None, int | None]
@@ -60,7 +63,8 @@ def _digits(text: str | None) -> int | None:
 
 
 def _number(raw: Any) -> int | None:
-    return _digits(_text(raw))
+    """A meta's number: bytes from Redis, or str from a retired record's meta."""
+    return _digits(raw if isinstance(raw, str) else _text(raw))
 
 
 class FleetSource:
@@ -70,6 +74,7 @@ class FleetSource:
         self.client = client
         self.redis = client.redis
         self.batches = Batches(client)
+        self._tally = self.batches.tally
         self.url = redacted(redis_url)
         self.most = most
         self._rows: dict[str, SessionRow] = {}  # sk -> SessionRow of a finished session
@@ -141,6 +146,8 @@ class FleetSource:
         ids = set()
         for members in pipe.execute():
             for raw in members:
+                if not raw.startswith(PROGRAM_MARK):  # most are not: none decoded
+                    continue
                 member = keys.ChunkMember.decode(raw.decode())
                 if member.program:
                     ids.add(member.spec_id)
@@ -188,7 +195,10 @@ class FleetSource:
     def runs(self) -> list[RunRow]:
         out: list[RunRow] = []
         for batch, submitted_ms, sessions in self.batches.recent(self.most):
-            row = self._cached(batch) or self._batch_run(batch, submitted_ms)[0]
+            row = self._cached(batch)
+            if row is None and sessions > SAMPLE:
+                row = self._tallied_run(batch)
+            row = row or self._batch_run(batch, submitted_ms)[0]
             out.append(row)
             for run_id in sorted(self._program_ids(batch, sessions))[:PROGRAM_ROWS]:
                 program = self._cached(run_id) or self._program_run(run_id, batch)
@@ -201,7 +211,7 @@ class FleetSource:
         if claim is None:
             return None
         (state, outcome, _, submitted_ms), *_ = self._states([claim.sk])
-        chats = self._chat_claims(run_id)
+        chats = chat_claims(self.client, run_id)
         members = self._members(self._states([c.sk for _, c in chats]))
         row = run_row(
             "program",
@@ -214,6 +224,57 @@ class FleetSource:
         )
         return self._keep(row)
 
+    def _tallied_run(self, batch: str) -> RunRow | None:
+        """A big batch's row from its ended index and a sample (Batches.summary), not from
+        each of its sessions."""
+        now_ms = self.client.clock.now_ms()
+        tally = self._tally.read(batch, since_ms=now_ms - int(RECENT_S * 1000))
+        summary = self.batches.summary(batch)
+        if summary is None:
+            return None
+        return self._keep(summary_row(summary, tally.recent, now_ms))
+
+    def batch_page(self, batch: str, query: BatchQuery) -> BatchPage | None:
+        """A big batch's page without a filter or a sort: its counts from its ended index, and only
+        the sessions of the page read. Any other, from every session's row (batch_rows)."""
+        if query == BatchQuery(page=query.page):
+            sessions = self.redis.llen(keys.batch_ids(batch))
+            run = self._tallied_run(batch) if sessions > SAMPLE else None
+            if run is not None:
+                return self._page(batch, query, run)
+        found = self.batch_rows(batch)
+        return None if found is None else batch_page(found, query)
+
+    def _page(self, batch: str, query: BatchQuery, run: RunRow) -> BatchPage:
+        pages = max(1, -(-run.sessions // PAGE_ROWS))
+        page = min(query.page, pages)
+        start = (page - 1) * PAGE_ROWS
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.lrange(keys.batch_ids(batch), start, start + PAGE_ROWS - 1)
+        pipe.lrange(keys.batch_runs(batch), start, start + PAGE_ROWS - 1)
+        ids, runs = pipe.execute()
+        runs += [None] * (len(ids) - len(runs))
+        members = [
+            BatchMember(i.decode(), None if r is None else keys.Claim.decode(r))
+            for i, r in zip(ids, runs, strict=True)
+        ]
+        rows = self._rows_of(batch, members, self._program_ids(batch, run.sessions))
+        failures = run.failures
+        outcomes = {OK: run.ok} if run.ok else {}
+        states = {QUEUED: run.queued, RUNNING: run.running, GONE: run.gone}
+        return BatchPage(
+            batch=batch,
+            run=run,
+            outcomes=outcomes | dict(sorted(failures.items())),
+            states={s: n for s, n in states.items() if n},
+            codes=tuple(sorted(failures)),
+            tools=tuple(sorted({tool for row in rows for tool in row.tools})),  # the page's
+            query=replace(query, page=page),
+            matched=run.sessions,
+            rows=tuple(rows),
+            pages=pages,
+        )
+
     def batch_rows(self, batch: str) -> BatchRows | None:
         submitted = self.redis.zscore(keys.BATCHES, batch)
         members = self._batch_members(batch)
@@ -221,6 +282,18 @@ class FleetSource:
             return None
         run, states = self._batch_run(batch, int(submitted or 0), members)
         programs = self._program_ids(batch, len(members))
+        return BatchRows(batch, run, tuple(self._rows_of(batch, members, programs, states)))
+
+    def _rows_of(
+        self,
+        batch: str,
+        members: Sequence[BatchMember],
+        programs: frozenset[str],
+        states: list[MetaState] | None = None,
+    ) -> list[SessionRow]:
+        """The rows of these members: a finished one's from its record (read once)."""
+        if states is None:
+            states = self._states([m.claim.sk if m.claim else None for m in members])
         done = [
             m.claim.sk
             for m, (_, outcome, _, _) in zip(members, states, strict=True)
@@ -235,7 +308,7 @@ class FleetSource:
                 rows.append(self._rows[sk])
             else:
                 rows.append(pending_row(member.spec_id, state, member.spec_id in programs, attempt))
-        return BatchRows(batch, run, tuple(rows))
+        return rows
 
     def _read_rows(self, sks: list[str], members: dict[str, BatchMember]) -> None:
         """The rows of finished sessions not read yet, from their records, in pipelines."""
@@ -287,59 +360,18 @@ class FleetSource:
             spec=spec,
             program=program,
             chats=self._chats(spec_id) if program else (),
-            frames=self._frames(sk) if program else None,
+            frames=read_frames(self.redis, sk) if program else None,
             flower=flower_links(spec_id),
         )
 
-    def _chat_claims(self, run_id: str) -> list[tuple[str, keys.Claim]]:
-        """A program run's chats so far (`<run id>#send<n>`, stored as it sends each)."""
-        run_sk = self.client.session_key(run_id)
-        out: list[tuple[str, keys.Claim]] = []
-        while run_sk is not None:
-            numbers = range(len(out), len(out) + CHAT_PROBE)
-            sks = [keys.chat_session_key(run_sk, n) for n in numbers]
-            pipe = self.redis.pipeline(transaction=False)
-            for sk in sks:  # a chat that ended is retired: its response stays
-                pipe.exists(keys.meta(sk))
-                pipe.exists(keys.response(sk))
-            there = pipe.execute()
-            for n, sk in zip(numbers, sks, strict=True):
-                if not there[2 * (n - numbers[0])] and not there[2 * (n - numbers[0]) + 1]:
-                    return out
-                out.append((keys.chat_spec_id(run_id, n), keys.Claim(sk)))
-        return out
-
     def _chats(self, run_id: str) -> tuple[ChatFacts, ...]:
-        chats = self._chat_claims(run_id)
+        chats = chat_claims(self.client, run_id)
         states = self._states([c.sk for _, c in chats])
         records = self.client.records([c.sk for _, c in chats]) if chats else []
         out = []
         for (chat_id, _), (state, _, _, _), record in zip(chats, states, records, strict=True):
             seen = "done" if record is not None else state or "gone"
             out.append(ChatFacts(chat_id, seen, record=record))
-        return tuple(out)
-
-    def _frames(self, sk: str) -> tuple[FrameView, ...]:
-        """A program run's user-stream events, to the program then from it."""
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.xrange(keys.user_in(sk), count=MAX_FRAMES)
-        pipe.xrange(keys.user_out(sk), count=MAX_FRAMES)
-        out = []
-        for direction, entries in zip(("in", "out"), pipe.execute(), strict=True):
-            for _, fields in entries:
-                event = StreamEvent.from_fields(fields)
-                if event is None:
-                    continue
-                frame = parse_frame(event.frame) if event.kind == DATA else None
-                out.append(
-                    FrameView(
-                        direction=direction,
-                        stream_id=event.stream_id,
-                        kind=event.kind,
-                        seq=None if frame is None else frame.seq,
-                        text="" if frame is None else frame.data.decode(errors="replace"),
-                    )
-                )
         return tuple(out)
 
     def trace(self, spec_id: str, batch: str | None = None) -> Iterator[dict[str, Any]] | None:

@@ -6,8 +6,12 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from producer.viewer.model import ERROR, GONE, OK, QUEUED, RUNNING, RunRow
+
+if TYPE_CHECKING:
+    from producer.batches import BatchSummary
 
 RECENT_S = 30.0  # the rate while a run goes on: sessions finished in this last window
 
@@ -71,4 +75,40 @@ def run_row(
         elapsed_s=round(elapsed_s, 3),
         finished=finished,
         source=source,
+    )
+
+
+def summary_row(summary: BatchSummary, recent: int, now_ms: int) -> RunRow:
+    """A batch's row from its counts (`Batches.summary`, a big batch's from its ended index) rather
+    than from each session: `recent`, the sessions that ended in the last RECENT_S."""
+    states = summary.states
+    done = states.get("done", 0)
+    pending = summary.unfinished
+    ok = summary.outcomes.get(OK, 0)
+    last = summary.last_finished_ms
+    if pending or last is None:
+        elapsed_s = max(0, now_ms - summary.submitted_ms) / 1000
+    else:
+        elapsed_s = max(0, last - summary.submitted_ms) / 1000
+    rate: float | None = done / elapsed_s if elapsed_s > 0 and done else None
+    if pending and recent:
+        window = min(RECENT_S, elapsed_s)
+        rate = recent / window if window > 0 else rate
+    eta_s: float | None = 0.0 if not pending else pending / rate if rate else None
+    return RunRow(
+        kind="batch",
+        key=summary.batch,
+        batch=summary.batch,
+        submitted_ms=summary.submitted_ms,
+        sessions=summary.sessions,
+        queued=states.get(QUEUED, 0),
+        running=states.get(RUNNING, 0),
+        done=done,
+        gone=states.get(GONE, 0),
+        ok=ok,
+        failures={c: n for c, n in sorted(summary.outcomes.items()) if c != OK},
+        rate=None if rate is None else round(rate, 3),
+        eta_s=None if eta_s is None else round(eta_s, 1),
+        elapsed_s=round(elapsed_s, 3),
+        finished=not pending,
     )

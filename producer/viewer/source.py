@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from producer.viewer.model import BatchRows, FrameView, RunRow
+from producer.viewer.model import BatchPage, BatchQuery, BatchRows, FrameView, RunRow
 from schemas.partial import PartialCall
 
 
@@ -66,6 +66,10 @@ class ViewSource(Protocol):
 
     def batch_rows(self, batch: str) -> BatchRows | None:
         """Every session of a batch, None for a batch this source does not know."""
+
+    def batch_page(self, batch: str, query: BatchQuery) -> BatchPage | None:
+        """One page of a batch's sessions under `query`, with its counts; None for a batch
+        this source does not know."""
 
     def session(self, spec_id: str, batch: str | None = None) -> SessionFacts | None:
         """One session or program run (the run `batch` ran, else the id's latest), None when

@@ -21,7 +21,7 @@ from redis.cluster import RedisCluster
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
 
-from schemas import redis_links
+from schemas import keys, redis_links
 from schemas.redis_url import SentinelUrl, is_sentinel, parse_sentinel_url
 
 SENTINEL_TIMEOUT_S = 1.0  # a sentinel that does not answer this fast: the next one is asked
@@ -81,6 +81,35 @@ class StateCluster(RedisCluster):
 
 def is_cluster(client: Any) -> bool:
     return isinstance(client, RedisCluster)
+
+
+class NodeRouting:
+    """Where a store's pipelines go (a part of RedisStore, which sets `client` and `cluster`):
+    a session's to the node holding its slot, the fleet-wide writes apart on a cluster."""
+
+    client: Any
+    cluster: bool
+
+    def on(self, sk: str) -> Any:
+        """The client of session `sk`'s pipelines and transactions: on a cluster, the node
+        holding its slot (every key of a session shares it: schemas/keys.py), where they run
+        as on one Redis; this store's client otherwise."""
+        if not self.cluster:
+            return self.client
+        return self.client.get_node_from_key(keys.meta(sk)).redis_connection
+
+    def fleet_pipe(self, pipe: Any) -> Any:
+        """Where a session's pipeline `pipe` sends its fleet-wide writes (the reconciler's
+        index, the fleet's trace, the batches told): into `pipe` on one Redis; on a cluster,
+        where their keys are in other slots, into a pipeline of their own, which the caller
+        executes (`flush_fleet`)."""
+        return self.client.pipeline(transaction=False) if self.cluster else pipe
+
+    @staticmethod
+    def flush_fleet(fleet: Any, pipe: Any) -> None:
+        """Execute the fleet-wide pipeline `fleet_pipe(pipe)` gave, when it is one of its own."""
+        if fleet is not pipe and len(fleet):
+            fleet.execute()
 
 
 # whether the Redis at a URL runs in cluster mode, asked once a process (a worker's main

@@ -30,7 +30,7 @@ from schemas.spec_types import (
 )
 from worker.codecs.reply import Reply
 from worker.edges import liveness
-from worker.edges.redis_pool import is_cluster, pooled_client
+from worker.edges.redis_pool import NodeRouting, is_cluster, pooled_client
 from worker.edges.step_leases import TAKE_OVER, LeaseKeeper, StepLeases, translated
 from worker.edges.store_fleet import FleetQueries
 from worker.edges.store_reads import GUESSED_CALLS, parsed_tool_inputs, round_keys, tool_keys
@@ -61,7 +61,7 @@ def _loads(raw: bytes | None) -> Any:
     return None if raw is None else json.loads(raw)
 
 
-class RedisStore(StepLeases, TraceWrites, ResultWrites, FleetQueries):
+class RedisStore(NodeRouting, StepLeases, TraceWrites, ResultWrites, FleetQueries):
     def __init__(
         self,
         client: redis.Redis,
@@ -110,27 +110,6 @@ class RedisStore(StepLeases, TraceWrites, ResultWrites, FleetQueries):
         a `sentinel://` URL's pool follows the master its sentinels name (edges/redis_pool.py)."""
         client = pooled_client(url, max_connections, POOL_WAIT_S)
         return cls(client, ttl_s, progress_after_ms, results_ttl_s, results_keep)
-
-    def on(self, sk: str) -> Any:
-        """The client of session `sk`'s pipelines and transactions: on a cluster, the node
-        holding its slot (every key of a session shares it: schemas/keys.py), where they run
-        as on one Redis; this store's client otherwise."""
-        if not self.cluster:
-            return self.client
-        return self.client.get_node_from_key(keys.meta(sk)).redis_connection
-
-    def fleet_pipe(self, pipe: Any) -> Any:
-        """Where a session's pipeline `pipe` sends its fleet-wide writes (the reconciler's
-        index, the fleet's trace, the batches told): into `pipe` on one Redis; on a cluster,
-        where their keys are in other slots, into a pipeline of their own, which the caller
-        executes (`flush_fleet`)."""
-        return self.client.pipeline(transaction=False) if self.cluster else pipe
-
-    @staticmethod
-    def flush_fleet(fleet: Any, pipe: Any) -> None:
-        """Execute the fleet-wide pipeline `fleet_pipe(pipe)` gave, when it is one of its own."""
-        if fleet is not pipe and len(fleet):
-            fleet.execute()
 
     # reading a session ---------------------------------------------------------------------
 

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from schemas import keys
+from schemas.step_kinds import step_kind
 from worker.codecs.reply import Reply
 from worker.errors import RateLimited
 from worker.session.engine import CallModel
@@ -54,7 +54,7 @@ class TraceEvent:
     tokens_out: int | None = None
     percent: int | None = None  # task.progress: how far a background call is
     message: str | None = None  # task.progress: the tool's own words (cut at 200 bytes)
-    kind: str | None = None  # the step's kind (keys.step_kind), with step_ms or wait_ms
+    kind: str | None = None  # the step's kind (schemas.step_kinds), with step_ms or wait_ms
     step_ms: int | None = None  # how long the step's body ran, on its last event
     wait_ms: int | None = None  # rate_limit.waited: how long the step is put off
     reason: str | None = None  # rate_limit.waited: "429", or what had no room (window, pace...)
@@ -120,7 +120,7 @@ def step_timed(
     and how it ran (its delivery, its worker, its message's wait), on the last of its `events`
     (they ride the write that ends it), or as a step.finished event of no session when it
     made none: one XADD (the fleet's stream) for a start step."""
-    kind, step_ms = keys.step_kind(step), round((time.monotonic() - started) * 1000)
+    kind, step_ms = step_kind(step), round((time.monotonic() - started) * 1000)
     ran = ran_as(delivery, arrival)
     if events:
         events[-1] = replace(events[-1], kind=kind, step_ms=step_ms, **ran)
@@ -146,7 +146,7 @@ def rate_limit_waited(
     return event(
         "rate_limit.waited",
         session,
-        kind=keys.step_kind(step),
+        kind=step_kind(step),
         backend=waited.backend or None,
         wait_ms=round(waited.wait_s * 1000),
         reason=waited.reason or None,
