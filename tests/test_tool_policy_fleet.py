@@ -349,8 +349,14 @@ def test_cchatq_cancel_stops_a_running_background_call(wide_tools: Running, tmp_
     assert client.cancel(spec["id"])
     [(_, record)] = list(client.wait(sub, timeout_s=30))
     assert record["body"]["error"]["code"] == "cancelled"
-    wait_for(lambda: any(e["event"] == "task.failed" for e in client.trace(spec["id"])))
-    [stopped] = [e for e in client.trace(spec["id"]) if e["event"] == "tool.call.failed"]
+
+    # the session retired as it ended: what its call says after that is in the fleet's stream
+    def fleet_events() -> list[dict[str, Any]]:
+        found = [e for _, f in client.redis.xrange(keys.TRACE) for e in keys.trace_events(f)]
+        return [e for e in found if e.get("session") == spec["id"]]
+
+    wait_for(lambda: any(e["event"] == "task.failed" for e in fleet_events()))
+    [stopped] = [e for e in fleet_events() if e["event"] == "tool.call.failed"]
     assert stopped["error"] == "NOT_RUN" and stopped["latency_ms"] < 20_000
 
 
