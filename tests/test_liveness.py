@@ -93,6 +93,24 @@ def test_a_lease_left_behind_by_this_process_is_taken_over(store: RedisStore) ->
 
 
 @pytest.mark.fleet
+def test_a_step_this_process_runs_is_not_taken_by_its_redelivery_when_its_lease_ran_out(
+    store: RedisStore,
+) -> None:
+    """A cut: the lease ran out unrenewed and the broker gave the step again to this process.
+    The redelivery waits for the renewer to take the lease back (no second model call)."""
+    step = f"{uuid.uuid4().hex[:12]}.r0"
+    first = store.begin_step(step, LEASE_MS)
+    assert first.leased
+    with store.hold(step, first.lease):
+        store.client.delete(keys.step_state(step))  # ran out in the cut
+        again = store.begin_step(step, LEASE_MS)
+        assert not again.leased and not again.published
+        assert store.client.get(keys.step_state(step)) is None  # not taken
+        assert store.lease_left_ms(step) >= 1_000  # put off until the renewer has run
+    assert store.begin_step(step, LEASE_MS).leased  # that delivery ended: free for the next
+
+
+@pytest.mark.fleet
 def test_a_lease_of_a_live_process_or_another_machine_is_waited_for(store: RedisStore) -> None:
     for holder in (f"{os.getppid()}@{liveness.HOST}", f"{gone_pid()}@another-machine", ""):
         step = _leased_by(store, f"x.{holder}" if holder else "old-format")

@@ -207,6 +207,8 @@ class StepLeases:
         pipe.pttl(keys.step_state(step))
         state, left_ms = pipe.execute()
         leased = state is not None and state.startswith(keys.STEP_LEASED)
+        if not leased and keys.step_state(step) in self._keeper.held:
+            return int(RENEW_RETRY_S * 1000)  # run here: its renewer takes the lease back
         return max(int(left_ms), 0) if leased else 0
 
     @translated

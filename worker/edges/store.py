@@ -319,7 +319,13 @@ class RedisStore(NodeRouting, StepLeases, TraceWrites, ResultWrites, FleetQuerie
     ) -> tuple[StepStart, list[bytes | None]]:
         """The lease, the try count and the `wanted` keys (with the response, then the
         cancel flag, last)."""
-        pipe.set(keys.step_state(step), keys.step_lease(token), nx=True, px=lease_ms, get=True)
+        # a delivery of a step this process runs already (the broker gave it again after a
+        # cut) must not take the lease that ran out in the cut: its renewer takes it back
+        here = self._keeper.held.get(keys.step_state(step))
+        if here is None:
+            pipe.set(keys.step_state(step), keys.step_lease(token), nx=True, px=lease_ms, get=True)
+        else:
+            pipe.get(keys.step_state(step))
         if first is not True:
             pipe.set(keys.tries(step), 1, nx=True, ex=self.ttl_s, get=True)
         if sk:  # its response says the session ended: a late step has nothing to do
@@ -332,7 +338,7 @@ class RedisStore(NodeRouting, StepLeases, TraceWrites, ResultWrites, FleetQuerie
                 fleet.zadd(keys.ACTIVE, {sk: self.clock.now_ms()}, xx=True)
         replies = pipe.execute()
         self.flush_fleet(fleet, pipe)
-        before = replies.pop(0)
+        before = replies.pop(0) if here is None else (replies.pop(0) or here)
         counted = None if first is True else replies.pop(0)
         if before is not None and self._abandoned(step, before, token, lease_ms):
             before = None  # taken over: this delivery holds the lease now
