@@ -6,7 +6,7 @@ try counts among them), a batch's, a program run's user streams with the done li
 it, a backend's rate limit, a rate controller's. The fleet-wide keys (the reconciler's index,
 the dead letters, the fleet's trace, the controllers' index) are in slots of their own, and no
 script or transaction of the store names them with a session's keys on a cluster: the store's
-contract runs on a real 3-master cluster (tests/test_store_contract.py, `cluster`), and a batch
+contract runs on a real 3-master cluster (tests/store_contract/, `cluster`), and a batch
 runs there (tests/test_fleet_apart.py), where Redis refuses any cross-slot script or
 transaction."""
 

@@ -18,13 +18,13 @@ from worker.session.decisions import (
 )
 from worker.session.ending import Ending, ending
 from worker.session.ports import Dispatcher, Outbox
-from worker.session.store_ports import SessionStore
+from worker.session.store_ports import SessionWork
 from worker.session.trace import event
 
 
 @dataclass
 class Applier:
-    store: SessionStore
+    store: SessionWork
     trace: bool  # a session's end makes its session.finished event
 
     def apply(self, sk: str, decision: Decision, send: Dispatcher) -> None:

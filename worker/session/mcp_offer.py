@@ -19,7 +19,7 @@ from schemas.spec_types import SessionSpec, ToolSpec
 from worker.errors import McpError, ToolRuntimeError
 from worker.session.ports import McpClient, ToolCall, ToolRuntime
 from worker.session.state import Session
-from worker.session.store_ports import SessionStore
+from worker.session.store_ports import StepData
 
 
 class ToolRouter:
@@ -71,7 +71,7 @@ def mcp_tools(
 
 
 def offer_mcp_tools(
-    store: SessionStore, client: McpClient | None, fleet: ToolDefaults, sk: str, session: Session
+    store: StepData, client: McpClient | None, fleet: ToolDefaults, sk: str, session: Session
 ) -> tuple[Session, dict[str, Any] | None]:
     """The first round of a spec session naming `mcp_servers`: its servers' tools listed and
     stored with it, and the session with them; or, when a server is not allowed where the

@@ -41,7 +41,7 @@ from worker.session.rate_control import (
 )
 from worker.session.refusals import STEPS
 from worker.session.state import Session
-from worker.session.store_ports import SessionStore
+from worker.session.store_ports import StepData
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class PartialState:
     """A streamed round so far (text, thinking, each tool call's name and argument text),
     published at most every PARTIAL_EVERY_S for `cchatq status` and the session viewer."""
 
-    def __init__(self, store: SessionStore, sk: str) -> None:
+    def __init__(self, store: StepData, sk: str) -> None:
         self.store, self.sk = store, sk
         self.text: list[str] = []
         self.thinking: list[str] = []
@@ -102,7 +102,7 @@ class ModelCaller:
     default_backend: str
     provider_for: Callable[[BackendConfig], CompletionProvider]
     rate_limiter: RateLimiter  # a backend's static limit, when it is not adaptive
-    store: SessionStore  # where a streamed round's partial text goes
+    store: StepData  # where a streamed round's partial text goes
     control: RateControl  # the adaptive rate control of every other backend
     models: Mapping[str, ModelAlias] = field(default_factory=dict)  # the model aliases
 

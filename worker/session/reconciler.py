@@ -17,10 +17,10 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from worker.errors import StoreError
-from worker.session.store_ports import STEP_LEASE_MS
+from worker.session.store_ports import STEP_LEASE_MS, Reconciling
 from worker.session.trace import event
 
 if TYPE_CHECKING:
@@ -34,27 +34,10 @@ QUIET_MS = 2 * STEP_LEASE_MS
 MOST_PER_TURN = 500
 
 
-class ReconcileStore(Protocol):
-    def take_reconciler_turn(self, hold_ms: int) -> bool: ...
-    def stalled(self, quiet_ms: int, most: int) -> list[str]: ...
-    def forget_session(self, sk: str) -> None: ...
-    def submitted_ms(self, sks: list[str]) -> list[int | None]:
-        """When each session was submitted (None: unknown)."""
-        ...
-
-    def now_ms(self) -> int:
-        """Now on the clock marks and submits are stamped on (Redis's)."""
-        ...
-
-    def trim_results(self, keep: int) -> int:
-        """The results of finished sessions beyond the latest `keep` deleted: how many."""
-        ...
-
-
 @dataclass
 class Reconciler:
     runner: StepRunner
-    store: ReconcileStore
+    store: Reconciling
     every_s: float = 10.0
     quiet_ms: int = QUIET_MS
     deadline_ms: int = 43_200_000

@@ -1,6 +1,9 @@
-"""The store's port: what a step reads and writes of session state (specs, stored rounds and
-outcomes, step leases, results), as a Protocol with the typed values it takes and returns. The
-Redis store (worker.edges.store) implements it; `worker.session.twins` in memory.
+"""The store's ports, one a role, with the typed values they take and return: a step's data
+(StepData), its guards (StepGuards), a session's end (SessionLifecycle), the batches it is in
+(BatchLinks) and the fleet's upkeep (FleetUpkeep: DeadLetters, Reconciling); their key families
+and slot rules differ (docs/architecture.md section 5). SessionStore is all of them. The Redis
+store (worker.edges.store) implements each, `worker.session.twins` in memory, and
+`tests/store_contract/` holds both to one contract a role.
 """
 
 from __future__ import annotations
@@ -62,8 +65,10 @@ class StepStart:
     ended: bool = False  # its session's response is written: it ended
 
 
-class SessionStore(Protocol):
-    """Session state: specs, stored outputs (first writer wins), step guards, results."""
+class StepData(Protocol):
+    """A step's reads and writes of its own session's keys: the spec, stored rounds and tool
+    outcomes (first writer wins), calls waiting under max_parallel, background tasks, the
+    partial round, the trace. One slot: the session's hash tag."""
 
     def load_spec(self, sk: str) -> Spec: ...
     def batch_of(self, sk: str) -> str:
@@ -84,6 +89,34 @@ class SessionStore(Protocol):
         """Store what is not stored yet; how many of the round's first `calls` calls have an
         outcome (0 when `calls` is 0)."""
         ...
+
+    def unstarted_calls(self, sk: str, round_no: int, calls: int) -> tuple[list[int], int]:
+        """Of a round's first `calls` calls, under max_parallel: those waiting for room (no
+        outcome, never queued, no step leased), and how many hold a place (queued or
+        running, no outcome yet)."""
+        ...
+
+    def queue_calls(self, sk: str, round_no: int, indexes: list[int], claim: bool) -> list[int]:
+        """Mark calls queued; with `claim`, only those no one marked before (returned)."""
+        ...
+
+    def set_partial(self, sk: str, partial: PartialRound | None) -> None: ...
+    def store_mcp_tools(self, sk: str, tools: tuple[ToolSpec, ...]) -> None:
+        """Store the MCP tools a session offers, as its first round listed them (first writer
+        wins); `load_spec` then returns the spec with them (spec_types.with_mcp_tools)."""
+        ...
+
+    def trace(self, write: TraceWrite) -> None: ...
+    def task_state(self, sk: str, task_id: str) -> dict[str, str] | None:
+        """An async background task's state (status, percent, message, outcome), if any."""
+        ...
+
+    def update_task(self, sk: str, task_id: str, fields: dict[str, str]) -> None: ...
+    def is_cancelled(self, sk: str) -> bool: ...
+
+
+class StepGuards(Protocol):
+    """Each step's lease, published marker and try count (the step's slot: its session's)."""
 
     def begin_step(
         self,
@@ -107,16 +140,6 @@ class SessionStore(Protocol):
         """Keep this delivery's lease of `step` alive while the step runs."""
         ...
 
-    def unstarted_calls(self, sk: str, round_no: int, calls: int) -> tuple[list[int], int]:
-        """Of a round's first `calls` calls, under max_parallel: those waiting for room (no
-        outcome, never queued, no step leased), and how many hold a place (queued or
-        running, no outcome yet)."""
-        ...
-
-    def queue_calls(self, sk: str, round_no: int, indexes: list[int], claim: bool) -> list[int]:
-        """Mark calls queued; with `claim`, only those no one marked before (returned)."""
-        ...
-
     def active_steps(self, steps: list[str]) -> set[str]:
         """Which of these steps are leased (a delivery works on them) or published."""
         ...
@@ -130,28 +153,20 @@ class SessionStore(Protocol):
         the ms its lease has left."""
         ...
 
-    def set_partial(self, sk: str, partial: PartialRound | None) -> None: ...
-    def store_mcp_tools(self, sk: str, tools: tuple[ToolSpec, ...]) -> None:
-        """Store the MCP tools a session offers, as its first round listed them (first writer
-        wins); `load_spec` then returns the spec with them (spec_types.with_mcp_tools)."""
-        ...
-
-    def trace(self, write: TraceWrite) -> None: ...
-    def task_state(self, sk: str, task_id: str) -> dict[str, str] | None:
-        """An async background task's state (status, percent, message, outcome), if any."""
-        ...
-
-    def update_task(self, sk: str, task_id: str, fields: dict[str, str]) -> None: ...
     def lease_left_ms(self, step: str) -> int: ...
     def end_step(self, step: str) -> None: ...
     def release_lease(self, step: str) -> None: ...
-    def is_cancelled(self, sk: str) -> bool: ...
+
+
+class SessionLifecycle(Protocol):
+    """A session's end: what the ending rules read, and its response fd, record and end in its
+    meta, written once."""
+
     def failure(self, sk: str) -> dict[str, Any] | None: ...
     def ending_inputs(self, sk: str) -> EndingInputs:
         """What an ending reads, in one round trip."""
         ...
 
-    def dead_letter(self, step: str, sk: str, body: dict[str, Any], reason: str) -> None: ...
     def meta(self, sk: str) -> dict[str, str]: ...
     def now_ms(self) -> int:
         """Now on the clock submits are stamped on (Redis's, in the Redis store)."""
@@ -174,15 +189,73 @@ class SessionStore(Protocol):
         tell (with its step's commit). None when another step ended it."""
         ...
 
+
+class BatchLinks(Protocol):
+    """The batches a session is in (its batch's slot, not the session's): who waits for it,
+    telling them it ended, and a batch's chunks of members."""
+
     def watcher_batches(self, sk: str) -> list[str]: ...
-    def notify(self, sk: str, batches: Iterable[str], outcome: str = "") -> None: ...
+    def notify(self, sk: str, batches: Iterable[str], outcome: str = "") -> None:
+        """Tell `batches` that session `sk` ended (as `outcome`): their done lists and ended
+        indexes."""
+        ...
+
     def chunk_members(self, batch: str, chunk_no: int) -> list[ChunkMember]: ...
+
+
+class DeadLetters(Protocol):
+    def dead_letter(self, step: str, sk: str, body: dict[str, Any], reason: str) -> None:
+        """A step past its attempts: its session's failure (the first one kept) and the
+        fleet's dead-letter list."""
+        ...
+
+
+class Reconciling(Protocol):
+    """The reconciler's turn, its index of unfinished sessions by last progress, and the
+    finished sessions kept by count."""
+
+    def take_reconciler_turn(self, hold_ms: int) -> bool:
+        """Whether this process reconciles now: one in the fleet at a time, for `hold_ms`."""
+        ...
+
+    def stalled(self, quiet_ms: int, most: int) -> list[str]:
+        """Unfinished sessions with no sign of progress for `quiet_ms`, oldest first; each is
+        marked as just seen, so the next turns look at others first."""
+        ...
+
+    def forget_session(self, sk: str) -> None:
+        """Not to be watched any more (nothing left to recover)."""
+        ...
+
+    def submitted_ms(self, sks: list[str]) -> list[int | None]:
+        """When each session was submitted (None: unknown)."""
+        ...
+
+    def now_ms(self) -> int:
+        """Now on the clock marks and submits are stamped on (Redis's)."""
+        ...
+
+    def trim_results(self, keep: int) -> int:
+        """The results of finished sessions beyond the latest `keep` deleted: how many."""
+        ...
+
+
+class FleetUpkeep(DeadLetters, Reconciling, Protocol):
+    """Fleet-wide structures, each a slot of its own: dead letters and the reconciler's."""
+
+
+class SessionWork(StepData, SessionLifecycle, Protocol):
+    """A step's data with its session's end: what a tool step and the Applier use."""
+
+
+class SessionStore(StepData, StepGuards, SessionLifecycle, BatchLinks, FleetUpkeep, Protocol):
+    """The whole store a StepRunner works with: every role above."""
 
 
 SpecT = TypeVar("SpecT", SessionSpec, ProgramSpec)
 
 
-def spec_of(store: SessionStore, sk: str, kind: type[SpecT]) -> SpecT:
+def spec_of(store: StepData, sk: str, kind: type[SpecT]) -> SpecT:
     """A session's spec, of the kind its step expects (a chat or a program run)."""
     spec = store.load_spec(sk)
     if not isinstance(spec, kind):

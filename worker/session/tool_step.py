@@ -29,7 +29,7 @@ from worker.session.guard import StepGuard
 from worker.session.model_call import ModelCaller
 from worker.session.outcomes import ToolOutcome
 from worker.session.ports import Outbox, ToolRuntime
-from worker.session.store_ports import SessionStore, StepStart, ToolReads, spec_of
+from worker.session.store_ports import SessionWork, StepStart, ToolReads, spec_of
 from worker.session.summaries import summarized
 from worker.session.tool_policy import ToolCaller
 from worker.session.trace import Arrival, event, tool_call_ended, tool_logs_kept
@@ -43,7 +43,7 @@ CANCEL_CHECK_S = 1.0  # a background call looks whether its session goes on at m
 class ToolContext:
     """What a tool step works with."""
 
-    store: SessionStore
+    store: SessionWork
     guard: StepGuard
     applier: Applier
     tools: Callable[[], ToolRuntime]  # lazy: a prefork child builds its own wasmtime engine

@@ -1,22 +1,22 @@
-"""The SessionStore port in memory: `MemoryStore` keeps the Redis store's rules (first writer
-wins, leases, published markers, try counters, the fan-in count); `tests/test_store_contract.py`
-runs one contract over both. Keys never expire here. It also serves the guest's ProgramStore
-port (`programs`, `streams`), so program runs use the same twin."""
+"""The store's ports in memory: `MemoryStore` keeps the Redis store's rules (first writer wins,
+leases, published markers, try counters, the fan-in count, one end a session), a module a role:
+StepData here, StepGuards in `store_guards`, SessionLifecycle, BatchLinks and FleetUpkeep in
+`store_endings`; `tests/store_contract/` runs one contract a role over both. Keys never expire
+here. It also serves the guest's ProgramStore port (`programs`, `streams`), so program runs use
+the same twin."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
-from contextlib import AbstractContextManager
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from schemas import keys
-from schemas.bodies import dump_body, outcome_code
+from schemas.bodies import dump_body
 from schemas.keys import ChunkMember
 from schemas.partial import PartialRound
 from schemas.spec_types import (
@@ -37,19 +37,17 @@ from worker.session.outcomes import ToolOutcome
 from worker.session.round_record import decode_round, encode_round
 from worker.session.state import Round, Session
 from worker.session.store_ports import (
-    EndingInputs,
-    RoundReads,
-    StepStart,
     ToolInputs,
-    ToolReads,
     TraceWrite,
 )
 from worker.session.trace import TraceEvent
 from worker.session.twins.programs import ProgramTwin
+from worker.session.twins.store_endings import TwinBatches, TwinLifecycle, TwinUpkeep
+from worker.session.twins.store_guards import TwinGuards
 
 
 @dataclass
-class MemoryStore(ProgramTwin):
+class MemoryStore(TwinBatches, TwinLifecycle, TwinGuards, TwinUpkeep, ProgramTwin):
     """SessionStore (and the guest's ProgramStore: ProgramTwin and its user streams) in
     memory."""
 
@@ -75,6 +73,8 @@ class MemoryStore(ProgramTwin):
     forks: dict[str, bytes] = field(default_factory=dict)
     fd_mirror: dict[str, dict[int, bytes]] = field(default_factory=dict)
     mcp_listed: dict[str, bytes] = field(default_factory=dict)  # sk -> its MCP tools' JSON
+    # unfinished sessions by their last sign of progress (ms): the reconciler's index
+    progress_ms: dict[str, int] = field(default_factory=dict)
     # the store's clock (ms): Redis's TIME in the Redis store, which every process stamps by
     clock: Callable[[], int] = field(default=lambda: time.time_ns() // 1_000_000)
     # Called by a blocking wait that finds nothing (a program waiting on its chats): runs the
@@ -91,6 +91,7 @@ class MemoryStore(ProgramTwin):
             self.specs[sk] = json.loads(dump_body(spec_to_json(spec)))
             self.meta_of.setdefault(sk, {})["submitted_ms"] = str(self.clock())
             self.meta_of[sk].update(id=spec.id, batch=batch)
+            self.progress_ms[sk] = self.clock()
             if batch:
                 self.watchers.setdefault(sk, set()).add(batch)
             return True
@@ -107,7 +108,7 @@ class MemoryStore(ProgramTwin):
         raw = self.records.get(sk)
         return None if raw is None else dict(json.loads(raw))
 
-    # SessionStore --------------------------------------------------------------------------
+    # StepData --------------------------------------------------------------------------
 
     def load_spec(self, sk: str) -> Spec:
         raw = self.specs.get(sk)
@@ -170,43 +171,6 @@ class MemoryStore(ProgramTwin):
                 self.outcomes.setdefault((sk, round_no, index), dump_body(outcome.to_json()))
             return sum((sk, round_no, i) in self.outcomes for i in range(calls))
 
-    def begin_step(
-        self,
-        step: str,
-        lease_ms: int,
-        meta: dict[str, str | int] | None = None,
-        sk: str = "",
-        reads: RoundReads | ToolReads | None = None,
-        first: bool | None = None,
-    ) -> StepStart:
-        with self._cond:  # every delivery's try is counted here, whatever `first` says
-            now = time.monotonic()
-            published = step in self.published
-            leased = self.leases.get(step, 0.0) <= now
-            if leased and not published:
-                self.leases[step] = now + lease_ms / 1000
-            if (leased and not published) or step not in self.tries:  # it runs the step
-                self.tries[step] = self.tries.get(step, 0) + 1
-            if sk and meta and sk in self.meta_of:  # a lost session's meta is not made again
-                self.meta_of[sk].update({k: str(v) for k, v in meta.items()})
-            cancelled = bool(sk) and sk in self.cancelled
-            ended = bool(sk) and sk in self.responses
-        start = StepStart(published, leased, self.tries[step], cancelled, ended=ended)
-        if isinstance(reads, RoundReads):
-            session = self.load_session(sk, reads.backend, upto_round=reads.round_no)
-            return replace(start, session=session)
-        if isinstance(reads, ToolReads):
-            return replace(start, tool_inputs=self.tool_inputs(sk, reads.round_no, reads.index))
-        return start
-
-    def hold(self, step: str, token: str) -> AbstractContextManager[None]:
-        return contextlib.nullcontext()  # twin leases last as long as begin_step asked
-
-    def defer_step(self, step: str, sk: str, stored: bool, wait_ms: int) -> None:
-        with self._cond:
-            self.leases.pop(step, None)
-            self.tries[step] = self.tries.get(step, 0) - 1
-
     def task_state(self, sk: str, task_id: str) -> dict[str, str] | None:
         with self._cond:
             state = self.tasks.get((sk, task_id))
@@ -239,9 +203,6 @@ class MemoryStore(ProgramTwin):
             else:
                 self.partials[sk] = partial
 
-    def lease_left_ms(self, step: str) -> int:
-        return max(int((self.leases.get(step, 0.0) - time.monotonic()) * 1000), 0)
-
     def unstarted_calls(self, sk: str, round_no: int, calls: int) -> tuple[list[int], int]:
         with self._cond:
             unanswered = [i for i in range(calls) if (sk, round_no, i) not in self.outcomes]
@@ -258,97 +219,5 @@ class MemoryStore(ProgramTwin):
             self.queued.update((sk, round_no, i) for i in won)
             return won
 
-    def active_steps(self, steps: list[str]) -> set[str]:
-        with self._cond:
-            now = time.monotonic()
-            return {s for s in steps if s in self.published or self.leases.get(s, 0.0) > now}
-
-    def published_steps(self, steps: list[str]) -> set[str]:
-        with self._cond:
-            return {s for s in steps if s in self.published}
-
-    def leased_steps(self, steps: list[str]) -> dict[str, int]:
-        with self._cond:
-            now = time.monotonic()
-            return {
-                s: int((self.leases[s] - now) * 1000)
-                for s in steps
-                if s not in self.published and self.leases.get(s, 0.0) > now
-            }
-
-    def end_step(self, step: str) -> None:
-        with self._cond:
-            self.published.add(step)
-            self.leases.pop(step, None)
-
-    def release_lease(self, step: str) -> None:
-        with self._cond:
-            self.leases.pop(step, None)
-
     def is_cancelled(self, sk: str) -> bool:
         return sk in self.cancelled
-
-    def failure(self, sk: str) -> dict[str, Any] | None:
-        raw = self.failures.get(sk)
-        return None if raw is None else dict(json.loads(raw))
-
-    def ending_inputs(self, sk: str) -> EndingInputs:
-        submitted = self.meta_of.get(sk, {}).get("submitted_ms", "0")
-        ended = (self.failure(sk), self.is_cancelled(sk))
-        return EndingInputs(*ended, int(submitted or 0), self.clock())
-
-    def dead_letter(self, step: str, sk: str, body: dict[str, Any], reason: str) -> None:
-        with self._cond:
-            self.failures.setdefault(sk, dump_body(body))
-            self.deadletters.append((step, reason[:500]))
-
-    def meta(self, sk: str) -> dict[str, str]:
-        return dict(self.meta_of.get(sk, {}))
-
-    def trim_results(self, keep: int) -> int:
-        """The twin keeps every result (it retires nothing)."""
-        return 0
-
-    def now_ms(self) -> int:
-        return self.clock()
-
-    def has_result(self, sk: str) -> bool:
-        return sk in self.responses
-
-    def write_result(
-        self,
-        sk: str,
-        body: bytes,
-        record: dict[str, Any],
-        notify_later: list[str] | None = None,
-        ender: str = "",
-    ) -> str | None:
-        with self._cond:
-            meta = self.meta_of.setdefault(sk, {})
-            if sk in self.responses:
-                if not ender or meta.get("ended_by") != ender:
-                    return None
-            else:
-                self.responses[sk] = bytes(body)
-                self.records.setdefault(sk, dump_body(record))
-                outcome = outcome_code(record.get("body"))
-                meta.update(state="done", finished_ms=str(self.clock()))
-                meta.update(outcome=outcome, ended_by=ender)
-            batches = list(self.watchers.get(sk, ()))
-        if notify_later is not None:
-            notify_later.extend(batches)
-        else:
-            self.notify(sk, batches)
-        return meta["outcome"]
-
-    def watcher_batches(self, sk: str) -> list[str]:
-        return sorted(self.watchers.get(sk, ()))
-
-    def notify(self, sk: str, batches: Iterable[str], outcome: str = "") -> None:
-        with self._cond:
-            for batch in batches:
-                self.done.setdefault(batch, deque()).append(sk)
-            self._cond.notify_all()
-
-    def chunk_members(self, batch: str, chunk_no: int) -> list[ChunkMember]:
-        return list(self.chunks.get((batch, chunk_no), []))
