@@ -52,8 +52,9 @@ def clock() -> Clock:
 
 @pytest.fixture
 def control(client: redis.Redis, clock: Clock) -> RedisRateControl:
-    # every call reports in full here: the law is under test, not the sampling of latencies
-    return RedisRateControl(client, clock_ms=clock, rand=lambda: 0.5, full_every=1)
+    # every call asks and reports in full here: the law is under test, not the sampling of
+    # latencies or the blocks kept far from the limit (tests/test_rate_blocks.py)
+    return RedisRateControl(client, clock_ms=clock, rand=lambda: 0.5, full_every=1, block=0)
 
 
 def state(client: redis.Redis) -> dict[str, str]:
@@ -268,7 +269,7 @@ def test_in_slow_start_a_waiting_round_comes_back_by_the_epoch_the_window_will_h
 def test_a_call_with_nothing_to_teach_mostly_just_gives_its_slot_back(
     client: redis.Redis, clock: Clock
 ) -> None:
-    control = RedisRateControl(client, clock_ms=clock, full_every=4)
+    control = RedisRateControl(client, clock_ms=clock, full_every=4, block=0)
     slots = [s for s in take(control, 8) if isinstance(s, Slot)]
     for slot in slots:
         control.report(slot, ok(latency_ms=500), BACKEND)

@@ -28,8 +28,10 @@ from schemas import fleet_keys
 from worker.codecs.rate_headers import RateSignal
 from worker.config import BackendConfig
 from worker.edges.rate_control_lua import ACQUIRE, RENEW, REPORT
+from worker.edges.rate_permits import PermitBlocks
 from worker.edges.redis_errors import refusal, store_error
 from worker.edges.redis_pool import is_cluster
+from worker.errors import StoreError
 from worker.session.rate_control import (
     CallReport,
     Change,
@@ -48,6 +50,7 @@ MAX_WAIT_MS = 30_000  # the latest a waiting round comes back (well inside the b
 INDEX_EVERY_S = 60.0  # on a cluster: how often a process writes a controller into the index
 TTL_S = 3_600  # a controller unused this long is forgotten (the next starts from slow start)
 FULL_EVERY = 16  # of the calls with nothing to teach but their latency, one in this reports it
+BLOCK = 16  # the most slots a process keeps at once, far from the limit (0: one a call)
 
 
 class RedisRateControl:
@@ -58,11 +61,15 @@ class RedisRateControl:
         rand: Callable[[], float] = random.random,
         lease_ms: int = SLOT_LEASE_MS,
         full_every: int = FULL_EVERY,
+        block: int = BLOCK,
+        blocks: PermitBlocks | None = None,
     ) -> None:
         self.client: Any = client
         self._clock_ms = clock_ms  # None: Redis's clock (the tests pass a fake one)
         self._rand = rand
         self.lease_ms = lease_ms
+        self.block = block
+        self._blocks = blocks or PermitBlocks()
         self._acquire = self.client.register_script(ACQUIRE)
         self._report = self.client.register_script(REPORT)
         self._renew = self.client.register_script(RENEW)
@@ -84,6 +91,12 @@ class RedisRateControl:
     def acquire(
         self, key: ControlKey, waiter: str, estimated_tokens: int, backend: BackendConfig
     ) -> Slot | Wait:
+        blocks = self.block > 0 and not self.paces_tokens(key, backend)
+        if blocks:
+            kept = self._blocks.take(key.id)
+            if kept is not None:  # far from the limit: a slot of this process's block
+                return Slot(key, kept, 0, kept=True)
+            self._give_back(key.id, self._blocks.stale(key.id))  # before asking for another
         rps, tps = backend_ceilings(backend)
         member = uuid.uuid4().hex
         try:
@@ -91,14 +104,19 @@ class RedisRateControl:
             answer = self._acquire(
                 keys=self._keys(key),
                 args=[self._now(), key.id, member, waiter, max(estimated_tokens, 0),
-                      self.lease_ms, rps, tps, ROOM_MS, TTL_S],
+                      self.lease_ms, rps, tps, ROOM_MS, TTL_S, self.block if blocks else 0],
             )  # fmt: skip
         except redis.RedisError as exc:
             raise store_error(exc, "rate control") from exc
         kind = _text(answer[0])
-        _log_change(key, answer[-1])
+        _log_change(key, answer[1] if kind == "ok" else answer[-1])
         if kind == "ok":
-            return Slot(key, member, max(estimated_tokens, 0))
+            granted = int(answer[2])
+            if not granted:
+                return Slot(key, member, max(estimated_tokens, 0))
+            free = [f"{member}.{n}" for n in range(2, granted + 1)]
+            self._give_back(key.id, self._blocks.keep(key.id, member, free))
+            return Slot(key, member, 0, kept=True)
         wait_ms, reason = float(_text(answer[1])), _text(answer[2])
         if kind == "far":  # drawn between the room's end and MAX_WAIT_MS
             wait_ms += self._rand() * (MAX_WAIT_MS - wait_ms)
@@ -106,6 +124,8 @@ class RedisRateControl:
 
     def report(self, slot: Slot, report: CallReport, backend: BackendConfig) -> Change | None:
         said = report.signal or RateSignal()
+        if slot.kept:
+            return self._report_kept(slot, report, said, backend)
         if report.kind == "ok" and said.empty and not self.paces_tokens(slot.key, backend):
             # nothing to learn but the latency: most such calls only give their slot back
             # (one command, not a script's eight); every FULL_EVERY-th still reports it
@@ -116,15 +136,47 @@ class RedisRateControl:
                 except redis.RedisError as exc:
                     raise store_error(exc, "rate control") from exc
                 return None
+        return self._learn(slot, slot.member, report, said, backend)
+
+    def _report_kept(
+        self, slot: Slot, report: CallReport, said: RateSignal, backend: BackendConfig
+    ) -> Change | None:
+        """A call of a kept slot: back into its block when it has nothing to teach (one in
+        `full_every` of them tells its latency and the block's calls first); anything else
+        (a 429, headers, a token pace) drops the block and reports as a call of its own."""
+        cid = slot.key.id
+        quiet = said.empty and not self.paces_tokens(slot.key, backend)
+        if quiet and report.kind != "rate_limited":
+            change = None
+            untold = self._blocks.sample_due(cid, self._full_every) if report.kind == "ok" else None
+            if untold is not None:
+                change = self._learn(slot, "", report, said, backend, untold)
+            if not self._blocks.give_back(cid, slot.member):
+                self._give_back(cid, [slot.member])
+            return change
+        self._give_back(cid, self._blocks.drop(cid))
+        return self._learn(slot, slot.member, report, said, backend, self._blocks.untold(cid))
+
+    def _learn(
+        self,
+        slot: Slot,
+        member: str,
+        report: CallReport,
+        said: RateSignal,
+        backend: BackendConfig,
+        untold: int = 0,
+    ) -> Change | None:
+        """The REPORT script: `member` given back ("": kept in its block), and `untold` calls
+        its blocks served counted."""
         rps, tps = backend_ceilings(backend)
         try:
             answer = self._report(
                 keys=self._keys(slot.key),
-                args=[self._now(), slot.key.id, slot.member, report.kind, report.used_tokens,
+                args=[self._now(), slot.key.id, member, report.kind, report.used_tokens,
                       slot.estimated_tokens, report.latency_ms, rps, tps, TTL_S,
                       _said(said.requests_per_min), _said(said.requests_left),
                       _said_ms(said.requests_reset_s), _said(said.tokens_per_min),
-                      _said(said.tokens_left), _said_ms(said.tokens_reset_s)],
+                      _said(said.tokens_left), _said_ms(said.tokens_reset_s), untold],
             )  # fmt: skip
         except redis.RedisError as exc:
             raise store_error(exc, "rate control") from exc
@@ -157,6 +209,26 @@ class RedisRateControl:
         while self._pid == pid:
             time.sleep(self.lease_ms / 3000)
             self.renew()
+            try:
+                for cid, free in self._blocks.aged().items():
+                    self._give_back(cid, free)
+            except StoreError:  # their leases run out on their own
+                pass
+
+    def _give_back(self, cid: str, slots: list[str]) -> None:
+        """Slots this process kept, given back to their controller, with the calls its blocks
+        served that it has not heard of yet (its `n`, which the status shows): one round trip."""
+        if not slots:
+            return
+        untold = self._blocks.untold(cid)
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.zrem(fleet_keys.rate_slots(cid), *slots)
+            if untold:
+                pipe.hincrby(fleet_keys.rate_controller(cid), "n", untold)
+            pipe.execute()
+        except redis.RedisError as exc:
+            raise store_error(exc, "rate control") from exc
 
     def renew(self) -> int:
         """Renew every slot this process holds, in one round trip: how many were still held."""

@@ -21,12 +21,13 @@ GROW = 0.05  # growth per saturated epoch after slow start
 PROBE = 0.01  # near the pace 429s came at, a pace grows by this share of it an epoch
 MIN_PACE = 0.05  # a learned pace never falls below (3 calls a minute)
 STORM_MS = 10_000  # 429 episodes this close to the last are one storm
+CALM_MS = 60_000  # no 429 for this long (and no pace): far from the limit, slots go in blocks
 
 _FIELDS = ", ".join(f"'{name}'" for name in FIELDS)
 _PRELUDE = f"""
 local W0, W_MAX, TAU, EARLY, STALE = {W0}, {W_MAX}, {TAU_MS}, {EARLY_MS}, {STALE_MS}
 local RATE_TAU, CUT, PACE_CUT, GROW, PROBE = {RATE_TAU_MS}, {CUT}, {PACE_CUT}, {GROW}, {PROBE}
-local MIN_PACE, STORM_MS = {MIN_PACE}, {STORM_MS}
+local MIN_PACE, STORM_MS, CALM = {MIN_PACE}, {STORM_MS}, {CALM_MS}
 local FIELDS = {{{_FIELDS}}}
 
 local now = tonumber(ARGV[1])
@@ -106,8 +107,11 @@ end
 
 # KEYS: state, slots, room, index
 # ARGV: now_ms ('' = Redis's), id, slot, waiter, estimated tokens, lease_ms, ceiling rps,
-#       ceiling tps, room_ms, ttl_s
-# -> {'ok', change} | {'wait', ms, reason, change} | {'far', ms, reason, change}
+#       ceiling tps, room_ms, ttl_s, block (the most slots a process asks for at once)
+# -> {'ok', change, granted} | {'wait', ms, reason, change} | {'far', ms, reason, change}
+# Far from the limit (no pace of any kind, no 429 for CALM_MS, nobody waiting, the window at
+# most half used) a grant is a block of slots, `slot` and `slot.2` ... `slot.<granted>`, which
+# the asking process keeps for its next calls (rate_permits.py); granted 0: one slot, not kept.
 ACQUIRE = (
     _PRELUDE
     + """
@@ -115,6 +119,7 @@ local slot, waiter = ARGV[3], ARGV[4]
 local est, lease = tonumber(ARGV[5]), tonumber(ARGV[6])
 local crps, ctps = tonumber(ARGV[7]), tonumber(ARGV[8])
 local room_ms, ttl = tonumber(ARGV[9]), tonumber(ARGV[10])
+local block = tonumber(ARGV[11]) or 0
 local s = load(KEYS[1])
 s.crps, s.ctps = crps, ctps  -- for the status: the pace it shows is the one calls are held to
 
@@ -162,7 +167,17 @@ elseif win_ok and not pace_ok and s.lp > 0 and calm then
 end
 
 if win_ok and pace_ok and tok_ok then
-  redis.call('ZADD', KEYS[2], now + lease, slot)
+  local granted = 0
+  if block > 0 and p == 0 and tp == 0 and s.lp == 0 and now - s.l429 >= CALM and not ticket
+      and s.tail <= now then
+    granted = math.max(math.min(block, math.floor(math.floor(s.w) / 2) - inflight), 1)
+  end
+  local members = {now + lease, slot}
+  for i = 2, granted do
+    members[#members + 1] = now + lease
+    members[#members + 1] = slot .. '.' .. i
+  end
+  redis.call('ZADD', KEYS[2], unpack(members))
   -- none in flight: the slots were made again (Redis drops an empty set), and save() renews
   -- their TTL only now and then
   if inflight == 0 then redis.call('PEXPIRE', KEYS[2], ttl * 1000) end
@@ -173,7 +188,7 @@ if win_ok and pace_ok and tok_ok then
   s.rt = now
   s.n = s.n + 1
   save(s, ttl)
-  return {'ok', change_of(s, crps)}
+  return {'ok', change_of(s, crps), granted}
 end
 
 -- no room: a ticket in the waiting room, spaced by the pace (or the window's turnover) so
@@ -225,9 +240,10 @@ return {'far', tostring(room_ms), reason, change_of(s, crps)}
 )
 
 # KEYS: state, slots, room, index
-# ARGV: now_ms, id, slot, kind (ok | rate_limited | failed), used tokens, estimated tokens,
-#       latency_ms, ceiling rps, ceiling tps, ttl_s, then what the headers said ('' = not
-#       said): requests/min, requests left, ms until whole, tokens/min, tokens left, ms
+# ARGV: now_ms, id, slot ('' = kept in its process's block), kind (ok | rate_limited | failed),
+#       used tokens, estimated tokens, latency_ms, ceiling rps, ceiling tps, ttl_s, then what
+#       the headers said ('' = not said): requests/min, requests left, ms until whole,
+#       tokens/min, tokens left, ms; then the calls made from a block since its last report
 # -> {change, tokens paced (0/1)}
 REPORT = (
     _PRELUDE
@@ -237,9 +253,15 @@ local used, est, took = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
 local crps, ctps, ttl = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
 local rpm, left_req, reset_req = tonumber(ARGV[11]), tonumber(ARGV[12]), tonumber(ARGV[13])
 local tpm, left_tok, reset_tok = tonumber(ARGV[14]), tonumber(ARGV[15]), tonumber(ARGV[16])
+local kept = tonumber(ARGV[17]) or 0
 local s = load(KEYS[1])
 
-redis.call('ZREM', KEYS[2], slot)
+if slot ~= '' then redis.call('ZREM', KEYS[2], slot) end
+if kept > 0 then  -- calls a block served: counted as granted (the status's figures)
+  s.racc = s.racc * math.exp(-(now - s.rt) / RATE_TAU) + kept
+  s.rt = now
+  s.n = s.n + kept
+end
 if kind == 'ok' then
   if s.lat == 0 then s.lat = took else s.lat = s.lat * 0.8 + took * 0.2 end
 end

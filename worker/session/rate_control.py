@@ -45,6 +45,7 @@ class Slot:
     key: ControlKey
     member: str
     estimated_tokens: int
+    kept: bool = False  # of a block its process keeps (far from the limit): given back to it
 
 
 @dataclass(frozen=True)
