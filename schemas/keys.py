@@ -240,7 +240,7 @@ def step_lease(token: str) -> bytes:
     return STEP_LEASED + b":" + token.encode()
 
 
-STEP_DONE = b"done"  # step_state once its continuation is published (EX = the TTL)
+STEP_DONE = b"done"  # step_state once published (EX = the TTL); apart: `done:<its steps>`
 
 
 def tries(step: str) -> str:

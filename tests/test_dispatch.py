@@ -19,11 +19,10 @@ from producer.fleet import Fleet
 from schemas import keys, task_names
 from schemas.bodies import dump_body
 from worker.edges.broker import TRANSPORT
-from worker.edges.dispatch import CeleryDispatcher, task_message
+from worker.edges.dispatch import CeleryDispatcher, RedisBroker, task_message
 from worker.edges.store import RedisStore
 from worker.session.outcomes import ToolOutcome
-from worker.session.ports import NextStep
-from worker.session.store_ports import Commit
+from worker.session.store_ports import Commit, NextStep
 
 pytestmark = pytest.mark.fleet
 REDIS_DB = 11
@@ -145,3 +144,33 @@ def test_a_commit_writes_its_outcomes_and_notifications_with_its_steps(
     assert client.get(keys.tool_out("sk-3", 0, 1)) == dump_body(first.to_json())
     assert client.lrange(keys.done_list("b1"), 0, -1) == [b"sk-3"]
     assert client.get(keys.step_state(keys.tool_step("sk-3", 0, 0))) == keys.STEP_DONE
+
+
+class DiedSending:
+    """A broker apart whose worker dies (here: raises) before its messages go out."""
+
+    def send(self, messages: Any) -> None:
+        raise SystemExit("killed between the commit and the messages")
+
+
+def test_apart_a_step_that_died_before_its_messages_sends_them_when_delivered_again(
+    broker: tuple[Celery, redis.Redis],
+) -> None:
+    """With the broker apart, the commit's marker lists the steps it publishes: a delivery
+    that finds the step published (its message was never acknowledged) sends them again."""
+    app, client = broker
+    store = RedisStore(client, ttl_s=60)
+    step, steps = keys.tool_step("sk-4", 0, 0), [NextStep("round", ("sk-4", 1), "id-4")]
+    with pytest.raises(SystemExit):
+        CeleryDispatcher(app, store, broker=DiedSending()).publish(steps, Commit("sk-4", step))
+    queue = task_names.ROUTES[task_names.ROUND]
+    assert client.llen(queue) == 0  # nothing sent
+    again = store.begin_step(step, 1000, None, "sk-4")
+    assert again.published and again.unsent == tuple(steps)
+    assert store.published_steps([step]) == {step}
+    # what the guard does with them (worker/session/guard.py)
+    CeleryDispatcher(app, store, broker=RedisBroker(client)).publish(again.unsent)
+    assert _pushed(client, queue)["headers"]["id"] == keys.round_step("sk-4", 1)
+    # on one Redis the marker lists nothing: the messages went in its own write
+    CeleryDispatcher(app, store).publish(steps, Commit("sk-4", keys.tool_step("sk-4", 0, 1)))
+    assert store.begin_step(keys.tool_step("sk-4", 0, 1), 1000, None, "sk-4").unsent == ()

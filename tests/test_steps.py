@@ -17,6 +17,7 @@ from tests.test_engine import WEATHER_FN
 from worker.config import BackendConfig, FleetConfig, Settings
 from worker.errors import ProviderRequestError
 from worker.session.steps import StepRunner
+from worker.session.store_ports import NextStep
 from worker.session.twins.failing import FailingStore
 from worker.session.twins.models import OpenRateControl, OpenRateLimiter, ScriptedProvider
 from worker.session.twins.queue import Published, StepQueue, run_step
@@ -323,6 +324,21 @@ def test_a_redelivered_step_never_calls_the_model_twice() -> None:
     p.drain()
     assert len(p.provider.requests) == 2
     assert len(p.tools.calls) == 1
+
+
+def test_a_step_found_published_sends_the_steps_its_marker_lists() -> None:
+    """With the broker apart a worker may die between a step's commit and its messages: the
+    step's next delivery finds it published and sends what its marker lists."""
+    p = pipeline(WEATHER_SCRIPT)
+    submit(p, spec(WEATHER_FN))
+    p.queue.run_next(p.runner)  # round 0 ran and committed; its message is lost with it
+    assert list(p.queue.pending) == [("tool", SK, 0, 0)]
+    p.queue.pending.clear()
+    p.store.unsent[keys.round_step(SK, 0)] = (NextStep("tool", (SK, 0, 0)),)
+    p.queue.pending.append(("round", SK, 0))  # round 0's message, delivered again
+    p.drain()
+    assert p.body()["choices"][0]["message"]["content"] == "Tool said: sunny"
+    assert len(p.provider.requests) == 2
 
 
 def test_a_nudge_leaves_a_step_that_is_running_or_done_alone() -> None:

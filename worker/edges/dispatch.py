@@ -28,8 +28,8 @@ from schemas import keys, task_names
 from worker.edges.step_leases import translated
 from worker.edges.store import RedisStore
 from worker.edges.task_protocol import TaskMessage, task_headers
-from worker.session.ports import NextStep, StepPublisher
-from worker.session.store_ports import Commit
+from worker.session.ports import StepPublisher
+from worker.session.store_ports import Commit, NextStep
 
 
 def task_message(
@@ -124,9 +124,10 @@ class CeleryDispatcher(StepPublisher):
         writes (full, failing to persist, a replica) refuses the whole commit, so a step that
         runs it again never finds half of it applied (its outcomes without its marker). With
         the broker apart: the fleet-wide writes (the batches told, the fleet's trace), the
-        commit in one transaction, then the messages. A step that dies before its messages
-        leaves its session with no step to run, which the reconciler publishes again (as it
-        does for a message a broker lost); its state is whole, and its trace said once."""
+        commit in one transaction, its published marker listing the steps, then the messages.
+        A step that dies before its messages is delivered again (its message was not
+        acknowledged), finds itself published and sends the steps its marker lists; its state
+        is whole, and its trace said once."""
         current = self.app.current_worker_task
         parent = current.request if current is not None else None
         sent_ms = self.store.clock.now_ms()  # Redis's clock: its receiver's host may differ
@@ -144,8 +145,9 @@ class CeleryDispatcher(StepPublisher):
         if commit is not None:
             if commit.notify:
                 self.store.add_notify(fleet, commit.sk, commit.notify, commit.ended_as)
-            if commit.published is not None:  # with the messages: found, they were sent
-                self.store.mark_published(pipe, commit.published)
+            if commit.published is not None:  # with the messages (or, apart, what they are)
+                unsent = steps if self.broker is not None else ()
+                self.store.mark_published(pipe, commit.published, unsent)
             if commit.trace is not None:  # after the marker: an ending deletes it
                 self.store.add_trace(pipe, commit.trace, fleet)
             self.store.flush_fleet(fleet, pipe)

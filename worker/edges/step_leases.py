@@ -5,11 +5,12 @@ that ends a step, and the try counter. Key layout: `schemas/keys.py`."""
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, ParamSpec, TypeVar
 
@@ -21,7 +22,7 @@ from worker.edges import liveness
 from worker.edges.redis_errors import refusal, store_error
 from worker.edges.redis_pool import is_cluster
 from worker.session.refusals import RefusalNotice
-from worker.session.store_ports import STEP_LEASE_MS
+from worker.session.store_ports import STEP_LEASE_MS, NextStep
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -217,7 +218,7 @@ class StepLeases:
 
     @translated
     def published_steps(self, steps: list[str]) -> set[str]:
-        return {s for s, state in self._step_states(steps) if state == keys.STEP_DONE}
+        return {s for s, state in self._step_states(steps) if published(state)}
 
     @translated
     def leased_steps(self, steps: list[str]) -> dict[str, int]:
@@ -251,11 +252,30 @@ class StepLeases:
         """Mark the continuation published (after publishing it) and drop the lease."""
         self.mark_published(self.client, step)
 
-    def mark_published(self, client: Any, step: str) -> None:
-        """The published marker, written by `client` (this store's, or a pipeline on it)."""
-        client.set(keys.step_state(step), keys.STEP_DONE, ex=self.ttl_s)
+    def mark_published(self, client: Any, step: str, unsent: Sequence[NextStep] = ()) -> None:
+        """The published marker, written by `client` (this store's, or a pipeline on it), with
+        the steps `unsent` when the broker is apart: written before they are sent, so that a
+        delivery that finds the step published sends them again (StepStart.unsent)."""
+        value = keys.STEP_DONE
+        if unsent:
+            listed = [[s.kind, list(s.args), s.shown_id] for s in unsent]
+            value += b":" + json.dumps(listed, separators=(",", ":")).encode()
+        client.set(keys.step_state(step), value, ex=self.ttl_s)
 
     @translated
     def release_lease(self, step: str) -> None:
         self._keeper.forget(keys.step_state(step))
         self.client.delete(keys.step_state(step))
+
+
+def published(state: bytes | None) -> bool:
+    """Whether a step_state value says published (`done`, with its steps when apart)."""
+    return state is not None and state.startswith(keys.STEP_DONE)
+
+
+def unsent_steps(state: bytes | None) -> tuple[NextStep, ...]:
+    """The steps a published marker lists (none with the broker on the state's Redis)."""
+    if state is None or not state.startswith(keys.STEP_DONE + b":"):
+        return ()
+    listed = json.loads(state[len(keys.STEP_DONE) + 1 :])
+    return tuple(NextStep(kind, tuple(args), shown) for kind, args, shown in listed)

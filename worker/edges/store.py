@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
-import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
 from typing import Any
 
 import redis
@@ -29,9 +27,14 @@ from schemas.spec_types import (
     with_mcp_tools,
 )
 from worker.codecs.reply import Reply
-from worker.edges import liveness
 from worker.edges.redis_pool import NodeRouting, is_cluster, pooled_client
-from worker.edges.step_leases import TAKE_OVER, LeaseKeeper, StepLeases, translated
+from worker.edges.step_leases import (
+    TAKE_OVER,
+    LeaseKeeper,
+    StepLeases,
+    translated,
+)
+from worker.edges.store_begin import StepBegin
 from worker.edges.store_fleet import FleetQueries
 from worker.edges.store_reads import GUESSED_CALLS, parsed_tool_inputs, round_keys, tool_keys
 from worker.edges.store_results import WRITE_ONCE, ResultWrites
@@ -41,27 +44,18 @@ from worker.session.engine import ToolRun
 from worker.session.outcomes import ToolOutcome
 from worker.session.round_record import decode_round, encode_round
 from worker.session.state import Round, Session
-from worker.session.store_ports import RoundReads, StepStart, ToolInputs, ToolReads
+from worker.session.store_ports import ToolInputs
 
 log = logging.getLogger(__name__)
 SPEC_CACHE_SIZE = 4096
 POOL_WAIT_S = 30  # longest wait for a free connection before the step fails (and is retried)
-
-# A step's state in its session's meta, written only while the meta is there: a late step of a
-# session whose keys expired or were lost with Redis's data must not make a meta with no TTL
-# (a producer takes a missing meta for a lost session, and submits it again). EVAL, not
-# EVALSHA: it rides the step's pipeline, and a Redis that lost its data lost its scripts too.
-HSET_IF_THERE = """
-if redis.call('exists', KEYS[1]) == 1 then return redis.call('hset', KEYS[1], unpack(ARGV)) end
-return 0
-"""
 
 
 def _loads(raw: bytes | None) -> Any:
     return None if raw is None else json.loads(raw)
 
 
-class RedisStore(NodeRouting, StepLeases, TraceWrites, ResultWrites, FleetQueries):
+class RedisStore(NodeRouting, StepLeases, StepBegin, TraceWrites, ResultWrites, FleetQueries):
     def __init__(
         self,
         client: redis.Redis,
@@ -263,128 +257,6 @@ class RedisStore(NodeRouting, StepLeases, TraceWrites, ResultWrites, FleetQuerie
                 nx=True,
                 ex=self.ttl_s,
             )
-
-    # step guards ---------------------------------------------------------------------------
-
-    @translated
-    def begin_step(
-        self,
-        step: str,
-        lease_ms: int,
-        meta: dict[str, str | int] | None = None,
-        sk: str = "",
-        reads: RoundReads | ToolReads | None = None,
-        first: bool | None = None,
-    ) -> StepStart:
-        """Everything one delivery of a step needs to know before it works, and what its
-        body reads (`reads`, with its spec when this process has not read it yet), in one
-        round trip that also records the session's state for `cchatq status`."""
-        # One MULTI/EXEC: a Redis that refuses writes (OOM, MISCONF, a replica) refuses all of
-        # them, never the lease without the try count. The lease is one SET ... NX GET
-        # (Redis >= 7.0) whose old value says published ("done"), leased elsewhere, or free.
-        # The try counter: a first delivery the broker vouches for (`first`, the usual case)
-        # is try 1 and writes nothing; any other starts it as SET 1 NX EX GET and INCRs it
-        # when it finds it set, or when it is a redelivery whose first try wrote nothing.
-        # The cancel flag is read in the MGET of what the body reads: no command of its own.
-        read_keys: list[str] = []
-        if isinstance(reads, RoundReads):
-            read_keys = round_keys(sk, reads.round_no)
-        elif isinstance(reads, ToolReads):
-            read_keys = tool_keys(sk, reads.round_no, reads.index)
-        spec_keys: list[str] = []
-        if sk and reads is not None and sk not in self._specs:
-            spec_keys = [keys.spec(sk), keys.mcp_tools(sk)]
-        pipe = self.on(sk or keys.step_owner(step)).pipeline(transaction=True)
-        token = liveness.new_token(uuid.uuid4().hex)
-        try:
-            wanted = [*read_keys, *spec_keys]
-            begun = self._begin(step, lease_ms, meta, sk, first, pipe, token, wanted)
-        except Exception:
-            # its lease, if it was taken before the INCR failed, is this process's and no
-            # delivery's: the next try takes it over at once (liveness)
-            liveness.retire(token)
-            raise
-        return self._with_reads(sk, reads, begun, read_keys, spec_keys)
-
-    def _begin(
-        self,
-        step: str,
-        lease_ms: int,
-        meta: dict[str, str | int] | None,
-        sk: str,
-        first: bool | None,
-        pipe: Any,
-        token: str,
-        wanted: list[str],
-    ) -> tuple[StepStart, list[bytes | None]]:
-        """The lease, the try count and the `wanted` keys (with the response, then the
-        cancel flag, last)."""
-        # a delivery of a step this process runs already (the broker gave it again after a
-        # cut) must not take the lease that ran out in the cut: its renewer takes it back
-        here = self._keeper.held.get(keys.step_state(step))
-        if here is None:
-            pipe.set(keys.step_state(step), keys.step_lease(token), nx=True, px=lease_ms, get=True)
-        else:
-            pipe.get(keys.step_state(step))
-        if first is not True:
-            pipe.set(keys.tries(step), 1, nx=True, ex=self.ttl_s, get=True)
-        if sk:  # its response says the session ended: a late step has nothing to do
-            pipe.mget([*wanted, keys.response(sk), keys.cancel(sk)])
-        fleet = self.fleet_pipe(pipe)
-        if sk and meta:  # a round or a program run starting
-            fields = [str(x) for pair in meta.items() for x in pair]
-            pipe.eval(HSET_IF_THERE, 1, keys.meta(sk), *fields)
-            if self._progress_due(sk):  # a sign of progress for the reconciler
-                fleet.zadd(keys.ACTIVE, {sk: self.clock.now_ms()}, xx=True)
-        replies = pipe.execute()
-        self.flush_fleet(fleet, pipe)
-        before = replies.pop(0) if here is None else (replies.pop(0) or here)
-        counted = None if first is True else replies.pop(0)
-        if before is not None and self._abandoned(step, before, token, lease_ms):
-            before = None  # taken over: this delivery holds the lease now
-        if before is not None:
-            liveness.retire(token)
-        # a delivery counts only when it runs the step: one that finds it leased by another
-        # (which waits for that lease) or published (which does nothing) spends no try
-        if first is True or (counted is None and first is None):
-            tries = 1
-        elif before is None:
-            tries = int(self.client.incr(keys.tries(step)))
-        else:
-            tries = int(counted or 1)
-        read: list[bytes | None] = replies[0] if sk else [None, None]
-        start = StepStart(
-            before == keys.STEP_DONE, before is None, tries, read[-1] is not None,
-            lease=token if before is None else "", tries_stored=first is not True,
-            ended=sk != "" and read[-2] is not None,
-        )  # fmt: skip
-        return start, read
-
-    def _with_reads(
-        self,
-        sk: str,
-        reads: RoundReads | ToolReads | None,
-        begun: tuple[StepStart, list[bytes | None]],
-        read_keys: list[str],
-        spec_keys: list[str],
-    ) -> StepStart:
-        """The StepStart with what its body asked to read, parsed (what cannot be, the body
-        reads again under the guard)."""
-        start, read = begun
-        values = read[: len(read_keys)]
-        try:
-            if spec_keys:  # a missing spec fails in the body, where it counts as a try
-                spec_raw, listed = read[len(read_keys) : -2]
-                self._spec_of(sk, spec_raw, lambda: listed)
-            if isinstance(reads, RoundReads):
-                spec = self._chat_spec(sk)
-                session = self._session_from(sk, spec, reads.backend, reads.round_no, values)
-                return replace(start, session=session)
-            if isinstance(reads, ToolReads):
-                return replace(start, tool_inputs=parsed_tool_inputs(values))
-        except Exception:  # what cannot be read here, the body reads again under the guard
-            return start
-        return start
 
     # meta ----------------------------------------------------------------------------------
 

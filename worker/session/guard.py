@@ -128,12 +128,13 @@ class StepGuard:
         counted = patience.counted
         # started again after a refusal: this delivery's try is counted already (first=True
         # writes no count), and its own lease, released, is taken over at once
-        start = self.store.begin_step(
-            step, STEP_LEASE_MS, meta, sk, reads, True if counted else first
-        )
+        first = True if counted else first
+        start = self.store.begin_step(step, STEP_LEASE_MS, meta, sk, reads, first)
         if counted is not None:
             start = replace(start, tries=counted[0], tries_stored=counted[1])
         if start.published:
+            if start.unsent:  # its worker may have died before sending them (broker apart)
+                self.dispatch.publish(start.unsent)
             return None
         if not start.leased:
             raise RetryLater(self.store.lease_left_ms(step) / 1000 + 0.05, f"step {step} is leased")
@@ -385,8 +386,7 @@ class StepGuard:
         raise StepDeadLettered(f"step {step} dead-lettered")
 
     def _since_submitted_ms(self, sk: str) -> int | None:
-        """How long ago the session was submitted, from its meta (what failed may be the
-        ending's own reads): its end's latency, and its invoke_agent span's start."""
+        """Since the session's submit, from its meta (the ending's own reads may have failed)."""
         try:
             submitted = int(self.store.meta(sk).get("submitted_ms") or 0)
         except (StoreError, ValueError):

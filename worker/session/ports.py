@@ -19,7 +19,7 @@ from worker.codecs.rate_headers import RateSignal
 from worker.config import BackendConfig
 from worker.session.outcomes import ToolOutcome
 from worker.session.spans import SpanValue
-from worker.session.store_ports import Commit
+from worker.session.store_ports import Commit, NextStep
 from worker.session.tool_logs import ToolLogs
 from worker.session.trace import TraceEvent
 
@@ -59,17 +59,6 @@ class ToolCall:
     # where the tool's `log` lines and stdout/stderr go, as it writes them (all its attempts)
     logs: ToolLogs | None = field(default=None, compare=False)
     mcp: McpToolRef | None = None  # an MCP server's tool: called there, not in WASM
-
-
-@dataclass(frozen=True)
-class NextStep:
-    """A step to publish: its kind (`round`, `tool`, `finish`, `program`) and its ids, and
-    the spec id of its session when known: shown with its task (Flower's search finds a
-    session by it), never one of its arguments."""
-
-    kind: str
-    args: tuple[str | int, ...]
-    shown_id: str = ""
 
 
 class Dispatcher(Protocol):

@@ -50,6 +50,17 @@ ToolInputs = tuple[StoredRound | None, ToolOutcome | None]
 
 
 @dataclass(frozen=True)
+class NextStep:
+    """A step to publish: its kind (`round`, `tool`, `finish`, `program`) and its ids, and
+    the spec id of its session when known: shown with its task (Flower's search finds a
+    session by it), never one of its arguments."""
+
+    kind: str
+    args: tuple[str | int, ...]
+    shown_id: str = ""
+
+
+@dataclass(frozen=True)
 class StepStart:
     """What one delivery of a step learns before it works, with what it asked to read in the
     same round trip (speculatively: a delivery that does not hold the lease ignores it)."""
@@ -63,6 +74,9 @@ class StepStart:
     lease: str = ""  # this delivery's lease token, when it holds the lease
     tries_stored: bool = True  # False: a first delivery, counted without a write
     ended: bool = False  # its session's response is written: it ended
+    # published, with the broker apart: the steps it published, which a delivery that finds
+    # it so sends again (its worker may have died between its commit and its messages)
+    unsent: tuple[NextStep, ...] = ()
 
 
 class StepData(Protocol):

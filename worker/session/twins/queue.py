@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from worker.errors import RetryLater, StepDeadLettered
-from worker.session.ports import NextStep, StepPublisher
-from worker.session.store_ports import Commit
+from worker.session.ports import StepPublisher
+from worker.session.store_ports import Commit, NextStep
 
 Published = tuple[Any, ...]  # ("round", sk, r) | ("tool", sk, r, i) | ("finish", sk) | ...
 

@@ -37,6 +37,7 @@ from worker.session.outcomes import ToolOutcome
 from worker.session.round_record import decode_round, encode_round
 from worker.session.state import Round, Session
 from worker.session.store_ports import (
+    NextStep,
     ToolInputs,
     TraceWrite,
 )
@@ -75,6 +76,9 @@ class MemoryStore(TwinBatches, TwinLifecycle, TwinGuards, TwinUpkeep, ProgramTwi
     mcp_listed: dict[str, bytes] = field(default_factory=dict)  # sk -> its MCP tools' JSON
     # unfinished sessions by their last sign of progress (ms): the reconciler's index
     progress_ms: dict[str, int] = field(default_factory=dict)
+    # the steps a published marker lists: none here (the twin queue publishes with its
+    # commit), as a test leaves them for a worker that died before its messages
+    unsent: dict[str, tuple[NextStep, ...]] = field(default_factory=dict)
     # the store's clock (ms): Redis's TIME in the Redis store, which every process stamps by
     clock: Callable[[], int] = field(default=lambda: time.time_ns() // 1_000_000)
     # Called by a blocking wait that finds nothing (a program waiting on its chats): runs the

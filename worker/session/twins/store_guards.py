@@ -11,7 +11,7 @@ from contextlib import AbstractContextManager
 from dataclasses import replace
 
 from worker.session.state import Session
-from worker.session.store_ports import RoundReads, StepStart, ToolInputs, ToolReads
+from worker.session.store_ports import NextStep, RoundReads, StepStart, ToolInputs, ToolReads
 
 
 class TwinGuards:
@@ -23,6 +23,7 @@ class TwinGuards:
     cancelled: set[str]
     responses: dict[str, bytes]
     progress_ms: dict[str, int]
+    unsent: dict[str, tuple[NextStep, ...]]  # what a published marker lists (broker apart)
     clock: Callable[[], int]
     _cond: threading.Condition
 
@@ -55,7 +56,10 @@ class TwinGuards:
                     self.progress_ms[sk] = self.clock()
             cancelled = bool(sk) and sk in self.cancelled
             ended = bool(sk) and sk in self.responses
-        start = StepStart(published, leased, self.tries[step], cancelled, ended=ended)
+        unsent = self.unsent.get(step, ()) if published else ()
+        start = StepStart(
+            published, leased, self.tries[step], cancelled, ended=ended, unsent=unsent
+        )
         if isinstance(reads, RoundReads):
             session = self.load_session(sk, reads.backend, upto_round=reads.round_no)
             return replace(start, session=session)
