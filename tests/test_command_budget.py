@@ -35,32 +35,32 @@ RATED = f"budget-{uuid.uuid4().hex[:8]}"  # a controller of this run's own: a fr
 # calls: the steps start, r0, r0.t0, r1, r1.t0, r2), rate control off. Where the commands go:
 TWO_ROUNDS = {
     # submit: SET spec, SADD+EXPIRE watchers, HSET+EXPIRE meta; each of the 5 steps of the
-    # session: SET NX GET its lease, MGET its reads, SET its marker; a round's start: EVAL +
-    # EXISTS + HSET of the meta's state (3 a round), its reply's SET; a tool's outcome SET; the
-    # session's trace XADD a step, its TTL at its first; the ending: GET, HGETALL, XRANGE, SMEMBERS
-    # (the retirement's read and the batches waiting), its script (EVALSHA, SET response and
-    # record, HSETNX, HSET, EXPIREs, DEL of the rest), HGET
-    "session": 58,
+    # session: its start's script (EVAL, SET NX GET its lease, MGET its reads; a round's also
+    # EXISTS + HSET of the meta's state), SET its marker; a round's reply SET; a tool's
+    # outcome SET; the session's trace XADD a step, its TTL at its first; the ending: GET,
+    # HGETALL, XRANGE, SMEMBERS (the retirement's read and the batches waiting), its script
+    # (EVALSHA, SET response and record, HSETNX, HSET, EXPIREs, DEL of the rest), HGET
+    "session": 60,
     # submit: DEL, RPUSH, EXPIRE of ids and runs, SET ns, the chunk (DEL, RPUSH, EXPIRE); the
-    # start step: its lease, reads (LRANGE of the chunk) and marker; the batch told: RPUSH,
-    # EXPIRE of the done list, HSET, EXPIRE of the ended index
-    "batch": 17,
+    # start step: its start's script (EVAL, SET NX GET, MGET), LRANGE of the chunk, its
+    # marker; the batch told: RPUSH, EXPIRE of the done list, HSET, EXPIRE of the ended index
+    "batch": 18,
     # the claim SET; cq:active ZADD at submit, ZREM at the end, cq:batches ZADD; the fleet's
     # trace XADD a step (start and the session's 5 are 5 entries: the start's and 4 commits)
     "fleet": 9,
-    # MULTI and EXEC: submit, each step's start and commit
-    "transactions": 26,
+    # MULTI and EXEC: submit, each step's commit
+    "transactions": 14,
     # LPUSH a task, BLMOVE to take it, LREM to acknowledge it: 6 tasks
     "broker": 18,
 }
 # One call (replay/plain, no tools: the steps start and r0, which ends the session), rate
 # control on with a controller of its own, new:
 ONE_CALL_RATED = {
-    # submit as above; r0's lease, reads, meta state (3), reply, marker; its ending as above
+    # submit as above; r0's start's script (5), reply, marker; its ending as above
     "session": 31,
-    "batch": 17,  # as above
+    "batch": 18,  # as above
     "fleet": 5,  # the claim, cq:active ZADD and ZREM, cq:batches ZADD, the start's trace entry
-    "transactions": 10,  # submit, each step's start and commit, the ending's
+    "transactions": 6,  # submit, each step's commit
     "broker": 6,  # 2 tasks
     # the acquire script, which makes the controller and grants this process a block:
     # EVALSHA, HMGET, ZCARD, ZADD, PEXPIRE of the slots, HSET and EXPIRE of the state, PEXPIRE,

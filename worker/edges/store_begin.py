@@ -17,13 +17,32 @@ from worker.edges.store_reads import parsed_tool_inputs, round_keys, tool_keys
 from worker.session.state import Session
 from worker.session.store_ports import RoundReads, StepStart, ToolReads
 
-# A step's state in its session's meta, written only while the meta is there: a late step of a
-# session whose keys expired or were lost with Redis's data must not make a meta with no TTL
-# (a producer takes a missing meta for a lost session, and submits it again). EVAL, not
-# EVALSHA: it rides the step's pipeline, and a Redis that lost its data lost its scripts too.
-HSET_IF_THERE = """
-if redis.call('exists', KEYS[1]) == 1 then return redis.call('hset', KEYS[1], unpack(ARGV)) end
-return 0
+# A delivery's start, one script (atomic, and refused whole by a Redis that refuses writes:
+# the shebang makes a full Redis refuse it before it runs). KEYS: the step's state, its try
+# counter, then the keys it reads (MGET), then the session's meta. ARGV: whether the broker
+# vouched for a first delivery ("1": its try is not written), whether this process runs the step
+# already ("1": read its lease, never take it), the lease's value and ms, the TTL, how many keys
+# are read, then the meta's fields. The meta is written only while it is there: a late step of
+# a session whose keys expired or were lost with Redis's data must not make a meta with no TTL
+# (a producer takes a missing meta for a lost session, and submits it again). EVAL, not EVALSHA:
+# it rides a pipeline, and a Redis that lost its data lost its scripts too.
+# -> {the state before (the lease's, "done", or nil), the try counter before (nil), the reads}
+BEGIN = """#!lua
+local before
+if ARGV[2] == '1' then
+  before = redis.call('GET', KEYS[1])
+else
+  before = redis.call('SET', KEYS[1], ARGV[3], 'NX', 'PX', ARGV[4], 'GET')
+end
+local counted = false
+if ARGV[1] ~= '1' then counted = redis.call('SET', KEYS[2], 1, 'NX', 'EX', ARGV[5], 'GET') end
+local n = tonumber(ARGV[6])
+local read = {}
+if n > 0 then read = redis.call('MGET', unpack(KEYS, 3, 2 + n)) end
+if #ARGV > 6 and redis.call('EXISTS', KEYS[3 + n]) == 1 then
+  redis.call('HSET', KEYS[3 + n], unpack(ARGV, 7))
+end
+return {before, counted, read}
 """
 
 
@@ -69,8 +88,8 @@ class StepBegin:
         """Everything one delivery of a step needs to know before it works, and what its
         body reads (`reads`, with its spec when this process has not read it yet), in one
         round trip that also records the session's state for `cchatq status`."""
-        # One MULTI/EXEC: a Redis that refuses writes (OOM, MISCONF, a replica) refuses all of
-        # them, never the lease without the try count. The lease is one SET ... NX GET
+        # One script (BEGIN): a Redis that refuses writes (OOM, MISCONF, a replica) refuses all
+        # of it, never the lease without the try count. The lease is one SET ... NX GET
         # (Redis >= 7.0) whose old value says published ("done"), leased elsewhere, or free.
         # The try counter: a first delivery the broker vouches for (`first`, the usual case)
         # is try 1 and writes nothing; any other starts it as SET 1 NX EX GET and INCRs it
@@ -84,7 +103,7 @@ class StepBegin:
         spec_keys: list[str] = []
         if sk and reads is not None and sk not in self._specs:
             spec_keys = [keys.spec(sk), keys.mcp_tools(sk)]
-        pipe = self.on(sk or keys.step_owner(step)).pipeline(transaction=True)
+        pipe = self.on(sk or keys.step_owner(step)).pipeline(transaction=False)
         token = liveness.new_token(uuid.uuid4().hex)
         try:
             wanted = [*read_keys, *spec_keys]
@@ -112,24 +131,22 @@ class StepBegin:
         # a delivery of a step this process runs already (the broker gave it again after a
         # cut) must not take the lease that ran out in the cut: its renewer takes it back
         here = self._keeper.held.get(keys.step_state(step))
-        if here is None:
-            pipe.set(keys.step_state(step), keys.step_lease(token), nx=True, px=lease_ms, get=True)
-        else:
-            pipe.get(keys.step_state(step))
-        if first is not True:
-            pipe.set(keys.tries(step), 1, nx=True, ex=self.ttl_s, get=True)
-        if sk:  # its response says the session ended: a late step has nothing to do
-            pipe.mget([*wanted, keys.response(sk), keys.cancel(sk)])
+        read_keys = [*wanted, keys.response(sk), keys.cancel(sk)] if sk else []
+        fields = [str(x) for pair in (meta or {}).items() for x in pair] if sk else []
+        script_keys = [keys.step_state(step), keys.tries(step), *read_keys]
+        if fields:  # a round or a program run starting
+            script_keys.append(keys.meta(sk))
+        pipe.eval(
+            BEGIN, len(script_keys), *script_keys, "1" if first is True else "",
+            "" if here is None else "1", keys.step_lease(token), lease_ms, self.ttl_s,
+            len(read_keys), *fields,
+        )  # fmt: skip
         fleet = self.fleet_pipe(pipe)
-        if sk and meta:  # a round or a program run starting
-            fields = [str(x) for pair in meta.items() for x in pair]
-            pipe.eval(HSET_IF_THERE, 1, keys.meta(sk), *fields)
-            if self._progress_due(sk):  # a sign of progress for the reconciler
-                fleet.zadd(keys.ACTIVE, {sk: self.clock.now_ms()}, xx=True)
-        replies = pipe.execute()
+        if fields and self._progress_due(sk):  # a sign of progress for the reconciler
+            fleet.zadd(keys.ACTIVE, {sk: self.clock.now_ms()}, xx=True)
+        before, counted, replies = pipe.execute()[0]
         self.flush_fleet(fleet, pipe)
-        before = replies.pop(0) if here is None else (replies.pop(0) or here)
-        counted = None if first is True else replies.pop(0)
+        before = before if here is None else (before or here)
         if before is not None and self._abandoned(step, before, token, lease_ms):
             before = None  # taken over: this delivery holds the lease now
         if before is not None:
@@ -142,7 +159,7 @@ class StepBegin:
             tries = int(self.client.incr(keys.tries(step)))
         else:
             tries = int(counted or 1)
-        read: list[bytes | None] = replies[0] if sk else [None, None]
+        read: list[bytes | None] = replies if sk else [None, None]
         start = StepStart(
             published(before), before is None, tries, read[-1] is not None,
             lease=token if before is None else "", tries_stored=first is not True,
