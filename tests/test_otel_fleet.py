@@ -141,10 +141,17 @@ def test_every_call_of_a_batch_arrives_as_a_span_under_its_session(
         assert agent.kind == INTERNAL
         assert agent.parent_id == ("" if own_sk == sk else hexed(agent_span_id(sk), 8))
         assert {s.parent_id for s in mine if s is not agent} <= {agent.span_id}
-        assert all(agent.start_ns <= s.start_ns and s.end_ns <= agent.end_ns for s in mine)
+        # within the agent's span, give or take the ms by which two processes' readings of
+        # Redis's clock may differ (a program's chat is submitted by one, called by another)
+        skew_ns = 2_000_000
+        assert all(
+            agent.start_ns - skew_ns <= s.start_ns and s.end_ns <= agent.end_ns + skew_ns
+            for s in mine
+        )
         assert not any(CONTENT_KEYS & set(s.attributes) for s in mine)
+        # a round the rate controller put off has a `rate_limit wait` span too (no operation)
         chats = sorted(
-            (s for s in mine if s.attributes["gen_ai.operation.name"] == "chat"),
+            (s for s in mine if s.attributes.get("gen_ai.operation.name") == "chat"),
             key=lambda s: s.start_ns,
         )
         assert [s.attributes["cchatq.step"] for s in chats] == [
@@ -159,7 +166,9 @@ def test_every_call_of_a_batch_arrives_as_a_span_under_its_session(
             assert str(attrs["cchatq.worker"]).startswith("llm")
             assert [e.name for e in chat.events][:1] == ["cchatq.queue_wait"]
             assert chat.events[0].attributes["wait_ms"] >= 0
-        for tool in (s for s in mine if s.attributes["gen_ai.operation.name"] == "execute_tool"):
+        for tool in (
+            s for s in mine if s.attributes.get("gen_ai.operation.name") == "execute_tool"
+        ):
             attrs = tool.attributes
             assert tool.kind == INTERNAL
             assert tool.name == f"execute_tool {attrs['gen_ai.tool.name']}"

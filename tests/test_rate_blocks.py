@@ -1,7 +1,8 @@
 """Far from its limit a controller grants a process a block of slots (worker/edges/rate_permits.py):
 the block's calls spend no script, their slots go back into the block, and the window still
 counts them. A block is at most half the window's free room, is given back as it ages, and is
-dropped at the first 429, after which every call asks the controller again. A pace of any kind
+dropped at the first 429, after which every call asks the controller again. A new controller
+grants none until a call has told it how long calls take. A pace of any kind
 (headers, a configured ceiling, one learned from 429s) grants no block. The private Redis with a
 fake clock, as tests/test_rate_control.py."""
 
@@ -47,6 +48,11 @@ class Setup:
             client, clock_ms=self.clock, full_every=4,
             blocks=PermitBlocks(clock_s=lambda: self.block_s[0]),
         )  # fmt: skip
+        # a new controller grants no block until it knows how long a call takes: one call,
+        # the controller's first in this process, tells it
+        first = self.control.acquire(KEY, "w", 0, BACKEND)
+        assert isinstance(first, Slot) and not first.kept
+        self.control.report(first, ok(latency_ms=200), BACKEND)
         self.acquires = Counted(self.control._acquire)
         self.reports = Counted(self.control._report)
         self.control._acquire, self.control._report = self.acquires, self.reports  # type: ignore[assignment]
@@ -78,13 +84,14 @@ def test_a_block_serves_calls_with_no_script_and_the_window_counts_it(setup: Set
     for slot in [first, *others]:
         setup.control.report(slot, ok(latency_ms=200), BACKEND)
     assert setup.in_window() == W0 // 2  # back in the block, still counted
-    assert setup.reports.calls == 2  # one call in four says its latency
+    assert setup.reports.calls == 3  # its first call, then one in four, say their latency
     assert float(state(setup.client)["lat"]) == pytest.approx(200)
     again = setup.slot()  # from the block: its slots went back into it
     assert again.kept and setup.acquires.calls == 1
     setup.control.report(again, ok(), BACKEND)
-    # the first call counted by its script, the block's next seven told with the 4th report
-    assert int(state(setup.client)["n"]) == 8
+    # the teaching call and the block's first counted by their scripts, the block's next
+    # seven told with its first report
+    assert int(state(setup.client)["n"]) == 9
 
 
 def test_an_aged_block_is_given_back_and_the_next_call_asks_again(setup: Setup) -> None:

@@ -78,6 +78,7 @@ class RedisRateControl:
         self._pid = 0
         self._tokens_paced: set[str] = set()  # controllers whose calls need a token estimate
         self._quiet = 0  # calls that had nothing to teach but their latency
+        self._timed: set[str] = set()  # controllers a call of this process told its latency
         self._full_every = full_every
         self._refused = RefusalNotice("slot leases", log)
         # on a Redis Cluster the controllers' index (another slot than a controller's keys)
@@ -91,11 +92,27 @@ class RedisRateControl:
     def acquire(
         self, key: ControlKey, waiter: str, estimated_tokens: int, backend: BackendConfig
     ) -> Slot | Wait:
-        blocks = self.block > 0 and not self.paces_tokens(key, backend)
-        if blocks:
+        if self.block <= 0 or self.paces_tokens(key, backend):
+            return self._ask(key, waiter, estimated_tokens, backend, blocks=False)
+        kept = self._blocks.take(key.id)
+        if kept is not None:  # far from the limit: a slot of this process's block
+            return Slot(key, kept, 0, kept=True)
+        if not self._blocks.granting(key.id):
+            return self._ask(key, waiter, estimated_tokens, backend, blocks=True)
+        # while the controller grants blocks, one thread of the process asks at a time and
+        # the others take from what it got: threads asking together would each hold room
+        with self._blocks.asking(key.id):
             kept = self._blocks.take(key.id)
-            if kept is not None:  # far from the limit: a slot of this process's block
+            if kept is not None:
                 return Slot(key, kept, 0, kept=True)
+            return self._ask(key, waiter, estimated_tokens, backend, blocks=True)
+
+    def _ask(
+        self, key: ControlKey, waiter: str, estimated_tokens: int, backend: BackendConfig,
+        blocks: bool,
+    ) -> Slot | Wait:  # fmt: skip
+        """The acquire script: a slot, a block of them (`blocks`, far from the limit), or a wait."""
+        if blocks:
             self._give_back(key.id, self._blocks.stale(key.id))  # before asking for another
         rps, tps = backend_ceilings(backend)
         member = uuid.uuid4().hex
@@ -110,8 +127,10 @@ class RedisRateControl:
             raise store_error(exc, "rate control") from exc
         kind = _text(answer[0])
         _log_change(key, answer[1] if kind == "ok" else answer[-1])
+        granted = int(answer[2]) if kind == "ok" else 0
+        if blocks:
+            self._blocks.granted(key.id, granted > 0)
         if kind == "ok":
-            granted = int(answer[2])
             if not granted:
                 return Slot(key, member, max(estimated_tokens, 0))
             free = [f"{member}.{n}" for n in range(2, granted + 1)]
@@ -128,14 +147,16 @@ class RedisRateControl:
             return self._report_kept(slot, report, said, backend)
         if report.kind == "ok" and said.empty and not self.paces_tokens(slot.key, backend):
             # nothing to learn but the latency: most such calls only give their slot back
-            # (one command, not a script's eight); every FULL_EVERY-th still reports it
+            # (one command, not a script's eight); every FULL_EVERY-th still reports it, and a
+            # controller's first in this process (a latency known lets it grant blocks)
             self._quiet += 1
-            if self._quiet % self._full_every:
+            if self._quiet % self._full_every and slot.key.id in self._timed:
                 try:
                     self.client.zrem(fleet_keys.rate_slots(slot.key.id), slot.member)
                 except redis.RedisError as exc:
                     raise store_error(exc, "rate control") from exc
                 return None
+        self._timed.add(slot.key.id)
         return self._learn(slot, slot.member, report, said, backend)
 
     def _report_kept(

@@ -110,8 +110,9 @@ end
 #       ceiling tps, room_ms, ttl_s, block (the most slots a process asks for at once)
 # -> {'ok', change, granted} | {'wait', ms, reason, change} | {'far', ms, reason, change}
 # Far from the limit (no pace of any kind, no 429 for CALM_MS, nobody waiting, the window at
-# most half used) a grant is a block of slots, `slot` and `slot.2` ... `slot.<granted>`, which
-# the asking process keeps for its next calls (rate_permits.py); granted 0: one slot, not kept.
+# most half used, a latency known: a cold start's first calls ask one by one) a grant is a
+# block of slots, `slot` and `slot.2` ... `slot.<granted>`, which the asking process keeps for
+# its next calls (rate_permits.py); granted 0: one slot, not kept.
 ACQUIRE = (
     _PRELUDE
     + """
@@ -169,7 +170,7 @@ end
 if win_ok and pace_ok and tok_ok then
   local granted = 0
   if block > 0 and p == 0 and tp == 0 and s.lp == 0 and now - s.l429 >= CALM and not ticket
-      and s.tail <= now then
+      and s.tail <= now and s.lat > 0 then
     granted = math.max(math.min(block, math.floor(math.floor(s.w) / 2) - inflight), 1)
   end
   local members = {now + lease, slot}

@@ -45,6 +45,24 @@ class PermitBlocks:
         self._tallies: dict[str, Tally] = {}
         self._lock = threading.Lock()
         self._clock_s = clock_s
+        self._asking: dict[str, threading.Lock] = {}  # controller -> its one asking thread
+        self._refused: set[str] = set()  # controllers whose last ask granted no block
+
+    def granting(self, cid: str) -> bool:
+        """Whether the controller granted a block when last asked (or was never asked)."""
+        return cid not in self._refused
+
+    def granted(self, cid: str, block: bool) -> None:
+        with self._lock:
+            if block:
+                self._refused.discard(cid)
+            else:
+                self._refused.add(cid)
+
+    def asking(self, cid: str) -> threading.Lock:
+        """The lock its threads ask the controller under while it grants blocks."""
+        with self._lock:
+            return self._asking.setdefault(cid, threading.Lock())
 
     def take(self, cid: str) -> str | None:
         """A free slot of the controller's block, if it has a young one with one free."""
@@ -94,12 +112,13 @@ class PermitBlocks:
             return {cid: self._blocks.pop(cid).free for cid in old}
 
     def sample_due(self, cid: str, every: int) -> int | None:
-        """A block's call with nothing to teach: every `every`-th reports its latency, with
-        the calls its block served untold (then told: reset); None for the others."""
+        """A block's call with nothing to teach: the first of this process and every
+        `every`-th report its latency (a new controller's epoch is a second until one has),
+        with the calls its blocks served untold (then told: reset); None for the others."""
         with self._lock:
             tally = self._tallies.setdefault(cid, Tally())
             tally.quiet += 1
-            if tally.quiet % every:
+            if tally.quiet % every and tally.quiet != 1:
                 return None
             untold, tally.untold = tally.untold, 0
             return untold
