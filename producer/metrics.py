@@ -28,8 +28,8 @@ from prometheus_client.registry import Collector
 
 from producer.broker_queues import broker_reader
 from producer.fleet_status import FleetStatus, read_fleet_status
-from producer.redis_connect import redis_client
-from schemas import keys, redis_links
+from producer.redis_connect import is_cluster, redis_client
+from schemas import fleet_keys, keys, redis_links
 
 log = logging.getLogger(__name__)
 LATENCY_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 600)
@@ -161,22 +161,27 @@ class TraceCounters:
             for action in ("nudged", "forgotten", "overdue"):
                 self.reconciler.labels(action).inc(int(event.get(action) or 0))
 
-    def follow(self, client: Any, stop: threading.Event, block_ms: int = 1000) -> None:
-        """Count the fleet's events from now on, until `stop` is set."""
-        last = "$"
+    def follow(
+        self, client: Any, stop: threading.Event, block_ms: int = 1000, since: str = "$"
+    ) -> None:
+        """Count the fleet's events from now on (`since` "0": from the oldest kept), until
+        `stop` is set: its stream, or on a Redis Cluster its shards (fleet_keys.trace_shards),
+        each read in turn."""
+        streams = fleet_keys.trace_shards(is_cluster(client))
+        last = dict.fromkeys(streams, since)
+        wait_ms = redis_links.block_ms(block_ms // len(streams) or 1)
         while not stop.is_set():
-            try:
-                read = client.xread(
-                    {keys.TRACE: last}, count=1000, block=redis_links.block_ms(block_ms)
-                )
-            except redis.RedisError as exc:  # Redis away: try again (a gap in the counts)
-                log.warning("metrics: reading the trace stream failed: %s", type(exc).__name__)
-                stop.wait(1.0)
-                continue
-            for entry_id, fields in read[0][1] if read else []:
-                last = entry_id
-                for event in keys.trace_events(fields):
-                    self.count(event)
+            for stream in streams:
+                try:
+                    read = client.xread({stream: last[stream]}, count=1000, block=wait_ms)
+                except redis.RedisError as exc:  # Redis away: try again (a gap in the counts)
+                    log.warning("metrics: reading the trace failed: %s", type(exc).__name__)
+                    stop.wait(1.0)
+                    continue
+                for entry_id, fields in read[0][1] if read else []:
+                    last[stream] = entry_id
+                    for event in keys.trace_events(fields):
+                        self.count(event)
 
 
 class Exporter:

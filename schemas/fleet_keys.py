@@ -12,10 +12,14 @@ Braces are Redis Cluster hash tags, written as they are (schemas/keys.py):
     cq:rc:{id}:room         its waiting room: zset waiting round -> the time it may come (ms)
     cq:rc                   hash: every rate controller's id -> when it was last used (ms)
     cq:reconciler           held by the one worker reconciling this round (PX: its turn)
+    cq:trace:shard:{n}      on a Redis Cluster, the fleet's trace stream (keys.TRACE), n < 16
 """
 
 from __future__ import annotations
 
+import zlib
+
+from schemas import keys
 from schemas.keys import PREFIX
 
 RECONCILER_LOCK = f"{PREFIX}:reconciler"  # held by the one worker reconciling this round
@@ -69,3 +73,24 @@ def broker_taken(consumer: str) -> str:
 def broker_alive(consumer: str) -> str:
     """A consumer's heartbeat (EX a few seconds): the queues it takes from, comma-separated."""
     return f"_cchatq:broker:alive:{consumer}"
+
+
+# The fleet's trace stream (keys.TRACE) on a Redis Cluster: TRACE_SHARDS streams, each its own
+# hash tag, a session's entries in the one its key picks, so that no master takes every step's
+# XADD. On one Redis it is the one stream.
+TRACE_SHARDS = 16
+
+
+def trace_shards(cluster: bool) -> list[str]:
+    """Every stream of the fleet's trace."""
+    if not cluster:
+        return [keys.TRACE]
+    return [f"{keys.TRACE}:shard:{{{n}}}" for n in range(TRACE_SHARDS)]
+
+
+def trace_stream(sk: str, cluster: bool) -> str:
+    """The stream of the fleet's trace that session `sk`'s entries go to (a fleet event's: the
+    first)."""
+    if not cluster:
+        return keys.TRACE
+    return trace_shards(True)[zlib.crc32(sk.encode()) % TRACE_SHARDS if sk else 0]

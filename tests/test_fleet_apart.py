@@ -8,11 +8,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
+from prometheus_client import CollectorRegistry
+from redis.crc import key_slot
 
 from bench.__main__ import weather_spec
 from bench.chaos_fleet import weather_objects
@@ -21,12 +24,13 @@ from fixtures.demo_batch import check, demo_specs
 from producer.client import Client
 from producer.fleet import Fleet
 from producer.fleet_status import read_fleet_status
+from producer.metrics import TraceCounters
 from producer.session_memory import session_memory
 from producer.specfile import load_spec_from_objects
-from schemas import keys
+from schemas import fleet_keys, keys
 from schemas.task_names import ALL_QUEUES
 from tests.conftest import Running
-from tests.test_pipeline import run_specs
+from tests.test_pipeline import run_specs, wait_for
 
 pytestmark = pytest.mark.fleet
 
@@ -141,6 +145,51 @@ def test_a_batch_runs_with_its_state_on_a_cluster(
     assert len(held) == 3 and all(n > 0 for n in held.values()), held
     fleet = read_fleet_status(on_cluster.client.redis, on_cluster.client.broker_queues)
     assert fleet.active_sessions == 0
+
+
+def sessions_finished(registry: CollectorRegistry) -> float:
+    """What the exporter's counter of finished sessions says, every outcome's."""
+    return sum(
+        s.value for m in registry.collect() for s in m.samples
+        if s.name == "cchatq_sessions_finished_total"
+    )  # fmt: skip
+
+
+def test_the_fleets_trace_is_sharded_on_a_cluster_and_the_metrics_read_every_shard(
+    on_cluster: Running, tmp_path: Path, fresh_id: str
+) -> None:
+    """No master takes every step's XADD of the fleet's trace: a session's entries go to the
+    shard its key picks, and the metrics exporter's follower counts them all."""
+    redis_client = on_cluster.client.redis
+    shards = fleet_keys.trace_shards(True)
+
+    def ended_in_shards() -> int:
+        return sum(
+            1 for shard in shards for _, fields in redis_client.xrange(shard)
+            for e in keys.trace_events(fields) if e.get("event") == "session.finished"
+        )  # fmt: skip
+
+    before = ended_in_shards()
+    specs = [{**spec, "id": f"{fresh_id}/{spec['id']}"} for spec, _ in demo_specs(30)]
+    records = run_specs(on_cluster.client, specs, tmp_path)
+    wait_for(lambda: ended_in_shards() >= before + len(records), timeout_s=30)
+    ended = ended_in_shards()  # with the chats of its program runs
+    registry = CollectorRegistry()
+    counters = TraceCounters(registry)
+    stop = threading.Event()
+    follower = threading.Thread(
+        target=counters.follow, args=(redis_client, stop, 200, "0"), daemon=True
+    )
+    follower.start()
+    try:
+        wait_for(lambda: sessions_finished(registry) == ended, timeout_s=30)
+    finally:
+        stop.set()
+        follower.join(timeout=10)
+    used = [k for k in shards if redis_client.exists(k)]
+    slots = {key_slot(k.encode()) for k in used}
+    assert len(used) >= 4 and len(slots) == len(used)
+    assert not redis_client.exists(keys.TRACE)
 
 
 def test_a_finished_session_keeps_its_record_response_and_claim(

@@ -7,7 +7,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from schemas import keys
+from schemas import fleet_keys, keys
 from schemas.fleet_clock import FleetClock
 from schemas.partial import PartialRound
 from worker.edges.step_leases import translated
@@ -48,6 +48,7 @@ class TraceWrites(RetireWrites):
     client: Any
     ttl_s: int
     clock: FleetClock
+    cluster: bool
     on: Callable[[str], Any]
     fleet_pipe: Callable[[Any], Any]
     flush_fleet: Callable[[Any, Any], None]
@@ -94,17 +95,19 @@ class TraceWrites(RetireWrites):
                 approximate=True,
                 nomkstream=not write.expire,
             )
-        if every:
+        if every:  # on a cluster, the shard of the session's (fleet_keys.trace_stream)
             fleet.xadd(
-                keys.TRACE, {keys.TRACE_FIELD: entries}, maxlen=TRACE_FLEET_MAXLEN,
+                fleet_keys.trace_stream(write.sk, self.cluster), {keys.TRACE_FIELD: entries},
+                maxlen=TRACE_FLEET_MAXLEN // len(fleet_keys.trace_shards(self.cluster)),
                 approximate=True,
             )  # fmt: skip
         if write.expire and own and not write.ended_by:
             client.expire(keys.trace(write.sk), self.ttl_s)
         if write.expire and not write.sk:
             oldest_ms = self.clock.now_ms() - TRACE_FLEET_KEEP_MS
-            fleet.xtrim(keys.TRACE, minid=f"{oldest_ms}-0", approximate=True)
-            fleet.expire(keys.TRACE, self.ttl_s)
+            for stream in fleet_keys.trace_shards(self.cluster):
+                fleet.xtrim(stream, minid=f"{oldest_ms}-0", approximate=True)
+                fleet.expire(stream, self.ttl_s)
 
     def _add_ending(self, client: Any, write: TraceWrite, own: list[dict[str, Any]]) -> None:
         """The entry of the step that ended the session: whole while the stored ending is
