@@ -117,11 +117,13 @@ def throughput_goals(fleet: Fleet, client: Client, rows: list[Row]) -> None:
     by_command = mid_ours.redis_by_command
     xadds = by_command.get("xadd", 0) / SESSIONS
     broker = sum(by_command.get(c, 0) for c in BROKER_COMMANDS) / SESSIONS
-    rows.append(("Redis commands per session, all (goal <= 40; before 106)",
-                 f"{mid_ours.redis_commands / SESSIONS:.0f} (the broker's BLMOVE + LPUSH + LREM "
-                 f"{broker:.0f}; trace XADD {xadds:.0f})"))  # fmt: skip
-    rows.append(("CPU per session, all processes (goal <= 10 ms; before 12.7-17)",
-                 _per_session_ms(mid_ours, SESSIONS)))  # fmt: skip
+    state = mid_ours.redis_commands / SESSIONS - broker
+    rows.append(("Redis commands per session, the broker's apart (goal <= 50; before 106 in all)",
+                 f"{state:.0f}, and the broker's BLMOVE + LPUSH + LREM {broker:.0f} "
+                 f"(trace XADD {xadds:.0f})"))  # fmt: skip
+    cpu_ratio = mid_ours.cpu_total_s / max(mid_theirs.cpu_total_s, 1e-9)
+    rows.append(("CPU per session, all processes (goal <= 1.3x the script's; before 1.9x)",
+                 f"{cpu_ratio:.2f}x: {_per_session_ms(mid_ours, SESSIONS)}"))  # fmt: skip
     own_ms = (mid_ours.cpu_total_s - mid_ours.cpu_s.get("replay", 0)) * 1000 / SESSIONS
     rows.append(("  without the replay server (the model's stand-in)", f"{own_ms:.1f} ms"))
     rows.append(("  the asyncio script, same sessions", _per_session_ms(mid_theirs, SESSIONS)))
@@ -129,7 +131,7 @@ def throughput_goals(fleet: Fleet, client: Client, rows: list[Row]) -> None:
         ("  spec validation at submit, before that run (producer)", f"{validate_ms:.1f} ms")
     )
     rows.append(
-        (f"sessions/s at latency 0 vs the script (goal >= 1.0x; before 0.81-0.89x), "
+        (f"sessions/s at latency 0 vs the script (goal >= 1.1x; before 0.75x), "
          f"median of {PAIRS}",
          f"{SESSIONS / mid_ours.wall_s:.1f}/s vs {SESSIONS / mid_theirs.wall_s:.1f}/s = "
          f"{middle:.2f}x (pairs: {', '.join(f'{r:.2f}' for r in ratios)}; "
@@ -158,7 +160,7 @@ def in_flight_goal(base: Fleet, rows: list[Row]) -> None:
         replay_share = cost.cpu_s.get("replay", 0.0) / max(cost.cpu_total_s, 1e-9)
         rows.append(
             (f"{IN_FLIGHT} sessions x 3 calls at 10 s, llm -c {IN_FLIGHT} "
-             "(goal <= 1.15x; before 1.15-1.35x)",
+             "(goal <= 1.15x; before 1.40x)",
              f"{cost.wall_s:.1f} s vs ideal {ideal_s:.0f} s = {cost.wall_s / ideal_s:.2f}x, "
              f"{IN_FLIGHT - ok} failed, replay server {replay_share:.0%} of CPU")
         )  # fmt: skip
