@@ -79,13 +79,12 @@ def broker_alive(consumer: str) -> str:
 # hash tag, a session's entries in the one its key picks, so that no master takes every step's
 # XADD. On one Redis it is the one stream.
 TRACE_SHARDS = 16
+_TRACE_SHARD_KEYS = tuple(f"{keys.TRACE}:shard:{{{n}}}" for n in range(TRACE_SHARDS))
 
 
-def trace_shards(cluster: bool) -> list[str]:
+def trace_shards(cluster: bool) -> tuple[str, ...]:
     """Every stream of the fleet's trace."""
-    if not cluster:
-        return [keys.TRACE]
-    return [f"{keys.TRACE}:shard:{{{n}}}" for n in range(TRACE_SHARDS)]
+    return _TRACE_SHARD_KEYS if cluster else (keys.TRACE,)
 
 
 def trace_stream(sk: str, cluster: bool) -> str:
@@ -93,4 +92,4 @@ def trace_stream(sk: str, cluster: bool) -> str:
     first)."""
     if not cluster:
         return keys.TRACE
-    return trace_shards(True)[zlib.crc32(sk.encode()) % TRACE_SHARDS if sk else 0]
+    return _TRACE_SHARD_KEYS[zlib.crc32(sk.encode()) % TRACE_SHARDS if sk else 0]
