@@ -79,12 +79,13 @@ def broker_alive(consumer: str) -> str:
 # hash tag, a session's entries in the one its key picks, so that no master takes every step's
 # XADD. On one Redis it is the one stream.
 TRACE_SHARDS = 16
-_TRACE_SHARD_KEYS = tuple(f"{keys.TRACE}:shard:{{{n}}}" for n in range(TRACE_SHARDS))
 
 
-def trace_shards(cluster: bool) -> tuple[str, ...]:
+def trace_shards(cluster: bool) -> list[str]:
     """Every stream of the fleet's trace."""
-    return _TRACE_SHARD_KEYS if cluster else (keys.TRACE,)
+    if not cluster:
+        return [keys.TRACE]
+    return [f"{keys.TRACE}:shard:{{{n}}}" for n in range(TRACE_SHARDS)]
 
 
 def trace_stream(sk: str, cluster: bool) -> str:
@@ -92,4 +93,4 @@ def trace_stream(sk: str, cluster: bool) -> str:
     first)."""
     if not cluster:
         return keys.TRACE
-    return _TRACE_SHARD_KEYS[zlib.crc32(sk.encode()) % TRACE_SHARDS if sk else 0]
+    return trace_shards(True)[zlib.crc32(sk.encode()) % TRACE_SHARDS if sk else 0]

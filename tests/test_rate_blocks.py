@@ -84,13 +84,13 @@ def test_a_block_serves_calls_with_no_script_and_the_window_counts_it(setup: Set
     for slot in [first, *others]:
         setup.control.report(slot, ok(latency_ms=200), BACKEND)
     assert setup.in_window() == W0 // 2  # back in the block, still counted
-    assert setup.reports.calls == 2  # one call in four says its latency
+    assert setup.reports.calls == 3  # its first call, then one in four, say their latency
     assert float(state(setup.client)["lat"]) == pytest.approx(200)
     again = setup.slot()  # from the block: its slots went back into it
     assert again.kept and setup.acquires.calls == 1
     setup.control.report(again, ok(), BACKEND)
     # the teaching call and the block's first counted by their scripts, the block's next
-    # seven told with its 4th report
+    # seven told with its first report
     assert int(state(setup.client)["n"]) == 9
 
 

@@ -112,12 +112,13 @@ class PermitBlocks:
             return {cid: self._blocks.pop(cid).free for cid in old}
 
     def sample_due(self, cid: str, every: int) -> int | None:
-        """A block's call with nothing to teach: every `every`-th reports its latency, with
-        the calls its blocks served untold (then told: reset); None for the others."""
+        """A block's call with nothing to teach: the first of this process and every
+        `every`-th report its latency (a new controller's epoch is a second until one has),
+        with the calls its blocks served untold (then told: reset); None for the others."""
         with self._lock:
             tally = self._tallies.setdefault(cid, Tally())
             tally.quiet += 1
-            if tally.quiet % every:
+            if tally.quiet % every and tally.quiet != 1:
                 return None
             untold, tally.untold = tally.untold, 0
             return untold
