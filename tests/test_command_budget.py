@@ -37,11 +37,12 @@ STATIC = "budget-static"  # rate control off (`adaptive: false`, no limit: no co
 TWO_ROUNDS = {
     # submit: SET spec, SADD+EXPIRE watchers, HSET+EXPIRE meta; each of the 5 steps of the
     # session: its start's script (EVAL, SET NX GET its lease, MGET its reads; a round's also
-    # EXISTS + HSET of the meta's state), SET its marker; a round's reply SET; a tool's
-    # outcome SET; the session's trace XADD a step, its TTL at its first; the ending: GET,
+    # EXISTS + HSET of the meta's state); its commit's script (EVALSHA), in it its marker's
+    # SET, the session's trace XADD, a tool's outcome SET; a round's reply SET; the trace's
+    # TTL at its first; the ending (its commit a MULTI: it runs scripts of its own): GET,
     # HGETALL, XRANGE, SMEMBERS (the retirement's read and the batches waiting), its script
     # (EVALSHA, SET response and record, HSETNX, HSET, EXPIREs, DEL of the rest), HGET
-    "session": 60,
+    "session": 65,
     # submit: DEL, RPUSH, EXPIRE of ids and runs, SET ns, the chunk (DEL, RPUSH, EXPIRE); the
     # start step: its start's script (EVAL, SET NX GET, MGET), LRANGE of the chunk, its
     # marker; the batch told: RPUSH, EXPIRE of the done list, HSET, EXPIRE of the ended index
@@ -49,19 +50,20 @@ TWO_ROUNDS = {
     # the claim SET; cq:active ZADD at submit, ZREM at the end, cq:batches ZADD; the fleet's
     # trace XADD a step (start and the session's 5 are 5 entries: the start's and 4 commits)
     "fleet": 9,
-    # MULTI and EXEC: submit, each step's commit
-    "transactions": 14,
+    # MULTI and EXEC: submit, the ending's commit
+    "transactions": 4,
     # LPUSH a task, BLMOVE to take it, LREM to acknowledge it: 6 tasks
     "broker": 18,
 }
 # One call (replay/plain, no tools: the steps start and r0, which ends the session), rate
 # control on with a controller of its own, new:
 ONE_CALL_RATED = {
-    # submit as above; r0's start's script (5), reply, marker; its ending as above
-    "session": 31,
+    # submit as above; the start step's commit's script (EVALSHA); r0's start's script (5),
+    # reply, marker; its ending as above
+    "session": 32,
     "batch": 18,  # as above
     "fleet": 5,  # the claim, cq:active ZADD and ZREM, cq:batches ZADD, the start's trace entry
-    "transactions": 6,  # submit, each step's commit
+    "transactions": 4,  # submit, the ending's commit
     "broker": 6,  # 2 tasks
     # the acquire script, which makes the controller (no latency known yet: one slot, no
     # block): EVALSHA, HMGET, ZCARD, ZADD, PEXPIRE of the slots, HSET and EXPIRE of the state,

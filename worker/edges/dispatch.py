@@ -25,6 +25,7 @@ from typing import Any, Protocol
 from celery import Celery
 
 from schemas import keys, task_names
+from worker.edges.commit_script import APPLY, run_commit
 from worker.edges.step_leases import translated
 from worker.edges.store import RedisStore
 from worker.edges.task_protocol import TaskMessage, task_headers
@@ -115,14 +116,16 @@ class CeleryDispatcher(StepPublisher):
         self.app = app
         self.store = store
         self.broker = broker
+        self._apply = store.client.register_script(APPLY)
 
     writes_commits = True
 
     @translated
     def publish(self, steps: Sequence[NextStep], commit: Commit | None = None) -> None:
-        """The steps' messages with the commit, in one MULTI/EXEC: a Redis that refuses
-        writes (full, failing to persist, a replica) refuses the whole commit, so a step that
-        runs it again never finds half of it applied (its outcomes without its marker). With
+        """The steps' messages with the commit, in one script (commit_script.py; the ending's,
+        which holds scripts of its own, in one MULTI/EXEC): a Redis that refuses writes (full,
+        failing to persist, a replica) refuses the whole commit, so a step that runs it again
+        never finds half of it applied (its outcomes without its marker). With
         the broker apart: the fleet-wide writes (the batches told, the fleet's trace), the
         commit in one transaction, its published marker listing the steps, then the messages.
         A step that dies before its messages is delivered again (its message was not
@@ -135,7 +138,7 @@ class CeleryDispatcher(StepPublisher):
         client = self.store.client
         if commit is not None:  # the node of the step's session (a start step's: its batch's)
             client = self.store.on(keys.step_owner(commit.published or commit.sk))
-        pipe = client.pipeline(transaction=True)
+        pipe = client.pipeline(transaction=False)
         if commit is not None and commit.outcomes:  # before the steps that read them
             self.store.add_outcomes(pipe, commit.sk, commit.outcomes)
         if self.broker is None:
@@ -152,7 +155,7 @@ class CeleryDispatcher(StepPublisher):
                 self.store.add_trace(pipe, commit.trace, fleet)
             self.store.flush_fleet(fleet, pipe)
         if len(pipe):
-            pipe.execute()
+            run_commit(pipe, self._apply, client)
         if self.broker is not None and messages:
             self.broker.send(messages)
 
