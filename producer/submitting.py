@@ -263,8 +263,6 @@ class Submitting(SessionLookups):
         active: dict[str, int] = {}  # the fleet's reconciler watches them: one ZADD a part
         for (spec, _), (run, won) in zip(part, runs, strict=True):
             sk = run.sk
-            pipe.sadd(keys.watchers(sk), sub.batch)
-            pipe.expire(keys.watchers(sk), self.ttl_s)
             if won:
                 stored_form = keys.with_submitted(spec.body, now_ms, sub.batch)
                 pipe.set(keys.spec(sk), stored_form, ex=self.ttl_s)
@@ -277,7 +275,9 @@ class Submitting(SessionLookups):
                 pipe.hset(keys.meta(sk), mapping=meta)
                 pipe.expire(keys.meta(sk), self.ttl_s)
                 active[sk] = now_ms
-            else:
+            else:  # its submitter's batch is told from its meta; a batch that joins, here
+                pipe.sadd(keys.watchers(sk), sub.batch)
+                pipe.expire(keys.watchers(sk), self.ttl_s)
                 pipe.exists(keys.response(sk))
         if active:
             pipe.zadd(keys.ACTIVE, active)
@@ -290,11 +290,10 @@ class Submitting(SessionLookups):
             sub.runs[sk] = run
             if spec.program:
                 sub.programs.add(sk)
-            next(results), next(results)
             if won:
                 sub.new.add(sk)
                 next(results), next(results), next(results)
-            elif next(results):
+            elif [next(results), next(results), next(results)][-1]:
                 sub.done.add(sk)
 
     def claims(

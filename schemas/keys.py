@@ -22,7 +22,8 @@ step's scripts and transactions touch one node; the keys without one are fleet-w
     cq:cancel:{sk}          cancellation requested
     cq:resp:{sk}            the response fd: final body bytes, written once
     cq:record:{sk}          result record: status, body, transcript, metrics
-    cq:watch:{sk}           batches waiting for this session
+    cq:watch:{sk}           batches that joined this session after the one that submitted it
+                            (the meta's `batch`), told with it when it ends
     cq:done:{batch}         list of finished sks, pushed by finish (producers BLPOP it)
     cq:batch:{batch}:ids    the spec ids a batch submitted, in input order
     cq:batch:{batch}:runs   the run of each of them this batch ran or joined (Claim), in the

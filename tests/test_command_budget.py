@@ -35,14 +35,16 @@ STATIC = "budget-static"  # rate control off (`adaptive: false`, no limit: no co
 # The two-round calculator session of `make bench`, alone in its batch (3 model calls, 2 tool
 # calls: the steps start, r0, r0.t0, r1, r1.t0, r2), rate control off. Where the commands go:
 TWO_ROUNDS = {
-    # submit: SET spec, SADD+EXPIRE watchers, HSET+EXPIRE meta; each of the 5 steps of the
-    # session: its start's script (EVAL, SET NX GET its lease, MGET its reads; a round's also
-    # EXISTS + HSET of the meta's state); its commit's script (EVALSHA), in it its marker's
-    # SET, the session's trace XADD, a tool's outcome SET; a round's reply SET; the trace's
-    # TTL at its first; the ending (its commit a MULTI: it runs scripts of its own): GET,
-    # HGETALL, XRANGE, SMEMBERS (the retirement's read and the batches waiting), its script
-    # (EVALSHA, SET response and record, HSETNX, HSET, EXPIREs, DEL of the rest), HGET
-    "session": 65,
+    # submit: SET spec, HSET+EXPIRE meta (its batch is the one told: no watchers set); each
+    # of the 5 steps of the session: its start's script (EVAL, SET NX GET its lease, MGET its
+    # reads; a round's also EXISTS + HSET of the meta's state); its commit's script (EVALSHA),
+    # in it its marker's SET, the session's trace XADD, a tool's outcome SET; a round's reply
+    # SET; the trace's TTL at its first; the ending: GET of a failure, EXISTS of the cancel
+    # flag, the script writing it once (EVALSHA: SET response and record, HSET + EXPIRE of the
+    # meta, SMEMBERS of the batches that joined); its commit (a MULTI: it runs a script of its
+    # own) retires the session: HGETALL, XRANGE (the record and the spec known), the script
+    # (EVAL: HGET, HSETNX, SET record, EXPIRE, DEL of the rest)
+    "session": 61,
     # submit: DEL, RPUSH, EXPIRE of ids and runs, SET ns, the chunk (DEL, RPUSH, EXPIRE); the
     # start step: its start's script (EVAL, SET NX GET, MGET), LRANGE of the chunk, its
     # marker; the batch told: RPUSH, EXPIRE of the done list, HSET, EXPIRE of the ended index
@@ -60,7 +62,7 @@ TWO_ROUNDS = {
 ONE_CALL_RATED = {
     # submit as above; the start step's commit's script (EVALSHA); r0's start's script (5),
     # reply, marker; its ending as above
-    "session": 32,
+    "session": 28,
     "batch": 18,  # as above
     "fleet": 5,  # the claim, cq:active ZADD and ZREM, cq:batches ZADD, the start's trace entry
     "transactions": 4,  # submit, the ending's commit

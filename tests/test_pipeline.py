@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -525,11 +526,11 @@ def test_a_waiting_producer_rides_out_dropped_connections_and_lost_done_entries(
     ]
     sub = submit_specs(client, specs, tmp_path)
     side = running.client.redis
-    for sk in sub.order:  # the fleet will not tell this batch: its done list stays empty
-        side.srem(keys.watchers(sk), sub.batch)
+    # the fleet tells the batch that submitted them; this wait reads a done list no one writes
+    unseen = replace(sub, batch=f"{sub.batch}-unseen")
     got: list[str] = []
     waiting = threading.Thread(
-        target=lambda: got.extend(sk for sk, _ in client.wait(sub, timeout_s=60, stall_s=2))
+        target=lambda: got.extend(sk for sk, _ in client.wait(unseen, timeout_s=60, stall_s=2))
     )
     waiting.start()
 

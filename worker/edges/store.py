@@ -38,6 +38,7 @@ from worker.edges.store_begin import StepBegin
 from worker.edges.store_fleet import FleetQueries
 from worker.edges.store_reads import GUESSED_CALLS, parsed_tool_inputs, round_keys, tool_keys
 from worker.edges.store_results import WRITE_ONCE, ResultWrites
+from worker.edges.store_retire import EndedRecords
 from worker.edges.store_trace import TraceWrites
 from worker.errors import SpecMissingError, StoreError
 from worker.session.engine import ToolRun
@@ -77,6 +78,7 @@ class RedisStore(NodeRouting, StepLeases, StepBegin, TraceWrites, ResultWrites, 
         self._specs: dict[str, Spec] = {}
         self._submitted: dict[str, int] = {}  # sk -> when its producer submitted it (ms)
         self._batches: dict[str, str] = {}  # sk -> the batch it was submitted in
+        self.ended_records = EndedRecords()  # written here, until their retirement
         # Redis's clock: what this process stamps for others to compare (marks of progress,
         # when a session ended) is on it, whatever this host's wall clock says
         self.clock = FleetClock(lambda: server_ms(self.client.time()))

@@ -31,7 +31,7 @@ class RedisProgramStore:
 
     @translated
     def submit_chat(self, sk: str, spec: SessionSpec, batch: str) -> bool:
-        """Store a chat's spec and watch it from the run's batch. False if it already exists
+        """Store a chat's spec, in the run's batch. False if it already exists
         (a redelivered program replaying its chats): then it is not started again. Its id
         names this chat (`cchatq status '<run id>#send<n>'`, found through its run's claim)."""
         now_ms = self.store.clock.now_ms()  # Redis's clock, as a producer's submit
@@ -40,9 +40,7 @@ class RedisProgramStore:
         pipe.set(keys.spec(sk), body, nx=True, ex=self.ttl_s)
         pipe.hsetnx(keys.meta(sk), "submitted_ms", now_ms)
         pipe.hset(keys.meta(sk), mapping={"id": spec.id, "batch": batch})
-        pipe.expire(keys.meta(sk), self.ttl_s)
-        pipe.sadd(keys.watchers(sk), batch)
-        pipe.expire(keys.watchers(sk), self.ttl_s)
+        pipe.expire(keys.meta(sk), self.ttl_s)  # its meta's batch is told when it ends
         return bool(pipe.execute()[0])
 
     @translated

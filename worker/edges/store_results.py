@@ -13,25 +13,37 @@ from schemas import keys
 from schemas.bodies import dump_body, outcome_code
 from schemas.fleet_clock import FleetClock
 from worker.edges.step_leases import translated
+from worker.edges.store_retire import EndedRecords
 from worker.session.store_ports import EndingInputs
 
 # The response and the record set once (NX), and with them the end in the meta: the state,
 # when, the outcome and the step that ended it (`ended_by`), the meta living as long as they
 # do (a session whose meta expired or was lost gets one with a TTL, never one without).
-# Returns {outcome, watchers} to the writer, and to a later delivery of the step that wrote
-# them; {'', {}} to anyone else. The session leaves the reconciler's index (KEYS[5]) in the
-# same script on one Redis; on a cluster, where that index is in another slot, just after it.
+# Returns {outcome, the batches waiting, 1 when the record written is ARGV[1]} to the writer,
+# and {outcome, the batches waiting} to a later delivery of the step that wrote them; {'', {}}
+# to anyone else. The batches waiting: the one that submitted the session
+# (ARGV[8], from the spec this process read; the meta's `batch` when it read none) and the
+# batches that joined it later (its watchers set). The session leaves the reconciler's index
+# (KEYS[5]) in the same script on one Redis; on a cluster, where that index is in another slot,
+# just after it.
 WRITE_ONCE = """
+local function waiting()
+  local batches = redis.call('smembers', KEYS[4])
+  local own = ARGV[8]
+  if own == '' then own = redis.call('hget', KEYS[3], 'batch') or '' end
+  if own ~= '' then table.insert(batches, own) end
+  return batches
+end
 if redis.call('set', KEYS[2], ARGV[2], 'NX', 'EX', ARGV[3]) then
-  redis.call('set', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[3])
+  local fresh = redis.call('set', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[3]) and 1 or 0
   redis.call('hset', KEYS[3], 'state', 'done', 'finished_ms', ARGV[4], 'outcome', ARGV[5],
              'ended_by', ARGV[6])
   redis.call('expire', KEYS[3], ARGV[3])
   if KEYS[5] then redis.call('zrem', KEYS[5], ARGV[7]) end
-  return {ARGV[5], redis.call('smembers', KEYS[4])}
+  return {ARGV[5], waiting(), fresh}
 end
 if ARGV[6] ~= '' and redis.call('hget', KEYS[3], 'ended_by') == ARGV[6] then
-  return {redis.call('hget', KEYS[3], 'outcome') or '', redis.call('smembers', KEYS[4])}
+  return {redis.call('hget', KEYS[3], 'outcome') or '', waiting()}
 end
 return {'', {}}
 """
@@ -47,7 +59,9 @@ class ResultWrites:
     clock: FleetClock
     cluster: bool
     _submitted: dict[str, int]
+    _batches: dict[str, str]
     _write_once: Any
+    ended_records: EndedRecords
     on: Callable[[str], Any]
     fleet_pipe: Callable[[Any], Any]
     flush_fleet: Callable[[Any, Any], None]
@@ -113,16 +127,18 @@ class ResultWrites:
         # the session) changes nothing. The watchers are read with the write: a batch that
         # starts watching later finds the response.
         own = [keys.record(sk), keys.response(sk), keys.meta(sk), keys.watchers(sk)]
-        code, batches = self._write_once(
+        code, batches, *fresh = self._write_once(
             keys=own if self.cluster else [*own, keys.ACTIVE],
             args=[dump_body(record), body, self.ttl_s, self.clock.now_ms(),
-                  outcome_code(record.get("body")), ender, sk],
+                  outcome_code(record.get("body")), ender, sk, self._batches.get(sk, "")],
         )  # fmt: skip
         if not code:
             return None
+        if fresh == [1]:  # the retirement in this step's commit folds it without reading it
+            self.ended_records.remember(sk, record)
         if self.cluster:  # a session this call ended (or its step had) leaves the index
             self.client.zrem(keys.ACTIVE, sk)
-        watchers = [b.decode() for b in batches]
+        watchers = list(dict.fromkeys(b.decode() for b in batches))
         outcome = bytes(code).decode()
         if notify_later is not None:
             notify_later.extend(watchers)
@@ -132,7 +148,14 @@ class ResultWrites:
 
     @translated
     def watcher_batches(self, sk: str) -> list[str]:
-        return [b.decode() for b in self.client.smembers(keys.watchers(sk))]
+        """The batches waiting for a session: the one that submitted it (its meta's `batch`)
+        and those that joined it later (its watchers set)."""
+        pipe = self.on(sk).pipeline(transaction=False)
+        pipe.hget(keys.meta(sk), "batch")
+        pipe.smembers(keys.watchers(sk))
+        own, joined = pipe.execute()
+        batches = [b.decode() for b in ([own] if own else [])] + [b.decode() for b in joined]
+        return list(dict.fromkeys(batches))
 
     @translated
     def notify(self, sk: str, batches: Iterable[str], outcome: str = "") -> None:

@@ -41,6 +41,25 @@ return 0
 """
 
 
+class EndedRecords:
+    """The records this process wrote as sessions ended (WRITE_ONCE), by session, until the
+    ending step's commit retires them: that retirement reads neither the record nor, for a
+    chat that ended ok, the spec. Bounded: an ending whose commit never came is forgotten."""
+
+    LIMIT = 1024
+
+    def __init__(self) -> None:
+        self._records: dict[str, dict[str, Any]] = {}
+
+    def remember(self, sk: str, record: dict[str, Any]) -> None:
+        if len(self._records) >= self.LIMIT:
+            self._records.pop(next(iter(self._records)))
+        self._records[sk] = record
+
+    def take(self, sk: str) -> dict[str, Any] | None:
+        return self._records.pop(sk, None)
+
+
 @dataclass(frozen=True)
 class Retirement:
     """What the ending's script is given: the retired record and the keys it deletes."""
@@ -102,34 +121,54 @@ class RetireWrites:
     results_ttl_s: int
     results_keep: int
     on: Callable[[str], Any]
+    ended_records: EndedRecords
+    _batches: dict[str, str]
 
     def retirement(self, write: TraceWrite, own: list[dict[str, Any]]) -> Retirement | None:
         """The session's retired record with `own` (its ending step's events) folded in, and
-        its keys to delete: one round trip of reads. None for a program run (its streams and fd
-        table are read after its end) or a record not written (nothing to fold)."""
+        its keys to delete: one round trip of reads (the record and the spec only when this
+        process did not write the one, or may keep the other). None for a program run (its
+        streams and fd table are read after its end) or a record not written (nothing to
+        fold)."""
         sk = write.sk
-        pipe = self.on(sk).pipeline(transaction=False)
-        pipe.get(keys.record(sk))
-        pipe.hgetall(keys.meta(sk))
-        pipe.xrange(keys.trace(sk))
-        pipe.get(keys.spec(sk))
-        raw, meta, entries, spec = pipe.execute()
-        if raw is None:
-            return None
-        stored = read_record(raw)
-        if stored.retired or stored.record.get("kind") == "program":
-            return None
-        record = stored.record
-        events = [e for _, fields in entries for e in keys.trace_events(fields)] + own
-        fields = {k.decode(): v.decode() for k, v in meta.items() if k != b"finished_said"}
+        written = self.ended_records.take(sk)
         # its spec is kept when it ended with an error (batch retry submits it again) or is a
         # program run's chat (the program wrote it: no spec file holds it)
+        plain = (
+            written is not None
+            and written.get("status") != "error"
+            and keys.run_of_batch(self._batches.get(sk, "")) is None
+            and sk in self._batches
+        )
+        pipe = self.on(sk).pipeline(transaction=False)
+        if written is None:
+            pipe.get(keys.record(sk))
+        pipe.hgetall(keys.meta(sk))
+        pipe.xrange(keys.trace(sk))
+        if not plain:
+            pipe.get(keys.spec(sk))
+        replies = pipe.execute()
+        if written is None:
+            raw = replies.pop(0)
+            stored = None if raw is None else read_record(raw)
+            if stored is None or stored.retired:
+                return None
+            written = stored.record
+        record: dict[str, Any] = written
+        meta, entries = replies[0], replies[1]
+        spec: bytes | None = None if plain else replies[2]
+        if record.get("kind") == "program":
+            return None
+        events = [e for _, fields in entries for e in keys.trace_events(fields)] + own
+        fields = {k.decode(): v.decode() for k, v in meta.items() if k != b"finished_said"}
         chat = keys.run_of_batch(fields.get("batch", "")) is not None
-        kept = spec is not None and (record.get("status") == "error" or chat)
-        value = retired_value(record, events, fields, json.loads(spec) if kept else None)
+        kept = None
+        if spec is not None and (record.get("status") == "error" or chat):
+            kept = json.loads(spec)
+        value = retired_value(record, events, fields, kept)
         rounds = max(int(fields.get("round", "0") or 0) + 1, 1)
-        calls, kept = _shape(record)
-        return Retirement(value, session_keys(sk, max(rounds, len(calls)), calls, kept))
+        calls, whole = _shape(record)
+        return Retirement(value, session_keys(sk, max(rounds, len(calls)), calls, whole))
 
     def add_retire(
         self, client: Any, write: TraceWrite, own: list[dict[str, Any]], retired: Retirement
