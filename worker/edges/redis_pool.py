@@ -13,6 +13,7 @@ worker blocks longer: its blocking reads wait one second at most).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import redis
@@ -27,6 +28,27 @@ from schemas.redis_url import SentinelUrl, is_sentinel, parse_sentinel_url
 SENTINEL_TIMEOUT_S = 1.0  # a sentinel that does not answer this fast: the next one is asked
 FAILOVER_RIDE_S = 30.0
 BACKOFF_S = (0.05, 1.0)  # first and longest pause between two tries
+
+
+# this process's pid, kept by a fork hook: redis-py's pools ask os.getpid() (a system call) twice
+# a command, to notice a fork; that was 2.5% of an llm worker's CPU
+_PID = [os.getpid()]
+os.register_at_fork(after_in_child=lambda: _PID.__setitem__(0, os.getpid()))
+
+
+class ForkNoticing:
+    """A pool mixin that notices a fork from the pid the fork hook keeps, and only then asks
+    redis-py's own check (which resets the pool in the child)."""
+
+    pid: int
+
+    def _checkpid(self) -> None:
+        if self.pid != _PID[0]:
+            super()._checkpid()  # type: ignore[misc]
+
+
+class BlockingPool(ForkNoticing, redis.BlockingConnectionPool):
+    """redis-py's blocking pool: a thread finding no connection free waits for one."""
 
 
 class FollowingConnection(SentinelManagedConnection):
@@ -64,7 +86,7 @@ class FollowingConnection(SentinelManagedConnection):
             raise redis.ConnectionError("the master has no replica in reach") from exc
 
 
-class BlockingSentinelPool(SentinelConnectionPool, redis.BlockingConnectionPool):
+class BlockingSentinelPool(ForkNoticing, SentinelConnectionPool, redis.BlockingConnectionPool):
     """redis-py's Sentinel pool with the blocking pool's wait for a free connection (its
     LIFO queue of at most `max_connections`): the Sentinel pool's master discovery and
     `owns_connection` (connections to a demoted master are not given back) over it."""
@@ -145,7 +167,7 @@ def pooled_client(url: str, max_connections: int, wait_s: float = 30.0) -> Any:
         return StateCluster.from_url(
             url,
             max_connections=max_connections,
-            connection_pool_class=redis.BlockingConnectionPool,
+            connection_pool_class=BlockingPool,
             timeout=wait_s,
             **redis_links.client_options(),
         )
@@ -155,7 +177,7 @@ def pooled_client(url: str, max_connections: int, wait_s: float = 30.0) -> Any:
 def connection_pool(url: str, max_connections: int, wait_s: float) -> redis.ConnectionPool:
     """A pool of at most `max_connections`; a thread waits up to `wait_s` for a free one."""
     if not is_sentinel(url):
-        return redis.BlockingConnectionPool.from_url(
+        return BlockingPool.from_url(
             url, max_connections=max_connections, timeout=wait_s, **redis_links.client_options()
         )
     return sentinel_pool(parse_sentinel_url(url), max_connections, wait_s)
