@@ -10,15 +10,14 @@
   HDEL in MULTI/EXEC). A consumer of several queues keeps BRPOP and holds what it takes in
   its own hash (one HSET; the ack one HDEL);
 - unacknowledged messages are kept per consumer, with a heartbeat, instead of in one hash with
-  a time index. A consumer beats every
-  `unacked_restore_interval` seconds; when one stops (its process died, or its channel closed
-  without giving its messages back), any other worker puts its messages back on their queues
-  after `consumer_dead_after_s` (a transport option), and a worker of the same machine at once
-  if that consumer's process is gone, or is its own and closed that channel (a lost
-  connection). kombu instead restores a message once it
-  is older than the visibility timeout, which must outlast the longest step, so a killed
-  worker's steps waited minutes; and a slow step that outlived it ran twice while its worker
-  was still alive.
+  a time index. A consumer beats every `unacked_restore_interval` seconds; when one stops (its
+  process died, or its channel closed without giving its messages back), any other worker puts
+  its messages back on their queues after `consumer_dead_after_s` (a transport option), and a
+  worker of the same machine at once if that consumer's process is gone, or is its own and
+  closed that channel (a lost connection). kombu instead restores a message once it is older
+  than the visibility timeout, which must outlast the longest step, so a killed worker's steps
+  waited minutes; and a slow step that outlived it ran twice while its worker was still alive.
+  The acks of one tick of a consumer loop are written together, in one round trip.
 
 A Redis that refuses writes (redis_errors.refusal: OOM, MISCONF, READONLY, LOADING) stops
 nothing: the take (BLMOVE, BRPOP) backs off and tries again, an ack, a hold or a give-back it
@@ -45,6 +44,7 @@ import json
 import logging
 import uuid
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from queue import Empty
@@ -77,6 +77,7 @@ from worker.edges.broker_pending import (
     give_back_all,
     later,
     refused,
+    write_acks,
     write_pending,
 )
 
@@ -87,6 +88,7 @@ _LIVE: weakref.WeakSet[QoS] = weakref.WeakSet()
 # delivery tag -> (the list BLMOVE moved it to, the message as it was taken): an ack removes
 # exactly these bytes from that list
 _MOVED: dict[str, tuple[str, bytes]] = {}
+_TICKING: list[bool] = []  # a consumer loop writes the acks each tick (empty: none runs)
 
 
 class QoS(kombu_redis.QoS):
@@ -94,6 +96,7 @@ class QoS(kombu_redis.QoS):
         super().__init__(*args, **kwargs)
         self.consumer = liveness.named(uuid.uuid4().hex[:12])
         self._registered = False
+        self.acks: deque[Callable[[Any], None]] = deque()  # until the loop's next tick
         _LIVE.add(self)
 
     def register(self, client: Any) -> None:
@@ -128,8 +131,18 @@ class QoS(kombu_redis.QoS):
         virtual.QoS.append(self, message, delivery_tag)
 
     def ack(self, delivery_tag: str) -> None:
-        self._forget_now(delivery_tag)
+        """Forgotten on the consumer loop's next tick, in one round trip with the others."""
+        with PENDING_LOCK:  # a hold never written needs no forgetting
+            unwritten = PENDING_HOLDS.pop(delivery_tag, None) is not None
+        if not unwritten:
+            self.acks.append(self.forgetting(delivery_tag))
+            if not _TICKING:  # no consumer loop (kombu used by hand): written now
+                self.write_acks()
         virtual.QoS.ack(self, delivery_tag)
+
+    def write_acks(self) -> None:
+        with self.channel.conn_or_acquire() as client:
+            write_acks(client, self.acks)
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
         if requeue:
@@ -183,6 +196,7 @@ class QoS(kombu_redis.QoS):
         never took (BRPOP, then a refused HSET) is in this process alone: kombu dumps those
         (its "UNABLE TO RESTORE" line, and a file in the temporary directory)."""
         self._flush()
+        self.write_acks()
         with PENDING_LOCK:
             again = [m for c, m in PENDING_RESTORES.values() if c is self.channel]
         running = running_tasks()  # their tasks acknowledge them as they end (a lost link)
@@ -370,6 +384,17 @@ class Channel(kombu_redis.Channel):
 
 class Transport(kombu_redis.Transport):
     Channel = Channel
+
+    def register_with_event_loop(self, connection: Any, loop: Any) -> None:
+        super().register_with_event_loop(connection, loop)
+        loop.on_tick.add(_write_acks)
+        _TICKING.append(True)
+
+
+def _write_acks() -> None:
+    """Each tick of the consumer loop: its consumers' acks since the last."""
+    for qos in [q for q in list(_LIVE) if q.acks]:
+        qos.write_acks()
 
 
 TRANSPORT = f"{__name__}:Transport"

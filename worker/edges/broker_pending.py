@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -42,6 +43,27 @@ def later(exc: BaseException) -> bool:
     refused it, or did not answer (for an ack or a give-back the message stays held in Redis
     meanwhile)."""
     return refused(exc) or unanswered(exc)
+
+
+def write_acks(client: Any, acks: deque[Callable[[Any], None]]) -> None:
+    """The acks a consumer queued (each a forget, issued on a pipeline), in one pipeline: the
+    consumer loop writes them once a tick, not one round trip each. What Redis refuses or
+    does not take is kept and written on the next beats."""
+    forgets: list[Callable[[Any], None]] = []
+    while acks:
+        forgets.append(acks.popleft())
+    if not forgets:
+        return
+    try:
+        pipe = client.pipeline(transaction=False)
+        for forget in forgets:
+            forget(pipe)
+        pipe.execute()
+    except Exception as exc:
+        if not later(exc):
+            log.warning("acks failed (%s): written on the next beats", type(exc).__name__)
+        with PENDING_LOCK:  # the steps are done: a sweep meanwhile only runs them again
+            PENDING_FORGETS.extend(forgets)
 
 
 def write_pending(client: Any) -> None:
