@@ -87,21 +87,21 @@ def finish_sessions(
             found = write_once(
                 keys=own if cluster else [*own, keys.ACTIVE],
                 args=[dump_body(record), json.dumps(body), ttl_s, now_ms, code,
-                      keys.round_step(sk, 0), sk],
+                      keys.round_step(sk, 0), sk, batch],
                 client=client if cluster else pipe,
             )  # fmt: skip
             if cluster:
                 written.append(found)
         written = written if cluster else pipe.execute()
         notify = client.pipeline(transaction=False)
-        for (_, raw_run), (code, watchers) in zip(part, written, strict=True):
+        for (_, raw_run), (code, watchers, *_) in zip(part, written, strict=True):
             if not code:
                 continue
             ended += 1
             sk = keys.Claim.decode(raw_run).sk
             if cluster:
                 notify.zrem(keys.ACTIVE, sk)
-            for watcher in watchers:  # what the ending step's commit adds (add_notify)
+            for watcher in dict.fromkeys(watchers):  # what the ending's commit adds (add_notify)
                 batch_name = watcher.decode()
                 notify.rpush(keys.done_list(batch_name), sk)
                 notify.expire(keys.done_list(batch_name), ttl_s)
