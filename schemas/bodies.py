@@ -3,13 +3,14 @@ section 5)."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
+
+from schemas import json_codec
 
 
 def dump_body(obj: Any) -> bytes:
     """Compact, sorted, UTF-8: guests search these bytes with strstr."""
-    return json.dumps(obj, separators=(",", ":"), sort_keys=True, ensure_ascii=False).encode()
+    return json_codec.dumps(obj, sort_keys=True)
 
 
 def dump_text(obj: Any) -> str:

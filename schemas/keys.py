@@ -22,8 +22,7 @@ step's scripts and transactions touch one node; the keys without one are fleet-w
     cq:cancel:{sk}          cancellation requested
     cq:resp:{sk}            the response fd: final body bytes, written once
     cq:record:{sk}          result record: status, body, transcript, metrics
-    cq:watch:{sk}           batches that joined this session after the one that submitted it
-                            (the meta's `batch`), told with it when it ends
+    cq:watch:{sk}           the batches that joined this session after its meta's `batch`
     cq:done:{batch}         list of finished sks, pushed by finish (producers BLPOP it)
     cq:batch:{batch}:ids    the spec ids a batch submitted, in input order
     cq:batch:{batch}:runs   the run of each of them this batch ran or joined (Claim), in the
@@ -59,6 +58,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from schemas import json_codec
+
 PREFIX = "cq"
 DEADLETTER = f"{PREFIX}:deadletter"
 TRACE = f"{PREFIX}:trace"  # the fleet's trace events, capped (TRACE_FLEET_MAXLEN)
@@ -67,9 +68,7 @@ ACTIVE = f"{PREFIX}:active"
 # finished sessions scored by when they ended (ms), kept only when results are kept by count
 # (CCHATQ_RESULTS_KEEP): the reconciler deletes the oldest beyond it
 FINISHED = f"{PREFIX}:finished"
-# a trace stream entry's one field: the events one step made, as a JSON array (one entry a
-# step and stream, not one an event)
-TRACE_FIELD = "events"
+TRACE_FIELD = "events"  # a trace entry's one field: the events of one step, a JSON array
 GENERATION_BYTES = 4  # of a session key's 12 bytes (hex): the run's generation
 
 
@@ -88,8 +87,8 @@ def trace_events(fields: Mapping[bytes, bytes]) -> list[dict[str, Any]]:
     raw = fields.get(TRACE_FIELD.encode())
     if raw is None:  # an entry of one event (`event`), as older workers wrote them
         single = fields.get(b"event")
-        return [] if single is None else [dict(json.loads(single))]
-    return [dict(e) for e in json.loads(raw)]
+        return [] if single is None else [dict(json_codec.loads(single))]
+    return [dict(e) for e in json_codec.loads(raw)]
 
 
 def _digest(text: str) -> str:

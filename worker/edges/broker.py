@@ -40,7 +40,6 @@ makes the second copy wait); cchatq's workers use threads or prefork.
 
 from __future__ import annotations
 
-import json
 import logging
 import uuid
 import weakref
@@ -54,6 +53,7 @@ from typing import Any
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 
+from schemas import json_codec
 from worker.edges import liveness
 from worker.edges.broker_consumers import (
     CONSUMERS_KEY,
@@ -116,7 +116,7 @@ class QoS(kombu_redis.QoS):
             virtual.QoS.append(self, message, delivery_tag)
             return
         delivery = message.delivery_info
-        entry = json.dumps([message._raw, delivery["exchange"], delivery["routing_key"]])
+        entry = json_codec.dumps([message._raw, delivery["exchange"], delivery["routing_key"]])
         try:
             with self.channel.conn_or_acquire() as client:
                 self.register(client)
@@ -337,7 +337,7 @@ class Channel(kombu_redis.Channel):
                 raise
             if not item:
                 raise Empty()
-            payload = json.loads(item)
+            payload = json_codec.loads(item)
             _MOVED[payload["properties"]["delivery_tag"]] = (taken_key(self.qos.consumer), item)
             self.connection._deliver(payload, queue)
             return True

@@ -22,7 +22,7 @@ log = logging.getLogger("worker.edges.broker")
 # Writes Redis refused (OOM, MISCONF, READONLY, LOADING), written on the next beats, in this
 # order: holds (a BRPOP'd message into its consumer's hash), forgets (acks), give-backs.
 PENDING_LOCK = threading.Lock()
-PENDING_HOLDS: dict[str, tuple[str, str]] = {}  # delivery tag -> (its hash, its entry)
+PENDING_HOLDS: dict[str, tuple[str, bytes]] = {}  # delivery tag -> (its hash, its entry)
 PENDING_FORGETS: list[Callable[[Any], None]] = []  # each issues its command on a pipeline
 PENDING_RESTORES: dict[str, Any] = {}  # delivery tag -> (channel, message) to give back
 REFUSED = RefusalNotice("broker", log)

@@ -17,14 +17,13 @@ protocol fails there and not in a fleet.
 from __future__ import annotations
 
 import base64
-import json
 import uuid
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 from celery import Celery
 
-from schemas import keys, task_names
+from schemas import json_codec, keys, task_names
 from worker.edges.commit_script import APPLY, run_commit
 from worker.edges.step_leases import translated
 from worker.edges.store import RedisStore
@@ -66,7 +65,7 @@ def redis_form(message: TaskMessage) -> bytes:
         "headers": message.headers,
         "properties": properties,
     }
-    return json.dumps(stored).encode()
+    return json_codec.dumps(stored)
 
 
 def _task(step: NextStep) -> tuple[str, str]:

@@ -38,6 +38,7 @@ from urllib3.exceptions import (
 )
 from urllib3.exceptions import TimeoutError as Urllib3Timeout
 
+from schemas import json_codec
 from schemas.protocols import declared
 from worker.codecs.error_text import json_or_none, upstream_message
 from worker.codecs.openai_chat import add_usage, is_empty_reply, with_spent
@@ -392,7 +393,7 @@ def _pool_for(base_url: str, max_connections: int) -> urllib3.PoolManager:
 
 def _json_body(resp: urllib3.BaseHTTPResponse) -> Any:
     try:
-        return json.loads(resp.data)
+        return json_codec.loads(resp.data)
     except (ValueError, UnicodeDecodeError):
         raise ProviderProtocolError(
             f"HTTP {resp.status} body is not JSON ({len(resp.data)} bytes)"

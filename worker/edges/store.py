@@ -6,14 +6,13 @@ so a step that runs twice never forks a transcript. Redis errors become StoreErr
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import redis
 
-from schemas import keys
+from schemas import json_codec, keys
 from schemas.bodies import dump_body
 from schemas.fleet_clock import FleetClock, server_ms
 from schemas.spec_types import (
@@ -53,7 +52,7 @@ POOL_WAIT_S = 30  # longest wait for a free connection before the step fails (an
 
 
 def _loads(raw: bytes | None) -> Any:
-    return None if raw is None else json.loads(raw)
+    return None if raw is None else json_codec.loads(raw)
 
 
 class RedisStore(NodeRouting, StepLeases, StepBegin, TraceWrites, ResultWrites, FleetQueries):
@@ -130,7 +129,7 @@ class RedisStore(NodeRouting, StepLeases, StepBegin, TraceWrites, ResultWrites, 
             tools = listed()
             if tools is None:
                 return spec  # not listed yet (its first round will): not kept
-            spec = with_mcp_tools(spec, tuple(tool_from_json(t) for t in json.loads(tools)))
+            spec = with_mcp_tools(spec, tuple(tool_from_json(t) for t in json_codec.loads(tools)))
         if len(self._specs) >= SPEC_CACHE_SIZE:
             evicted = next(iter(self._specs))
             self._specs.pop(evicted)
@@ -209,7 +208,7 @@ class RedisStore(NodeRouting, StepLeases, StepBegin, TraceWrites, ResultWrites, 
         for r, i in wanted:
             value = known[(r, i)]
             if value is not None:
-                outcomes[r][i] = ToolOutcome.from_json(json.loads(value))
+                outcomes[r][i] = ToolOutcome.from_json(json_codec.loads(value))
         return [Round(reply=reply, outcomes=outcomes[r]) for r, reply in enumerate(replies)]
 
     @translated

@@ -3,11 +3,10 @@ events are one entry of the session's stream and one of the fleet's (`keys.TRACE
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any
 
-from schemas import fleet_keys, keys
+from schemas import fleet_keys, json_codec, keys
 from schemas.fleet_clock import FleetClock
 from schemas.partial import PartialRound
 from worker.edges.step_leases import translated
@@ -74,7 +73,7 @@ class TraceWrites(RetireWrites):
         stream is written by `fleet` (default `client`: on a cluster, a pipeline of its own)."""
         fleet = client if fleet is None else fleet
         every = [event.to_json() for event in write.events]
-        entries = json.dumps(every, separators=(",", ":"))
+        entries = json_codec.dumps(every)
         own = [e for e, event in zip(every, write.events, strict=True) if event.session]
         retired: Retirement | None = None
         if write.ended_by:  # the session retires with its ending's events
@@ -87,7 +86,7 @@ class TraceWrites(RetireWrites):
         elif own and write.ended_by:
             self._add_ending(client, write, own)
         elif own:
-            entry = entries if len(own) == len(every) else json.dumps(own, separators=(",", ":"))
+            entry = entries if len(own) == len(every) else json_codec.dumps(own)
             client.xadd(
                 keys.trace(write.sk),
                 {keys.TRACE_FIELD: entry},
@@ -119,8 +118,8 @@ class TraceWrites(RetireWrites):
             2,
             keys.meta(write.sk),
             keys.trace(write.sk),
-            json.dumps(own, separators=(",", ":")),
-            json.dumps(unended, separators=(",", ":")) if unended else "",
+            json_codec.dumps(own),
+            json_codec.dumps(unended) if unended else "",
             keys.TRACE_FIELD,
             TRACE_SESSION_MAXLEN,
             self.ttl_s,

@@ -6,13 +6,12 @@ puts on each broker, field by field."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
 from celery.utils.nodenames import anon_nodename
 
-from schemas import task_names
+from schemas import json_codec, task_names
 
 # the options of a task with no callbacks, as Celery embeds them in every message body
 EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
@@ -29,7 +28,7 @@ class TaskMessage:
 
     def body(self) -> bytes:
         """The body Celery sends: positional arguments, no keyword ones, the embedded options."""
-        return json.dumps([self.args, {}, EMBED]).encode()
+        return json_codec.dumps([self.args, {}, EMBED])
 
 
 def task_headers(

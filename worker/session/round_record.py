@@ -5,11 +5,11 @@ nothing and decodes no arguments. Shared by the Redis store and its twin."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from schemas import json_codec
 from schemas.bodies import is_error_body
 from schemas.spec_types import SessionSpec
 from worker.codecs.reply import Reply
@@ -53,11 +53,11 @@ def encode_round(reply: Reply, runs: Sequence[ToolRun]) -> bytes:
     if reply.call_count:
         record["calls"] = reply.call_count
         record["runs"] = [[r.index, r.call_id, r.name, r.arguments] for r in runs]
-    return json.dumps(record, separators=(",", ":"), ensure_ascii=False).encode()
+    return json_codec.dumps(record)
 
 
 def decode_round(raw: bytes | str) -> StoredRound:
-    record = json.loads(raw)
+    record = json_codec.loads(raw)
     if "reply" not in record:  # a bare reply (no plan stored with it)
         return StoredRound(record, Reply.parse(record).call_count)
     runs = {int(i): PlannedRun(c, name, args) for i, c, name, args in record.get("runs", ())}
