@@ -1,8 +1,9 @@
 """JSON on the hot paths (a step's messages, trace events, round and bodies), by orjson: the
 standard library's encoder and decoder were 9% of an llm worker's CPU (py-spy, `make bench`'s
-workload); orjson's are 3-15x faster. Where orjson refuses what json takes (NaN, integers past
-64 bits, keys that are not strings, lone surrogates), json does it, so what either writes or
-reads is what json wrote or read before: compact, UTF-8, keys sorted when asked."""
+workload); orjson's are 3-15x faster. Where orjson refuses what json takes (NaN read, integers
+past 64 bits, keys that are not strings, lone surrogates), json does it, so what is written or
+read is what json wrote or read: compact, UTF-8, keys sorted when asked. One difference: a NaN
+or infinite float, which JSON has no form for, is written null (json wrote NaN)."""
 
 from __future__ import annotations
 
