@@ -80,14 +80,12 @@ from worker.edges.broker_pending import (
     write_acks,
     write_pending,
 )
+from worker.edges.broker_taken import TAKEN, Taken, release, settled, took
 
 log = logging.getLogger(__name__)
 
 # the consumers of this process (one per consuming channel): the timer beats for all of them
 _LIVE: weakref.WeakSet[QoS] = weakref.WeakSet()
-# delivery tag -> (the list BLMOVE moved it to, the message as it was taken): an ack removes
-# exactly these bytes from that list
-_MOVED: dict[str, tuple[str, bytes]] = {}
 _TICKING: list[bool] = []  # a consumer loop writes the acks each tick (empty: none runs)
 
 
@@ -112,7 +110,7 @@ class QoS(kombu_redis.QoS):
         return sorted(self.channel.active_queues)
 
     def append(self, message: Any, delivery_tag: str) -> None:
-        if delivery_tag in _MOVED:  # held already, in this consumer's list
+        if delivery_tag in TAKEN:  # held already, in this consumer's list
             virtual.QoS.append(self, message, delivery_tag)
             return
         delivery = message.delivery_info
@@ -132,9 +130,9 @@ class QoS(kombu_redis.QoS):
 
     def ack(self, delivery_tag: str) -> None:
         """Forgotten on the consumer loop's next tick, in one round trip with the others."""
-        with PENDING_LOCK:  # a hold never written needs no forgetting
+        with PENDING_LOCK:  # a hold never written, or removed by its step, needs no forgetting
             unwritten = PENDING_HOLDS.pop(delivery_tag, None) is not None
-        if not unwritten:
+        if not unwritten and not settled(delivery_tag):
             self.acks.append(self.forgetting(delivery_tag))
             if not _TICKING:  # no consumer loop (kombu used by hand): written now
                 self.write_acks()
@@ -177,10 +175,9 @@ class QoS(kombu_redis.QoS):
     def forgetting(self, delivery_tag: str) -> Callable[[Any], None]:
         """What drops a message from what this consumer holds, issued on a client or a
         pipeline: an LREM of the bytes BLMOVE moved, or an HDEL of the hash's entry."""
-        moved = _MOVED.pop(delivery_tag, None)
+        moved = release(delivery_tag)
         if moved is not None:
-            taken, raw = moved
-            return lambda client: client.lrem(taken, 1, raw)
+            return lambda client: client.lrem(moved.held_in, 1, moved.raw)
         held = unacked_key(self.consumer)
         return lambda client: client.hdel(held, delivery_tag)
 
@@ -338,7 +335,8 @@ class Channel(kombu_redis.Channel):
             if not item:
                 raise Empty()
             payload = json_codec.loads(item)
-            _MOVED[payload["properties"]["delivery_tag"]] = (taken_key(self.qos.consumer), item)
+            held = Taken(taken_key(self.qos.consumer), item, task_id(payload.get("headers")))
+            took(payload["properties"]["delivery_tag"], held)
             self.connection._deliver(payload, queue)
             return True
         finally:
@@ -360,7 +358,7 @@ class Channel(kombu_redis.Channel):
         delivery = message.delivery_info
         qos: QoS = self.qos
         tag = message.delivery_tag
-        moved = _MOVED.get(tag)
+        moved = TAKEN.get(tag)
         with self.conn_or_acquire() as client:
             # one MULTI/EXEC: a Redis that refuses the LPUSH (it needs memory) refuses the
             # LREM with it, so the message stays held, never lost
@@ -369,11 +367,11 @@ class Channel(kombu_redis.Channel):
                 message._raw, delivery["exchange"], delivery["routing_key"], pipe, leftmost
             )
             if moved is not None:
-                pipe.lrem(moved[0], 1, moved[1])
+                pipe.lrem(moved.held_in, 1, moved.raw)
             else:
                 pipe.hdel(unacked_key(qos.consumer), tag)
             pipe.execute()
-        _MOVED.pop(tag, None)  # forgotten once given back
+        release(tag)  # forgotten once given back
 
     def close(self) -> None:
         qos = self._qos  # only if this channel ever consumed

@@ -24,7 +24,7 @@ return #KEYS
 """
 
 SCRIPTABLE = frozenset(
-    {"SET", "LPUSH", "RPUSH", "XADD", "EXPIRE", "HSET", "ZADD", "ZREM", "SADD", "DEL"}
+    {"SET", "LPUSH", "RPUSH", "LREM", "XADD", "EXPIRE", "HSET", "ZADD", "ZREM", "SADD", "DEL"}
 )
 
 

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 from celery import Celery
 
 from schemas import json_codec, keys, task_names
+from worker.edges.broker_taken import held_for, settle
 from worker.edges.commit_script import APPLY, run_commit
 from worker.edges.step_leases import translated
 from worker.edges.store import RedisStore
@@ -140,9 +141,14 @@ class CeleryDispatcher(StepPublisher):
         pipe = client.pipeline(transaction=False)
         if commit is not None and commit.outcomes:  # before the steps that read them
             self.store.add_outcomes(pipe, commit.sk, commit.outcomes)
+        own = None  # the step's own message, when this process holds it (broker_taken.py)
         if self.broker is None:
             for message in messages:
                 pipe.lpush(message.queue, redis_form(message))
+            if commit is not None and parent is not None and not self.store.cluster:
+                own = held_for(str(parent.id))
+                if own is not None:
+                    pipe.lrem(own[1].held_in, 1, own[1].raw)
         fleet = self.store.fleet_pipe(pipe)
         if commit is not None:
             if commit.notify:
@@ -155,6 +161,8 @@ class CeleryDispatcher(StepPublisher):
             self.store.flush_fleet(fleet, pipe)
         if len(pipe):
             run_commit(pipe, self._apply, client)
+        if own is not None:
+            settle(own[0])
         if self.broker is not None and messages:
             self.broker.send(messages)
 
