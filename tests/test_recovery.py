@@ -16,7 +16,7 @@ from fixtures.demo_scenarios import CITIES, WEATHER, weather_json
 from producer.client import Client
 from producer.fleet import Fleet
 from producer.specfile import load_spec_file
-from schemas import keys
+from schemas import fleet_keys, keys
 from tests.conftest import GUESTS, Running, _workers
 from tests.test_pipeline import assert_tool_messages_paired, submit_specs
 from worker.edges.broker_consumers import taken_messages
@@ -108,6 +108,12 @@ def diagnose(running: Running, stuck: list[str]) -> str:
             if ":out:" not in k
         )
     lines.append(f"unacked: {[v[:160] for v in taken_messages(r)]}")
+    for consumer in sorted(c.decode() for c in r.smembers(fleet_keys.BROKER_CONSUMERS)):
+        held = r.llen(fleet_keys.broker_taken(consumer)) + r.hlen(
+            fleet_keys.broker_unacked(consumer)
+        )
+        beat = r.get(fleet_keys.broker_alive(consumer))  # who holds what, and who still beats
+        lines.append(f"consumer {consumer}: holds {held}, beats {beat!r}")
     return "\n".join(lines)
 
 
