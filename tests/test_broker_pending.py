@@ -25,7 +25,7 @@ def test_messages_redis_could_not_take_back_stay_held_for_a_sweeper() -> None:
 
     messages = [Message(f"t{n}") for n in range(5)]
     with PENDING_LOCK:
-        PENDING_HOLDS["t4"] = ("held", "{}")  # its hold never reached Redis: only here
+        PENDING_HOLDS["t4"] = ("held", b"{}")  # its hold never reached Redis: only here
     try:
         errors = give_back_all(restore, messages, set(), "consumer.1@host")
     finally:
