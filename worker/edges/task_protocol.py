@@ -6,12 +6,13 @@ puts on each broker, field by field."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
 from celery.utils.nodenames import anon_nodename
 
-from schemas import json_codec, task_names
+from schemas import task_names
 
 # the options of a task with no callbacks, as Celery embeds them in every message body
 EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
@@ -28,7 +29,7 @@ class TaskMessage:
 
     def body(self) -> bytes:
         """The body Celery sends: positional arguments, no keyword ones, the embedded options."""
-        return json_codec.dumps([self.args, {}, EMBED])
+        return json.dumps([self.args, {}, EMBED]).encode()  # byte for byte send_task's
 
 
 def task_headers(
