@@ -410,7 +410,12 @@ def test_cli_submit_exit_codes_and_an_interrupted_wait(
     slow_again = plain("slow-again", " [[latency_ms:5000]]")
     path.write_text("".join(json.dumps(s) + "\n" for s in (plain("quick-again"), slow_again)))
     cmd = [sys.executable, "-m", "producer.cli", "submit", str(path), "--out", str(out)]
-    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+    # Ctrl-C as a terminal delivers it, whatever this run inherited (a shell's background job
+    # ignores SIGINT, and an ignored signal stays ignored across exec)
+    proc = subprocess.Popen(
+        cmd, env=env, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
     wait_for(lambda: out.exists() and "quick-again" in out.read_text())
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=30)
