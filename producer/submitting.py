@@ -292,8 +292,10 @@ class Submitting(SessionLookups):
                 sub.programs.add(sk)
             if won:
                 sub.new.add(sk)
-                next(results), next(results), next(results)
-            elif [next(results), next(results), next(results)][-1]:
+                next(results), next(results), next(results)  # SET spec, HSET + EXPIRE meta
+                continue
+            next(results), next(results)  # SADD + EXPIRE of its watchers
+            if next(results):  # its response is there
                 sub.done.add(sk)
 
     def claims(

@@ -335,8 +335,8 @@ class Channel(kombu_redis.Channel):
             if not item:
                 raise Empty()
             payload = json_codec.loads(item)
-            held = Taken(taken_key(self.qos.consumer), item, task_id(payload.get("headers")))
-            took(payload["properties"]["delivery_tag"], held)
+            tag, consumer = payload["properties"]["delivery_tag"], self.qos.consumer
+            took(Taken(tag, taken_key(consumer), item, task_id(payload.get("headers"))))
             self.connection._deliver(payload, queue)
             return True
         finally:

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Taken:
-    """A message BLMOVE moved: the list it is held in and its bytes there (an LREM of these
-    bytes removes it), and its task's id."""
+    """A message BLMOVE moved: its delivery tag, the list it is held in and its bytes there
+    (an LREM of these bytes removes it), and its task's id."""
 
+    tag: str
     held_in: str
     raw: bytes
     task_id: str
@@ -28,9 +29,9 @@ _TAGS: dict[str, str] = {}  # task id -> delivery tag, while its message is held
 _SETTLED: set[str] = set()  # delivery tags whose message a commit removed
 
 
-def took(tag: str, taken: Taken) -> None:
-    TAKEN[tag] = taken
-    _TAGS[taken.task_id] = tag
+def took(taken: Taken) -> None:
+    TAKEN[taken.tag] = taken
+    _TAGS[taken.task_id] = taken.tag
 
 
 def release(tag: str) -> Taken | None:
@@ -41,11 +42,10 @@ def release(tag: str) -> Taken | None:
     return taken
 
 
-def held_for(task_id: str) -> tuple[str, Taken] | None:
-    """The delivery tag and message of a task this process holds, if it does."""
+def held_for(task_id: str) -> Taken | None:
+    """The message of a task this process holds, if it does."""
     tag = _TAGS.get(task_id)
-    taken = TAKEN.get(tag) if tag is not None else None
-    return None if tag is None or taken is None else (tag, taken)
+    return None if tag is None else TAKEN.get(tag)
 
 
 def settle(tag: str) -> None:

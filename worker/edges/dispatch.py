@@ -148,7 +148,7 @@ class CeleryDispatcher(StepPublisher):
             if commit is not None and parent is not None and not self.store.cluster:
                 own = held_for(str(parent.id))
                 if own is not None:
-                    pipe.lrem(own[1].held_in, 1, own[1].raw)
+                    pipe.lrem(own.held_in, 1, own.raw)
         fleet = self.store.fleet_pipe(pipe)
         if commit is not None:
             if commit.notify:
@@ -162,7 +162,7 @@ class CeleryDispatcher(StepPublisher):
         if len(pipe):
             run_commit(pipe, self._apply, client)
         if own is not None:
-            settle(own[0])
+            settle(own.tag)
         if self.broker is not None and messages:
             self.broker.send(messages)
 

@@ -154,8 +154,7 @@ class ResultWrites:
         pipe.hget(keys.meta(sk), "batch")
         pipe.smembers(keys.watchers(sk))
         own, joined = pipe.execute()
-        batches = [b.decode() for b in ([own] if own else [])] + [b.decode() for b in joined]
-        return list(dict.fromkeys(batches))
+        return list(dict.fromkeys(b.decode() for b in [*([own] if own else []), *joined]))
 
     @translated
     def notify(self, sk: str, batches: Iterable[str], outcome: str = "") -> None:

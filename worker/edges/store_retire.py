@@ -60,6 +60,12 @@ class EndedRecords:
         return self._records.pop(sk, None)
 
 
+def _keeps_spec(record: dict[str, Any], batch: str) -> bool:
+    """Whether a retired session keeps its spec: when it ended with an error (batch retry
+    submits it again) or is a program run's chat (the program wrote it: no spec file holds it)."""
+    return record.get("status") == "error" or keys.run_of_batch(batch) is not None
+
+
 @dataclass(frozen=True)
 class Retirement:
     """What the ending's script is given: the retired record and the keys it deletes."""
@@ -132,14 +138,8 @@ class RetireWrites:
         fold)."""
         sk = write.sk
         written = self.ended_records.take(sk)
-        # its spec is kept when it ended with an error (batch retry submits it again) or is a
-        # program run's chat (the program wrote it: no spec file holds it)
-        plain = (
-            written is not None
-            and written.get("status") != "error"
-            and keys.run_of_batch(self._batches.get(sk, "")) is None
-            and sk in self._batches
-        )
+        batch = self._batches.get(sk)
+        plain = written is not None and batch is not None and not _keeps_spec(written, batch)
         pipe = self.on(sk).pipeline(transaction=False)
         if written is None:
             pipe.get(keys.record(sk))
@@ -161,9 +161,8 @@ class RetireWrites:
             return None
         events = [e for _, fields in entries for e in keys.trace_events(fields)] + own
         fields = {k.decode(): v.decode() for k, v in meta.items() if k != b"finished_said"}
-        chat = keys.run_of_batch(fields.get("batch", "")) is not None
         kept = None
-        if spec is not None and (record.get("status") == "error" or chat):
+        if spec is not None and _keeps_spec(record, fields.get("batch", "")):
             kept = json.loads(spec)
         value = retired_value(record, events, fields, kept)
         rounds = max(int(fields.get("round", "0") or 0) + 1, 1)
