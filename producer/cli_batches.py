@@ -141,6 +141,19 @@ def run_batch(
     return BatchRun(totals.sessions, totals.sessions - totals.ok, ordered)
 
 
+def unwritable(path: Path) -> str:
+    """Why `path` cannot be written ("" if it can), leaving no file behind that was not there:
+    a submit refused later writes nothing."""
+    existed = path.exists()
+    try:
+        path.open("a").close()
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    if not existed:
+        path.unlink()
+    return ""
+
+
 def cmd_submit(args: argparse.Namespace) -> int:
     """Exit codes: EXIT_OK, EXIT_FAILED, EXIT_REJECTED, EXIT_INTERRUPTED."""
     config = fleet_config()
@@ -165,10 +178,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
     files = result_files(args.format, out, args.errors, args.include)
     if not args.no_wait:  # a results file that cannot be written is found before anything runs
         for path, flag in zip(files.paths, ("--out", "--errors"), strict=False):
-            try:
-                path.open("a").close()
-            except OSError as exc:
-                print(f"rejected, nothing enqueued: {flag} {path}: {exc.strerror}", file=sys.stderr)
+            problem = unwritable(path)
+            if problem:
+                print(f"rejected, nothing enqueued: {flag} {path}: {problem}", file=sys.stderr)
                 return EXIT_REJECTED
     client = connect(config, namespace=args.namespace)
     # an OpenAI Batch file's custom_ids are its own, as OpenAI scopes them; --resample gives

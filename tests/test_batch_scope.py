@@ -43,7 +43,9 @@ class Cli:
 
     def __call__(self, *args: str) -> subprocess.CompletedProcess[str]:
         cmd = [sys.executable, "-m", "producer.cli", *args]
-        return subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=120)
+        return subprocess.run(
+            cmd, env=self.env, capture_output=True, text=True, timeout=120, cwd=self.tmp_path
+        )
 
     def write(self, lines: list[dict[str, Any]]) -> str:
         self.files += 1
@@ -98,6 +100,7 @@ def test_two_openai_files_reusing_a_custom_id_both_run(
     path = cli.write([request("request-1", "changed")])
     refused = cli("submit", path, "--format", "openai", "--namespace", fresh_id)
     assert refused.returncode == 2
+    assert not list(tmp_path.glob("results*"))  # refused: no results file left behind
     assert f"{path}:1: custom_id: 'request-1' was already submitted" in refused.stderr
 
 
