@@ -11,10 +11,11 @@ record; `read_record` reads both.
 
 from __future__ import annotations
 
-import json
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
+
+from schemas import json_codec
 
 RETIRED_MAGIC = b"\x00cq1"  # a retired record's first bytes (a plain record starts with "{")
 COMPRESSION_LEVEL = 9
@@ -73,7 +74,7 @@ def retired_value(
     folded: dict[str, Any] = {"record": record, "trace": trace, "meta": meta}
     if spec is not None:
         folded["spec"] = spec
-    text = json.dumps(folded, separators=(",", ":")).encode()
+    text = json_codec.dumps(folded)
     packer = zlib.compressobj(
         COMPRESSION_LEVEL, zlib.DEFLATED, -15, 9, zlib.Z_DEFAULT_STRATEGY, ZDICT
     )
@@ -83,9 +84,9 @@ def retired_value(
 def read_record(raw: bytes) -> StoredRecord:
     """A stored record, retired or not."""
     if not raw.startswith(RETIRED_MAGIC):
-        return StoredRecord(dict(json.loads(raw)))
+        return StoredRecord(dict(json_codec.loads(raw)))
     unpacker = zlib.decompressobj(-15, zdict=ZDICT)
-    folded = json.loads(unpacker.decompress(raw[len(RETIRED_MAGIC) :]) + unpacker.flush())
+    folded = json_codec.loads(unpacker.decompress(raw[len(RETIRED_MAGIC) :]) + unpacker.flush())
     return StoredRecord(
         dict(folded["record"]),
         retired=True,

@@ -31,6 +31,7 @@ from schemas.fleet_clock import FleetClock
 from schemas.limits import BACKGROUND_TIMEOUT_CAP_MS
 from worker.config import load_settings
 from worker.edges.broker_amqp import PutOff
+from worker.edges.task_protocol import decode_json_fast
 from worker.errors import RetryLater, StoreError
 from worker.session.refusals import STOPPING
 from worker.session.steps import StepRunner
@@ -61,6 +62,7 @@ EX_CONFIG = 78  # sysexits: the worker's configuration (its Redis) is wrong
 app = Celery("cchatq", amqp=BROKER_AMQP)
 _settings = load_settings()
 app.conf.update(celery_config(_settings))
+decode_json_fast()  # before a prefork pool forks: its children decode the bodies
 # on RabbitMQ's quorum queues a step is put off through the broker's delay queues, not held
 # by the worker as Celery's eta is (worker/edges/amqp_topology.py)
 DELAYED_ON_BROKER = delayed_on_broker(_settings)

@@ -11,12 +11,11 @@ while the session is there (a failover lost the ending, which the reconciler wri
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from schemas import keys
+from schemas import json_codec, keys
 from schemas.session_record import read_record, retired_value
 from worker.session.store_ports import TraceWrite
 
@@ -75,7 +74,7 @@ class Retirement:
 
 
 def _compact(events: list[dict[str, Any]]) -> str:
-    return json.dumps(events, separators=(",", ":"))
+    return json_codec.dumps(events).decode()
 
 
 def session_keys(sk: str, rounds: int, calls: list[int], kept: set[tuple[int, int]]) -> list[str]:
@@ -163,7 +162,7 @@ class RetireWrites:
         fields = {k.decode(): v.decode() for k, v in meta.items() if k != b"finished_said"}
         kept = None
         if spec is not None and _keeps_spec(record, fields.get("batch", "")):
-            kept = json.loads(spec)
+            kept = json_codec.loads(spec)
         value = retired_value(record, events, fields, kept)
         rounds = max(int(fields.get("round", "0") or 0) + 1, 1)
         calls, whole = _shape(record)

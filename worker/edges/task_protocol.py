@@ -10,12 +10,16 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 from celery.utils.nodenames import anon_nodename
+from kombu.serialization import registry
+from kombu.utils import json as kombu_json
 
 from schemas import task_names
 
 # the options of a task with no callbacks, as Celery embeds them in every message body
 EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
+_BODY_TAIL = json.dumps([{}, EMBED])[1:]  # after the arguments: `{}, {"callbacks": ...}]`
 
 
 @dataclass(frozen=True)
@@ -29,7 +33,8 @@ class TaskMessage:
 
     def body(self) -> bytes:
         """The body Celery sends: positional arguments, no keyword ones, the embedded options."""
-        return json.dumps([self.args, {}, EMBED]).encode()  # byte for byte send_task's
+        # byte for byte send_task's json.dumps([args, {}, EMBED]), its constant part made once
+        return f"[{json.dumps(self.args)}, {_BODY_TAIL}".encode()
 
 
 def task_headers(
@@ -71,3 +76,26 @@ def task_headers(
     if sent_ms is not None:
         headers[task_names.SENT_HEADER] = sent_ms
     return headers
+
+
+def decode_json_fast() -> None:
+    """kombu decodes JSON messages (a task's body, a control command) by orjson: 3.7 us a task
+    body against its own decoder's 7.8 (the standard library's, with a hook for its tagged
+    types). Encoding stays kombu's, byte for byte."""
+    registry.register(  # type: ignore[no-untyped-call]
+        "json", kombu_json.dumps, _decoded, "application/json", "utf-8"
+    )
+
+
+def _decoded(data: str | bytes | bytearray | memoryview) -> Any:
+    """What kombu's decoder returns: a message holding one of its tagged types (`__type__`: a
+    datetime, a UUID, from another producer) or what orjson refuses (NaN, integers past 64
+    bits) is decoded by kombu's own."""
+    raw = data.tobytes() if isinstance(data, memoryview) else data
+    tagged = '"__type__"' in raw if isinstance(raw, str) else b'"__type__"' in raw
+    if not tagged:
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            pass
+    return kombu_json.loads(raw)  # type: ignore[no-untyped-call]

@@ -7,10 +7,10 @@ rendered from the same stored outcome, so the flag changes nothing that is store
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
+from schemas import json_codec
 from worker.codecs.openai_chat import tool_message_content
 from worker.errors import ToolError
 from worker.session.tool_logs import ToolLogLine
@@ -75,7 +75,7 @@ class ToolOutcome:
                 body.update(truncated=True, bytes=size, ref=ref)
                 if self.summary is not None:
                     body["summarized"] = True
-            return json.dumps(body, separators=(",", ":"), ensure_ascii=False)
+            return json_codec.dumps(body).decode()
         if self.failure is not None:
             error = {"code": self.failure.code, "message": self.failure.message}
             return tool_message_content({"error": error})
@@ -153,7 +153,7 @@ def _data(output: str | None) -> Any:
     if output is None:
         return None
     try:
-        return json.loads(output)
+        return json_codec.loads(output)
     except ValueError:
         return output
 
@@ -162,7 +162,7 @@ def _legacy(content: str, ok: bool) -> ToolOutcome:
     if ok:
         return ToolOutcome(ok=True, output=content, ran=True)
     try:
-        error = json.loads(content)["error"]
+        error = json_codec.loads(content)["error"]
         failure = ToolFailure(str(error["code"]), str(error["message"]))
     except (ValueError, KeyError, TypeError):
         failure = ToolFailure("RUNTIME_ERROR", content)
