@@ -114,11 +114,15 @@ def restore_consumer(client: Any, consumer: str, restore_message: Restore) -> No
         else:
             pipe.delete(held, taken)
             pipe.srem(CONSUMERS_KEY, consumer)
-        if given:
-            log.warning(
-                "consumer %s stopped beating: %d of its messages handed out again%s",
-                consumer, given, f" ({kept} still running here)" if kept else "",
-            )  # fmt: skip
+        outcome[:] = [given, kept]  # this try's: a try that lost the race is tried again
 
-    # WATCH: a second sweeper racing this one finds them changed and gives up
+    # WATCH: a second sweeper racing this one finds them changed, reads them again (given
+    # none) and says nothing: only the sweeper whose EXEC moved them logs it
+    outcome = [0, 0]
     client.transaction(restore, held, taken)
+    given, kept = outcome
+    if given:
+        log.warning(
+            "consumer %s stopped beating: %d of its messages handed out again%s",
+            consumer, given, f" ({kept} still running here)" if kept else "",
+        )  # fmt: skip
