@@ -114,6 +114,12 @@ def diagnose(running: Running, stuck: list[str]) -> str:
         )
         beat = r.get(fleet_keys.broker_alive(consumer))  # who holds what, and who still beats
         lines.append(f"consumer {consumer}: holds {held}, beats {beat!r}")
+    for name, proc in running.fleet.workers.items():  # which pid is which, and what it said
+        log = running.fleet.log_of(name)
+        said = log.read_text(errors="replace").splitlines() if log.exists() else []
+        tail = [line for line in said if line.startswith("[")][-12:]  # records, not the banner
+        lines.append(f"worker {name} pid {proc.pid} exit {proc.poll()}:")
+        lines.extend(f"  | {line[:240]}" for line in tail)
     return "\n".join(lines)
 
 
