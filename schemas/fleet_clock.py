@@ -4,7 +4,8 @@ so hosts whose wall clocks disagree (by minutes, even) agree on how old a sessio
 it last moved. Leases and heartbeats need none of it: they are durations kept by Redis (PX, EX).
 
 A process reads it as its own wall clock plus an offset to Redis's, measured at first use and
-again every `refresh_s` by the call that finds it due (one TIME command then, none per step),
+again every `refresh_s` by the call that finds it due (one TIME command then, or up to three
+when the round trips are slow: the quickest gives the offset; none per step),
 and at once when the host's wall clock jumped against its monotonic clock (a clock stepped by
 NTP or by hand). Shared by the producer and the worker: both sides of a comparison read it."""
 
@@ -17,6 +18,8 @@ from collections.abc import Callable
 REFRESH_S = 30.0  # drift between two measures is ppm: this only bounds how long a change lasts
 RETRY_S = 1.0  # after a measure that failed (Redis away): the offset kept until then
 JUMP_MS = 1_000  # wall and monotonic clocks disagreeing by this much: the wall clock was set
+SAMPLES = 3  # round trips at most a measure takes, the quickest kept
+QUICK_MS = 1.0  # a round trip this quick gives the offset to half of it: no other one taken
 
 
 def wall_ms() -> float:
@@ -73,19 +76,29 @@ class FleetClock:
         return abs(drift_ms) > JUMP_MS
 
     def _measure(self) -> None:
-        before = self.wall()
-        try:
-            server = self.read_server_ms()
-        except Exception:  # Redis away: the offset it had until the next try
-            self._next_s = self.monotonic_s() + RETRY_S
-            if not self._measured:  # no reference yet for a jump
-                self._wall0, self._mono0 = self.wall(), self.monotonic_s()
-            return
-        after = self.wall()
-        # the reply was made about halfway through the round trip
-        self._offset_ms = server - (before + after) / 2
+        """The offset from the quickest of up to SAMPLES round trips: a reply is stamped about
+        halfway through its round trip, so the error is at most half of it, and a round trip
+        stretched by a busy host (a stall on either side) would shift the offset by as much."""
+        best_ms = float("inf")
+        for _ in range(SAMPLES):
+            before = self.wall()
+            try:
+                server = self.read_server_ms()
+            except Exception:  # Redis away: the offset it had until the next try
+                if best_ms == float("inf"):
+                    self._next_s = self.monotonic_s() + RETRY_S
+                    if not self._measured:  # no reference yet for a jump
+                        self._wall0, self._mono0 = self.wall(), self.monotonic_s()
+                    return
+                break
+            after = self.wall()
+            if after - before < best_ms:
+                best_ms = after - before
+                self._offset_ms = server - (before + after) / 2
+            if best_ms <= QUICK_MS:
+                break
         self._measured = True
         self.measures += 1
         self._mono0 = self.monotonic_s()
-        self._wall0 = after
+        self._wall0 = self.wall()
         self._next_s = self._mono0 + self.refresh_s

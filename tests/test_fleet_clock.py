@@ -19,7 +19,7 @@ import redis
 from producer.client import Client
 from producer.fleet import Fleet
 from schemas import keys
-from schemas.fleet_clock import JUMP_MS, RETRY_S, FleetClock, server_ms, wall_ms
+from schemas.fleet_clock import JUMP_MS, RETRY_S, SAMPLES, FleetClock, server_ms, wall_ms
 from schemas.fleet_config import FleetConfig
 from tests.test_engine import WEATHER_FN
 from tests.test_steps import SK, pipeline, spec, submit, weather_model
@@ -134,10 +134,10 @@ def test_a_clock_that_never_reached_redis_reads_the_host_clock_meanwhile() -> No
 
 
 def test_threads_starting_together_measure_once() -> None:
-    reads: list[float] = []
+    reads: list[str] = []  # the thread of each read
 
     def slow_read() -> float:
-        reads.append(wall_ms())
+        reads.append(threading.current_thread().name)
         time.sleep(0.05)  # a slow round trip: the other threads arrive meanwhile
         return wall_ms() + SKEW_MS
 
@@ -154,8 +154,26 @@ def test_threads_starting_together_measure_once() -> None:
         thread.start()
     for thread in threads:
         thread.join(timeout=5)
-    assert len(reads) == 1 and len(got) == 8
+    # one thread measured (its round trips slow: as many as a measure takes), once
+    assert len(set(reads)) == 1 and len(reads) == SAMPLES and clock.measures == 1
+    assert len(got) == 8
     assert all(abs(now - (wall_ms() + SKEW_MS)) < 1_000 for now in got)
+
+
+def test_a_round_trip_stretched_by_a_busy_host_is_not_the_one_measured() -> None:
+    """The first TIME's reply is made at once and reaches the process 20 ms later (a stall):
+    taken alone it would put the offset 10 ms off. The quickest of the round trips counts."""
+    hosts = Hosts()
+    delays_ms = [20.0, 0.4, 0.2]
+
+    def read() -> float:
+        made = hosts.real_ms + SKEW_MS  # Redis's clock when it makes the reply
+        hosts.real_ms += delays_ms.pop(0)
+        return made
+
+    clock = FleetClock(read, wall=lambda: hosts.real_ms, monotonic_s=lambda: hosts.mono_s)
+    assert abs(clock.offset_ms() - SKEW_MS) <= 0.2  # the second, quick: no third one
+    assert delays_ms == [0.2] and clock.measures == 1
 
 
 # --- the reconciler on skewed hosts (twins) -------------------------------------------------
