@@ -6,8 +6,8 @@ spec's objects (about 0.4 KB a line instead of 1 KB, the stored form deflated: s
 and the bytes the spec was validated as are the bytes enqueued.
 
 A module is hashed when its spec is made compact (each file once) and uploaded at enqueue
-under that hash; a file that changed in between is refused there (ModuleChangedError), with
-nothing enqueued.
+under that hash unless Redis holds it already (the bytes that were checked); a file uploaded
+that changed in between is refused there (ModuleChangedError), with nothing enqueued.
 """
 
 from __future__ import annotations

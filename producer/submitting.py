@@ -113,24 +113,27 @@ class Submitting(SessionLookups):
     def upload_modules(self, specs: Sequence[Spec | StoredSpec]) -> dict[str, str]:
         """Each module the specs name, once, content-addressed. A module a spec names by its
         sha256 already (read back from the store: `cchatq batch retry`) must still be in
-        Redis, and is kept alive there; a file must still hash as it did when its spec was
-        made compact (ModuleChangedError). Returns each file uploaded: path -> sha256."""
+        Redis; a file's module is kept alive there when it is (one EXPIRE, its bytes not
+        sent again), else uploaded, its file hashing still as it did when its spec was made
+        compact (ModuleChangedError). Returns each file's sha256: path -> sha256."""
         files, hashed = module_uploads(compact(specs))
-        if hashed:
-            kept = self.redis.pipeline(transaction=False)
-            for sha in hashed:
-                kept.expire(keys.module(sha), self.ttl_s)
-            gone = [sha for sha, alive in zip(hashed, kept.execute(), strict=True) if not alive]
-            if gone:
-                raise ModuleExpiredError(gone)
+        kept = self.redis.pipeline(transaction=False)
+        for sha in (*hashed, *(sha for sha, _ in files)):
+            kept.expire(keys.module(sha), self.ttl_s)
+        alive = kept.execute() if len(kept) else []
+        gone = [sha for sha, ok in zip(hashed, alive, strict=False) if not ok]
+        if gone:
+            raise ModuleExpiredError(gone)
         pipe = self.redis.pipeline(transaction=False)
-        for sha, path in files:
+        for (sha, path), stored in zip(files, alive[len(hashed) :], strict=True):
+            if stored:
+                continue
             data = Path(path).read_bytes()
             if hashlib.sha256(data).hexdigest() != sha:
                 raise ModuleChangedError(path)
             pipe.set(keys.module(sha), data, nx=True, ex=self.ttl_s)
-            pipe.expire(keys.module(sha), self.ttl_s)  # a resubmission keeps it alive
-        pipe.execute()
+        if len(pipe):
+            pipe.execute()
         return {path: sha for sha, path in files}
 
     def enqueue(
