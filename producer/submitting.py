@@ -121,7 +121,7 @@ class Submitting(SessionLookups):
         for sha in (*hashed, *(sha for sha, _ in files)):
             kept.expire(keys.module(sha), self.ttl_s)
         alive = kept.execute() if len(kept) else []
-        gone = [sha for sha, ok in zip(hashed, alive, strict=False) if not ok]
+        gone = [sha for sha, ok in zip(hashed, alive[: len(hashed)], strict=True) if not ok]
         if gone:
             raise ModuleExpiredError(gone)
         pipe = self.redis.pipeline(transaction=False)

@@ -10,12 +10,11 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
 from celery.utils.nodenames import anon_nodename
 from kombu.serialization import registry
 from kombu.utils import json as kombu_json
 
-from schemas import task_names
+from schemas import json_codec, task_names
 
 # the options of a task with no callbacks, as Celery embeds them in every message body
 EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
@@ -89,13 +88,11 @@ def decode_json_fast() -> None:
 
 def _decoded(data: str | bytes | bytearray | memoryview) -> Any:
     """What kombu's decoder returns: a message holding one of its tagged types (`__type__`: a
-    datetime, a UUID, from another producer) or what orjson refuses (NaN, integers past 64
-    bits) is decoded by kombu's own."""
+    datetime, a UUID, from another producer) is decoded by kombu's own; any other by
+    json_codec (orjson, and the standard library's json where orjson refuses: NaN, integers
+    past 64 bits), which is kombu's decoder without its hook."""
     raw = data.tobytes() if isinstance(data, memoryview) else data
     tagged = '"__type__"' in raw if isinstance(raw, str) else b'"__type__"' in raw
-    if not tagged:
-        try:
-            return orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            pass
-    return kombu_json.loads(raw)  # type: ignore[no-untyped-call]
+    if tagged:
+        return kombu_json.loads(raw)  # type: ignore[no-untyped-call]
+    return json_codec.loads(raw)
