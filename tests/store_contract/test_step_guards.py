@@ -164,7 +164,9 @@ def test_a_lease_that_ran_out_in_an_outage_is_taken_back_unless_another_took_it(
 ) -> None:
     """Its holder could not renew it (a cut network) and it ran out: still running the step,
     the holder takes it back, so a stand-in delivery waits instead of making the step's model
-    call again. One another delivery took, and one its own delivery released, stay theirs."""
+    call again. One another delivery took, and one its own delivery released, stay theirs;
+    nor is one made again whose session retired (its record there, its steps' state deleted
+    by the ending's commit, which a renewal may race)."""
     from tests.test_pipeline import wait_for
     from worker.edges.step_leases import LeaseKeeper
 
@@ -177,6 +179,9 @@ def test_a_lease_that_ran_out_in_an_outage_is_taken_back_unless_another_took_it(
     with contextlib.ExitStack() as held:
         for step, start in starts.items():
             held.enter_context(store.hold(step, start.lease))
+        retired = keys.round_step(f"{sk}-ended", 0)
+        held.enter_context(store.hold(retired, "ending.1@here"))
+        store.client.set(keys.record(f"{sk}-ended"), b"{}", ex=60)  # retired: its state gone
         store.client.delete(keys.step_state(ran_out))  # expired while cut off
         store.client.set(keys.step_state(taken), keys.step_lease("stand-in.1@elsewhere"))
         store.release_lease(released)
@@ -185,3 +190,4 @@ def test_a_lease_that_ran_out_in_an_outage_is_taken_back_unless_another_took_it(
         wait_for(lambda: int(store.client.pttl(keys.step_state(ran_out))) > 0, timeout_s=5)
         assert store.client.get(keys.step_state(taken)) == keys.step_lease("stand-in.1@elsewhere")
         assert store.client.get(keys.step_state(released)) is None
+        assert store.client.get(keys.step_state(retired)) is None  # renewed with ran_out

@@ -45,17 +45,21 @@ def translated(fn: Callable[P, T]) -> Callable[P, T]:
 # renews every lease still held by the delivery that took it, one round trip for all of them;
 # a lease that ran out while its holder could not reach Redis (a cut network) and that no one
 # took since is its holder's again: its delivery still runs the step, and a stand-in that
-# took the free lease would make the step's model call a second time
+# took the free lease would make the step's model call a second time. Not once its session has
+# a record: the ending's commit deleted the step's state as the session retired (a renewal
+# racing that commit would make it again, a key of a finished session). KEYS: each lease's
+# step state, then its session's record; ARGV: the TTL, then each lease
 _RENEW = """
 local renewed = 0
-for i, key in ipairs(KEYS) do
-  local lease = redis.call('get', key)
-  if lease == ARGV[i + 1] then
+for i = 1, #KEYS, 2 do
+  local key, lease = KEYS[i], ARGV[(i + 1) / 2 + 1]
+  local now = redis.call('get', key)
+  if now == lease then
     redis.call('pexpire', key, ARGV[1])
     renewed = renewed + 1
-  elseif not lease then
+  elseif not now and redis.call('exists', KEYS[i + 1]) == 0 then
     -- pcall: under OOM the SET is refused, and the renewals after it must still run
-    if not redis.pcall('set', key, ARGV[i + 1], 'PX', ARGV[1]).err then
+    if not redis.pcall('set', key, lease, 'PX', ARGV[1]).err then
       renewed = renewed + 1
     end
   end
@@ -90,6 +94,7 @@ class LeaseKeeper:
         self.client = client
         self.lease_ms = lease_ms
         self.held: dict[str, bytes] = {}  # step_state key -> the lease value this process holds
+        self._ended: dict[str, str] = {}  # step_state key -> its session's record key
         self._lock = threading.Lock()
         self._pid = 0
         self._renew = client.register_script(_RENEW)
@@ -99,17 +104,18 @@ class LeaseKeeper:
         self._refused = RefusalNotice("lease renewal", log)
 
     @contextmanager
-    def hold(self, key: str, token: str) -> Iterator[None]:
+    def hold(self, key: str, token: str, ended: str) -> Iterator[None]:
+        """`ended`: the key of its session's record (the lease is not taken back once there)."""
         with self._lock:
             self.held[key] = keys.step_lease(token)
+            self._ended[key] = ended
             if self._pid != os.getpid():  # first lease of this process: start its renewer
                 self._pid = os.getpid()
                 threading.Thread(target=self._loop, name="lease-keeper", daemon=True).start()
         try:
             yield
         finally:
-            with self._lock:
-                self.held.pop(key, None)
+            self.forget(key)
             liveness.retire(token)
 
     def forget(self, key: str) -> None:
@@ -117,6 +123,7 @@ class LeaseKeeper:
         nor taken back, any more."""
         with self._lock:
             self.held.pop(key, None)
+            self._ended.pop(key, None)
 
     def _loop(self) -> None:
         pause_s = self.lease_ms / 3000
@@ -124,7 +131,7 @@ class LeaseKeeper:
             time.sleep(pause_s)
             pause_s = self.lease_ms / 3000
             with self._lock:
-                held = dict(self.held)
+                held = [(key, lease, self._ended[key]) for key, lease in self.held.items()]
             if not held:
                 continue
             try:
@@ -141,15 +148,17 @@ class LeaseKeeper:
                 continue
             self._refused.accepted()
 
-    def _renew_all(self, held: dict[str, bytes]) -> None:
-        """One script for all of them; on a cluster one a slot (sessions' leases rarely
-        share one), sent in one pipeline."""
+    def _renew_all(self, held: list[tuple[str, bytes, str]]) -> None:
+        """(step state key, lease, record key) each: one script for all of them; on a cluster
+        one a session (a step's state and its session's record share its slot; sessions'
+        leases rarely share one), sent in one pipeline."""
         if not self._by_slot:
-            self._renew(keys=list(held), args=[self.lease_ms, *held.values()])
+            pairs = [k for key, _, ended in held for k in (key, ended)]
+            self._renew(keys=pairs, args=[self.lease_ms, *(lease for _, lease, _ in held)])
             return
         pipe = self.client.pipeline(transaction=False)
-        for key, value in held.items():
-            pipe.execute_command("EVAL", _RENEW, 1, key, self.lease_ms, value)
+        for key, lease, ended in held:
+            pipe.execute_command("EVAL", _RENEW, 2, key, ended, self.lease_ms, lease)
         pipe.execute()
 
 
@@ -182,7 +191,7 @@ class StepLeases:
 
     def hold(self, step: str, token: str) -> AbstractContextManager[None]:
         """Keep renewing this delivery's lease while the step runs (LeaseKeeper)."""
-        return self._keeper.hold(keys.step_state(step), token)
+        return self._keeper.hold(keys.step_state(step), token, keys.record(keys.step_owner(step)))
 
     @translated
     def defer_step(self, step: str, sk: str, stored: bool, wait_ms: int) -> None:
