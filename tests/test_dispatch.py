@@ -18,11 +18,13 @@ from celery import Celery
 from producer.fleet import Fleet
 from schemas import keys, task_names
 from schemas.bodies import dump_body
+from worker.codecs.reply import Reply
 from worker.edges.broker import TRANSPORT
 from worker.edges.dispatch import CeleryDispatcher, RedisBroker, task_message
 from worker.edges.store import RedisStore
+from worker.errors import ReplyTaken
 from worker.session.outcomes import ToolOutcome
-from worker.session.store_ports import Commit, NextStep
+from worker.session.store_ports import Commit, NextStep, PendingReply
 
 pytestmark = pytest.mark.fleet
 REDIS_DB = 11
@@ -144,6 +146,41 @@ def test_a_commit_writes_its_outcomes_and_notifications_with_its_steps(
     assert client.get(keys.tool_out("sk-3", 0, 1)) == dump_body(first.to_json())
     assert client.lrange(keys.done_list("b1"), 0, -1) == [b"sk-3"]
     assert client.get(keys.step_state(keys.tool_step("sk-3", 0, 0))) == keys.STEP_DONE
+
+
+def _round_reply(text: str) -> PendingReply:
+    completion = {"choices": [{"message": {"role": "assistant", "content": text}}]}
+    return PendingReply(0, Reply.parse(completion))
+
+
+def test_a_round_commit_stores_its_reply_first_and_writes_nothing_when_another_won(
+    broker: tuple[Celery, redis.Redis],
+) -> None:
+    """A round's reply rides its step's commit, first writer wins: a commit that finds
+    another delivery's reply stored writes none of its steps, marker or reply (ReplyTaken);
+    one that finds its own (its earlier send landed) writes the rest."""
+    app, client = broker
+    store = RedisStore(client, ttl_s=60)
+    dispatcher = CeleryDispatcher(app, store)
+    queue = task_names.ROUTES[task_names.TOOL]
+    step = keys.round_step("sk-4", 0)
+    theirs, mine = _round_reply("theirs"), _round_reply("mine")
+    client.set(keys.model_out("sk-4", 0), store.reply_claim("sk-4", theirs).value)
+    commit = Commit("sk-4", published=step, reply=mine)
+    with pytest.raises(ReplyTaken):
+        dispatcher.publish([NextStep("tool", ("sk-4", 0, 0))], commit)
+    assert client.llen(queue) == 0 and client.get(keys.step_state(step)) is None
+    assert client.get(keys.model_out("sk-4", 0)) == store.reply_claim("sk-4", theirs).value
+
+    client.set(keys.model_out("sk-4", 0), store.reply_claim("sk-4", mine).value)
+    dispatcher.publish([NextStep("tool", ("sk-4", 0, 0))], commit)
+    assert client.get(keys.step_state(step)) == keys.STEP_DONE
+    assert _pushed(client, queue)["headers"]["id"] == keys.tool_step("sk-4", 0, 0)
+
+    client.delete(keys.model_out("sk-5", 0))  # none stored: this commit's is
+    dispatcher.publish([NextStep("tool", ("sk-5", 0, 0))], Commit("sk-5", reply=mine))
+    assert client.get(keys.model_out("sk-5", 0)) == store.reply_claim("sk-5", mine).value
+    assert 0 < int(client.ttl(keys.model_out("sk-5", 0))) <= 60
 
 
 class DiedSending:

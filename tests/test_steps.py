@@ -12,10 +12,12 @@ import pytest
 
 from fixtures.replay.conversation import read_envelope
 from schemas import keys
-from schemas.spec_types import spec_from_json
+from schemas.spec_types import SessionSpec, spec_from_json
 from tests.test_engine import WEATHER_FN
+from worker.codecs.reply import Reply
 from worker.config import BackendConfig, FleetConfig, Settings
 from worker.errors import ProviderRequestError
+from worker.session.engine import tool_run
 from worker.session.steps import StepRunner
 from worker.session.store_ports import NextStep
 from worker.session.twins.failing import FailingStore
@@ -142,6 +144,33 @@ def test_a_session_runs_its_tool_and_finishes() -> None:
     assert [c.arguments for c in p.tools.calls] == [b'{"city":"Paris"}']
     assert list(p.store.done["b"]) == [SK]  # the waiting batch is told
     assert p.queue.retries == 0
+
+
+def test_a_round_whose_reply_another_delivery_stored_first_runs_on_that_reply() -> None:
+    """Two deliveries of one round (a lease lost in a cut): the other stores its reply while
+    this one's model call runs. This one's commit writes nothing (its reply rides it, first
+    writer wins), and its body runs again on the stored reply: the two tools the stored reply
+    asked for run, once each, with no try spent and no second call of this delivery's."""
+    p = pipeline([])
+
+    def raced(request: Any) -> dict[str, Any]:
+        calls = [("call_8", "get_weather", '{"city":"Rome"}'),
+                 ("call_9", "get_weather", '{"city":"Oslo"}')]  # fmt: skip
+        theirs = Reply.parse(reply(None, *calls))
+        session_spec = p.store.load_spec(SK)
+        assert isinstance(session_spec, SessionSpec)
+        runs = [tool_run(session_spec, theirs, i) for i in range(2)]
+        p.store.store_round(SK, 0, theirs, tuple(r for r in runs if r is not None))
+        return reply(None, ("call_1", "get_weather", '{"city":"Paris"}'))
+
+    p.provider.script.extend([raced, answer_with_tool_result])
+    submit(p, spec(WEATHER_FN))
+    p.drain()
+    assert sorted(c.arguments for c in p.tools.calls) == [b'{"city":"Oslo"}', b'{"city":"Rome"}']
+    assert p.body()["choices"][0]["message"]["content"] == "Tool said: sunny"
+    assert len(p.provider.requests) == 2
+    assert p.queue.retries == 0
+    assert p.store.tries[keys.round_step(SK, 0)] == 1
 
 
 @pytest.mark.parametrize(

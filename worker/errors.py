@@ -333,6 +333,11 @@ class StepsInFlight(StepControl):
         self.wait_s = wait_s
 
 
+class ReplyTaken(StepControl):
+    """A step's commit found its round's reply stored by another delivery of the step (first
+    writer wins): nothing of it was written, and its body runs again on the stored reply."""
+
+
 class StepDeadLettered(StepControl):
     """A step failed for good and was dead-lettered (its sessions end with step_failed): its
     task ends as a Celery FAILURE, so Flower and the task events show it. Ids only."""

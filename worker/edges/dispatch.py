@@ -29,6 +29,7 @@ from worker.edges.commit_script import APPLY, run_commit
 from worker.edges.step_leases import translated
 from worker.edges.store import RedisStore
 from worker.edges.task_protocol import TaskMessage, task_headers
+from worker.errors import ReplyTaken
 from worker.session.ports import StepPublisher
 from worker.session.store_ports import Commit, NextStep
 
@@ -159,8 +160,11 @@ class CeleryDispatcher(StepPublisher):
             if commit.trace is not None:  # after the marker: an ending deletes it
                 self.store.add_trace(pipe, commit.trace, fleet)
             self.store.flush_fleet(fleet, pipe)
-        if len(pipe):
-            run_commit(pipe, self._apply, client)
+        claim = None
+        if commit is not None and commit.reply is not None:
+            claim = self.store.reply_claim(commit.sk, commit.reply)
+        if (len(pipe) or claim) and run_commit(pipe, self._apply, client, claim) is not None:
+            raise ReplyTaken(commit.published if commit and commit.published else "")
         if own is not None:
             settle(own.tag)
         if self.broker is not None and messages:

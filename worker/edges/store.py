@@ -26,6 +26,7 @@ from schemas.spec_types import (
     with_mcp_tools,
 )
 from worker.codecs.reply import Reply
+from worker.edges.commit_script import Claim
 from worker.edges.redis_pool import NodeRouting, is_cluster, pooled_client
 from worker.edges.step_leases import (
     TAKE_OVER,
@@ -44,7 +45,7 @@ from worker.session.engine import ToolRun
 from worker.session.outcomes import ToolOutcome
 from worker.session.round_record import decode_round, encode_round
 from worker.session.state import Round, Session
-from worker.session.store_ports import ToolInputs
+from worker.session.store_ports import PendingReply, ToolInputs
 
 log = logging.getLogger(__name__)
 SPEC_CACHE_SIZE = 4096
@@ -221,14 +222,14 @@ class RedisStore(NodeRouting, StepLeases, StepBegin, TraceWrites, ResultWrites, 
 
     @translated
     def store_round(self, sk: str, round_no: int, reply: Reply, runs: Sequence[ToolRun]) -> Reply:
-        earlier = self.client.set(
-            keys.model_out(sk, round_no),
-            encode_round(reply, runs),
-            nx=True,
-            ex=self.ttl_s,
-            get=True,
-        )
+        claim = self.reply_claim(sk, PendingReply(round_no, reply, tuple(runs)))
+        earlier = self.client.set(claim.key, claim.value, nx=True, ex=claim.ttl_s, get=True)
         return reply if earlier is None else Reply.parse(decode_round(earlier).completion)
+
+    def reply_claim(self, sk: str, paid: PendingReply) -> Claim:
+        """A round's reply as its step's commit claims it (first writer wins)."""
+        value = encode_round(paid.reply, paid.runs)
+        return Claim(keys.model_out(sk, paid.round_no), value, self.ttl_s)
 
     @translated
     def store_tool_outcomes(

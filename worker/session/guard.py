@@ -2,8 +2,7 @@
 works, a try count that dead-letters a step failing for good, the cancel flag read at every
 step boundary, and the commit that publishes what the step decided together with its
 published marker and trace events. Steps (worker.session.steps) and program runs
-(worker.guest.step) hand it their bodies.
-"""
+(worker.guest.step) hand it their bodies."""
 
 from __future__ import annotations
 
@@ -19,6 +18,7 @@ from schemas.bodies import dump_body
 from worker.config import Settings
 from worker.errors import (
     RateLimited,
+    ReplyTaken,
     RetryLater,
     SpecMissingError,
     StepDeadLettered,
@@ -26,15 +26,17 @@ from worker.errors import (
     StepsInFlight,
     StoreError,
     StoreUnavailableError,
+    StoreUnreachableError,
 )
+from worker.session.commit_apart import commit_apart
 from worker.session.ending import bare_record
-from worker.session.outcomes import ToolOutcome
 from worker.session.ports import Dispatcher, NoSpans, Outbox, SpanSink
 from worker.session.refusals import STEPS, Patience
 from worker.session.spans import SpanSession, step_spans
 from worker.session.store_ports import (
     STEP_LEASE_MS,
     Commit,
+    PendingReply,
     RoundReads,
     SessionStore,
     StepStart,
@@ -187,15 +189,19 @@ class StepGuard:
     ) -> Outbox:
         """Run the body and commit what it decided: a body whose writes Redis refused runs
         again, reading afresh (its stored outputs are first writer wins, so it finds what it
-        wrote); a refused commit (one transaction: nothing of it applied) is written again."""
+        wrote; a reply it bought and has not stored is kept: `paid`); a refused commit (one
+        transaction: nothing of it applied) is written again; one that lost its reply to
+        another delivery's runs the body again, on that reply."""
         started = time.monotonic()
+        paid: PendingReply | None = None
         while True:
-            outbox = Outbox(step)
+            outbox = Outbox(step, paid)
             try:
                 to_commit = self._attempt(step, sk, body, start, outbox, sessions, arrival, started)
             except StoreUnavailableError as exc:
                 if not patience.wait(exc):
                     self._hand_back(step, exc, patience, sk, start)
+                paid = outbox.reply
                 start = replace(start, session=None, tool_inputs=None)
                 continue
             if not to_commit:
@@ -204,11 +210,18 @@ class StepGuard:
                 try:
                     self.commit(step, sk, outbox)
                     return outbox
+                except ReplyTaken:  # the body again, on the reply another delivery stored
+                    break
                 except StoreUnavailableError as exc:
                     if not patience.wait(exc):
                         self._hand_back(step, exc, patience, sk, start)
+                except StoreUnreachableError as exc:  # a paid reply waits, not bought again
+                    if outbox.reply is None or not patience.wait(exc):
+                        self._failed(step, start, sessions, exc)
                 except Exception as exc:  # a commit that fails fails the step: retried
                     self._failed(step, start, sessions, exc)
+            paid = None
+            start = replace(start, session=None, tool_inputs=None)
 
     def _hand_back(
         self,
@@ -295,10 +308,11 @@ class StepGuard:
         return self.store.meta(sk).get("ended_by") == step
 
     def commit(self, step: str, sk: str, outbox: Outbox) -> None:
-        """Publish what the step decided with what it writes as it ends: its tool outcomes,
-        then its steps, its notifications, its published marker and its trace events; one
-        write where the dispatcher shares the store's Redis. In that order, so a redelivery
-        that finds the marker knows its continuation was sent."""
+        """Publish what the step decided with what it writes as it ends: its round's reply
+        (which the rest follows only if it wins: ReplyTaken), its tool outcomes, then its
+        steps, its notifications, its published marker and its trace events; one write where
+        the dispatcher shares the store's Redis. In that order, so a redelivery that finds the
+        marker knows its continuation was sent."""
         trace = None
         if outbox.events:  # a session's first round and its last events set its stream's TTL
             ends = any(e.event == "session.finished" for e in outbox.events)
@@ -307,28 +321,14 @@ class StepGuard:
             trace = TraceWrite(sk, tuple(outbox.events), expire=ends or opens, ended_by=ended_by)
         elif outbox.outcome is not None:  # no events (trace off): the session retires still
             trace = TraceWrite(sk, (), expire=True, ended_by=step)
-        commit = Commit(
-            sk, step, trace, dict(outbox.outcomes), tuple(outbox.notify), outbox.outcome or ""
-        )
-        self._write_commit(step, sk, outbox, commit)
-        if self.spans.on and outbox.events:  # once committed: a step that failed made none
-            self._export_spans(step, sk, outbox.events)
-
-    def _write_commit(self, step: str, sk: str, outbox: Outbox, commit: Commit) -> None:
+        outcomes, notify, ended_as = dict(outbox.outcomes), tuple(outbox.notify), outbox.outcome
+        commit = Commit(sk, step, trace, outcomes, notify, ended_as or "", outbox.reply)
         if self.dispatch.writes_commits:
             self.dispatch.publish(outbox.shown(), commit)
-            return
-        by_round: dict[int, dict[int, ToolOutcome]] = {}
-        for (round_no, index), outcome in commit.outcomes.items():
-            by_round.setdefault(round_no, {})[index] = outcome
-        for round_no, outcomes in by_round.items():  # before the steps that read them
-            self.store.store_tool_outcomes(sk, round_no, outcomes, 0)
-        self.dispatch.publish(outbox.shown())
-        if commit.notify:
-            self.store.notify(sk, commit.notify)
-        self.store.end_step(step)
-        if commit.trace is not None:
-            self.store.trace(commit.trace)
+        else:
+            commit_apart(self.store, self.dispatch, step, outbox.shown(), commit)
+        if self.spans.on and outbox.events:  # once committed: a step that failed made none
+            self._export_spans(step, sk, outbox.events)
 
     def _export_spans(self, step: str, sk: str, events: list[TraceEvent]) -> None:
         """The spans of a step's committed events (worker.session.spans); a span that cannot be

@@ -19,7 +19,7 @@ from worker.codecs.rate_headers import RateSignal
 from worker.config import BackendConfig
 from worker.session.outcomes import ToolOutcome
 from worker.session.spans import SpanValue
-from worker.session.store_ports import Commit, NextStep
+from worker.session.store_ports import Commit, NextStep, PendingReply
 from worker.session.tool_logs import ToolLogs
 from worker.session.trace import TraceEvent
 
@@ -111,7 +111,7 @@ class Outbox(StepPublisher):
     """A Dispatcher that keeps what one step publishes, so that the step can send it all
     with its published marker (`Dispatcher.publish`)."""
 
-    def __init__(self, step: str = "") -> None:
+    def __init__(self, step: str = "", reply: PendingReply | None = None) -> None:
         self.step = step  # the step whose outbox this is: the ender of a session it ends
         self.steps: list[NextStep] = []
         self.events: list[TraceEvent] = []  # written with the step's published marker
@@ -120,6 +120,8 @@ class Outbox(StepPublisher):
         # tool outcomes stored with the step's commit, before the steps it publishes
         self.outcomes: dict[tuple[int, int], ToolOutcome] = {}
         self.notify: list[str] = []  # batches told the session finished, with the commit
+        # the round's reply, stored with the commit; kept across its body's runs in a delivery
+        self.reply = reply
 
     def shown(self) -> list[NextStep]:
         """The steps, each with its session's spec id where this step knows it."""

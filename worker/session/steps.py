@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from schemas import keys
@@ -38,7 +38,7 @@ from worker.session.decisions import (
     decide,
 )
 from worker.session.ending import Ending, failed_program_record, running_steps
-from worker.session.engine import RunTools, Step, next_call, plan
+from worker.session.engine import RunTools, Step, ToolRun, next_call, plan
 from worker.session.guard import StepGuard
 from worker.session.mcp_offer import offer_mcp_tools
 from worker.session.model_call import ModelCaller
@@ -55,7 +55,14 @@ from worker.session.ports import (
 from worker.session.rate_control import RateControl
 from worker.session.refusals import keep_writing
 from worker.session.state import Round, Session
-from worker.session.store_ports import RoundReads, SessionStore, SpecT, StepStart, spec_of
+from worker.session.store_ports import (
+    PendingReply,
+    RoundReads,
+    SessionStore,
+    SpecT,
+    StepStart,
+    spec_of,
+)
 from worker.session.tool_step import ToolContext, ToolStep
 from worker.session.trace import Arrival, event, model_call_ended, unrun_calls
 
@@ -142,11 +149,10 @@ class StepRunner:
             outbox.spec_ids[sk] = session.spec.id
             if len(session.rounds) < round_no:
                 return  # out of order: published before its round could be (never by us)
-            step: Step | None = None
             if len(session.rounds) == round_no:
                 session, step = self._call_model(sk, session, round_no, outbox)
-            if step is None:  # a redelivery: the plan runs on the stored reply
-                step = plan(session)
+            else:  # a redelivery: the plan runs on the stored reply (none rides the commit)
+                step, outbox.reply = plan(session), None
             if self.settings.trace and isinstance(step, RunTools) and step.presets:
                 reply = session.rounds[step.round_no].reply
                 outbox.events.extend(
@@ -162,10 +168,13 @@ class StepRunner:
 
     def _call_model(
         self, sk: str, session: Session, round_no: int, outbox: Outbox
-    ) -> tuple[Session, Step | None]:
-        """Round `round_no`'s model call, its reply stored with the plan made from it (first
-        writer wins): the session with the stored reply, and that plan (None when another
-        delivery stored its reply first: the plan is made again from the stored one)."""
+    ) -> tuple[Session, Step]:
+        """Round `round_no`'s model call (not made again for a reply this delivery paid for in
+        an earlier run of its body: `outbox.reply`), its reply stored with the plan made from
+        it (first writer wins): the session with the stored reply, and the plan made from it.
+        A reply whose plan writes nothing before the step's commit is stored with that commit
+        (`outbox.reply`: one round trip fewer); any other at once, as its plan's writes must
+        follow the reply that won."""
         trace, spec_id = self.settings.trace, session.spec.id
         if trace:  # written with the step's end, as its other events
             if round_no == 0:
@@ -178,22 +187,23 @@ class StepRunner:
             session, failed = offer_mcp_tools(self.store, self.mcp, fleet, sk, session)
         waiter = keys.round_step(sk, round_no)  # its place in line across its retries
         call = next_call(session)
-        reply = Reply.parse(failed or self.models.call_round(sk, session, call, waiter))
+        paid = outbox.reply if outbox.reply and outbox.reply.round_no == round_no else None
+        if paid is not None:
+            reply = paid.reply
+        else:
+            reply = Reply.parse(failed or self.models.call_round(sk, session, call, waiter))
         with_reply = replace(session, rounds=(*session.rounds, Round(reply)))
-        step: Step | None = plan(with_reply)
+        step = plan(with_reply)
         runs = step.runs if isinstance(step, RunTools) else ()
-
-        # a reply is paid for: kept through a Redis that refuses or does not answer, not bought
-        # again by the step's next run. An error is not: its step fails and runs again once
-        # Redis answers, the call with another chance (a worker cut off from Redis most
-        # likely could not reach the provider either)
-        def store() -> Reply:
-            return self.store.store_round(sk, round_no, reply, runs)
-
-        wait_s = self.settings.store_wait_s
-        winner = store() if reply.is_error else keep_writing(store, wait_s, self.guard.sleep)
-        if winner is not reply:
-            with_reply, step = replace(session, rounds=(*session.rounds, Round(winner))), None
+        outbox.reply = None
+        if _rides_commit(decide(with_reply, step)):
+            outbox.reply = PendingReply(round_no, reply, tuple(runs))
+            winner = reply
+        else:
+            winner = self._store_reply(sk, round_no, reply, runs)
+            if winner is not reply:
+                with_reply = replace(session, rounds=(*session.rounds, Round(winner)))
+                step = plan(with_reply)
         if trace:
             took_ms = round((time.monotonic() - started) * 1000)
             backend = with_reply.backend
@@ -202,6 +212,19 @@ class StepRunner:
             )
             outbox.events.append(ended)
         return with_reply, step
+
+    def _store_reply(self, sk: str, round_no: int, reply: Reply, runs: Sequence[ToolRun]) -> Reply:
+        """A reply stored now, first writer wins: the stored one. A reply is paid for: kept
+        through a Redis that refuses or does not answer, not bought again by the step's next
+        run. An error is not: its step fails and runs again once Redis answers, the call with
+        another chance (a worker cut off from Redis most likely could not reach the provider
+        either)."""
+
+        def store() -> Reply:
+            return self.store.store_round(sk, round_no, reply, runs)
+
+        wait_s = self.settings.store_wait_s
+        return store() if reply.is_error else keep_writing(store, wait_s, self.guard.sleep)
 
     def _session(
         self, sk: str, read: Session | None = None, upto_round: int | None = None
@@ -333,3 +356,10 @@ class StepRunner:
 
         step = keys.finish_step(sk)
         return self.guard.run(step, sk, body, stop_if_cancelled=False, first=first, arrival=arrival)
+
+
+def _rides_commit(decision: Decision) -> bool:
+    """Whether a round's reply is stored with its step's commit: when its plan writes nothing
+    before that commit (tool steps to publish; no calls answered without running, no calls
+    queued behind a window, no ending)."""
+    return isinstance(decision, StartTools) and not decision.plan.presets and not decision.queued

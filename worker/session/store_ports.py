@@ -292,6 +292,16 @@ class TraceWrite:
 
 
 @dataclass(frozen=True)
+class PendingReply:
+    """A round's reply, paid for and not yet stored: written with its step's commit, first
+    writer wins (a commit that finds another delivery's reply writes nothing: ReplyTaken)."""
+
+    round_no: int
+    reply: Reply
+    runs: tuple[ToolRun, ...] = ()
+
+
+@dataclass(frozen=True)
 class Commit:
     """What a step writes as it ends, with the steps it publishes: its published marker, its
     trace events, the tool outcomes it stores (first writer wins, by round and call) and the
@@ -303,6 +313,7 @@ class Commit:
     outcomes: Mapping[tuple[int, int], ToolOutcome] = field(default_factory=dict)
     notify: tuple[str, ...] = ()
     ended_as: str = ""  # the outcome code of the session it ended (the batches told keep it)
+    reply: PendingReply | None = None  # its round's reply, when the commit stores it
 
 
 @dataclass(frozen=True)
