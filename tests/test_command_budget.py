@@ -38,8 +38,9 @@ TWO_ROUNDS = {
     # submit: SET spec, HSET+EXPIRE meta (its batch is the one told: no watchers set); each
     # of the 5 steps of the session: its start's script (EVAL, SET NX GET its lease, MGET its
     # reads; a round's also EXISTS + HSET of the meta's state); its commit's script (EVALSHA),
-    # in it its marker's SET, the session's trace XADD, a tool's outcome SET; a round's reply
-    # SET; the trace's TTL at its first; the ending: GET of a failure, EXISTS of the cancel
+    # in it its marker's SET, the session's trace XADD, a tool's outcome SET, a round's reply
+    # SET (the ending round's: its own SET, before the ending); the trace's TTL at its first;
+    # the ending: GET of a failure, EXISTS of the cancel
     # flag, the script writing it once (EVALSHA: SET response and record, HSET + EXPIRE of the
     # meta, SMEMBERS of the batches that joined); its commit (a MULTI: it runs a script of its
     # own) retires the session: HGETALL, XRANGE (the record and the spec known), the script
