@@ -17,7 +17,7 @@ def commit_apart(
     store: SessionStore, dispatch: Dispatcher, step: str, steps: Sequence[NextStep], commit: Commit
 ) -> None:
     sk = commit.sk
-    if commit.reply is not None:  # first writer wins: another delivery's means nothing here
+    if commit.reply is not None:  # first writer wins: another delivery's stored, write nothing
         paid = commit.reply
         if store.store_round(sk, paid.round_no, paid.reply, paid.runs) is not paid.reply:
             raise ReplyTaken(step)
